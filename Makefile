@@ -1,0 +1,37 @@
+# Thin wrapper over CMake. `make` builds build/bin/tandem; `make test` installs, builds, tests;
+# `make serve` installs, builds and serves the embedded default.
+BUILD_DIR ?= build
+JOBS ?= $(shell nproc)
+CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
+
+.PHONY: all deps configure build test serve bench format clean
+
+all: build
+
+deps:
+	./scripts/install-deps
+
+$(BUILD_DIR)/CMakeCache.txt:
+	cmake -S . -B $(BUILD_DIR) $(CMAKE_FLAGS)
+
+configure: $(BUILD_DIR)/CMakeCache.txt
+
+build: configure
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: deps
+	$(MAKE) build
+	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) -LE gpu
+
+serve: deps
+	$(MAKE) build
+	$(BUILD_DIR)/bin/tandem serve
+
+bench: build
+	$(BUILD_DIR)/bin/tandem_bench_cpu
+
+format:
+	git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format -i
+
+clean:
+	rm -rf $(BUILD_DIR)

@@ -1,0 +1,93 @@
+// Hugging Face checkpoints: config.json plus model.safetensors or a sharded
+// model.safetensors.index.json, memory-mapped and validated against the config.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tandem/base/half.h"
+#include "tandem/base/mapped_file.h"
+#include "tandem/engine/model_config.h"
+
+namespace tandem::engine {
+
+// One tensor inside a mapped safetensors file. `data` points into the mapping owned by
+// the Checkpoint (or SafetensorsFile) it came from.
+struct TensorView {
+  std::string name;
+  std::string file;  // path of the safetensors file holding it
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  size_t nbytes = 0;
+
+  int64_t NumElements() const;
+  // Converts to fp32 into out[NumElements()].
+  void ToFloat(float* out) const;
+};
+
+// A single mapped .safetensors file with its parsed and bounds-checked header.
+class SafetensorsFile {
+ public:
+  static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  const std::map<std::string, TensorView>& tensors() const { return tensors_; }
+  const std::string& path() const { return file_->path(); }
+
+ private:
+  std::unique_ptr<MappedFile> file_;
+  std::map<std::string, TensorView> tensors_;
+};
+
+// Writes tensors to a .safetensors file (used by `tandem synth-model` and tests).
+class SafetensorsWriter {
+ public:
+  // Adds a tensor; data is `dtype`-encoded bytes of prod(shape) elements, copied.
+  void Add(const std::string& name, DType dtype, std::vector<int64_t> shape,
+           const void* data, size_t nbytes);
+  // Adds fp32 values, converting to `dtype`.
+  void AddFloat(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                const std::vector<float>& values);
+  absl::Status Write(const std::string& path) const;
+  size_t TotalBytes() const;
+
+ private:
+  struct Entry {
+    std::string name;
+    DType dtype;
+    std::vector<int64_t> shape;
+    std::vector<unsigned char> bytes;
+  };
+  std::vector<Entry> entries_;
+};
+
+// Every tensor a checkpoint of `config` must hold, with its shape, in HF naming
+// ("model.layers.0.self_attn.q_proj.weight", ...).
+std::map<std::string, std::vector<int64_t>> ExpectedTensors(const ModelConfig& config);
+
+// An opened, fully validated checkpoint directory.
+//   TANDEM_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open("/models/llama"));
+//   TANDEM_ASSIGN_OR_RETURN(TensorView w, ckpt->Tensor("model.norm.weight"));
+class Checkpoint {
+ public:
+  // Refuses, naming the file and tensor, a checkpoint that is truncated, misshaped, of an
+  // unknown architecture, missing a tensor, or holding an unsupported dtype.
+  static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& dir);
+
+  const ModelConfig& config() const { return config_; }
+  const std::string& dir() const { return dir_; }
+  absl::StatusOr<TensorView> Tensor(const std::string& name) const;
+  // The tensor converted to fp32.
+  absl::StatusOr<std::vector<float>> ReadFloat(const std::string& name) const;
+
+ private:
+  std::string dir_;
+  ModelConfig config_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, const TensorView*> index_;
+};
+
+}  // namespace tandem::engine

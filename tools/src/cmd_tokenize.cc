@@ -1,0 +1,5 @@
+#include <cstdio>
+#include "commands.h"
+namespace tandem::tools {
+int RunTokenize(int, char**) { std::fprintf(stderr, "not built yet\n"); return 1; }
+}  // namespace tandem::tools

@@ -1,0 +1,44 @@
+// `tandem`: one binary, one subcommand per role or tool.
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "commands.h"
+
+namespace {
+
+struct Command {
+  const char* name;
+  int (*run)(int, char**);
+  const char* help;
+};
+
+constexpr Command kCommands[] = {
+    {"generate", tandem::tools::RunGenerate, "offline generation from a checkpoint"},
+    {"synth-model", tandem::tools::RunSynthModel, "write a synthetic Hugging Face checkpoint"},
+    {"tokenize", tandem::tools::RunTokenize, "tokenize (or --decode) lines from stdin"},
+};
+
+void PrintUsage(FILE* out) {
+  std::fprintf(out, "usage: tandem <command> [flags]   (tandem <command> --help for flags)\n\n");
+  for (const Command& c : kCommands) std::fprintf(out, "  %-14s %s\n", c.name, c.help);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    PrintUsage(stderr);
+    return 2;
+  }
+  std::string name = argv[1];
+  if (name == "--help" || name == "-h" || name == "help") {
+    PrintUsage(stdout);
+    return 0;
+  }
+  for (const Command& c : kCommands) {
+    if (name == c.name) return c.run(argc - 1, argv + 1);
+  }
+  std::fprintf(stderr, "tandem: unknown command '%s' (see tandem --help)\n", name.c_str());
+  return 2;
+}
