@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -51,7 +52,15 @@ class SafetensorsWriter {
   // Adds fp32 values, converting to `dtype`.
   void AddFloat(const std::string& name, DType dtype, std::vector<int64_t> shape,
                 const std::vector<float>& values);
+  // Fills out[0, count) with elements [first, first + count) of a tensor, in row-major order.
+  using ValueGenerator = std::function<void(int64_t first, int64_t count, float* out)>;
+  // Adds a tensor whose fp32 values `generate` produces while Write runs, chunk by chunk, so a
+  // multi-gigabyte checkpoint is written without holding it in memory.
+  void AddGenerated(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                    ValueGenerator generate);
+  // Writes to a temporary file renamed into place, so `path` is either complete or untouched.
   absl::Status Write(const std::string& path) const;
+  // Bytes of tensor data (the file adds an 8-byte length and a JSON header).
   size_t TotalBytes() const;
 
  private:
@@ -59,7 +68,8 @@ class SafetensorsWriter {
     std::string name;
     DType dtype;
     std::vector<int64_t> shape;
-    std::vector<unsigned char> bytes;
+    std::vector<unsigned char> bytes;  // encoded data unless `generate` is set
+    ValueGenerator generate;
   };
   std::vector<Entry> entries_;
 };

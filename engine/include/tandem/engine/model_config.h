@@ -44,6 +44,9 @@ struct ModelConfig {
 
   // Parameters in the checkpoint (embedding and lm_head counted once when tied).
   int64_t NumParameters() const;
+
+  // config.json text in Hugging Face form; FromJson(ToJson()) gives back this config.
+  std::string ToJson() const;
 };
 
 }  // namespace tandem::engine
