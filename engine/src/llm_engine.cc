@@ -1,1 +1,289 @@
-// placeholder
+#include "tandem/engine/llm_engine.h"
+
+#include <algorithm>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/base/status_macros.h"
+
+namespace tandem::engine {
+
+struct LlmEngine::Choice {
+  std::unique_ptr<Sequence> seq;
+  std::unique_ptr<IncrementalDetokenizer> detokenizer;
+  std::string held;  // decoded text not yet released: it may begin a stop string
+  bool done = false;
+};
+
+struct LlmEngine::Request {
+  std::string id;
+  std::shared_ptr<const SamplingParams> params;
+  std::vector<Choice> choices;
+  int num_prompt_tokens = 0;
+  int num_generation_tokens = 0;
+  size_t max_stop_bytes = 0;
+};
+
+LlmEngine::~LlmEngine() = default;
+
+absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions& options) {
+  if (options.block_size <= 0 || options.block_size > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("block size must be in [1, 1024], got ", options.block_size));
+  }
+  std::unique_ptr<LlmEngine> engine(new LlmEngine());
+  engine->options_ = options;
+  TANDEM_ASSIGN_OR_RETURN(engine->checkpoint_, Checkpoint::Open(options.model_dir));
+  TANDEM_ASSIGN_OR_RETURN(engine->tokenizer_,
+                          Tokenizer::FromFile(options.model_dir + "/tokenizer.json"));
+  TANDEM_ASSIGN_OR_RETURN(engine->chat_formatter_, ChatFormatter::Load(options.model_dir));
+  TANDEM_ASSIGN_OR_RETURN(engine->backend_,
+                          kernels::CreateCpuBackend({.num_threads = options.num_threads}));
+  const ModelConfig& config = engine->checkpoint_->config();
+  engine->max_model_len_ = config.max_position_embeddings;
+  if (options.max_model_len > 0) {
+    engine->max_model_len_ = std::min(engine->max_model_len_, options.max_model_len);
+  }
+
+  const int64_t block_bytes = ModelRunner::KvBytesPerBlock(config, options.block_size);
+  const int64_t num_blocks = options.kv_cache_bytes / block_bytes;
+  if (num_blocks < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("KV cache budget of ", options.kv_cache_bytes,
+                                                   " bytes holds no block of ", block_bytes,
+                                                   " bytes"));
+  }
+  engine->blocks_ = std::make_unique<BlockManager>(
+      static_cast<int>(std::min<int64_t>(num_blocks, 1 << 30)), options.block_size);
+  engine->scheduler_ = std::make_unique<Scheduler>(
+      SchedulerOptions{options.max_num_seqs, options.max_num_batched_tokens, options.role},
+      engine->blocks_.get());
+  TANDEM_ASSIGN_OR_RETURN(engine->runner_,
+                          ModelRunner::Create(*engine->checkpoint_, engine->backend_.get(),
+                                              {options.max_num_batched_tokens, options.max_num_seqs,
+                                               engine->blocks_->num_blocks(), options.block_size}));
+  engine->sampler_ = std::make_unique<Sampler>(config.eos_token_ids);
+  return engine;
+}
+
+absl::Status LlmEngine::AddRequest(GenerateRequest request) {
+  if (requests_.count(request.request_id) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("request ", request.request_id, " exists"));
+  }
+  const ModelConfig& config = checkpoint_->config();
+  TANDEM_RETURN_IF_ERROR(request.params.Validate(config.vocab_size));
+  const int prompt_len = static_cast<int>(request.prompt_tokens.size());
+  if (prompt_len == 0) return absl::InvalidArgumentError("prompt must not be empty");
+  for (int32_t id : request.prompt_tokens) {
+    if (id < 0 || id >= config.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "prompt token id ", id, " is outside the vocabulary [0, ", config.vocab_size, ")"));
+    }
+  }
+  const int64_t total = static_cast<int64_t>(prompt_len) + request.params.max_tokens;
+  if (total > max_model_len_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("this model's maximum context length is ", max_model_len_,
+                     " tokens, but the prompt has ", prompt_len, " tokens and max_tokens is ",
+                     request.params.max_tokens, " (", total, " in all)"));
+  }
+  if (blocks_->BlocksFor(static_cast<int>(total)) > blocks_->num_blocks()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the prompt (", prompt_len, " tokens) plus max_tokens (",
+                     request.params.max_tokens, ") needs more KV cache than this engine has (",
+                     blocks_->num_blocks() * blocks_->block_size(), " tokens)"));
+  }
+
+  auto req = std::make_unique<Request>();
+  req->id = request.request_id;
+  req->params = std::make_shared<const SamplingParams>(std::move(request.params));
+  req->num_prompt_tokens = prompt_len;
+  for (const std::string& s : req->params->stop) {
+    req->max_stop_bytes = std::max(req->max_stop_bytes, s.size());
+  }
+  const SamplingParams& params = *req->params;
+  uint64_t base_seed =
+      params.seed.has_value()
+          ? *params.seed
+          : (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  req->choices.resize(params.n);
+  for (int i = 0; i < params.n; ++i) {
+    Choice& choice = req->choices[i];
+    choice.seq = std::make_unique<Sequence>();
+    Sequence& seq = *choice.seq;
+    seq.seq_id = next_seq_id_++;
+    seq.request_id = req->id;
+    seq.choice_index = i;
+    seq.tokens = request.prompt_tokens;
+    seq.num_prompt_tokens = prompt_len;
+    seq.params = req->params;
+    // Sample i of a seeded request draws from its own stream derived from (seed, i).
+    seq.rng = SamplerRng(base_seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(i));
+    choice.detokenizer =
+        std::make_unique<IncrementalDetokenizer>(*tokenizer_, params.skip_special_tokens);
+  }
+  for (Choice& choice : req->choices) scheduler_->Add(choice.seq.get());
+  requests_[req->id] = std::move(req);
+  return absl::OkStatus();
+}
+
+void LlmEngine::Abort(const std::string& request_id) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) return;
+  for (Choice& choice : it->second->choices) {
+    if (!choice.done) scheduler_->Finish(choice.seq.get(), FinishReason::kAbort);
+  }
+  requests_.erase(it);
+}
+
+void LlmEngine::FinishChoice(Choice& choice, FinishReason reason, ChoiceDelta& delta) {
+  scheduler_->Finish(choice.seq.get(), reason);
+  choice.done = true;
+  delta.finish_reason = reason;
+}
+
+void LlmEngine::ProcessToken(Request& request, Choice& choice, int32_t token, ChoiceDelta& delta) {
+  Sequence& seq = *choice.seq;
+  const SamplingParams& params = *request.params;
+  seq.tokens.push_back(token);
+  ++request.num_generation_tokens;
+  delta.token_ids.push_back(token);
+  if (params.logprobs >= 0) {
+    delta.logprobs.push_back(seq.last_logprob);
+    delta.top_logprobs.push_back(seq.last_top_logprobs);
+  }
+
+  FinishReason reason = FinishReason::kNone;
+  const auto& eos = checkpoint_->config().eos_token_ids;
+  const bool is_eos = std::find(eos.begin(), eos.end(), token) != eos.end();
+  const bool is_stop_id = std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(),
+                                    token) != params.stop_token_ids.end();
+  bool stopped_by_string = false;
+  if ((is_eos && !params.ignore_eos) || is_stop_id) {
+    reason = FinishReason::kStop;  // the stopping token's text is not part of the output
+  } else {
+    choice.held += choice.detokenizer->Add(token);
+    size_t best = std::string::npos;
+    size_t best_len = 0;
+    for (const std::string& s : params.stop) {
+      size_t pos = choice.held.find(s);
+      if (pos != std::string::npos && pos < best) {
+        best = pos;
+        best_len = s.size();
+      }
+    }
+    if (best != std::string::npos) {
+      choice.held.resize(params.include_stop_str_in_output ? best + best_len : best);
+      reason = FinishReason::kStop;
+      stopped_by_string = true;
+    }
+  }
+  if (reason == FinishReason::kNone && (seq.num_output_tokens() >= params.max_tokens ||
+                                        static_cast<int>(seq.tokens.size()) >= max_model_len_)) {
+    reason = FinishReason::kLength;
+  }
+  if (reason == FinishReason::kNone && options_.role == EngineRole::kPrefill) {
+    reason = FinishReason::kPrefilled;
+  }
+
+  if (reason != FinishReason::kNone) {
+    if (!stopped_by_string) choice.held += choice.detokenizer->Finish();
+    delta.text += choice.held;
+    choice.held.clear();
+    FinishChoice(choice, reason, delta);
+    return;
+  }
+  // Release all but the bytes that could still begin a stop string, on a character boundary.
+  size_t keep = request.max_stop_bytes > 0 ? request.max_stop_bytes - 1 : 0;
+  if (choice.held.size() > keep) {
+    size_t cut = choice.held.size() - keep;
+    while (cut > 0 && (static_cast<unsigned char>(choice.held[cut]) & 0xC0) == 0x80) --cut;
+    delta.text += choice.held.substr(0, cut);
+    choice.held.erase(0, cut);
+  }
+}
+
+absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
+  std::vector<RequestOutput> outputs;
+  if (requests_.empty()) return outputs;
+  SchedulerStep step = scheduler_->Schedule();
+  if (step.empty()) {
+    return absl::InternalError("scheduler made no progress with requests pending");
+  }
+  TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits, runner_->Execute(step));
+  scheduler_->Commit(step);
+
+  const int vocab = checkpoint_->config().vocab_size;
+  std::vector<float> row(vocab);
+  std::map<std::string, size_t> output_index;
+  int r = 0;
+  for (const ScheduledSequence& s : step.seqs) {
+    if (!s.samples) continue;
+    const float* src = logits.data() + static_cast<size_t>(r++) * vocab;
+    row.assign(src, src + vocab);
+    Sequence& seq = *s.seq;
+    Request& request = *requests_.at(seq.request_id);
+    Choice& choice = request.choices[seq.choice_index];
+    int32_t token = sampler_->Sample(row, seq);
+
+    auto [it, inserted] = output_index.try_emplace(request.id, outputs.size());
+    if (inserted) {
+      outputs.emplace_back();
+      outputs.back().request_id = request.id;
+      outputs.back().num_prompt_tokens = request.num_prompt_tokens;
+    }
+    RequestOutput& out = outputs[it->second];
+    out.choices.emplace_back();
+    out.choices.back().index = seq.choice_index;
+    ProcessToken(request, choice, token, out.choices.back());
+    out.num_generation_tokens = request.num_generation_tokens;
+  }
+  for (RequestOutput& out : outputs) {
+    auto it = requests_.find(out.request_id);
+    bool all_done = std::all_of(it->second->choices.begin(), it->second->choices.end(),
+                                [](const Choice& c) { return c.done; });
+    if (all_done) {
+      out.finished = true;
+      requests_.erase(it);
+    }
+  }
+  return outputs;
+}
+
+EngineStats LlmEngine::stats() const {
+  return {scheduler_->num_running(), scheduler_->num_waiting(), blocks_->num_blocks(),
+          blocks_->num_used_blocks(), scheduler_->num_preemptions()};
+}
+
+absl::StatusOr<std::vector<RequestOutput>> GenerateAll(LlmEngine& engine,
+                                                       std::vector<GenerateRequest> requests) {
+  std::vector<RequestOutput> results(requests.size());
+  std::map<std::string, size_t> index;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    results[i].request_id = requests[i].request_id;
+    results[i].num_prompt_tokens = static_cast<int>(requests[i].prompt_tokens.size());
+    results[i].choices.resize(requests[i].params.n);
+    for (int c = 0; c < requests[i].params.n; ++c) results[i].choices[c].index = c;
+    index[requests[i].request_id] = i;
+    TANDEM_RETURN_IF_ERROR(engine.AddRequest(std::move(requests[i])));
+  }
+  while (engine.has_unfinished()) {
+    TANDEM_ASSIGN_OR_RETURN(std::vector<RequestOutput> step, engine.Step());
+    for (RequestOutput& out : step) {
+      RequestOutput& total = results[index.at(out.request_id)];
+      total.finished = out.finished;
+      total.num_generation_tokens = out.num_generation_tokens;
+      for (ChoiceDelta& d : out.choices) {
+        ChoiceDelta& acc = total.choices[d.index];
+        acc.token_ids.insert(acc.token_ids.end(), d.token_ids.begin(), d.token_ids.end());
+        acc.text += d.text;
+        acc.logprobs.insert(acc.logprobs.end(), d.logprobs.begin(), d.logprobs.end());
+        acc.top_logprobs.insert(acc.top_logprobs.end(), d.top_logprobs.begin(),
+                                d.top_logprobs.end());
+        if (d.finish_reason != FinishReason::kNone) acc.finish_reason = d.finish_reason;
+      }
+    }
+  }
+  return results;
+}
+
+}  // namespace tandem::engine

@@ -1,1 +1,253 @@
-// placeholder
+#include "tandem/engine/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/base/status_macros.h"
+
+namespace tandem::engine {
+
+const char* FinishReasonName(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kNone:
+      return "";
+    case FinishReason::kStop:
+      return "stop";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kAbort:
+      return "abort";
+    case FinishReason::kPrefilled:
+      return "prefilled";
+  }
+  return "";
+}
+
+namespace {
+uint64_t SplitMix64(uint64_t& x) {
+  uint64_t z = (x += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+uint64_t Rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+absl::Status RangeError(const char* field, const std::string& range, double got) {
+  return absl::InvalidArgumentError(absl::StrCat(field, " must be ", range, ", got ", got));
+}
+}  // namespace
+
+SamplerRng::SamplerRng(uint64_t seed) {
+  for (uint64_t& s : s_) s = SplitMix64(seed);
+}
+
+uint64_t SamplerRng::Next() {
+  uint64_t result = Rotl(s_[1] * 5, 7) * 9;
+  uint64_t t = s_[1] << 17;
+  s_[2] ^= s_[0];
+  s_[3] ^= s_[1];
+  s_[1] ^= s_[2];
+  s_[0] ^= s_[3];
+  s_[2] ^= t;
+  s_[3] = Rotl(s_[3], 45);
+  return result;
+}
+
+absl::Status SamplingParams::Validate(int vocab_size) const {
+  if (!(temperature >= 0.0f && temperature <= 2.0f)) {
+    return RangeError("temperature", "in [0, 2]", temperature);
+  }
+  if (!(top_p > 0.0f && top_p <= 1.0f)) return RangeError("top_p", "in (0, 1]", top_p);
+  if (top_k < -1) return RangeError("top_k", "-1, 0 (off) or positive", top_k);
+  if (!(min_p >= 0.0f && min_p <= 1.0f)) return RangeError("min_p", "in [0, 1]", min_p);
+  if (!(repetition_penalty > 0.0f && repetition_penalty <= 10.0f)) {
+    return RangeError("repetition_penalty", "in (0, 10]", repetition_penalty);
+  }
+  if (!(presence_penalty >= -2.0f && presence_penalty <= 2.0f)) {
+    return RangeError("presence_penalty", "in [-2, 2]", presence_penalty);
+  }
+  if (!(frequency_penalty >= -2.0f && frequency_penalty <= 2.0f)) {
+    return RangeError("frequency_penalty", "in [-2, 2]", frequency_penalty);
+  }
+  if (max_tokens < 1) return RangeError("max_tokens", "at least 1", max_tokens);
+  if (min_tokens < 0 || min_tokens > max_tokens) {
+    return RangeError("min_tokens", "in [0, max_tokens]", min_tokens);
+  }
+  if (n < 1 || n > kMaxSamplesPerRequest) {
+    return RangeError("n", absl::StrCat("in [1, ", kMaxSamplesPerRequest, "]"), n);
+  }
+  if (logprobs < -1 || logprobs > kMaxTopLogprobs) {
+    return RangeError("logprobs", absl::StrCat("in [0, ", kMaxTopLogprobs, "]"), logprobs);
+  }
+  if (stop.size() > static_cast<size_t>(kMaxStopStrings)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stop may hold at most ", kMaxStopStrings, " strings, got ", stop.size()));
+  }
+  for (const std::string& s : stop) {
+    if (s.empty() || s.size() > static_cast<size_t>(kMaxStopStringBytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "each stop string must be 1 to ", kMaxStopStringBytes, " bytes, got ", s.size()));
+    }
+  }
+  if (stop_token_ids.size() > static_cast<size_t>(kMaxStopTokenIds)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stop_token_ids may hold at most ", kMaxStopTokenIds, " ids"));
+  }
+  for (int32_t id : stop_token_ids) {
+    if (id < 0 || id >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "stop_token_ids: id ", id, " is outside the vocabulary [0, ", vocab_size, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+int32_t Sampler::Sample(std::span<float> logits, Sequence& seq) {
+  const SamplingParams& p = *seq.params;
+  const int vocab = static_cast<int>(logits.size());
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  // Logprobs describe the model's own distribution, so they are taken before any change.
+  float log_z = 0.0f;
+  if (p.logprobs >= 0) {
+    raw_logits_.assign(logits.begin(), logits.end());
+    float max = *std::max_element(logits.begin(), logits.end());
+    double sum = 0;
+    for (float l : logits) sum += std::exp(static_cast<double>(l - max));
+    log_z = max + static_cast<float>(std::log(sum));
+    seq.last_top_logprobs.clear();
+    if (p.logprobs > 0) {
+      candidates_.resize(vocab);
+      for (int i = 0; i < vocab; ++i) candidates_[i] = i;
+      int k = std::min(p.logprobs, vocab);
+      std::partial_sort(candidates_.begin(), candidates_.begin() + k, candidates_.end(),
+                        [&](int32_t a, int32_t b) {
+                          return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+                        });
+      for (int i = 0; i < k; ++i) {
+        seq.last_top_logprobs.push_back({candidates_[i], logits[candidates_[i]] - log_z});
+      }
+    }
+  }
+
+  if (seq.num_output_tokens() < p.min_tokens) {
+    if (!p.ignore_eos) {
+      for (int32_t id : eos_token_ids_) {
+        if (id >= 0 && id < vocab) logits[id] = kNegInf;
+      }
+    }
+    for (int32_t id : p.stop_token_ids) logits[id] = kNegInf;
+  }
+
+  const bool penalties =
+      p.repetition_penalty != 1.0f || p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f;
+  if (penalties) {
+    counts_.resize(vocab, 0);
+    const int n_prompt = seq.num_prompt_tokens;
+    if (p.repetition_penalty != 1.0f) {
+      // Each token that appears anywhere in prompt or output is penalised once.
+      for (int32_t t : seq.tokens) {
+        if (counts_[t] == 0) {
+          logits[t] =
+              logits[t] > 0 ? logits[t] / p.repetition_penalty : logits[t] * p.repetition_penalty;
+          counts_[t] = -1;
+        }
+      }
+      for (int32_t t : seq.tokens) counts_[t] = 0;
+    }
+    for (size_t i = n_prompt; i < seq.tokens.size(); ++i) ++counts_[seq.tokens[i]];
+    for (size_t i = n_prompt; i < seq.tokens.size(); ++i) {
+      int32_t t = seq.tokens[i];
+      if (counts_[t] > 0) {
+        logits[t] -= p.frequency_penalty * counts_[t] + p.presence_penalty;
+        counts_[t] = 0;
+      }
+    }
+  }
+
+  int32_t chosen = 0;
+  if (p.greedy()) {
+    float best = kNegInf;
+    for (int i = 0; i < vocab; ++i) {
+      if (logits[i] > best) {
+        best = logits[i];
+        chosen = i;
+      }
+    }
+  } else {
+    // Candidates sorted by logit (ties by id), truncated by top-k, then softmax.
+    candidates_.resize(vocab);
+    for (int i = 0; i < vocab; ++i) candidates_[i] = i;
+    auto by_logit = [&](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    };
+    int keep = vocab;
+    if (p.top_k > 0 && p.top_k < vocab) keep = p.top_k;
+    if (p.top_p < 1.0f || keep < vocab) {
+      std::partial_sort(candidates_.begin(), candidates_.begin() + keep, candidates_.end(),
+                        by_logit);
+    } else {
+      // Only the maximum is needed for a stable softmax; order does not matter for the draw
+      // as long as it is fixed, and id order is fixed.
+      keep = vocab;
+    }
+    candidates_.resize(keep);
+    float max = kNegInf;
+    for (int32_t c : candidates_) max = std::max(max, logits[c]);
+    probs_.resize(keep);
+    double sum = 0;
+    const double inv_t = 1.0 / p.temperature;
+    for (int i = 0; i < keep; ++i) {
+      double e = std::exp((static_cast<double>(logits[candidates_[i]]) - max) * inv_t);
+      probs_[i] = static_cast<float>(e);
+      sum += e;
+    }
+    for (int i = 0; i < keep; ++i) probs_[i] = static_cast<float>(probs_[i] / sum);
+    if (p.top_p < 1.0f) {
+      // Smallest prefix (by descending probability) whose mass reaches top_p.
+      double cum = 0;
+      int cut = keep;
+      for (int i = 0; i < keep; ++i) {
+        cum += probs_[i];
+        if (cum >= p.top_p) {
+          cut = i + 1;
+          break;
+        }
+      }
+      keep = cut;
+    }
+    if (p.min_p > 0.0f) {
+      float top = 0;
+      for (int i = 0; i < keep; ++i) top = std::max(top, probs_[i]);
+      float threshold = p.min_p * top;
+      int w = 0;
+      for (int i = 0; i < keep; ++i) {
+        if (probs_[i] >= threshold) {
+          candidates_[w] = candidates_[i];
+          probs_[w] = probs_[i];
+          ++w;
+        }
+      }
+      keep = w;
+    }
+    double mass = 0;
+    for (int i = 0; i < keep; ++i) mass += probs_[i];
+    double u = seq.rng.Uniform() * mass;
+    chosen = candidates_[keep - 1];
+    double cum = 0;
+    for (int i = 0; i < keep; ++i) {
+      cum += probs_[i];
+      if (u < cum) {
+        chosen = candidates_[i];
+        break;
+      }
+    }
+  }
+
+  if (p.logprobs >= 0) seq.last_logprob = raw_logits_[chosen] - log_z;
+  return chosen;
+}
+
+}  // namespace tandem::engine

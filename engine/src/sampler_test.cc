@@ -1,1 +1,183 @@
-// placeholder
+#include "tandem/engine/sampler.h"
+
+#include <cmath>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace tandem::engine {
+namespace {
+
+using ::testing::HasSubstr;
+
+Sequence MakeSeq(SamplingParams p, std::vector<int32_t> prompt = {0}, uint64_t seed = 1) {
+  Sequence seq;
+  seq.tokens = prompt;
+  seq.num_prompt_tokens = static_cast<int>(prompt.size());
+  seq.params = std::make_shared<SamplingParams>(std::move(p));
+  seq.rng = SamplerRng(seed);
+  return seq;
+}
+
+int32_t SampleOnce(Sampler& sampler, std::vector<float> logits, Sequence& seq) {
+  return sampler.Sample(logits, seq);
+}
+
+TEST(SamplerTest, GreedyPicksTheArgmaxWithTiesToTheLowestId) {
+  Sampler sampler({});
+  Sequence seq = MakeSeq({.temperature = 0});
+  EXPECT_EQ(SampleOnce(sampler, {0.1f, 2.0f, -1.0f, 2.0f}, seq), 1);
+}
+
+TEST(SamplerTest, EmpiricalFrequenciesFollowTheSoftmaxAtTemperature) {
+  Sampler sampler({});
+  const std::vector<float> logits = {0.0f, 1.0f, 2.0f, -1.0f};
+  for (float t : {1.0f, 0.5f}) {
+    Sequence seq = MakeSeq({.temperature = t}, {0}, 42);
+    std::vector<int> counts(4, 0);
+    const int draws = 40000;
+    for (int i = 0; i < draws; ++i) ++counts[SampleOnce(sampler, logits, seq)];
+    double z = 0;
+    for (float l : logits) z += std::exp(l / t);
+    for (int i = 0; i < 4; ++i) {
+      double expected = std::exp(logits[i] / t) / z;
+      EXPECT_NEAR(counts[i] / static_cast<double>(draws), expected, 0.01)
+          << "t=" << t << " i=" << i;
+    }
+  }
+}
+
+TEST(SamplerTest, SameSeedSameTokensDifferentSeedDifferentTokens) {
+  Sampler sampler({});
+  std::vector<float> logits(50);
+  for (int i = 0; i < 50; ++i) logits[i] = std::sin(i * 1.7f);
+  auto run = [&](uint64_t seed) {
+    Sequence seq = MakeSeq({.temperature = 1.0f}, {0}, seed);
+    std::vector<int32_t> out;
+    for (int i = 0; i < 32; ++i) out.push_back(SampleOnce(sampler, logits, seq));
+    return out;
+  };
+  EXPECT_EQ(run(7), run(7));
+  EXPECT_NE(run(7), run(8));
+}
+
+TEST(SamplerTest, TopKOneAndTinyTopPAreGreedy) {
+  Sampler sampler({});
+  const std::vector<float> logits = {0.5f, 0.4f, 3.0f, 0.2f};
+  for (int i = 0; i < 200; ++i) {
+    Sequence a = MakeSeq({.temperature = 1.5f, .top_k = 1}, {0}, i);
+    EXPECT_EQ(SampleOnce(sampler, logits, a), 2);
+    Sequence b = MakeSeq({.temperature = 1.5f, .top_p = 0.01f}, {0}, i);
+    EXPECT_EQ(SampleOnce(sampler, logits, b), 2);
+  }
+}
+
+TEST(SamplerTest, TopKAndTopPNeverSampleOutsideTheirSets) {
+  Sampler sampler({});
+  // probabilities ~ 0.5, 0.3, 0.15, 0.05
+  const std::vector<float> logits = {std::log(0.5f), std::log(0.3f), std::log(0.15f),
+                                     std::log(0.05f)};
+  std::map<int, int> k2, p75;
+  for (int i = 0; i < 5000; ++i) {
+    Sequence a = MakeSeq({.temperature = 1.0f, .top_k = 2}, {0}, i);
+    ++k2[SampleOnce(sampler, logits, a)];
+    Sequence b = MakeSeq({.temperature = 1.0f, .top_p = 0.75f}, {0}, i);
+    ++p75[SampleOnce(sampler, logits, b)];
+  }
+  EXPECT_EQ(k2.size(), 2u);
+  EXPECT_TRUE(k2.count(0) && k2.count(1));
+  EXPECT_EQ(p75.size(), 2u);  // 0.5 + 0.3 reaches 0.75
+  EXPECT_NEAR(p75[0] / 5000.0, 0.5 / 0.8, 0.03);
+}
+
+TEST(SamplerTest, MinPDropsTokensBelowTheScaledThreshold) {
+  Sampler sampler({});
+  const std::vector<float> logits = {std::log(0.6f), std::log(0.3f), std::log(0.1f)};
+  for (int i = 0; i < 2000; ++i) {
+    Sequence s = MakeSeq({.temperature = 1.0f, .min_p = 0.2f}, {0}, i);  // threshold 0.12
+    EXPECT_NE(SampleOnce(sampler, logits, s), 2);
+  }
+}
+
+TEST(SamplerTest, RepetitionPenaltyDemotesSeenTokens) {
+  Sampler sampler({});
+  Sequence seq = MakeSeq({.temperature = 0, .repetition_penalty = 2.0f}, {1});
+  // Token 1 (in the prompt) 2.0 -> 1.0 falls below token 0's 1.5.
+  EXPECT_EQ(SampleOnce(sampler, {1.5f, 2.0f, 0.0f}, seq), 0);
+  // Negative logits are multiplied, not divided.
+  Sequence neg = MakeSeq({.temperature = 0, .repetition_penalty = 2.0f}, {1});
+  EXPECT_EQ(SampleOnce(sampler, {-1.5f, -1.0f, -2.5f}, neg), 0);
+}
+
+TEST(SamplerTest, PresenceAndFrequencyPenaltiesCountOutputTokensOnly) {
+  Sampler sampler({});
+  // Prompt holds token 0 three times: no effect. Output holds token 1 twice.
+  Sequence seq =
+      MakeSeq({.temperature = 0, .presence_penalty = 0.5f, .frequency_penalty = 0.5f}, {0, 0, 0});
+  seq.tokens.push_back(1);
+  seq.tokens.push_back(1);
+  // token 1: 3.0 - (0.5*2 + 0.5) = 1.5 < token 0's 2.0
+  EXPECT_EQ(SampleOnce(sampler, {2.0f, 3.0f, 0.0f}, seq), 0);
+  Sequence only_presence = MakeSeq({.temperature = 0, .presence_penalty = 0.5f}, {0});
+  only_presence.tokens.push_back(1);
+  EXPECT_EQ(SampleOnce(sampler, {2.0f, 2.4f, 0.0f}, only_presence), 0);
+}
+
+TEST(SamplerTest, MinTokensMasksEosAndStopIds) {
+  Sampler sampler({2});
+  Sequence seq = MakeSeq({.temperature = 0, .min_tokens = 2, .stop_token_ids = {1}});
+  EXPECT_EQ(SampleOnce(sampler, {0.0f, 5.0f, 9.0f, 1.0f}, seq), 3);
+  seq.tokens.push_back(3);
+  seq.tokens.push_back(3);
+  EXPECT_EQ(SampleOnce(sampler, {0.0f, 5.0f, 9.0f, 1.0f}, seq), 2);
+}
+
+TEST(SamplerTest, LogprobsAreThoseOfTheRawDistribution) {
+  Sampler sampler({});
+  const std::vector<float> logits = {1.0f, 2.0f, 3.0f};
+  Sequence seq = MakeSeq({.temperature = 0, .repetition_penalty = 5.0f, .logprobs = 2}, {2});
+  int32_t token = SampleOnce(sampler, logits, seq);
+  EXPECT_EQ(token, 1);  // the penalty moved the choice...
+  double z = std::log(std::exp(1.0) + std::exp(2.0) + std::exp(3.0));
+  EXPECT_NEAR(seq.last_logprob, 2.0 - z, 1e-5);  // ...but not the reported logprob
+  ASSERT_EQ(seq.last_top_logprobs.size(), 2u);
+  EXPECT_EQ(seq.last_top_logprobs[0].token, 2);
+  EXPECT_NEAR(seq.last_top_logprobs[0].logprob, 3.0 - z, 1e-5);
+  EXPECT_EQ(seq.last_top_logprobs[1].token, 1);
+}
+
+TEST(SamplingParamsTest, RejectsOutOfRangeValuesNamingTheField) {
+  struct Case {
+    SamplingParams p;
+    const char* field;
+  };
+  std::vector<Case> cases = {
+      {{.temperature = -0.1f}, "temperature"},
+      {{.temperature = NAN}, "temperature"},
+      {{.top_p = 0.0f}, "top_p"},
+      {{.top_p = 1.5f}, "top_p"},
+      {{.top_k = -2}, "top_k"},
+      {{.min_p = 2.0f}, "min_p"},
+      {{.repetition_penalty = 0.0f}, "repetition_penalty"},
+      {{.presence_penalty = 3.0f}, "presence_penalty"},
+      {{.frequency_penalty = -2.5f}, "frequency_penalty"},
+      {{.max_tokens = 0}, "max_tokens"},
+      {{.stop_token_ids = {100}}, "stop_token_ids"},
+      {{.stop = {""}}, "stop"},
+      {{.n = 0}, "n"},
+      {{.n = 17}, "n"},
+      {{.logprobs = 21}, "logprobs"},
+  };
+  for (const Case& c : cases) {
+    absl::Status s = c.p.Validate(50);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(c.field));
+  }
+  EXPECT_TRUE(SamplingParams{}.Validate(50).ok());
+}
+
+}  // namespace
+}  // namespace tandem::engine

@@ -1,1 +1,104 @@
-// placeholder
+#include "tandem/engine/scheduler.h"
+
+#include <algorithm>
+
+#include "tandem/base/status_macros.h"
+
+namespace tandem::engine {
+
+Scheduler::Scheduler(const SchedulerOptions& options, BlockManager* blocks)
+    : options_(options), blocks_(blocks) {
+  TANDEM_CHECK(options.max_num_seqs > 0 && options.max_num_batched_tokens > 0);
+}
+
+void Scheduler::Add(Sequence* seq) {
+  seq->status = SequenceStatus::kWaiting;
+  waiting_.push_back(seq);
+}
+
+void Scheduler::AddPrefilled(Sequence* seq) {
+  TANDEM_CHECK(blocks_->BlocksFor(seq->num_computed_tokens) <=
+               static_cast<int>(seq->block_table.size()));
+  seq->status = SequenceStatus::kRunning;
+  running_.push_back(seq);
+}
+
+void Scheduler::Preempt(Sequence* seq) {
+  blocks_->Free(seq->block_table);
+  seq->num_computed_tokens = 0;
+  seq->status = SequenceStatus::kWaiting;
+  ++seq->num_preemptions;
+  ++num_preemptions_;
+  waiting_.push_front(seq);
+}
+
+SchedulerStep Scheduler::Schedule() {
+  SchedulerStep step;
+  int budget = options_.max_num_batched_tokens;
+  bool preempted = false;
+
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Sequence* seq = running_[i];
+    int new_tokens = std::min(seq->num_uncomputed_tokens(), budget);
+    if (new_tokens <= 0) {
+      ++i;
+      continue;
+    }
+    // Make room by preempting the newest running sequences, possibly this one.
+    bool self_preempted = false;
+    while (!blocks_->CanAppend(seq->block_table, seq->num_computed_tokens, new_tokens)) {
+      Sequence* victim = running_.back();
+      running_.pop_back();
+      Preempt(victim);
+      preempted = true;
+      if (victim == seq) {
+        self_preempted = true;
+        break;
+      }
+    }
+    if (self_preempted) break;
+    auto copy = blocks_->Append(seq->block_table, seq->num_computed_tokens, new_tokens);
+    TANDEM_CHECK(copy.ok()) << copy.status();
+    if (copy->first >= 0) step.block_copies.push_back(*copy);
+    step.seqs.push_back({seq, new_tokens, new_tokens == seq->num_uncomputed_tokens()});
+    budget -= new_tokens;
+    ++i;
+  }
+
+  // Admitting new work right after a preemption would only thrash the cache.
+  while (!preempted && budget > 0 && !waiting_.empty() &&
+         static_cast<int>(running_.size()) < options_.max_num_seqs) {
+    Sequence* seq = waiting_.front();
+    int new_tokens = std::min(seq->num_uncomputed_tokens(), budget);
+    if (!blocks_->CanAppend(seq->block_table, seq->num_computed_tokens, new_tokens)) break;
+    auto copy = blocks_->Append(seq->block_table, seq->num_computed_tokens, new_tokens);
+    TANDEM_CHECK(copy.ok()) << copy.status();
+    if (copy->first >= 0) step.block_copies.push_back(*copy);
+    waiting_.pop_front();
+    seq->status = SequenceStatus::kRunning;
+    running_.push_back(seq);
+    step.seqs.push_back({seq, new_tokens, new_tokens == seq->num_uncomputed_tokens()});
+    budget -= new_tokens;
+  }
+  step.num_tokens = options_.max_num_batched_tokens - budget;
+  return step;
+}
+
+void Scheduler::Commit(const SchedulerStep& step) {
+  for (const ScheduledSequence& s : step.seqs) s.seq->num_computed_tokens += s.num_new_tokens;
+}
+
+void Scheduler::Finish(Sequence* seq, FinishReason reason) {
+  if (auto it = std::find(running_.begin(), running_.end(), seq); it != running_.end()) {
+    running_.erase(it);
+  } else if (auto wit = std::find(waiting_.begin(), waiting_.end(), seq); wit != waiting_.end()) {
+    waiting_.erase(wit);
+  }
+  seq->status = SequenceStatus::kFinished;
+  seq->finish_reason = reason;
+  if (reason != FinishReason::kPrefilled) blocks_->Free(seq->block_table);
+}
+
+void Scheduler::ReleaseBlocks(Sequence* seq) { blocks_->Free(seq->block_table); }
+
+}  // namespace tandem::engine

@@ -1,1 +1,157 @@
-// placeholder
+#include "tandem/engine/scheduler.h"
+
+#include <memory>
+#include <numeric>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace tandem::engine {
+namespace {
+
+std::unique_ptr<Sequence> MakeSeq(int id, int prompt_len) {
+  auto seq = std::make_unique<Sequence>();
+  seq->seq_id = id;
+  seq->tokens.resize(prompt_len);
+  std::iota(seq->tokens.begin(), seq->tokens.end(), 1);
+  seq->num_prompt_tokens = prompt_len;
+  seq->params = std::make_shared<SamplingParams>();
+  return seq;
+}
+
+// Runs a step as the engine would: commit, then append a token to each sampling sequence.
+void RunStep(Scheduler& s, const SchedulerStep& step) {
+  s.Commit(step);
+  for (const auto& ss : step.seqs) {
+    if (ss.samples) ss.seq->tokens.push_back(7);
+  }
+}
+
+TEST(SchedulerTest, ChunksALongPromptUnderTheTokenBudget) {
+  BlockManager blocks(64, 16);
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64}, &blocks);
+  auto seq = MakeSeq(0, 150);
+  s.Add(seq.get());
+  std::vector<int> chunks;
+  while (seq->num_computed_tokens < 150) {
+    SchedulerStep step = s.Schedule();
+    ASSERT_EQ(step.seqs.size(), 1u);
+    chunks.push_back(step.seqs[0].num_new_tokens);
+    EXPECT_EQ(step.seqs[0].samples, seq->num_computed_tokens + step.seqs[0].num_new_tokens == 150);
+    RunStep(s, step);
+  }
+  EXPECT_EQ(chunks, (std::vector<int>{64, 64, 22}));
+  // Then it decodes one token per step.
+  SchedulerStep step = s.Schedule();
+  ASSERT_EQ(step.seqs.size(), 1u);
+  EXPECT_EQ(step.seqs[0].num_new_tokens, 1);
+  EXPECT_TRUE(step.seqs[0].samples);
+}
+
+TEST(SchedulerTest, MixesDecodesWithAPrefillChunkInOneStep) {
+  BlockManager blocks(64, 16);
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 32}, &blocks);
+  auto a = MakeSeq(0, 10);
+  auto b = MakeSeq(1, 10);
+  s.Add(a.get());
+  s.Add(b.get());
+  RunStep(s, s.Schedule());  // both prefilled (20 tokens)
+  auto c = MakeSeq(2, 100);
+  s.Add(c.get());
+  SchedulerStep step = s.Schedule();
+  ASSERT_EQ(step.seqs.size(), 3u);
+  EXPECT_EQ(step.seqs[0].num_new_tokens, 1);
+  EXPECT_EQ(step.seqs[1].num_new_tokens, 1);
+  EXPECT_EQ(step.seqs[2].num_new_tokens, 30);  // the rest of the budget
+  EXPECT_FALSE(step.seqs[2].samples);
+  EXPECT_EQ(step.num_tokens, 32);
+}
+
+TEST(SchedulerTest, RespectsMaxNumSeqs) {
+  BlockManager blocks(64, 16);
+  Scheduler s({.max_num_seqs = 2, .max_num_batched_tokens = 512}, &blocks);
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  for (int i = 0; i < 5; ++i) {
+    seqs.push_back(MakeSeq(i, 4));
+    s.Add(seqs.back().get());
+  }
+  SchedulerStep step = s.Schedule();
+  EXPECT_EQ(step.seqs.size(), 2u);
+  EXPECT_EQ(s.num_waiting(), 3);
+}
+
+TEST(SchedulerTest, PreemptsTheNewestSequenceWhenBlocksRunOutAndRecomputesIt) {
+  BlockManager blocks(4, 4);  // 16 token slots
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64}, &blocks);
+  auto a = MakeSeq(0, 8);
+  auto b = MakeSeq(1, 8);
+  s.Add(a.get());
+  s.Add(b.get());
+  RunStep(s, s.Schedule());  // 4 blocks used, each sequence now holds 9 tokens
+  EXPECT_EQ(blocks.num_free_blocks(), 0);
+  SchedulerStep step = s.Schedule();  // a needs a third block: b is preempted
+  ASSERT_EQ(step.seqs.size(), 1u);
+  EXPECT_EQ(step.seqs[0].seq, a.get());
+  EXPECT_EQ(s.num_preemptions(), 1);
+  EXPECT_EQ(b->num_computed_tokens, 0);
+  EXPECT_EQ(b->status, SequenceStatus::kWaiting);
+  EXPECT_EQ(b->num_uncomputed_tokens(), 9);  // prompt + its generated token
+  RunStep(s, step);
+  s.Finish(a.get(), FinishReason::kStop);
+  // b comes back and recomputes everything in one step.
+  step = s.Schedule();
+  ASSERT_EQ(step.seqs.size(), 1u);
+  EXPECT_EQ(step.seqs[0].seq, b.get());
+  EXPECT_EQ(step.seqs[0].num_new_tokens, 9);
+  EXPECT_TRUE(step.seqs[0].samples);
+}
+
+TEST(SchedulerTest, FinishFreesBlocksButPrefilledKeepsThemUntilReleased) {
+  BlockManager blocks(8, 4);
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64, .role = EngineRole::kPrefill},
+              &blocks);
+  auto a = MakeSeq(0, 6);
+  auto b = MakeSeq(1, 6);
+  s.Add(a.get());
+  s.Add(b.get());
+  RunStep(s, s.Schedule());
+  EXPECT_EQ(blocks.num_used_blocks(), 4);
+  s.Finish(a.get(), FinishReason::kAbort);
+  EXPECT_EQ(blocks.num_used_blocks(), 2);
+  s.Finish(b.get(), FinishReason::kPrefilled);
+  EXPECT_EQ(blocks.num_used_blocks(), 2);  // held for the hand-off
+  EXPECT_FALSE(s.has_work());
+  s.ReleaseBlocks(b.get());
+  EXPECT_EQ(blocks.num_used_blocks(), 0);
+}
+
+TEST(SchedulerTest, AbortOfAWaitingSequenceRemovesIt) {
+  BlockManager blocks(8, 4);
+  Scheduler s({.max_num_seqs = 1, .max_num_batched_tokens = 64}, &blocks);
+  auto a = MakeSeq(0, 4);
+  auto b = MakeSeq(1, 4);
+  s.Add(a.get());
+  s.Add(b.get());
+  s.Schedule();
+  s.Finish(b.get(), FinishReason::kAbort);
+  EXPECT_EQ(s.num_waiting(), 0);
+  EXPECT_EQ(s.num_running(), 1);
+}
+
+TEST(SchedulerTest, DecodeRoleSequencesArriveWithTheirKv) {
+  BlockManager blocks(8, 4);
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64, .role = EngineRole::kDecode},
+              &blocks);
+  auto a = MakeSeq(0, 6);
+  ASSERT_TRUE(blocks.Append(a->block_table, 0, 6).ok());
+  a->num_computed_tokens = 6;
+  a->tokens.push_back(9);  // the first token, sampled by the prefill engine
+  s.AddPrefilled(a.get());
+  SchedulerStep step = s.Schedule();
+  ASSERT_EQ(step.seqs.size(), 1u);
+  EXPECT_EQ(step.seqs[0].num_new_tokens, 1);
+  EXPECT_TRUE(step.seqs[0].samples);
+}
+
+}  // namespace
+}  // namespace tandem::engine

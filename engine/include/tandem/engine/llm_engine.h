@@ -1,0 +1,119 @@
+// One engine instance: checkpoint, tokenizer, KV cache, scheduler, runner and sampler.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tandem/engine/block_manager.h"
+#include "tandem/engine/chat_template.h"
+#include "tandem/engine/checkpoint.h"
+#include "tandem/engine/model_runner.h"
+#include "tandem/engine/sampler.h"
+#include "tandem/engine/sampling_params.h"
+#include "tandem/engine/scheduler.h"
+#include "tandem/engine/tokenizer.h"
+#include "tandem/kernels/backend.h"
+
+namespace tandem::engine {
+
+struct EngineOptions {
+  std::string model_dir;
+  int num_threads = 0;                   // 0: one per core
+  int64_t kv_cache_bytes = 512ll << 20;  // KV capacity is derived from this budget
+  int block_size = 16;
+  int max_num_seqs = 64;
+  int max_num_batched_tokens = 512;  // also the prefill chunk size
+  int max_model_len = 0;             // 0: max_position_embeddings of the model
+  EngineRole role = EngineRole::kColocated;
+};
+
+struct GenerateRequest {
+  std::string request_id;
+  std::vector<int32_t> prompt_tokens;
+  SamplingParams params;
+};
+
+// What one of a request's samples produced since the previous Step().
+struct ChoiceDelta {
+  int index = 0;
+  std::vector<int32_t> token_ids;
+  // Text that is final: complete UTF-8, never part of a stop string. It can lag the tokens.
+  std::string text;
+  std::vector<float> logprobs;                          // per token, when requested
+  std::vector<std::vector<TokenLogprob>> top_logprobs;  // per token, when logprobs > 0
+  FinishReason finish_reason = FinishReason::kNone;
+};
+
+struct RequestOutput {
+  std::string request_id;
+  std::vector<ChoiceDelta> choices;  // only choices that progressed
+  bool finished = false;             // every choice has finished
+  int num_prompt_tokens = 0;
+  int num_generation_tokens = 0;  // over all choices, so far
+};
+
+struct EngineStats {
+  int running = 0;
+  int waiting = 0;
+  int kv_blocks_total = 0;
+  int kv_blocks_used = 0;
+  int64_t preemptions = 0;
+};
+
+// Single-threaded: one caller drives AddRequest / Abort / Step.
+//   TANDEM_ASSIGN_OR_RETURN(auto engine, LlmEngine::Create({.model_dir = dir}));
+//   TANDEM_RETURN_IF_ERROR(engine->AddRequest({"r1", engine->tokenizer().Encode("Hi", true), {}}));
+//   while (engine->has_unfinished()) for (auto& out : engine->Step().value()) { ... }
+class LlmEngine {
+ public:
+  static absl::StatusOr<std::unique_ptr<LlmEngine>> Create(const EngineOptions& options);
+  ~LlmEngine();
+
+  // Refuses (InvalidArgument, naming the field) an empty prompt, a token id outside the
+  // vocabulary, bad sampling parameters, a prompt that with max_tokens overruns the context
+  // length, or one that could never fit in the KV cache; AlreadyExists for a duplicate id.
+  absl::Status AddRequest(GenerateRequest request);
+  // Ends a request at once and frees its KV blocks; unknown ids are ignored.
+  void Abort(const std::string& request_id);
+  // Runs one scheduler step and returns what each progressed request produced.
+  absl::StatusOr<std::vector<RequestOutput>> Step();
+  bool has_unfinished() const { return !requests_.empty(); }
+
+  const ModelConfig& config() const { return checkpoint_->config(); }
+  const Tokenizer& tokenizer() const { return *tokenizer_; }
+  const ChatFormatter& chat_formatter() const { return *chat_formatter_; }
+  int max_model_len() const { return max_model_len_; }
+  EngineStats stats() const;
+
+ private:
+  struct Choice;
+  struct Request;
+  LlmEngine() = default;
+  // Applies one sampled token to a choice: stop checks, detokenization, delta.
+  void ProcessToken(Request& request, Choice& choice, int32_t token, ChoiceDelta& delta);
+  void FinishChoice(Choice& choice, FinishReason reason, ChoiceDelta& delta);
+
+  EngineOptions options_;
+  std::unique_ptr<Checkpoint> checkpoint_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<ChatFormatter> chat_formatter_;
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<BlockManager> blocks_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<ModelRunner> runner_;
+  std::unique_ptr<Sampler> sampler_;
+  int max_model_len_ = 0;
+  int64_t next_seq_id_ = 0;
+  std::map<std::string, std::unique_ptr<Request>> requests_;
+};
+
+// Runs `requests` to completion on `engine` and returns, per request in order, the final
+// output of each choice (all tokens, all text). For offline use and tests.
+absl::StatusOr<std::vector<RequestOutput>> GenerateAll(LlmEngine& engine,
+                                                       std::vector<GenerateRequest> requests);
+
+}  // namespace tandem::engine

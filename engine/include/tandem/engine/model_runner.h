@@ -1,0 +1,72 @@
+// Runs the decoder forward pass for one scheduled step over the paged KV cache.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tandem/engine/checkpoint.h"
+#include "tandem/engine/scheduler.h"
+#include "tandem/kernels/backend.h"
+
+namespace tandem::engine {
+
+struct ModelRunnerOptions {
+  int max_num_batched_tokens = 2048;
+  int max_num_seqs = 64;
+  int num_kv_blocks = 0;
+  int block_size = 16;
+};
+
+// Owns the weights (converted to fp32 and packed for the backend), the KV cache and every
+// activation buffer, all sized up front so a step never allocates.
+//   TANDEM_ASSIGN_OR_RETURN(auto runner, ModelRunner::Create(*ckpt, backend.get(), options));
+//   TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits, runner->Execute(step));
+class ModelRunner {
+ public:
+  static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const Checkpoint& checkpoint,
+                                                             kernels::Backend* backend,
+                                                             const ModelRunnerOptions& options);
+  ~ModelRunner();
+
+  // Bytes of KV cache one block takes across all layers (fp32).
+  static int64_t KvBytesPerBlock(const ModelConfig& config, int block_size);
+
+  // Runs the step and returns logits [number of sampling sequences, vocab], one row per
+  // sequence with `samples` set, in step order. The span is valid until the next call.
+  absl::StatusOr<std::span<const float>> Execute(const SchedulerStep& step);
+
+  const ModelConfig& config() const { return config_; }
+  const kernels::KvLayout& kv_layout() const { return kv_layout_; }
+  // One layer's cache: [2][num_blocks][block_size][num_kv_heads][head_dim].
+  float* layer_cache(int layer) { return kv_cache_.data() + layer * kv_layout_.LayerElements(); }
+
+ private:
+  struct Layer;
+  ModelRunner() = default;
+  absl::Status LoadWeights(const Checkpoint& checkpoint);
+  void CopyBlock(int32_t src, int32_t dst);
+
+  ModelConfig config_;
+  ModelRunnerOptions options_;
+  kernels::Backend* backend_ = nullptr;  // not owned
+  kernels::KvLayout kv_layout_;
+  std::vector<float> inv_freq_;  // [head_dim / 2]
+
+  std::vector<float> embed_;  // [vocab, hidden]
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<float> final_norm_;  // [hidden]
+  std::unique_ptr<kernels::PackedWeight> lm_head_;
+
+  std::vector<float> kv_cache_;  // [layers][2][num_blocks][block_size][kv_heads][head_dim]
+
+  // Step inputs (host) and activations, sized for max_num_batched_tokens.
+  std::vector<int32_t> token_ids_, positions_, slots_, query_start_, context_len_, block_table_,
+      sample_rows_;
+  std::vector<float> residual_, hidden_, qkv_, q_, k_, v_, attn_, proj_, gate_up_, act_,
+      sampled_hidden_, logits_;
+};
+
+}  // namespace tandem::engine

@@ -1,0 +1,33 @@
+// Turns one sequence's logits into its next token.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "tandem/engine/sequence.h"
+
+namespace tandem::engine {
+
+// Order of operations (each skipped when it is a no-op): logprobs of the raw distribution;
+// min_tokens masking of EOS and stop ids; repetition penalty (prompt and output tokens),
+// presence and frequency penalties (output tokens); greedy argmax, or temperature, top-k,
+// top-p, min-p and a draw from the sequence's own random stream.
+// Ties resolve to the lowest token id, so results never depend on the batch.
+class Sampler {
+ public:
+  explicit Sampler(std::vector<int32_t> eos_token_ids) : eos_token_ids_(std::move(eos_token_ids)) {}
+
+  // logits: [vocab], overwritten as scratch. Fills seq.last_logprob / last_top_logprobs when
+  // seq.params->logprobs >= 0.
+  int32_t Sample(std::span<float> logits, Sequence& seq);
+
+ private:
+  std::vector<int32_t> eos_token_ids_;
+  std::vector<float> probs_;         // scratch [vocab]
+  std::vector<float> raw_logits_;    // scratch [vocab]
+  std::vector<int32_t> candidates_;  // scratch [vocab]
+  std::vector<int32_t> counts_;      // scratch [vocab], zero between calls
+};
+
+}  // namespace tandem::engine

@@ -1,0 +1,77 @@
+// Iteration-level continuous batching with chunked prefill.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <vector>
+
+#include "tandem/engine/block_manager.h"
+#include "tandem/engine/sequence.h"
+
+namespace tandem::engine {
+
+// What an engine instance does with a sequence. colocated: prefill and decode here.
+// prefill: compute the prompt and first token, then hold the KV for hand-off (kPrefilled).
+// decode: sequences arrive with their prompt KV already in the cache.
+enum class EngineRole { kColocated, kPrefill, kDecode };
+
+struct SchedulerOptions {
+  int max_num_seqs = 64;              // sequences in one step
+  int max_num_batched_tokens = 2048;  // tokens (prefill chunks + decodes) in one step
+  EngineRole role = EngineRole::kColocated;
+};
+
+// One sequence's share of a step: tokens [num_computed_tokens, +num_new_tokens) are run.
+struct ScheduledSequence {
+  Sequence* seq = nullptr;  // owned by the engine
+  int num_new_tokens = 0;
+  // The step completes the sequence's known tokens, so its last position yields logits.
+  bool samples = false;
+};
+
+struct SchedulerStep {
+  std::vector<ScheduledSequence> seqs;
+  int num_tokens = 0;
+  // Copy-on-write block copies {src, dst} to perform before running the step.
+  std::vector<std::pair<int32_t, int32_t>> block_copies;
+  bool empty() const { return seqs.empty(); }
+};
+
+// Each step first continues running sequences in arrival order (a decode token each, or the
+// next prefill chunk), then admits waiting ones, all under max_num_batched_tokens and
+// max_num_seqs. When KV blocks run out, the most recently admitted running sequence is
+// preempted: its blocks are freed and it re-enters the queue front to be recomputed.
+// Plain host code; never touches a device.
+class Scheduler {
+ public:
+  Scheduler(const SchedulerOptions& options, BlockManager* blocks);
+
+  // Queues a sequence (status kWaiting). Not owned.
+  void Add(Sequence* seq);
+  // Adds a decode-role sequence whose prompt KV is already in `seq->block_table`.
+  void AddPrefilled(Sequence* seq);
+  // Plans the next step and grows block tables for it.
+  SchedulerStep Schedule();
+  // After the step ran: advances num_computed_tokens of every scheduled sequence.
+  void Commit(const SchedulerStep& step);
+  // Ends a sequence (any state) with `reason` and frees its blocks, except for kPrefilled,
+  // whose blocks stay until ReleaseBlocks().
+  void Finish(Sequence* seq, FinishReason reason);
+  void ReleaseBlocks(Sequence* seq);
+
+  bool has_work() const { return !running_.empty() || !waiting_.empty(); }
+  int num_running() const { return static_cast<int>(running_.size()); }
+  int num_waiting() const { return static_cast<int>(waiting_.size()); }
+  int64_t num_preemptions() const { return num_preemptions_; }
+  const SchedulerOptions& options() const { return options_; }
+
+ private:
+  void Preempt(Sequence* seq);
+  SchedulerOptions options_;
+  BlockManager* blocks_;  // not owned
+  std::deque<Sequence*> waiting_;
+  std::vector<Sequence*> running_;  // arrival order
+  int64_t num_preemptions_ = 0;
+};
+
+}  // namespace tandem::engine

@@ -1,0 +1,67 @@
+// One sequence being generated: a request's prompt and one of its `n` samples.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tandem/engine/block_manager.h"
+#include "tandem/engine/sampling_params.h"
+
+namespace tandem::engine {
+
+enum class SequenceStatus { kWaiting, kRunning, kFinished };
+
+// Why a sequence ended. kPrefilled: a prefill-role engine computed the prompt and the first
+// token and the sequence now waits for its KV to be handed to a decode engine.
+enum class FinishReason { kNone, kStop, kLength, kAbort, kPrefilled };
+
+// "stop", "length", "abort", ... as the API reports it.
+const char* FinishReasonName(FinishReason reason);
+
+// Per-sequence random stream (xoshiro256**). Deterministic for a seed, independent of what
+// else is batched with the sequence.
+class SamplerRng {
+ public:
+  explicit SamplerRng(uint64_t seed);
+  uint64_t Next();
+  // Uniform in [0, 1).
+  double Uniform() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }
+
+ private:
+  uint64_t s_[4];
+};
+
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0.0f;
+};
+
+struct Sequence {
+  int64_t seq_id = 0;
+  std::string request_id;
+  int choice_index = 0;         // which of the request's n samples
+  std::vector<int32_t> tokens;  // prompt followed by generated tokens
+  int num_prompt_tokens = 0;
+  int num_computed_tokens = 0;  // tokens whose KV is in the cache
+  BlockTable block_table;
+  SequenceStatus status = SequenceStatus::kWaiting;
+  FinishReason finish_reason = FinishReason::kNone;
+  std::shared_ptr<const SamplingParams> params;
+  SamplerRng rng{0};
+  int num_preemptions = 0;
+
+  // Sampler outputs of the latest step that sampled (filled when params->logprobs >= 0).
+  float last_logprob = 0.0f;
+  std::vector<TokenLogprob> last_top_logprobs;
+
+  int num_output_tokens() const { return static_cast<int>(tokens.size()) - num_prompt_tokens; }
+  // Tokens not yet in the KV cache; a decode step has one.
+  int num_uncomputed_tokens() const {
+    return static_cast<int>(tokens.size()) - num_computed_tokens;
+  }
+  bool finished() const { return status == SequenceStatus::kFinished; }
+};
+
+}  // namespace tandem::engine
