@@ -1,0 +1,206 @@
+// What a user of one engine relies on: results independent of batching, chunking and
+// preemption; stop strings, n, max_tokens, aborts and context limits behaving as documented.
+#include <random>
+#include <set>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tandem/engine/llm_engine.h"
+#include "test_models.h"
+
+namespace tandem::engine {
+namespace {
+
+using ::testing::HasSubstr;
+
+std::unique_ptr<LlmEngine> MakeEngine(EngineOptions options = {}) {
+  options.model_dir = testing::TinyModel("llama", DType::kBF16);
+  if (options.num_threads == 0) options.num_threads = 2;
+  auto engine = LlmEngine::Create(options);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return std::move(engine).value();
+}
+
+std::vector<int32_t> RandomPrompt(std::mt19937& rng, int len, int vocab) {
+  std::vector<int32_t> p(len);
+  for (int32_t& t : p) t = static_cast<int32_t>(rng() % vocab);
+  return p;
+}
+
+ChoiceDelta RunOne(LlmEngine& engine, std::vector<int32_t> prompt, SamplingParams params) {
+  auto out = GenerateAll(engine, {{"one", std::move(prompt), params}});
+  EXPECT_TRUE(out.ok()) << out.status();
+  return (*out)[0].choices[0];
+}
+
+const SamplingParams kGreedy{.temperature = 0, .max_tokens = 24, .ignore_eos = true, .logprobs = 0};
+const SamplingParams kSeeded{.temperature = 0.9f,
+                             .top_p = 0.95f,
+                             .top_k = 50,
+                             .seed = 1234,
+                             .max_tokens = 24,
+                             .ignore_eos = true,
+                             .logprobs = 0};
+
+TEST(EngineBatchingTest, TokensDoNotDependOnWhatElseIsBatched) {
+  auto engine = MakeEngine({.max_num_batched_tokens = 64});
+  const int vocab = engine->config().vocab_size;
+  std::mt19937 rng(5);
+  const std::vector<int32_t> target = RandomPrompt(rng, 37, vocab);
+  for (const SamplingParams& params : {kGreedy, kSeeded}) {
+    ChoiceDelta alone = RunOne(*engine, target, params);
+    ASSERT_EQ(alone.token_ids.size(), 24u);
+    for (int others : {1, 2, 4, 8, 16}) {
+      std::vector<GenerateRequest> batch;
+      for (int i = 0; i < others; ++i) {
+        SamplingParams p{.temperature = (i % 2) ? 0.0f : 1.0f,
+                         .seed = static_cast<uint64_t>(i),
+                         .max_tokens = 5 + i * 3,
+                         .ignore_eos = true};
+        batch.push_back({absl::StrCat("other", i),
+                         RandomPrompt(rng, 1 + static_cast<int>(rng() % 90), vocab), p});
+      }
+      // The target joins in the middle, so it shares steps with prefills and decodes.
+      batch.insert(batch.begin() + others / 2, {"target", target, params});
+      auto out = GenerateAll(*engine, std::move(batch));
+      ASSERT_TRUE(out.ok()) << out.status();
+      const ChoiceDelta& got = (*out)[others / 2].choices[0];
+      EXPECT_EQ(got.token_ids, alone.token_ids) << others << " others, greedy=" << params.greedy();
+      EXPECT_EQ(got.logprobs, alone.logprobs) << others << " others";
+    }
+  }
+}
+
+TEST(EngineBatchingTest, ChunkedPrefillEqualsUnchunked) {
+  std::mt19937 rng(9);
+  auto whole = MakeEngine({.max_num_batched_tokens = 512});
+  const std::vector<int32_t> prompt = RandomPrompt(rng, 300, whole->config().vocab_size);
+  ChoiceDelta expected = RunOne(*whole, prompt, kGreedy);
+  for (int chunk : {7, 16, 64}) {
+    auto chunked = MakeEngine({.max_num_batched_tokens = chunk});
+    ChoiceDelta got = RunOne(*chunked, prompt, kGreedy);
+    EXPECT_EQ(got.token_ids, expected.token_ids) << "chunk " << chunk;
+    EXPECT_EQ(got.logprobs, expected.logprobs) << "chunk " << chunk;
+  }
+}
+
+TEST(EngineBatchingTest, PreemptedRequestsRecomputeToTheSameTokens) {
+  std::mt19937 rng(11);
+  auto roomy = MakeEngine();
+  const int vocab = roomy->config().vocab_size;
+  std::vector<GenerateRequest> requests;
+  for (int i = 0; i < 6; ++i) {
+    SamplingParams p = i % 2 ? kGreedy : kSeeded;
+    p.max_tokens = 40;
+    requests.push_back({absl::StrCat("r", i), RandomPrompt(rng, 40, vocab), p});
+  }
+  auto expected = GenerateAll(*roomy, requests);
+  ASSERT_TRUE(expected.ok());
+
+  // Room for about two sequences at a time: the scheduler must preempt.
+  const int64_t block_bytes = ModelRunner::KvBytesPerBlock(roomy->config(), /*block_size=*/16);
+  auto tight = MakeEngine({.kv_cache_bytes = 12 * block_bytes});
+  auto got = GenerateAll(*tight, requests);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_GT(tight->stats().preemptions, 0);
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_EQ((*got)[i].choices[0].token_ids, (*expected)[i].choices[0].token_ids) << i;
+  }
+  EXPECT_EQ(tight->stats().kv_blocks_used, 0);
+}
+
+TEST(EngineBatchingTest, StreamedTextEqualsTheDecodedTokens) {
+  auto engine = MakeEngine();
+  SamplingParams p = kSeeded;
+  p.max_tokens = 60;
+  p.skip_special_tokens = true;
+  ChoiceDelta out = RunOne(*engine, engine->tokenizer().Encode("Once upon a time", true), p);
+  EXPECT_EQ(out.text, engine->tokenizer().Decode(out.token_ids, true));
+  EXPECT_EQ(out.finish_reason, FinishReason::kLength);
+}
+
+TEST(EngineBatchingTest, StopStringEndsTheOutputAndIsNotEmitted) {
+  auto engine = MakeEngine();
+  std::vector<int32_t> prompt = engine->tokenizer().Encode("The cache holds", true);
+  SamplingParams p = kGreedy;
+  p.max_tokens = 48;
+  ChoiceDelta full = RunOne(*engine, prompt, p);
+  ASSERT_GE(full.text.size(), 12u);
+  // A stop string taken from the middle of the unconstrained output.
+  std::string stop = full.text.substr(full.text.size() / 2, 3);
+  size_t first = full.text.find(stop);
+  p.stop = {stop};
+  ChoiceDelta stopped = RunOne(*engine, prompt, p);
+  EXPECT_EQ(stopped.text, full.text.substr(0, first));
+  EXPECT_EQ(stopped.finish_reason, FinishReason::kStop);
+  p.include_stop_str_in_output = true;
+  ChoiceDelta included = RunOne(*engine, prompt, p);
+  EXPECT_EQ(included.text, full.text.substr(0, first + stop.size()));
+}
+
+TEST(EngineBatchingTest, NSamplesAreSeededIndependentlyAndReproducibly) {
+  auto engine = MakeEngine();
+  SamplingParams p = kSeeded;
+  p.n = 4;
+  p.temperature = 1.5f;
+  p.top_k = 0;
+  p.top_p = 1.0f;
+  std::vector<int32_t> prompt = engine->tokenizer().Encode("Samples", true);
+  auto a = GenerateAll(*engine, {{"a", prompt, p}});
+  auto b = GenerateAll(*engine, {{"b", prompt, p}});
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_EQ((*a)[0].choices.size(), 4u);
+  std::set<std::vector<int32_t>> distinct;
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ((*a)[0].choices[i].token_ids, (*b)[0].choices[i].token_ids);
+    EXPECT_EQ((*a)[0].choices[i].token_ids.size(), 24u);
+    distinct.insert((*a)[0].choices[i].token_ids);
+  }
+  EXPECT_GE(distinct.size(), 2u);
+}
+
+TEST(EngineBatchingTest, AbortFreesEveryBlockAtOnce) {
+  auto engine = MakeEngine();
+  std::mt19937 rng(3);
+  SamplingParams p = kGreedy;
+  p.max_tokens = 100;
+  p.n = 3;
+  ASSERT_TRUE(engine->AddRequest({"x", RandomPrompt(rng, 70, 200), p}).ok());
+  ASSERT_TRUE(engine->AddRequest({"y", RandomPrompt(rng, 20, 200), kGreedy}).ok());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(engine->Step().ok());
+  EXPECT_GT(engine->stats().kv_blocks_used, 0);
+  engine->Abort("x");
+  engine->Abort("y");
+  engine->Abort("unknown");
+  EXPECT_EQ(engine->stats().kv_blocks_used, 0);
+  EXPECT_FALSE(engine->has_unfinished());
+}
+
+TEST(EngineBatchingTest, RefusesRequestsItCannotServe) {
+  auto engine = MakeEngine({.max_model_len = 128});
+  SamplingParams p{.max_tokens = 100};
+  absl::Status too_long = engine->AddRequest({"a", std::vector<int32_t>(40, 1), p});
+  EXPECT_EQ(too_long.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(too_long.message()), HasSubstr("128"));
+  EXPECT_THAT(std::string(too_long.message()), HasSubstr("40"));
+  EXPECT_THAT(std::string(too_long.message()), HasSubstr("100"));
+  EXPECT_EQ(engine->AddRequest({"b", {}, {}}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->AddRequest({"c", {1, engine->config().vocab_size}, {}}).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->AddRequest({"d", {1}, {.top_p = 0}}).code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(engine->AddRequest({"e", {1}, {}}).ok());
+  EXPECT_EQ(engine->AddRequest({"e", {1}, {}}).code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(engine->stats().kv_blocks_used, 0);
+}
+
+TEST(EngineBatchingTest, MaxTokensEndsWithLength) {
+  auto engine = MakeEngine();
+  ChoiceDelta out =
+      RunOne(*engine, {1, 2, 3}, {.temperature = 0, .max_tokens = 7, .ignore_eos = true});
+  EXPECT_EQ(out.token_ids.size(), 7u);
+  EXPECT_EQ(out.finish_reason, FinishReason::kLength);
+}
+
+}  // namespace
+}  // namespace tandem::engine
