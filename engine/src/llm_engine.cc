@@ -65,10 +65,7 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
   return engine;
 }
 
-absl::Status LlmEngine::AddRequest(GenerateRequest request) {
-  if (requests_.count(request.request_id) > 0) {
-    return absl::AlreadyExistsError(absl::StrCat("request ", request.request_id, " exists"));
-  }
+absl::Status LlmEngine::Validate(const GenerateRequest& request) const {
   const ModelConfig& config = checkpoint_->config();
   TANDEM_RETURN_IF_ERROR(request.params.Validate(config.vocab_size));
   const int prompt_len = static_cast<int>(request.prompt_tokens.size());
@@ -93,6 +90,15 @@ absl::Status LlmEngine::AddRequest(GenerateRequest request) {
                      blocks_->num_blocks() * blocks_->block_size(), " tokens)"));
   }
 
+  return absl::OkStatus();
+}
+
+absl::Status LlmEngine::AddRequest(GenerateRequest request) {
+  if (requests_.count(request.request_id) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("request ", request.request_id, " exists"));
+  }
+  TANDEM_RETURN_IF_ERROR(Validate(request));
+  const int prompt_len = static_cast<int>(request.prompt_tokens.size());
   auto req = std::make_unique<Request>();
   req->id = request.request_id;
   req->params = std::make_shared<const SamplingParams>(std::move(request.params));

@@ -77,6 +77,8 @@ class LlmEngine {
   // vocabulary, bad sampling parameters, a prompt that with max_tokens overruns the context
   // length, or one that could never fit in the KV cache; AlreadyExists for a duplicate id.
   absl::Status AddRequest(GenerateRequest request);
+  // The checks of AddRequest that do not depend on engine state; safe from any thread.
+  absl::Status Validate(const GenerateRequest& request) const;
   // Ends a request at once and frees its KV blocks; unknown ids are ignored.
   void Abort(const std::string& request_id);
   // Runs one scheduler step and returns what each progressed request produced.
