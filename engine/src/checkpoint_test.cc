@@ -1,1 +1,537 @@
-// placeholder
+#include "tandem/engine/checkpoint.h"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tandem/engine/model_config.h"
+
+namespace tandem::engine {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using ::testing::AllOf;
+using ::testing::HasSubstr;
+
+// ---------------------------------------------------------------------------------------------
+// Helpers: config.json as Hugging Face writes it, and checkpoints built with SafetensorsWriter.
+
+json TinyConfig(const std::string& arch) {
+  json j = {{"vocab_size", 96},
+            {"hidden_size", 32},
+            {"intermediate_size", 48},
+            {"num_hidden_layers", 2},
+            {"num_attention_heads", 4},
+            {"num_key_value_heads", 2},
+            {"max_position_embeddings", 256},
+            {"rms_norm_eps", 1e-5},
+            {"bos_token_id", 1},
+            {"eos_token_id", 2},
+            {"torch_dtype", "bfloat16"},
+            {"hidden_act", "silu"}};
+  if (arch == "llama") {
+    j["architectures"] = {"LlamaForCausalLM"};
+    j["model_type"] = "llama";
+    j["rope_theta"] = 500000.0;
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", 8.0},
+                         {"low_freq_factor", 1.0},
+                         {"high_freq_factor", 4.0},
+                         {"original_max_position_embeddings", 32}};
+    j["attention_bias"] = false;
+    j["tie_word_embeddings"] = false;
+  } else if (arch == "mistral") {
+    j["architectures"] = {"MistralForCausalLM"};
+    j["model_type"] = "mistral";
+    j["rope_theta"] = 1000000.0;
+    j["sliding_window"] = 4096;
+  } else if (arch == "qwen2") {
+    // Qwen2 configs carry no attention_bias flag; the biases are implied.
+    j["architectures"] = {"Qwen2ForCausalLM"};
+    j["model_type"] = "qwen2";
+    j["rope_theta"] = 1000000.0;
+    j["tie_word_embeddings"] = true;
+    j["use_sliding_window"] = false;
+    j["sliding_window"] = 32768;
+    j["eos_token_id"] = {2, 3};
+  } else if (arch == "qwen3") {
+    j["architectures"] = {"Qwen3ForCausalLM"};
+    j["model_type"] = "qwen3";
+    j["rope_theta"] = 1000000.0;
+    j["head_dim"] = 16;  // not hidden / heads (8), as in Qwen3-0.6B
+    j["attention_bias"] = false;
+    j["tie_word_embeddings"] = false;
+  }
+  return j;
+}
+
+// A distinct value per (tensor, element), exactly representable in bf16 and f16.
+float ValueFor(const std::string& name, int64_t i) {
+  size_t h = std::hash<std::string>()(name) % 251;
+  return static_cast<float>((static_cast<int64_t>(h) + i * 7) % 61 - 30) / 16.0f;
+}
+
+std::string ShardName(int i, int n) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "model-%05d-of-%05d.safetensors", i + 1, n);
+  return buf;
+}
+
+std::string OpenError(const std::string& dir) {
+  return std::string(Checkpoint::Open(dir).status().message());
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::string name = absl::StrCat(info->test_suite_name(), "_", info->name());
+    for (char& c : name) {
+      if (c == '/') c = '_';
+    }
+    dir_ = (fs::temp_directory_path() / absl::StrCat("tandem_ckpt_", ::getpid(), "_", name))
+               .string();
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  void WriteText(const std::string& file, const std::string& text) {
+    std::ofstream(dir_ + "/" + file, std::ios::binary) << text;
+  }
+
+  // Writes config.json and every expected tensor (minus `skip`), in `shards` files.
+  void WriteCheckpoint(const json& config_json, DType dtype, int shards = 1,
+                       const std::string& skip = "") {
+    WriteText("config.json", config_json.dump(2));
+    auto config = ModelConfig::FromJson(config_json.dump(), "config.json");
+    ASSERT_TRUE(config.ok()) << config.status();
+    std::vector<SafetensorsWriter> writers(shards);
+    json weight_map = json::object();
+    int i = 0;
+    for (const auto& [name, shape] : ExpectedTensors(*config)) {
+      if (name == skip) continue;
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      std::vector<float> values(n);
+      for (int64_t k = 0; k < n; ++k) values[k] = ValueFor(name, k);
+      int shard = i++ % shards;
+      writers[shard].AddFloat(name, dtype, shape, values);
+      weight_map[name] = ShardName(shard, shards);
+    }
+    if (shards == 1) {
+      ASSERT_TRUE(writers[0].Write(dir_ + "/model.safetensors").ok());
+      return;
+    }
+    for (int s = 0; s < shards; ++s) {
+      ASSERT_TRUE(writers[s].Write(dir_ + "/" + ShardName(s, shards)).ok());
+    }
+    WriteText("model.safetensors.index.json",
+              json({{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}}).dump());
+  }
+
+  // A safetensors file with a hand-written header, for layouts the writer refuses to produce.
+  void WriteRaw(const std::string& file, const std::string& header, size_t data_bytes) {
+    std::string out(8, '\0');
+    for (int i = 0; i < 8; ++i) out[i] = static_cast<char>(header.size() >> (8 * i));
+    out += header;
+    out.append(data_bytes, '\0');
+    WriteText(file, out);
+  }
+
+  std::string dir_;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Loading good checkpoints.
+
+struct LoadCase {
+  std::string arch;
+  DType dtype;
+  int shards;
+};
+
+class CheckpointLoadTest : public CheckpointTest,
+                           public ::testing::WithParamInterface<LoadCase> {};
+
+TEST_P(CheckpointLoadTest, LoadsEveryTensorWithItsValues) {
+  const LoadCase& p = GetParam();
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig(p.arch), p.dtype, p.shards));
+  auto ckpt = Checkpoint::Open(dir_);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  const ModelConfig& c = (*ckpt)->config();
+  EXPECT_EQ(c.attention_bias, p.arch == "qwen2");
+  EXPECT_EQ(c.qk_norm, p.arch == "qwen3");
+  EXPECT_EQ(c.tie_word_embeddings, p.arch == "qwen2");
+  EXPECT_EQ(c.head_dim, p.arch == "qwen3" ? 16 : 8);
+
+  int64_t params = 0;
+  for (const auto& [name, shape] : ExpectedTensors(c)) {
+    auto view = (*ckpt)->Tensor(name);
+    ASSERT_TRUE(view.ok()) << view.status();
+    EXPECT_EQ(view->dtype, p.dtype) << name;
+    EXPECT_EQ(view->shape, shape) << name;
+    if (p.shards > 1) EXPECT_THAT(view->file, HasSubstr("-of-0000")) << name;
+    auto values = (*ckpt)->ReadFloat(name);
+    ASSERT_TRUE(values.ok());
+    ASSERT_EQ(static_cast<int64_t>(values->size()), view->NumElements());
+    for (size_t k = 0; k < values->size(); ++k) {
+      ASSERT_EQ((*values)[k], ValueFor(name, k)) << name << "[" << k << "]";
+    }
+    params += view->NumElements();
+  }
+  EXPECT_EQ(c.NumParameters(), params);
+  EXPECT_EQ((*ckpt)->Tensor("lm_head.weight").ok(), !c.tie_word_embeddings);
+  EXPECT_FALSE((*ckpt)->Tensor("model.layers.9.mlp.up_proj.weight").ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    ArchDtypeShards, CheckpointLoadTest,
+    ::testing::Values(LoadCase{"llama", DType::kF32, 1}, LoadCase{"llama", DType::kBF16, 1},
+                      LoadCase{"llama", DType::kF16, 1}, LoadCase{"mistral", DType::kBF16, 1},
+                      LoadCase{"qwen2", DType::kF32, 1}, LoadCase{"qwen2", DType::kBF16, 1},
+                      LoadCase{"qwen3", DType::kF32, 1}, LoadCase{"qwen3", DType::kBF16, 1},
+                      LoadCase{"llama", DType::kBF16, 3}, LoadCase{"qwen2", DType::kF32, 2},
+                      LoadCase{"qwen3", DType::kBF16, 4}),
+    [](const auto& info) {
+      return absl::StrCat(info.param.arch, "_", DTypeName(info.param.dtype), "_",
+                          info.param.shards, "shard");
+    });
+
+TEST_F(CheckpointTest, IgnoresExtraTensors) {
+  auto config = ModelConfig::FromJson(TinyConfig("llama").dump(), "config.json");
+  ASSERT_TRUE(config.ok());
+  WriteText("config.json", TinyConfig("llama").dump());
+  SafetensorsWriter writer;
+  for (const auto& [name, shape] : ExpectedTensors(*config)) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    writer.AddFloat(name, DType::kF32, shape, std::vector<float>(n, 0.5f));
+  }
+  // Older exports carry the rotary inverse frequencies as a buffer.
+  writer.AddFloat("model.layers.0.self_attn.rotary_emb.inv_freq", DType::kF32, {4}, {1, 2, 3, 4});
+  ASSERT_TRUE(writer.Write(dir_ + "/model.safetensors").ok());
+  auto ckpt = Checkpoint::Open(dir_);
+  ASSERT_TRUE(ckpt.ok()) << ckpt.status();
+  EXPECT_EQ((*ckpt)->ReadFloat("model.norm.weight")->at(0), 0.5f);
+}
+
+// ---------------------------------------------------------------------------------------------
+// config.json.
+
+TEST(ModelConfigTest, ReadsLlama3RopeScalingAndEosList) {
+  json j = TinyConfig("llama");
+  j["eos_token_id"] = {128001, 128009};
+  auto c = ModelConfig::FromJson(j.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->architecture, Architecture::kLlama);
+  EXPECT_EQ(c->rope.head_dim, 8);
+  EXPECT_FLOAT_EQ(c->rope.theta, 500000.0f);
+  EXPECT_TRUE(c->rope.llama3_scaling);
+  EXPECT_FLOAT_EQ(c->rope.factor, 8.0f);
+  EXPECT_FLOAT_EQ(c->rope.high_freq_factor, 4.0f);
+  EXPECT_EQ(c->rope.original_max_position, 32);
+  EXPECT_EQ(c->bos_token_id, 1);
+  EXPECT_EQ(c->eos_token_ids, (std::vector<int32_t>{128001, 128009}));
+  EXPECT_FLOAT_EQ(c->rms_norm_eps, 1e-5f);
+}
+
+TEST(ModelConfigTest, AppliesHuggingFaceDefaults) {
+  json j = TinyConfig("mistral");
+  j.erase("rope_theta");
+  j.erase("num_key_value_heads");
+  j.erase("torch_dtype");
+  j.erase("rms_norm_eps");
+  j["bos_token_id"] = nullptr;
+  auto c = ModelConfig::FromJson(j.dump(), "config.json");
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_FLOAT_EQ(c->rope.theta, 10000.0f);
+  EXPECT_FALSE(c->rope.llama3_scaling);
+  EXPECT_EQ(c->num_kv_heads, 4);  // multi-head attention
+  EXPECT_EQ(c->head_dim, 8);      // hidden / heads
+  EXPECT_FALSE(c->tie_word_embeddings);
+  EXPECT_FALSE(c->attention_bias);
+  EXPECT_EQ(c->torch_dtype, DType::kBF16);
+  EXPECT_FLOAT_EQ(c->rms_norm_eps, 1e-6f);
+  EXPECT_EQ(c->bos_token_id, -1);
+  EXPECT_EQ(c->eos_token_ids, std::vector<int32_t>{2});
+}
+
+TEST(ModelConfigTest, Qwen2HasBiasesWithoutAFlagAndLlamaOnlyWithOne) {
+  auto qwen2 = ModelConfig::FromJson(TinyConfig("qwen2").dump(), "config.json");
+  ASSERT_TRUE(qwen2.ok());
+  EXPECT_TRUE(qwen2->attention_bias);
+  EXPECT_FLOAT_EQ(qwen2->rope.theta, 1e6f);
+  EXPECT_TRUE(ExpectedTensors(*qwen2).count("model.layers.1.self_attn.v_proj.bias"));
+  EXPECT_FALSE(ExpectedTensors(*qwen2).count("lm_head.weight"));
+
+  json j = TinyConfig("llama");
+  j["attention_bias"] = true;
+  auto llama = ModelConfig::FromJson(j.dump(), "config.json");
+  ASSERT_TRUE(llama.ok());
+  EXPECT_TRUE(llama->attention_bias);
+  EXPECT_EQ(ExpectedTensors(*llama).at("model.layers.0.self_attn.k_proj.bias"),
+            (std::vector<int64_t>{16}));
+}
+
+TEST(ModelConfigTest, Qwen3ShapesFollowExplicitHeadDim) {
+  auto c = ModelConfig::FromJson(TinyConfig("qwen3").dump(), "config.json");
+  ASSERT_TRUE(c.ok());
+  EXPECT_TRUE(c->qk_norm);
+  auto t = ExpectedTensors(*c);
+  EXPECT_EQ(t.at("model.layers.0.self_attn.q_proj.weight"), (std::vector<int64_t>{64, 32}));
+  EXPECT_EQ(t.at("model.layers.0.self_attn.o_proj.weight"), (std::vector<int64_t>{32, 64}));
+  EXPECT_EQ(t.at("model.layers.0.self_attn.k_norm.weight"), (std::vector<int64_t>{16}));
+  // embed 96x32; per layer: norms 2x32, q 64x32, k and v 32x32, o 32x64, q/k norms 2x16,
+  // mlp 3x48x32; final norm 32; lm_head 96x32.
+  int64_t per_layer = 64 + 2048 + 2 * 1024 + 2048 + 32 + 3 * 48 * 32;
+  EXPECT_EQ(c->NumParameters(), 96 * 32 + 2 * per_layer + 32 + 96 * 32);
+}
+
+TEST(ModelConfigTest, RoundTripsThroughToJson) {
+  for (const char* arch : {"llama", "mistral", "qwen2", "qwen3"}) {
+    auto c = ModelConfig::FromJson(TinyConfig(arch).dump(), "config.json");
+    ASSERT_TRUE(c.ok());
+    auto back = ModelConfig::FromJson(c->ToJson(), "round trip");
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(back->ToJson(), c->ToJson()) << arch;
+    EXPECT_EQ(back->attention_bias, c->attention_bias) << arch;
+    EXPECT_EQ(back->rope.llama3_scaling, c->rope.llama3_scaling) << arch;
+    EXPECT_EQ(back->rms_norm_eps, c->rms_norm_eps) << arch;
+    EXPECT_EQ(back->eos_token_ids, c->eos_token_ids) << arch;
+    EXPECT_EQ(back->head_dim, c->head_dim) << arch;
+  }
+}
+
+TEST(ModelConfigTest, RefusesInconsistentShapes) {
+  json j = TinyConfig("llama");
+  j["num_key_value_heads"] = 3;
+  EXPECT_THAT(ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
+              AllOf(HasSubstr("m/config.json"), HasSubstr("num_key_value_heads (3)")));
+  j = TinyConfig("llama");
+  j["hidden_size"] = 30;
+  EXPECT_THAT(ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
+              HasSubstr("divisible by num_attention_heads"));
+  j = TinyConfig("llama");
+  j["num_hidden_layers"] = 0;
+  EXPECT_THAT(ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
+              HasSubstr("\"num_hidden_layers\" must be a positive integer"));
+  j = TinyConfig("llama");
+  j.erase("vocab_size");
+  EXPECT_THAT(ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
+              HasSubstr("missing required field \"vocab_size\""));
+}
+
+TEST(ModelConfigTest, RopeScalingDefaultTypeMeansNone) {
+  json j = TinyConfig("llama");
+  j["rope_scaling"] = {{"type", "default"}};
+  auto c = ModelConfig::FromJson(j.dump(), "config.json");
+  ASSERT_TRUE(c.ok());
+  EXPECT_FALSE(c->rope.llama3_scaling);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Malformed checkpoints: each refused with a message naming the file and what is wrong.
+
+TEST_F(CheckpointTest, RefusesTruncatedFile) {
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("llama"), DType::kBF16));
+  const std::string path = dir_ + "/model.safetensors";
+  fs::resize_file(path, fs::file_size(path) - 1);
+  // The writer lays tensors out in the order added (sorted by name), so model.norm.weight is
+  // last and the one cut short.
+  EXPECT_THAT(OpenError(dir_),
+              AllOf(HasSubstr(path), HasSubstr("truncated"), HasSubstr("model.norm.weight")));
+}
+
+TEST_F(CheckpointTest, RefusesHeaderLengthBeyondFile) {
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("llama"), DType::kBF16));
+  const std::string path = dir_ + "/model.safetensors";
+  const uint64_t size = fs::file_size(path);
+  auto set_header_length = [&](uint64_t length) {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    unsigned char le[8];
+    for (int i = 0; i < 8; ++i) le[i] = static_cast<unsigned char>(length >> (8 * i));
+    f.write(reinterpret_cast<const char*>(le), 8);
+  };
+  set_header_length(size);
+  EXPECT_THAT(OpenError(dir_),
+              AllOf(HasSubstr(path), HasSubstr("header length"), HasSubstr("beyond the file")));
+  set_header_length(uint64_t{1} << 40);
+  EXPECT_THAT(OpenError(dir_), AllOf(HasSubstr(path), HasSubstr("not sane")));
+  fs::resize_file(path, 5);
+  EXPECT_THAT(OpenError(dir_), AllOf(HasSubstr(path), HasSubstr("truncated")));
+}
+
+TEST_F(CheckpointTest, RefusesMisshapedTensor) {
+  WriteText("config.json", TinyConfig("llama").dump());
+  // 2x3 F32 needs 24 bytes; the offsets give 20.
+  WriteRaw("model.safetensors",
+           R"({"model.norm.weight":{"dtype":"F32","shape":[2,3],"data_offsets":[0,20]}})", 24);
+  EXPECT_THAT(OpenError(dir_),
+              AllOf(HasSubstr(dir_ + "/model.safetensors"), HasSubstr("model.norm.weight"),
+                    HasSubstr("misshaped"), HasSubstr("[2, 3]")));
+}
+
+TEST_F(CheckpointTest, RefusesReversedOffsetsAndBadHeaderJson) {
+  WriteText("config.json", TinyConfig("llama").dump());
+  WriteRaw("model.safetensors",
+           R"({"model.norm.weight":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", 8);
+  EXPECT_THAT(OpenError(dir_), AllOf(HasSubstr("model.norm.weight"), HasSubstr("reversed")));
+  WriteRaw("model.safetensors", R"({"model.norm.weight":{"dtype":)", 8);
+  EXPECT_THAT(OpenError(dir_),
+              AllOf(HasSubstr(dir_ + "/model.safetensors"), HasSubstr("bad JSON header")));
+}
+
+TEST_F(CheckpointTest, RefusesTensorOfTheWrongShape) {
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("llama"), DType::kF32));
+  json j = TinyConfig("llama");
+  j["intermediate_size"] = 40;  // the weights were written for 48
+  WriteText("config.json", j.dump());
+  EXPECT_THAT(OpenError(dir_),
+              AllOf(HasSubstr(dir_ + "/model.safetensors"),
+                    HasSubstr("tensor model.layers.0.mlp.down_proj.weight has shape [32, 48], "
+                              "expected [32, 40]")));
+}
+
+TEST_F(CheckpointTest, RefusesUnknownArchitecture) {
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("llama"), DType::kF32));
+  json j = TinyConfig("llama");
+  j["architectures"] = {"GPT2LMHeadModel"};
+  WriteText("config.json", j.dump());
+  EXPECT_THAT(OpenError(dir_), AllOf(HasSubstr(dir_ + "/config.json"),
+                                     HasSubstr("unsupported architecture GPT2LMHeadModel")));
+}
+
+TEST_F(CheckpointTest, RefusesMissingTensor) {
+  ASSERT_NO_FATAL_FAILURE(
+      WriteCheckpoint(TinyConfig("llama"), DType::kBF16, 1, "model.layers.1.mlp.up_proj.weight"));
+  EXPECT_THAT(
+      OpenError(dir_),
+      HasSubstr(dir_ + "/model.safetensors: missing tensor model.layers.1.mlp.up_proj.weight"));
+}
+
+TEST_F(CheckpointTest, RefusesMissingQwenBiasAndQkNorm) {
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("qwen2"), DType::kBF16, 1,
+                                          "model.layers.0.self_attn.q_proj.bias"));
+  EXPECT_THAT(OpenError(dir_), HasSubstr("missing tensor model.layers.0.self_attn.q_proj.bias"));
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("qwen3"), DType::kBF16, 1,
+                                          "model.layers.1.self_attn.k_norm.weight"));
+  EXPECT_THAT(OpenError(dir_), HasSubstr("missing tensor model.layers.1.self_attn.k_norm.weight"));
+}
+
+TEST_F(CheckpointTest, RefusesUnsupportedDtype) {
+  WriteText("config.json", TinyConfig("llama").dump());
+  WriteRaw("model.safetensors",
+           R"({"__metadata__":{"format":"pt"},)"
+           R"("model.embed_tokens.weight":{"dtype":"I8","shape":[96,32],"data_offsets":[0,3072]}})",
+           3072);
+  EXPECT_THAT(OpenError(dir_),
+              AllOf(HasSubstr(dir_ + "/model.safetensors"), HasSubstr("model.embed_tokens.weight"),
+                    HasSubstr("unsupported dtype I8")));
+}
+
+TEST_F(CheckpointTest, RefusesMissingOrBadConfig) {
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("llama"), DType::kF32));
+  fs::remove(dir_ + "/config.json");
+  absl::Status missing = Checkpoint::Open(dir_).status();
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(missing.message(), HasSubstr(dir_ + "/config.json"));
+  WriteText("config.json", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 32,)");
+  EXPECT_THAT(OpenError(dir_), AllOf(HasSubstr(dir_ + "/config.json"), HasSubstr("bad JSON")));
+}
+
+TEST_F(CheckpointTest, RefusesDirectoryWithoutWeights) {
+  WriteText("config.json", TinyConfig("llama").dump());
+  EXPECT_THAT(OpenError(dir_),
+              AllOf(HasSubstr(dir_), HasSubstr("no model.safetensors or "
+                                               "model.safetensors.index.json")));
+}
+
+TEST_F(CheckpointTest, RefusesIndexPointingToMissingShard) {
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("qwen3"), DType::kBF16, 3));
+  fs::remove(dir_ + "/" + ShardName(1, 3));
+  EXPECT_THAT(OpenError(dir_),
+              AllOf(HasSubstr(dir_ + "/model.safetensors.index.json"), HasSubstr("tensor model."),
+                    HasSubstr(ShardName(1, 3)), HasSubstr("cannot open")));
+}
+
+TEST_F(CheckpointTest, RefusesIndexNamingTheWrongShard) {
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("llama"), DType::kBF16, 2));
+  auto index = json::parse(std::ifstream(dir_ + "/model.safetensors.index.json"));
+  const std::string name = "model.norm.weight";
+  const std::string wrong =
+      index["weight_map"][name] == ShardName(0, 2) ? ShardName(1, 2) : ShardName(0, 2);
+  index["weight_map"][name] = wrong;
+  WriteText("model.safetensors.index.json", index.dump());
+  EXPECT_THAT(OpenError(dir_), AllOf(HasSubstr("model.safetensors.index.json"), HasSubstr(name),
+                                     HasSubstr(wrong), HasSubstr("does not hold it")));
+}
+
+TEST_F(CheckpointTest, RefusesMissingTensorInShardedIndex) {
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("qwen2"), DType::kBF16, 2,
+                                          "model.layers.0.mlp.gate_proj.weight"));
+  EXPECT_THAT(OpenError(dir_), HasSubstr(dir_ + "/model.safetensors.index.json: missing tensor "
+                                                "model.layers.0.mlp.gate_proj.weight"));
+}
+
+TEST_F(CheckpointTest, RefusesUnknownRopeScalingType) {
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("llama"), DType::kF32));
+  json j = TinyConfig("llama");
+  j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+  WriteText("config.json", j.dump());
+  EXPECT_THAT(OpenError(dir_), AllOf(HasSubstr(dir_ + "/config.json"),
+                                     HasSubstr("unsupported rope_scaling type yarn")));
+}
+
+// ---------------------------------------------------------------------------------------------
+// SafetensorsWriter.
+
+TEST_F(CheckpointTest, WriterAlignsDataAndStreamsGeneratedTensors) {
+  SafetensorsWriter writer;
+  writer.AddFloat("a", DType::kF16, {3}, {0.5f, -2.0f, 65504.0f});
+  writer.AddGenerated("b", DType::kBF16, {2, 3}, [](int64_t first, int64_t count, float* out) {
+    for (int64_t i = 0; i < count; ++i) out[i] = static_cast<float>(first + i) * 0.25f;
+  });
+  const uint16_t raw[2] = {FloatToBf16(1.5f), FloatToBf16(-3.0f)};
+  writer.Add("c", DType::kBF16, {2}, raw, sizeof(raw));
+  EXPECT_EQ(writer.TotalBytes(), 6u + 12u + 4u);
+  const std::string path = dir_ + "/w.safetensors";
+  ASSERT_TRUE(writer.Write(path).ok());
+
+  // 8-byte length, header padded with spaces to a multiple of 8, then the data.
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(bytes[i]);
+  EXPECT_EQ(header_len % 8, 0u);
+  EXPECT_EQ(bytes.size(), 8 + header_len + 22);
+  auto header = json::parse(bytes.substr(8, header_len));
+  EXPECT_EQ(header["__metadata__"]["format"], "pt");
+  EXPECT_EQ(header["b"]["dtype"], "BF16");
+
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  std::vector<float> a(3), b(6), c(2);
+  file.value()->tensors().at("a").ToFloat(a.data());
+  file.value()->tensors().at("b").ToFloat(b.data());
+  file.value()->tensors().at("c").ToFloat(c.data());
+  EXPECT_EQ(a, (std::vector<float>{0.5f, -2.0f, 65504.0f}));
+  EXPECT_EQ(b, (std::vector<float>{0, 0.25f, 0.5f, 0.75f, 1.0f, 1.25f}));
+  EXPECT_EQ(c, (std::vector<float>{1.5f, -3.0f}));
+  // The temporary file was renamed into place, not left beside it.
+  int files = 0;
+  for (const auto& entry : fs::directory_iterator(dir_)) files += entry.is_regular_file();
+  EXPECT_EQ(files, 1);
+}
+
+}  // namespace
+}  // namespace tandem::engine
