@@ -99,9 +99,8 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
       std::string shard = shard_json.get<std::string>();
       // Shard names are plain file names; a path could escape the checkpoint directory.
       if (shard.empty() || shard.find('/') != std::string::npos || shard == "." || shard == "..") {
-        return absl::InvalidArgumentError(absl::StrCat(index_path, ": tensor ", name,
-                                                       ": shard \"", shard,
-                                                       "\" is not a file name in ", dir));
+        return absl::InvalidArgumentError(absl::StrCat(index_path, ": tensor ", name, ": shard \"",
+                                                       shard, "\" is not a file name in ", dir));
       }
       auto it = shards.find(shard);
       if (it == shards.end()) {
@@ -116,9 +115,9 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
       }
       auto tensor = it->second->tensors().find(name);
       if (tensor == it->second->tensors().end()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            index_path, ": tensor ", name, " is listed in shard ", shard, " but ",
-            it->second->path(), " does not hold it"));
+        return absl::InvalidArgumentError(absl::StrCat(index_path, ": tensor ", name,
+                                                       " is listed in shard ", shard, " but ",
+                                                       it->second->path(), " does not hold it"));
       }
       ckpt->index_[name] = &tensor->second;
     }

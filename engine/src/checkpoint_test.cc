@@ -98,8 +98,8 @@ class CheckpointTest : public ::testing::Test {
     for (char& c : name) {
       if (c == '/') c = '_';
     }
-    dir_ = (fs::temp_directory_path() / absl::StrCat("tandem_ckpt_", ::getpid(), "_", name))
-               .string();
+    dir_ =
+        (fs::temp_directory_path() / absl::StrCat("tandem_ckpt_", ::getpid(), "_", name)).string();
     fs::remove_all(dir_);
     fs::create_directories(dir_);
   }
@@ -160,8 +160,7 @@ struct LoadCase {
   int shards;
 };
 
-class CheckpointLoadTest : public CheckpointTest,
-                           public ::testing::WithParamInterface<LoadCase> {};
+class CheckpointLoadTest : public CheckpointTest, public ::testing::WithParamInterface<LoadCase> {};
 
 TEST_P(CheckpointLoadTest, LoadsEveryTensorWithItsValues) {
   const LoadCase& p = GetParam();
@@ -203,8 +202,8 @@ INSTANTIATE_TEST_SUITE_P(
                       LoadCase{"llama", DType::kBF16, 3}, LoadCase{"qwen2", DType::kF32, 2},
                       LoadCase{"qwen3", DType::kBF16, 4}),
     [](const auto& info) {
-      return absl::StrCat(info.param.arch, "_", DTypeName(info.param.dtype), "_",
-                          info.param.shards, "shard");
+      return absl::StrCat(info.param.arch, "_", DTypeName(info.param.dtype), "_", info.param.shards,
+                          "shard");
     });
 
 TEST_F(CheckpointTest, IgnoresExtraTensors) {
@@ -451,9 +450,8 @@ TEST_F(CheckpointTest, RefusesMissingOrBadConfig) {
 
 TEST_F(CheckpointTest, RefusesDirectoryWithoutWeights) {
   WriteText("config.json", TinyConfig("llama").dump());
-  EXPECT_THAT(OpenError(dir_),
-              AllOf(HasSubstr(dir_), HasSubstr("no model.safetensors or "
-                                               "model.safetensors.index.json")));
+  EXPECT_THAT(OpenError(dir_), AllOf(HasSubstr(dir_), HasSubstr("no model.safetensors or "
+                                                                "model.safetensors.index.json")));
 }
 
 TEST_F(CheckpointTest, RefusesIndexPointingToMissingShard) {
@@ -477,8 +475,8 @@ TEST_F(CheckpointTest, RefusesIndexNamingTheWrongShard) {
 }
 
 TEST_F(CheckpointTest, RefusesMissingTensorInShardedIndex) {
-  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("qwen2"), DType::kBF16, 2,
-                                          "model.layers.0.mlp.gate_proj.weight"));
+  ASSERT_NO_FATAL_FAILURE(
+      WriteCheckpoint(TinyConfig("qwen2"), DType::kBF16, 2, "model.layers.0.mlp.gate_proj.weight"));
   EXPECT_THAT(OpenError(dir_), HasSubstr(dir_ + "/model.safetensors.index.json: missing tensor "
                                                 "model.layers.0.mlp.gate_proj.weight"));
 }

@@ -118,8 +118,8 @@ absl::Status ParseRopeScaling(const FieldReader& reader, kernels::RopeConfig& ro
   }
   if (type == "default") return absl::OkStatus();
   if (type != "llama3") {
-    return reader.Error(absl::StrCat("unsupported rope_scaling type ",
-                                     type.empty() ? "(none given)" : type));
+    return reader.Error(
+        absl::StrCat("unsupported rope_scaling type ", type.empty() ? "(none given)" : type));
   }
   TANDEM_ASSIGN_OR_RETURN(double factor, reader.Number(s, "factor", 0, /*required=*/true));
   TANDEM_ASSIGN_OR_RETURN(double low, reader.Number(s, "low_freq_factor", 0, true));
@@ -150,9 +150,12 @@ double ShortestDecimal(float x) {
 
 const char* TorchDtypeName(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "float32";
-    case DType::kF16: return "float16";
-    case DType::kBF16: return "bfloat16";
+    case DType::kF32:
+      return "float32";
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
   }
   return "bfloat16";
 }
@@ -188,10 +191,10 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view text,
     }
   }
   if (!known) {
-    return reader.Error(absl::StrCat(
-        "unsupported architecture ", c.architecture_name,
-        " (Tandem serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
-        "Qwen3ForCausalLM)"));
+    return reader.Error(
+        absl::StrCat("unsupported architecture ", c.architecture_name,
+                     " (Tandem serves LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                     "Qwen3ForCausalLM)"));
   }
   if (root.contains("model_type") && root["model_type"].is_string()) {
     c.model_type = root["model_type"].get<std::string>();
@@ -204,8 +207,7 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view text,
   TANDEM_ASSIGN_OR_RETURN(c.num_heads, reader.PositiveInt("num_attention_heads"));
   // Multi-head attention checkpoints omit num_key_value_heads.
   TANDEM_ASSIGN_OR_RETURN(c.num_kv_heads, reader.PositiveInt("num_key_value_heads", c.num_heads));
-  TANDEM_ASSIGN_OR_RETURN(c.max_position_embeddings,
-                          reader.PositiveInt("max_position_embeddings"));
+  TANDEM_ASSIGN_OR_RETURN(c.max_position_embeddings, reader.PositiveInt("max_position_embeddings"));
   if (c.num_heads % c.num_kv_heads != 0) {
     return reader.Error(absl::StrCat("num_attention_heads (", c.num_heads,
                                      ") must be a multiple of num_key_value_heads (",
@@ -217,14 +219,14 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view text,
   } else {
     if (c.hidden_size % c.num_heads != 0) {
       return reader.Error(absl::StrCat("hidden_size (", c.hidden_size,
-                                       ") must be divisible by num_attention_heads (",
-                                       c.num_heads, ") when head_dim is not given"));
+                                       ") must be divisible by num_attention_heads (", c.num_heads,
+                                       ") when head_dim is not given"));
     }
     c.head_dim = c.hidden_size / c.num_heads;
   }
   if (c.head_dim % 2 != 0) {
-    return reader.Error(absl::StrCat("head_dim must be even for rotary embeddings, got ",
-                                     c.head_dim));
+    return reader.Error(
+        absl::StrCat("head_dim must be even for rotary embeddings, got ", c.head_dim));
   }
 
   // transformers' default for Llama, Mistral and Qwen is 1e-6.

@@ -150,8 +150,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
                               " is not sane (over 100 MB); not a safetensors file?"));
   }
   if (header_len > size - 8) {
-    return error(absl::StrCat("truncated: header length ", header_len, " is beyond the file size ",
-                              size));
+    return error(
+        absl::StrCat("truncated: header length ", header_len, " is beyond the file size ", size));
   }
   const char* header_begin = reinterpret_cast<const char*>(file->data() + 8);
   json header;
@@ -171,9 +171,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       return error(absl::StrCat("tensor ", name, ": ", message));
     };
     if (!entry.is_object() || !entry.contains("dtype") || !entry["dtype"].is_string() ||
-        !entry.contains("shape") || !entry["shape"].is_array() ||
-        !entry.contains("data_offsets") || !entry["data_offsets"].is_array() ||
-        entry["data_offsets"].size() != 2) {
+        !entry.contains("shape") || !entry["shape"].is_array() || !entry.contains("data_offsets") ||
+        !entry["data_offsets"].is_array() || entry["data_offsets"].size() != 2) {
       return tensor_error("entry needs dtype, shape and data_offsets [begin, end]");
     }
     TensorView view;
@@ -258,9 +257,8 @@ absl::Status SafetensorsWriter::Write(const std::string& path) const {
   uint64_t offset = 0;
   for (const Entry& e : entries_) {
     uint64_t n = static_cast<uint64_t>(ElementCount(e.shape)) * DTypeSize(e.dtype);
-    header[e.name] = {{"dtype", DTypeName(e.dtype)},
-                      {"shape", e.shape},
-                      {"data_offsets", {offset, offset + n}}};
+    header[e.name] = {
+        {"dtype", DTypeName(e.dtype)}, {"shape", e.shape}, {"data_offsets", {offset, offset + n}}};
     offset += n;
   }
   std::string text = header.dump();

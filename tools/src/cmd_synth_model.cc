@@ -1,5 +1,94 @@
+// `tandem synth-model`: writes a synthetic Hugging Face checkpoint (see synth_model.h).
 #include <cstdio>
+#include <filesystem>
+#include <string>
+
+#include "absl/strings/str_cat.h"
 #include "commands.h"
+#include "tandem/base/status_macros.h"
+#include "tandem/engine/checkpoint.h"
+#include "tandem/tools/args.h"
+#include "tandem/tools/synth_model.h"
+
 namespace tandem::tools {
-int RunSynthModel(int, char**) { std::fprintf(stderr, "not built yet\n"); return 1; }
+namespace {
+
+absl::StatusOr<DType> ParseDType(const std::string& name) {
+  if (name == "bf16") return DType::kBF16;
+  if (name == "f16") return DType::kF16;
+  if (name == "f32") return DType::kF32;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--dtype must be bf16, f16 or f32, got '", name, "'"));
+}
+
+absl::Status Run(int argc, char** argv) {
+  Args args("synth-model");
+  args.Declare("out", "DIR", "output directory (created if missing)");
+  args.Declare("preset", "NAME", "tiny | small | llama3-8b (default tiny)");
+  args.Declare("arch", "NAME", "llama | mistral | qwen2 | qwen3 (default llama)");
+  args.Declare("seed", "N", "weight seed (default 0)");
+  args.Declare("dtype", "TYPE", "bf16 | f16 | f32 (default bf16)");
+  args.Declare("tokenizer", "FILE", "tokenizer.json to copy (default: train a small BPE)");
+  args.Declare("max-shard-bytes", "N", "shard the weights into files of at most N bytes");
+  TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
+  if (args.help_requested()) {
+    std::fputs(args.Usage().c_str(), stdout);
+    return absl::OkStatus();
+  }
+  if (!args.positional().empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unexpected argument '", args.positional()[0], "'"));
+  }
+  SynthModelOptions options;
+  if (!args.Has("out")) return absl::InvalidArgumentError("--out DIR is required");
+  options.out_dir = *args.Get("out");
+  options.preset = args.GetOr("preset", options.preset);
+  options.arch = args.GetOr("arch", options.arch);
+  TANDEM_ASSIGN_OR_RETURN(int64_t seed, args.Int("seed", 0));
+  if (seed < 0) return absl::InvalidArgumentError("--seed must be >= 0");
+  options.seed = static_cast<uint64_t>(seed);
+  TANDEM_ASSIGN_OR_RETURN(options.dtype, ParseDType(args.GetOr("dtype", "bf16")));
+  options.tokenizer_json_path = args.GetOr("tokenizer", "");
+  TANDEM_ASSIGN_OR_RETURN(int64_t shard_bytes, args.Int("max-shard-bytes", 0));
+  if (shard_bytes < 0) {
+    return absl::InvalidArgumentError("--max-shard-bytes must be >= 0");
+  }
+  options.max_shard_bytes = static_cast<uint64_t>(shard_bytes);
+
+  TANDEM_RETURN_IF_ERROR(WriteSyntheticModel(options));
+
+  // Reports what is on disk, read back through the loader.
+  TANDEM_ASSIGN_OR_RETURN(auto ckpt, engine::Checkpoint::Open(options.out_dir));
+  uint64_t bytes = 0;
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(options.out_dir)) {
+    if (entry.path().extension() == ".safetensors") {
+      bytes += entry.file_size();
+      ++files;
+    }
+  }
+  const engine::ModelConfig& c = ckpt->config();
+  std::printf(
+      "wrote %s: %s (%s preset), %lld parameters, vocab %d, %s weights in %d file(s), "
+      "%llu bytes\n",
+      options.out_dir.c_str(), c.architecture_name.c_str(), options.preset.c_str(),
+      static_cast<long long>(c.NumParameters()), c.vocab_size, DTypeName(options.dtype), files,
+      static_cast<unsigned long long>(bytes));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunSynthModel(int argc, char** argv) {
+  absl::Status status = Run(argc, argv);
+  if (!status.ok()) {
+    // Args already names the subcommand in its messages.
+    std::string message(status.message());
+    if (message.rfind("synth-model: ", 0) != 0) message = "synth-model: " + message;
+    std::fprintf(stderr, "tandem %s\n", message.c_str());
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace tandem::tools

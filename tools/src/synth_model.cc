@@ -1,1 +1,459 @@
-// placeholder
+#include "tandem/tools/synth_model.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "nlohmann/json.hpp"
+#include "tandem/base/status_macros.h"
+#include "tandem/engine/checkpoint.h"
+#include "tandem/tools/bpe_trainer.h"
+
+namespace tandem::tools {
+namespace {
+
+using engine::Architecture;
+using engine::ModelConfig;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+// The Llama 3 chat template, as shipped in Meta-Llama-3's tokenizer_config.json.
+constexpr char kLlama3ChatTemplate[] =
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | "
+    "trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}"
+    "{% endif %}{{ content }}{% endfor %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' "
+    "}}";
+
+constexpr char kBeginOfText[] = "<|begin_of_text|>";
+constexpr char kEndOfText[] = "<|end_of_text|>";
+constexpr char kEndOfTurn[] = "<|eot_id|>";
+
+struct Preset {
+  const char* name;
+  int hidden;
+  int layers;
+  int heads;
+  int kv_heads;
+  int intermediate;
+  int max_position;
+  int bpe_vocab;  // size of the BPE trained when no tokenizer is given
+  int min_vocab;  // the embedding keeps at least this many rows
+};
+
+constexpr Preset kPresets[] = {
+    // Non-power-of-two intermediate sizes catch kernels that assume tile multiples.
+    {"tiny", 64, 2, 4, 2, 160, 2048, 512, 0},
+    {"small", 512, 8, 8, 4, 1536, 4096, 4096, 0},
+    {"llama3-8b", 4096, 32, 32, 8, 14336, 131072, 4096, 128256},
+};
+
+// ---------------------------------------------------------------------------------------------
+// Deterministic weights. Element i of a tensor is the i-th output of a SplitMix64 stream keyed
+// by (seed, tensor name), turned into a bounded normal-like value with integer arithmetic only,
+// so the bytes do not depend on the standard library, the shard layout or the write order.
+
+uint64_t SplitMix64Mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull;
+
+uint64_t TensorKey(uint64_t seed, const std::string& name) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+  for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ull;
+  return SplitMix64Mix(seed * kGolden ^ h);
+}
+
+// Sum of four 16-bit uniforms (Irwin-Hall), centred and scaled to unit variance: close to a
+// standard normal, bounded by +-3.46 so no single weight blows up an activation.
+float NormalLike(uint64_t bits) {
+  int32_t sum = 0;
+  for (int k = 0; k < 4; ++k) sum += static_cast<int32_t>((bits >> (16 * k)) & 0xffff);
+  // sum has mean 4 * 32767.5 and variance 4 * (65536^2 - 1) / 12.
+  constexpr double kMean = 4 * 32767.5;
+  constexpr double kInvStd = 1.0 / 37837.22620210879;  // sqrt(4 * (65536^2 - 1) / 12)
+  return static_cast<float>((sum - kMean) * kInvStd);
+}
+
+// How a tensor's values are drawn: mean + std * NormalLike.
+struct Init {
+  float mean;
+  float std;
+};
+
+// Scales that keep a random network's activations finite and its logits informative: unit
+// embeddings, projections with std 1/sqrt(fan_in) (variance preserving), residual-branch outputs
+// shrunk by 1/sqrt(2 * layers) so the residual stream stays dominated by the current token, and
+// norm weights near 1. Biases and q/k-norm weights are large enough that leaving one out changes
+// the logits visibly.
+Init InitFor(const std::string& name, const std::vector<int64_t>& shape, const ModelConfig& c) {
+  auto ends_with = [&](const char* suffix) {
+    size_t n = std::strlen(suffix);
+    return name.size() >= n && name.compare(name.size() - n, n, suffix) == 0;
+  };
+  const float residual_scale = 1.0f / std::sqrt(2.0f * c.num_layers);
+  if (ends_with("norm.weight")) return {1.0f, 0.1f};
+  if (ends_with(".bias")) return {0.0f, 0.2f};
+  if (name == "model.embed_tokens.weight") {
+    // Tied embeddings double as lm_head; unit-std rows would make logits ~sqrt(hidden) wide.
+    return {0.0f,
+            c.tie_word_embeddings ? static_cast<float>(std::pow(c.hidden_size, -0.25)) : 1.0f};
+  }
+  const float fan_in = static_cast<float>(shape.back());
+  float std = 1.0f / std::sqrt(fan_in);
+  if (ends_with("o_proj.weight") || ends_with("down_proj.weight")) std *= residual_scale;
+  return {0.0f, std};
+}
+
+// Tensors in checkpoint order (embedding, layers by number, final norm, lm_head), which is the
+// order a reader streams them in and the order shards are filled.
+std::vector<std::pair<std::string, std::vector<int64_t>>> OrderedTensors(const ModelConfig& c) {
+  auto expected = engine::ExpectedTensors(c);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out(expected.begin(), expected.end());
+  auto rank = [](const std::string& name) -> int64_t {
+    if (name == "model.embed_tokens.weight") return -1;
+    constexpr char kLayers[] = "model.layers.";
+    if (name.rfind(kLayers, 0) == 0) return std::atoll(name.c_str() + sizeof(kLayers) - 1);
+    return int64_t{1} << 40;  // model.norm, lm_head
+  };
+  std::stable_sort(out.begin(), out.end(),
+                   [&](const auto& a, const auto& b) { return rank(a.first) < rank(b.first); });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Files.
+
+absl::Status WriteFileAtomically(const std::string& path, const std::string& contents) {
+  const std::string temp = absl::StrCat(path, ".tmp.", ::getpid());
+  {
+    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
+    out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+    out.close();
+    if (!out) {
+      std::remove(temp.c_str());
+      return absl::InternalError(absl::StrCat(path, ": write failed"));
+    }
+  }
+  if (std::rename(temp.c_str(), path.c_str()) != 0) {
+    int err = errno;
+    std::remove(temp.c_str());
+    return absl::InternalError(
+        absl::StrCat(path, ": cannot rename into place: ", std::strerror(err)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+absl::StatusOr<json> ParseJson(const std::string& text, const std::string& source) {
+  try {
+    return json::parse(text);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": bad JSON: ", e.what()));
+  }
+}
+
+// Removes earlier weights so a shard layout from a previous run cannot mix with this one.
+void RemoveOldWeights(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    std::string name = entry.path().filename().string();
+    bool shard = name.rfind("model-", 0) == 0 && name.find("-of-") != std::string::npos &&
+                 name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0;
+    if (shard || name == "model.safetensors" || name == "model.safetensors.index.json") {
+      fs::remove(entry.path(), ec);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tokenizer.
+
+struct TokenizerFiles {
+  std::string tokenizer_json;
+  std::string tokenizer_config_json;
+  int vocab_size = 0;
+  int bos_token_id = -1;
+  std::vector<int32_t> eos_token_ids;
+};
+
+std::string SyntheticTokenizerConfig(int max_position) {
+  json j;
+  j["bos_token"] = kBeginOfText;
+  j["eos_token"] = kEndOfTurn;
+  j["chat_template"] = kLlama3ChatTemplate;
+  j["clean_up_tokenization_spaces"] = false;
+  j["model_max_length"] = max_position;
+  j["tokenizer_class"] = "PreTrainedTokenizerFast";
+  return j.dump(2) + "\n";
+}
+
+// The token named by a tokenizer_config.json entry: "<s>" or {"content": "<s>", ...}.
+std::string SpecialTokenName(const json& config, const char* key) {
+  if (!config.contains(key)) return "";
+  const json& v = config[key];
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_object() && v.contains("content") && v["content"].is_string()) {
+    return v["content"].get<std::string>();
+  }
+  return "";
+}
+
+// Fills vocab size and bos/eos ids from the tokenizer.json and tokenizer_config.json texts.
+absl::Status ResolveTokenIds(const std::string& source, TokenizerFiles& t) {
+  TANDEM_ASSIGN_OR_RETURN(json tok, ParseJson(t.tokenizer_json, source));
+  std::map<std::string, int> ids;
+  int max_id = -1;
+  auto add = [&](const std::string& token, const json& id) {
+    if (!id.is_number_integer()) return;
+    int v = id.get<int>();
+    ids[token] = v;
+    max_id = std::max(max_id, v);
+  };
+  if (tok.contains("model") && tok["model"].contains("vocab") &&
+      tok["model"]["vocab"].is_object()) {
+    for (const auto& [token, id] : tok["model"]["vocab"].items()) add(token, id);
+  }
+  if (tok.contains("added_tokens") && tok["added_tokens"].is_array()) {
+    for (const json& added : tok["added_tokens"]) {
+      if (added.contains("content") && added["content"].is_string() && added.contains("id")) {
+        add(added["content"].get<std::string>(), added["id"]);
+      }
+    }
+  }
+  if (max_id < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(source, ": no model.vocab or added_tokens; not a Hugging Face tokenizer"));
+  }
+  t.vocab_size = max_id + 1;
+
+  json config = json::object();
+  if (!t.tokenizer_config_json.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(config, ParseJson(t.tokenizer_config_json, "tokenizer_config.json"));
+  }
+  auto id_of = [&](const std::string& token) {
+    auto it = ids.find(token);
+    return it == ids.end() ? -1 : it->second;
+  };
+  t.bos_token_id = id_of(SpecialTokenName(config, "bos_token"));
+  if (t.bos_token_id < 0) t.bos_token_id = id_of(kBeginOfText);
+  // End of text and end of turn both stop generation, as in Llama 3 and Qwen releases.
+  for (const std::string& name :
+       {std::string(kEndOfText), std::string(kEndOfTurn), SpecialTokenName(config, "eos_token"),
+        std::string("<|endoftext|>"), std::string("<|im_end|>")}) {
+    int id = id_of(name);
+    if (id >= 0 &&
+        std::find(t.eos_token_ids.begin(), t.eos_token_ids.end(), id) == t.eos_token_ids.end()) {
+      t.eos_token_ids.push_back(id);
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<TokenizerFiles> PrepareTokenizer(const SynthModelOptions& options,
+                                                const Preset& preset) {
+  TokenizerFiles t;
+  std::string source;
+  if (!options.tokenizer_json_path.empty()) {
+    source = options.tokenizer_json_path;
+    TANDEM_ASSIGN_OR_RETURN(t.tokenizer_json, ReadFile(source));
+    fs::path config_path = fs::path(source).parent_path() / "tokenizer_config.json";
+    if (fs::exists(config_path)) {
+      TANDEM_ASSIGN_OR_RETURN(t.tokenizer_config_json, ReadFile(config_path.string()));
+    } else {
+      t.tokenizer_config_json = SyntheticTokenizerConfig(preset.max_position);
+    }
+  } else {
+    source = "trained tokenizer";
+    const std::vector<std::string> specials = {kBeginOfText, kEndOfText, "<|start_header_id|>",
+                                               "<|end_header_id|>", kEndOfTurn};
+    TANDEM_ASSIGN_OR_RETURN(t.tokenizer_json,
+                            TrainByteLevelBpe(BuiltinTrainingText(), preset.bpe_vocab, specials));
+    t.tokenizer_config_json = SyntheticTokenizerConfig(preset.max_position);
+  }
+  TANDEM_RETURN_IF_ERROR(ResolveTokenIds(source, t));
+  return t;
+}
+
+const Preset* FindPreset(const std::string& name) {
+  for (const Preset& p : kPresets) {
+    if (name == p.name) return &p;
+  }
+  return nullptr;
+}
+
+absl::Status UnknownPreset(const std::string& name) {
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown preset '", name, "' (choose tiny, small or llama3-8b)"));
+}
+
+}  // namespace
+
+absl::StatusOr<ModelConfig> SyntheticConfig(const std::string& preset_name, const std::string& arch,
+                                            int vocab_size) {
+  const Preset* preset = FindPreset(preset_name);
+  if (preset == nullptr) return UnknownPreset(preset_name);
+  if (vocab_size <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("vocab_size must be positive, got ", vocab_size));
+  }
+  ModelConfig c;
+  c.vocab_size = std::max(vocab_size, preset->min_vocab);
+  c.hidden_size = preset->hidden;
+  c.intermediate_size = preset->intermediate;
+  c.num_layers = preset->layers;
+  c.num_heads = preset->heads;
+  c.num_kv_heads = preset->kv_heads;
+  c.head_dim = preset->hidden / preset->heads;
+  c.max_position_embeddings = preset->max_position;
+  const bool full_size = preset->min_vocab > 0;
+  if (arch == "llama") {
+    c.architecture = Architecture::kLlama;
+    c.architecture_name = "LlamaForCausalLM";
+    c.model_type = "llama";
+    c.rms_norm_eps = 1e-5f;
+    c.rope.theta = 500000.0f;
+    // Llama 3.1 scaling; the small presets shrink original_max_position so that all three
+    // bands (kept, smoothed, divided by factor) occur at their head_dim.
+    c.rope.llama3_scaling = true;
+    c.rope.factor = 8.0f;
+    c.rope.low_freq_factor = 1.0f;
+    c.rope.high_freq_factor = 4.0f;
+    c.rope.original_max_position = full_size ? 8192 : preset->max_position / 8;
+  } else if (arch == "mistral") {
+    c.architecture = Architecture::kMistral;
+    c.architecture_name = "MistralForCausalLM";
+    c.model_type = "mistral";
+    c.rms_norm_eps = 1e-5f;
+    c.rope.theta = 1000000.0f;
+  } else if (arch == "qwen2") {
+    c.architecture = Architecture::kQwen2;
+    c.architecture_name = "Qwen2ForCausalLM";
+    c.model_type = "qwen2";
+    c.rms_norm_eps = 1e-6f;
+    c.rope.theta = 1000000.0f;
+    c.attention_bias = true;
+    c.tie_word_embeddings = !full_size;  // as in Qwen2.5-0.5B/1.5B
+  } else if (arch == "qwen3") {
+    c.architecture = Architecture::kQwen3;
+    c.architecture_name = "Qwen3ForCausalLM";
+    c.model_type = "qwen3";
+    c.rms_norm_eps = 1e-6f;
+    c.rope.theta = 1000000.0f;
+    c.qk_norm = true;
+    // Qwen3 decouples head_dim from hidden_size / heads (0.6B: 1024 hidden, 16 heads x 128);
+    // tiny does the same so the engine is tested on q_dim != hidden_size.
+    if (preset_name == "tiny") c.head_dim = 32;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown arch '", arch, "' (choose llama, mistral, qwen2 or qwen3)"));
+  }
+  c.rope.head_dim = c.head_dim;
+  return c;
+}
+
+absl::Status WriteSyntheticModel(const SynthModelOptions& options) {
+  const Preset* preset = FindPreset(options.preset);
+  if (preset == nullptr) return UnknownPreset(options.preset);
+  if (options.out_dir.empty()) return absl::InvalidArgumentError("no output directory given");
+  // Validates arch before spending time on the tokenizer.
+  TANDEM_RETURN_IF_ERROR(SyntheticConfig(options.preset, options.arch, 1).status());
+  TANDEM_ASSIGN_OR_RETURN(TokenizerFiles tokenizer, PrepareTokenizer(options, *preset));
+  TANDEM_ASSIGN_OR_RETURN(ModelConfig config,
+                          SyntheticConfig(options.preset, options.arch, tokenizer.vocab_size));
+  config.torch_dtype = options.dtype;
+  config.bos_token_id = tokenizer.bos_token_id;
+  config.eos_token_ids = tokenizer.eos_token_ids;
+
+  const std::string& dir = options.out_dir;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat(dir, ": cannot create: ", ec.message()));
+  // config.json marks a complete checkpoint: drop it first, write it last.
+  fs::remove(fs::path(dir) / "config.json", ec);
+  RemoveOldWeights(dir);
+
+  TANDEM_RETURN_IF_ERROR(WriteFileAtomically(dir + "/tokenizer.json", tokenizer.tokenizer_json));
+  TANDEM_RETURN_IF_ERROR(
+      WriteFileAtomically(dir + "/tokenizer_config.json", tokenizer.tokenizer_config_json));
+
+  // Plan shards: tensors in order, a new shard whenever the next tensor would overflow.
+  const auto tensors = OrderedTensors(config);
+  std::vector<std::vector<size_t>> shards(1);
+  uint64_t shard_bytes = 0;
+  uint64_t total_bytes = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    uint64_t n = DTypeSize(options.dtype);
+    for (int64_t d : tensors[i].second) n *= static_cast<uint64_t>(d);
+    if (options.max_shard_bytes > 0 && !shards.back().empty() &&
+        shard_bytes + n > options.max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back(i);
+    shard_bytes += n;
+    total_bytes += n;
+  }
+
+  json weight_map = json::object();
+  for (size_t s = 0; s < shards.size(); ++s) {
+    std::string file =
+        options.max_shard_bytes == 0
+            ? "model.safetensors"
+            : absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size());
+    engine::SafetensorsWriter writer;
+    for (size_t i : shards[s]) {
+      const auto& [name, shape] = tensors[i];
+      const Init init = InitFor(name, shape, config);
+      const uint64_t key = TensorKey(options.seed, name);
+      writer.AddGenerated(name, options.dtype, shape,
+                          [init, key](int64_t first, int64_t count, float* out) {
+                            for (int64_t j = 0; j < count; ++j) {
+                              uint64_t state = key + kGolden * static_cast<uint64_t>(first + j + 1);
+                              out[j] = init.mean + init.std * NormalLike(SplitMix64Mix(state));
+                            }
+                          });
+      weight_map[name] = file;
+    }
+    TANDEM_RETURN_IF_ERROR(writer.Write(dir + "/" + file));
+  }
+  if (options.max_shard_bytes > 0) {
+    json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
+    TANDEM_RETURN_IF_ERROR(
+        WriteFileAtomically(dir + "/model.safetensors.index.json", index.dump(2) + "\n"));
+  }
+
+  json generation = json::object();
+  generation["bos_token_id"] = config.bos_token_id >= 0 ? json(config.bos_token_id) : json();
+  generation["eos_token_id"] = config.eos_token_ids;
+  TANDEM_RETURN_IF_ERROR(
+      WriteFileAtomically(dir + "/generation_config.json", generation.dump(2) + "\n"));
+  TANDEM_RETURN_IF_ERROR(WriteFileAtomically(dir + "/config.json", config.ToJson()));
+
+  // Proves the directory loads with the engine's own validation.
+  TANDEM_RETURN_IF_ERROR(engine::Checkpoint::Open(dir).status());
+  return absl::OkStatus();
+}
+
+}  // namespace tandem::tools
