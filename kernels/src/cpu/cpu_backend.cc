@@ -1,1 +1,266 @@
-// placeholder
+// The CPU backend: splits each operator into single-threaded pieces (simd_kernels.inc) and runs
+// them on a persistent thread pool.
+//
+// Batch invariance: a piece never changes how an output is reduced, only which outputs it
+// covers, so results do not depend on m, on the other sequences of a batch, or on the number
+// of threads. Linear is split over panels of output columns, attention over (sequence, KV
+// head, tile of query rows), row operators over rows.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/src/cpu/simd_kernels.h"
+#include "kernels/src/cpu/thread_pool.h"
+#include "tandem/base/status_macros.h"
+#include "tandem/kernels/backend.h"
+
+namespace tandem::kernels {
+namespace {
+
+using cpu::CpuKernelTable;
+using cpu::ThreadPool;
+
+// Cache-line aligned float storage.
+struct AlignedFree {
+  void operator()(float* p) const { ::operator delete[](p, std::align_val_t{64}); }
+};
+using AlignedFloats = std::unique_ptr<float[], AlignedFree>;
+
+AlignedFloats AllocateFloats(int64_t count) {
+  return AlignedFloats(new (std::align_val_t{64}) float[std::max<int64_t>(count, 1)]);
+}
+
+// Work below this many floating-point operations runs on the calling thread: waking the pool
+// costs about a microsecond, which is worth it only for work several times longer.
+constexpr int64_t kMinParallelFlops = 1 << 17;
+
+// Query vectors (rows x heads of a group) per attention piece: their accumulators plus one K
+// and one V block stay in L1.
+constexpr int kAttentionTileVectors = 32;
+
+class CpuPackedWeight final : public PackedWeight {
+ public:
+  CpuPackedWeight(int n, int k, const CpuKernelTable* table, AlignedFloats data)
+      : PackedWeight(n, k), table_(table), data_(std::move(data)) {}
+
+  const CpuKernelTable* table() const { return table_; }
+  // [ceil(n / panel_width), k, panel_width], zero past n.
+  const float* data() const { return data_.get(); }
+
+ private:
+  const CpuKernelTable* table_;  // static storage
+  AlignedFloats data_;
+};
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(const CpuKernelTable* table, std::unique_ptr<ThreadPool> pool,
+             std::vector<AlignedFloats> scratch, int64_t scratch_floats)
+      : table_(table),
+        pool_(std::move(pool)),
+        scratch_(std::move(scratch)),
+        scratch_floats_(scratch_floats) {}
+
+  std::string_view name() const override { return table_->name; }
+
+  std::unique_ptr<PackedWeight> PackWeight(const float* w, int n, int k) override {
+    TANDEM_CHECK(n > 0 && k >= 0) << "PackWeight of a " << n << " x " << k << " matrix";
+    const int width = table_->panel_width;
+    const int64_t panels = (n + width - 1) / width;
+    AlignedFloats packed = AllocateFloats(panels * k * width);
+    float* out = packed.get();
+    pool_->ParallelFor(panels, 1, [&](int64_t begin, int64_t end, int) {
+      for (int64_t p = begin; p < end; ++p) {
+        float* panel = out + p * k * width;
+        for (int c = 0; c < width; ++c) {
+          const int64_t row = p * width + c;
+          // Reads W row by row; each write stays inside this panel, which fits in L2.
+          for (int64_t kk = 0; kk < k; ++kk) panel[kk * width + c] = row < n ? w[row * k + kk] : 0;
+        }
+      }
+    });
+    return std::make_unique<CpuPackedWeight>(n, k, table_, std::move(packed));
+  }
+
+  void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
+    const auto& packed = static_cast<const CpuPackedWeight&>(w);
+    TANDEM_CHECK(packed.table() == table_) << "weight packed by another CPU backend";
+    const int n = w.n();
+    const int k = w.k();
+    if (m <= 0) return;
+    if (k == 0) {
+      for (int64_t i = 0; i < int64_t{m} * n; ++i) y[i] = bias != nullptr ? bias[i % n] : 0.0f;
+      return;
+    }
+    const cpu::GemmArgs args{
+        .x = x, .w = packed.data(), .bias = bias, .y = y, .m = m, .n = n, .k = k};
+    const int64_t panels = (n + table_->panel_width - 1) / table_->panel_width;
+    const int64_t flops_per_panel = int64_t{2} * m * k * table_->panel_width;
+    // Few rows: W streaming dominates; small chunks balance the threads. Many rows: each chunk
+    // re-packs x, so fewer, larger chunks.
+    const int64_t chunks_per_thread = m <= 16 ? 8 : 3;
+    int64_t grain = (panels + pool_->num_threads() * chunks_per_thread - 1) /
+                    (pool_->num_threads() * chunks_per_thread);
+    grain = std::max(grain, kMinParallelFlops / flops_per_panel);
+    pool_->ParallelFor(panels, grain, [&](int64_t begin, int64_t end, int thread) {
+      table_->gemm_panels(args, begin, end, scratch_[thread].get());
+    });
+  }
+
+  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim,
+               float* y) override {
+    pool_->ParallelFor(rows, RowGrain(dim, 4), [&](int64_t begin, int64_t end, int) {
+      table_->rms_norm_rows(x + begin * dim, weight, eps, end - begin, dim, y + begin * dim);
+    });
+  }
+
+  void AddRmsNorm(float* residual, const float* x, const float* weight, float eps, int rows,
+                  int dim, float* y) override {
+    pool_->ParallelFor(rows, RowGrain(dim, 5), [&](int64_t begin, int64_t end, int) {
+      table_->add_rms_norm_rows(residual + begin * dim, x + begin * dim, weight, eps, end - begin,
+                                dim, y + begin * dim);
+    });
+  }
+
+  void Rope(float* x, const int32_t* positions, int tokens, int heads, int head_dim,
+            const float* inv_freq) override {
+    TANDEM_CHECK(head_dim % 2 == 0 && head_dim <= cpu::kMaxRopeHeadDim)
+        << "Rope head_dim " << head_dim;
+    pool_->ParallelFor(tokens, RowGrain(int64_t{heads} * head_dim, 4),
+                       [&](int64_t begin, int64_t end, int) {
+                         table_->rope_tokens(x + begin * heads * head_dim, positions + begin,
+                                             end - begin, heads, head_dim, inv_freq);
+                       });
+  }
+
+  void SiluMul(const float* gate_up, int rows, int inter, float* out) override {
+    pool_->ParallelFor(rows, RowGrain(inter, 20), [&](int64_t begin, int64_t end, int) {
+      table_->silu_mul_rows(gate_up + begin * 2 * inter, end - begin, inter, out + begin * inter);
+    });
+  }
+
+  void Embedding(const float* table, const int32_t* ids, int tokens, int dim, float* out) override {
+    pool_->ParallelFor(tokens, RowGrain(dim, 1), [&](int64_t begin, int64_t end, int) {
+      for (int64_t t = begin; t < end; ++t) {
+        std::memcpy(out + t * dim, table + int64_t{ids[t]} * dim, sizeof(float) * dim);
+      }
+    });
+  }
+
+  void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
+               const KvLayout& layout, float* layer_cache) override {
+    const int64_t row = int64_t{layout.num_kv_heads} * layout.head_dim;
+    float* v_cache = layer_cache + layout.HalfElements();
+    pool_->ParallelFor(tokens, RowGrain(2 * row, 1), [&](int64_t begin, int64_t end, int) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t slot = slot_mapping[t];
+        if (slot < 0) continue;  // padding token
+        std::memcpy(layer_cache + slot * row, k + t * row, sizeof(float) * row);
+        std::memcpy(v_cache + slot * row, v + t * row, sizeof(float) * row);
+      }
+    });
+  }
+
+  void PagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
+                      const PagedAttentionBatch& batch, int num_heads, float scale,
+                      float* out) override {
+    const int kv_heads = layout.num_kv_heads;
+    TANDEM_CHECK(kv_heads > 0 && num_heads % kv_heads == 0)
+        << num_heads << " query heads over " << kv_heads << " KV heads";
+    TANDEM_CHECK(layout.block_size > 0 && layout.block_size <= cpu::kMaxAttentionBlockSize)
+        << "block_size " << layout.block_size;
+    const int group = num_heads / kv_heads;
+    // Rows per piece: enough to share each K/V block among ~kAttentionTileVectors query
+    // vectors, few enough that their state fits the per-thread scratch.
+    int rows_per_tile = std::max(1, kAttentionTileVectors / group);
+    while (rows_per_tile > 1 && cpu::AttentionScratchFloats(int64_t{rows_per_tile} * group,
+                                                            layout.head_dim) > scratch_floats_) {
+      rows_per_tile /= 2;
+    }
+    TANDEM_CHECK(cpu::AttentionScratchFloats(group, layout.head_dim) <= scratch_floats_)
+        << "attention of " << group << " heads of " << layout.head_dim << " exceeds scratch";
+    int64_t items = 0;
+    for (int s = 0; s < batch.num_seqs; ++s) {
+      const int q_len = batch.query_start[s + 1] - batch.query_start[s];
+      TANDEM_CHECK(q_len >= 0 && q_len <= batch.context_len[s] &&
+                   batch.context_len[s] <= int64_t{batch.max_blocks_per_seq} * layout.block_size)
+          << "sequence " << s << ": " << q_len << " queries, context " << batch.context_len[s];
+      items += int64_t{kv_heads} * ((q_len + rows_per_tile - 1) / rows_per_tile);
+    }
+    const float* v_cache = layer_cache + layout.HalfElements();
+    // Piece i is (sequence, tile, KV head) in that order; each chunk walks the sequences once.
+    pool_->ParallelFor(items, 1, [&](int64_t begin, int64_t end, int thread) {
+      int s = 0;
+      int64_t first_item = 0;  // index of sequence s's first piece
+      for (int64_t item = begin; item < end; ++item) {
+        int64_t seq_items = 0;
+        for (;; ++s) {
+          const int q_len = batch.query_start[s + 1] - batch.query_start[s];
+          seq_items = int64_t{kv_heads} * ((q_len + rows_per_tile - 1) / rows_per_tile);
+          if (item < first_item + seq_items) break;
+          first_item += seq_items;
+        }
+        const int64_t local = item - first_item;
+        const int q_len = batch.query_start[s + 1] - batch.query_start[s];
+        const int row_begin = static_cast<int>(local / kv_heads) * rows_per_tile;
+        const cpu::AttentionSequence seq{
+            .q = q,
+            .k_cache = layer_cache,
+            .v_cache = v_cache,
+            .block_table = batch.block_table + int64_t{s} * batch.max_blocks_per_seq,
+            .out = out,
+            .num_heads = num_heads,
+            .num_kv_heads = kv_heads,
+            .head_dim = layout.head_dim,
+            .block_size = layout.block_size,
+            .first_token = batch.query_start[s],
+            .q_len = q_len,
+            .context_len = batch.context_len[s],
+            .scale = scale,
+        };
+        table_->attention_tile(seq, static_cast<int>(local % kv_heads), row_begin,
+                               std::min(row_begin + rows_per_tile, q_len), scratch_[thread].get());
+      }
+    });
+  }
+
+ private:
+  // Rows per chunk so that a chunk is worth a thread wake-up; `cost` is flops per element.
+  static int64_t RowGrain(int64_t row_elements, int64_t cost) {
+    return std::max<int64_t>(1, kMinParallelFlops / std::max<int64_t>(1, row_elements * cost));
+  }
+
+  const CpuKernelTable* table_;  // static storage
+  std::unique_ptr<ThreadPool> pool_;
+  std::vector<AlignedFloats> scratch_;  // one per pool thread, scratch_floats_ each
+  int64_t scratch_floats_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const CpuBackendOptions& options) {
+  if (options.num_threads < 0) {
+    return absl::InvalidArgumentError("CpuBackendOptions.num_threads must be >= 0");
+  }
+  const CpuKernelTable* table = cpu::CpuKernelTableFor(options.isa);
+  if (table == nullptr) {
+    return absl::FailedPreconditionError(
+        "this CPU does not support the instruction set requested in CpuBackendOptions.isa");
+  }
+  const int threads = options.num_threads > 0
+                          ? options.num_threads
+                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<ThreadPool> pool, ThreadPool::Create(threads));
+  const int64_t scratch_floats = table->gemm_scratch_floats;
+  std::vector<AlignedFloats> scratch;
+  for (int t = 0; t < threads; ++t) scratch.push_back(AllocateFloats(scratch_floats));
+  return std::make_unique<CpuBackend>(table, std::move(pool), std::move(scratch), scratch_floats);
+}
+
+}  // namespace tandem::kernels

@@ -40,7 +40,8 @@ struct PagedAttentionBatch {
   int num_seqs = 0;
   const int32_t* query_start = nullptr;  // [num_seqs + 1]
   const int32_t* context_len = nullptr;  // [num_seqs]
-  const int32_t* block_table = nullptr;  // [num_seqs, max_blocks_per_seq]: logical -> physical block
+  const int32_t* block_table =
+      nullptr;  // [num_seqs, max_blocks_per_seq]: logical -> physical block
   int max_blocks_per_seq = 0;
 };
 
@@ -91,8 +92,8 @@ class Backend {
                        float* y) = 0;
 
   // residual[r, :] += x[r, :]; then y[r, :] = RmsNorm(residual[r, :]).
-  virtual void AddRmsNorm(float* residual, const float* x, const float* weight, float eps,
-                          int rows, int dim, float* y) = 0;
+  virtual void AddRmsNorm(float* residual, const float* x, const float* weight, float eps, int rows,
+                          int dim, float* y) = 0;
 
   // Rotates x [tokens, heads, head_dim] in place, HF "rotate_half" layout (pairs i, i + d/2).
   // inv_freq: [head_dim / 2] from RopeInverseFrequencies. positions: [tokens].
@@ -119,8 +120,13 @@ class Backend {
                               float* out) = 0;
 };
 
+// Instruction sets the CPU backend carries code for. Results are bitwise reproducible for one
+// instruction set on one machine; different instruction sets may differ in the last bits.
+enum class CpuIsa { kAuto, kPortable, kAvx2, kAvx512 };
+
 struct CpuBackendOptions {
-  int num_threads = 0;  // 0: one per available core
+  int num_threads = 0;         // 0: one per available core
+  CpuIsa isa = CpuIsa::kAuto;  // kAuto: the widest this CPU supports; others fail if unsupported
 };
 
 // The CPU backend: fp32, vectorised, multi-threaded, batch invariant.

@@ -1,0 +1,244 @@
+// Instantiates simd_kernels.inc for each instruction set. Each instantiation lives in its own
+// namespace and `#pragma GCC target` region: only code defined inside the region is compiled
+// for the wider instruction set, so inline library functions (defined before it, in the headers
+// above) keep their baseline code and the binary still runs on a CPU without AVX.
+#include "kernels/src/cpu/simd_kernels.h"
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define TANDEM_X86_KERNELS 1
+#include <immintrin.h>
+#endif
+
+namespace tandem::kernels::cpu {
+
+// Portable: eight lanes of plain C++, which the compiler maps onto SSE2.
+namespace portable {
+
+struct Vec {
+  struct T {
+    float v[8];
+  };
+  static constexpr const char* kName = "cpu-portable";
+  static constexpr int kLanes = 8;
+  static constexpr int kRowsPerTile = 4;
+
+  static T Zero() { return Set(0.0f); }
+  static T Set(float a) {
+    T r;
+    for (float& x : r.v) x = a;
+    return r;
+  }
+  static T Load(const float* p) {
+    T r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static T LoadN(const float* p, int n) {
+    T r = Zero();
+    for (int i = 0; i < n; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static void Store(float* p, const T& a) {
+    for (int i = 0; i < kLanes; ++i) p[i] = a.v[i];
+  }
+  static void StoreN(float* p, const T& a, int n) {
+    for (int i = 0; i < n; ++i) p[i] = a.v[i];
+  }
+  template <typename Op>
+  static T Map(const T& a, const T& b, Op op) {
+    T r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = op(a.v[i], b.v[i]);
+    return r;
+  }
+  static T Add(const T& a, const T& b) {
+    return Map(a, b, [](float x, float y) { return x + y; });
+  }
+  static T Sub(const T& a, const T& b) {
+    return Map(a, b, [](float x, float y) { return x - y; });
+  }
+  static T Mul(const T& a, const T& b) {
+    return Map(a, b, [](float x, float y) { return x * y; });
+  }
+  static T Div(const T& a, const T& b) {
+    return Map(a, b, [](float x, float y) { return x / y; });
+  }
+  static T Min(const T& a, const T& b) {
+    return Map(a, b, [](float x, float y) { return y < x ? y : x; });
+  }
+  static T Max(const T& a, const T& b) {
+    return Map(a, b, [](float x, float y) { return y > x ? y : x; });
+  }
+  // Without hardware FMA a fused multiply-add is a slow library call: multiply, then add.
+  static T Fma(const T& a, const T& b, const T& c) { return Add(Mul(a, b), c); }
+  static T Floor(const T& a) {
+    T r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = std::floor(a.v[i]);
+    return r;
+  }
+  // 2^a for integral a in [-126, 127].
+  static T Pow2(const T& a) {
+    T r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = std::ldexp(1.0f, static_cast<int>(a.v[i]));
+    return r;
+  }
+  static float ReduceAdd(const T& a) {
+    // Pairwise, in the same tree as the AVX2 code.
+    float s[4];
+    for (int i = 0; i < 4; ++i) s[i] = a.v[i] + a.v[i + 4];
+    return (s[0] + s[1]) + (s[2] + s[3]);
+  }
+};
+
+#include "kernels/src/cpu/simd_kernels.inc"
+
+}  // namespace portable
+
+#if TANDEM_X86_KERNELS
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+
+struct Vec {
+  using T = __m256;
+  static constexpr const char* kName = "cpu-avx2";
+  static constexpr int kLanes = 8;
+  // 6 rows x 2 vectors = 12 accumulators, 2 W vectors, 1 broadcast: 15 of 16 registers.
+  static constexpr int kRowsPerTile = 6;
+
+  static __m256i Mask(int n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static T Zero() { return _mm256_setzero_ps(); }
+  static T Set(float a) { return _mm256_set1_ps(a); }
+  static T Load(const float* p) { return _mm256_loadu_ps(p); }
+  static T LoadN(const float* p, int n) { return _mm256_maskload_ps(p, Mask(n)); }
+  static void Store(float* p, T a) { _mm256_storeu_ps(p, a); }
+  static void StoreN(float* p, T a, int n) { _mm256_maskstore_ps(p, Mask(n), a); }
+  static T Add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T Sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T Mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T Div(T a, T b) { return _mm256_div_ps(a, b); }
+  static T Min(T a, T b) { return _mm256_min_ps(a, b); }
+  static T Max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T Fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static T Floor(T a) { return _mm256_floor_ps(a); }
+  static T Pow2(T a) {
+    const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(a), _mm256_set1_epi32(127));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+  }
+  static float ReduceAdd(T a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+
+#include "kernels/src/cpu/simd_kernels.inc"
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")
+// GCC 12's own masked-load intrinsics trip this warning (a self-initialised "undefined" vector).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace avx512 {
+
+struct Vec {
+  using T = __m512;
+  static constexpr const char* kName = "cpu-avx512";
+  static constexpr int kLanes = 16;
+  // 12 rows x 2 vectors = 24 accumulators, 2 W vectors, 1 broadcast: 27 of 32 registers.
+  static constexpr int kRowsPerTile = 12;
+
+  static __mmask16 Mask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
+  static T Zero() { return _mm512_setzero_ps(); }
+  static T Set(float a) { return _mm512_set1_ps(a); }
+  static T Load(const float* p) { return _mm512_loadu_ps(p); }
+  static T LoadN(const float* p, int n) { return _mm512_maskz_loadu_ps(Mask(n), p); }
+  static void Store(float* p, T a) { _mm512_storeu_ps(p, a); }
+  static void StoreN(float* p, T a, int n) { _mm512_mask_storeu_ps(p, Mask(n), a); }
+  static T Add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T Sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T Mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T Div(T a, T b) { return _mm512_div_ps(a, b); }
+  static T Min(T a, T b) { return _mm512_min_ps(a, b); }
+  static T Max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T Fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static T Floor(T a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static T Pow2(T a) {
+    const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(a), _mm512_set1_epi32(127));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+  }
+  static float ReduceAdd(T a) {
+    const __m256 lo = _mm512_castps512_ps256(a);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    const __m256 s8 = _mm256_add_ps(lo, hi);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+};
+
+#include "kernels/src/cpu/simd_kernels.inc"
+
+}  // namespace avx512
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
+#endif  // TANDEM_X86_KERNELS
+
+bool CpuSupports(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAuto:
+    case CpuIsa::kPortable:
+      return true;
+#if TANDEM_X86_KERNELS
+    case CpuIsa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case CpuIsa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+    case CpuIsa::kAvx2:
+    case CpuIsa::kAvx512:
+      return false;
+#endif
+  }
+  return false;
+}
+
+const CpuKernelTable* CpuKernelTableFor(CpuIsa isa) {
+  if (isa == CpuIsa::kAuto) {
+    for (CpuIsa widest : {CpuIsa::kAvx512, CpuIsa::kAvx2}) {
+      if (CpuSupports(widest)) return CpuKernelTableFor(widest);
+    }
+    return &portable::kTable;
+  }
+  if (!CpuSupports(isa)) return nullptr;
+  switch (isa) {
+#if TANDEM_X86_KERNELS
+    case CpuIsa::kAvx512:
+      return &avx512::kTable;
+    case CpuIsa::kAvx2:
+      return &avx2::kTable;
+#endif
+    case CpuIsa::kPortable:
+      return &portable::kTable;
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace tandem::kernels::cpu

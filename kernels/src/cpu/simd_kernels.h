@@ -1,0 +1,88 @@
+// The vectorised inner loops of the CPU backend, compiled once per instruction set.
+//
+// simd_kernels.cc compiles simd_kernels.inc three times (portable, AVX2+FMA, AVX-512) under
+// `#pragma GCC target`, so one binary carries all three and runs on a CPU with none of the
+// extensions; CpuKernelTableFor picks one at backend creation. Every function here is a
+// single-threaded piece of an operator; cpu_backend.cc splits operators into such pieces and
+// runs them on its thread pool.
+//
+// Results are bitwise reproducible on one machine: each output's floating-point reduction order
+// depends only on the operator's shape, never on the piece it falls in, the thread running it
+// or the other rows in the batch. The three instruction sets may differ in the last bits.
+#pragma once
+
+#include <cstdint>
+
+#include "tandem/kernels/backend.h"
+
+namespace tandem::kernels::cpu {
+
+// One Linear call. W is packed in panels of `panel_width` columns: w[p][kk][c] holds
+// W[p * panel_width + c, kk], zero past n.
+struct GemmArgs {
+  const float* x = nullptr;     // [m, k]
+  const float* w = nullptr;     // [ceil(n / panel_width), k, panel_width]
+  const float* bias = nullptr;  // [n] or null
+  float* y = nullptr;           // [m, n]
+  int m = 0;
+  int n = 0;
+  int k = 0;
+};
+
+// The query rows of one sequence in a PagedAttention call.
+struct AttentionSequence {
+  const float* q = nullptr;              // [tokens, num_heads, head_dim], whole batch
+  const float* k_cache = nullptr;        // [num_blocks, block_size, num_kv_heads, head_dim]
+  const float* v_cache = nullptr;        // [num_blocks, block_size, num_kv_heads, head_dim]
+  const int32_t* block_table = nullptr;  // [ceil(context_len / block_size)], this sequence's
+  float* out = nullptr;                  // [tokens, num_heads, head_dim], whole batch
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 0;
+  int first_token = 0;  // row of q holding this sequence's first query
+  int q_len = 0;
+  int context_len = 0;
+  float scale = 1.0f;
+};
+
+struct CpuKernelTable {
+  const char* name;
+  // Columns per packed weight panel (two vector registers).
+  int panel_width;
+  // Floats of per-thread scratch that gemm_panels needs.
+  int64_t gemm_scratch_floats;
+
+  // y[:, columns of panels [panel_begin, panel_end)] of the GEMM. scratch: gemm_scratch_floats.
+  void (*gemm_panels)(const GemmArgs& args, int64_t panel_begin, int64_t panel_end, float* scratch);
+  // RmsNorm / AddRmsNorm of `rows` rows of `dim`; row pointers already offset by the caller.
+  void (*rms_norm_rows)(const float* x, const float* weight, float eps, int64_t rows, int dim,
+                        float* y);
+  void (*add_rms_norm_rows)(float* residual, const float* x, const float* weight, float eps,
+                            int64_t rows, int dim, float* y);
+  void (*silu_mul_rows)(const float* gate_up, int64_t rows, int inter, float* out);
+  // Rope of `tokens` tokens [tokens, heads, head_dim]; head_dim <= kMaxRopeHeadDim.
+  void (*rope_tokens)(float* x, const int32_t* positions, int64_t tokens, int heads, int head_dim,
+                      const float* inv_freq);
+  // Attention of query rows [row_begin, row_end) of `seq`, for the query heads of `kv_head`.
+  // scratch: AttentionScratchFloats(rows * group, head_dim) floats.
+  void (*attention_tile)(const AttentionSequence& seq, int kv_head, int row_begin, int row_end,
+                         float* scratch);
+};
+
+inline constexpr int kMaxRopeHeadDim = 1024;
+inline constexpr int kMaxAttentionBlockSize = 1024;
+
+// Per-thread scratch of attention_tile for `vectors` query vectors of `head_dim`.
+inline int64_t AttentionScratchFloats(int64_t vectors, int head_dim) {
+  // Running state per query vector: output accumulator padded to 16 floats, max, sum.
+  return vectors * (((head_dim + 15) / 16) * 16 + 2) + kMaxAttentionBlockSize + 16;
+}
+
+// Whether this CPU (and OS) can run code for `isa`. kAuto is always supported.
+bool CpuSupports(CpuIsa isa);
+
+// The kernels for `isa`; kAuto resolves to the widest supported one. Null if unsupported.
+const CpuKernelTable* CpuKernelTableFor(CpuIsa isa);
+
+}  // namespace tandem::kernels::cpu
