@@ -36,7 +36,17 @@ class Tokenizer {
   virtual bool IsSpecial(int32_t id) const = 0;
   // Ids are 0 .. vocab_size() - 1, added tokens included.
   virtual int vocab_size() const = 0;
+  // The raw-byte pieces the BPE model would see for `text`: added tokens removed, the
+  // normalizer and pre-tokenizer applied. Used to train merges with the same word boundaries
+  // as encoding; the default treats the whole text as one piece.
+  virtual std::vector<std::string> PreTokenize(std::string_view text) const {
+    return {std::string(text)};
+  }
 };
+
+// `bytes` with every maximal ill-formed UTF-8 subpart replaced by U+FFFD, as a UTF-8 decoder
+// with errors="replace" (Python, WHATWG TextDecoder) does. Valid input is returned unchanged.
+std::string ReplaceInvalidUtf8(std::string_view bytes);
 
 // Turns a stream of ids into text pieces for streaming. A piece never ends inside a UTF-8
 // character: bytes of an incomplete character are held until it completes (or Finish()).
