@@ -45,7 +45,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   TANDEM_RETURN_IF_ERROR(runner->LoadWeights(checkpoint));
 
   const size_t cache_elems = static_cast<size_t>(c.num_layers) * runner->kv_layout_.LayerElements();
-  runner->kv_cache_.assign(cache_elems, 0.0f);
+  runner->kv_cache_ = std::make_unique_for_overwrite<float[]>(cache_elems);
 
   const size_t t = options.max_num_batched_tokens;
   const size_t s = std::min(options.max_num_seqs, options.max_num_batched_tokens);

@@ -41,7 +41,7 @@ class ModelRunner {
   const ModelConfig& config() const { return config_; }
   const kernels::KvLayout& kv_layout() const { return kv_layout_; }
   // One layer's cache: [2][num_blocks][block_size][num_kv_heads][head_dim].
-  float* layer_cache(int layer) { return kv_cache_.data() + layer * kv_layout_.LayerElements(); }
+  float* layer_cache(int layer) { return kv_cache_.get() + layer * kv_layout_.LayerElements(); }
 
  private:
   struct Layer;
@@ -60,7 +60,9 @@ class ModelRunner {
   std::vector<float> final_norm_;  // [hidden]
   std::unique_ptr<kernels::PackedWeight> lm_head_;
 
-  std::vector<float> kv_cache_;  // [layers][2][num_blocks][block_size][kv_heads][head_dim]
+  // [layers][2][num_blocks][block_size][kv_heads][head_dim]. Left uninitialised: a slot is
+  // read only after its token was written, and untouched pages cost no memory.
+  std::unique_ptr<float[]> kv_cache_;
 
   // Step inputs (host) and activations, sized for max_num_batched_tokens.
   std::vector<int32_t> token_ids_, positions_, slots_, query_start_, context_len_, block_table_,
