@@ -97,25 +97,33 @@ struct Init {
 
 // Scales that keep a random network's activations finite and its logits informative: unit
 // embeddings, projections with std 1/sqrt(fan_in) (variance preserving), residual-branch outputs
-// shrunk by 1/sqrt(2 * layers) so the residual stream stays dominated by the current token, and
-// norm weights near 1. Biases and q/k-norm weights are large enough that leaving one out changes
-// the logits visibly.
+// shrunk by 1/sqrt(2 * layers) so the residual stream stays O(1) at any depth, and norm weights
+// near 1. reference_selftest.py checks the result: finite logits of std ~1 and greedy decoding
+// that does not collapse onto a few tokens. Biases and q/k-norm weights are large enough that
+// leaving one out changes the logits visibly.
 Init InitFor(const std::string& name, const std::vector<int64_t>& shape, const ModelConfig& c) {
   auto ends_with = [&](const char* suffix) {
     size_t n = std::strlen(suffix);
     return name.size() >= n && name.compare(name.size() - n, n, suffix) == 0;
   };
   const float residual_scale = 1.0f / std::sqrt(2.0f * c.num_layers);
+  // The gated product silu(g) * u of unit inputs has variance ~0.36, and attention averages
+  // over context; a gain on down_proj lets the MLP branch (a random function of the current
+  // token) carry the residual stream, which keeps greedy decoding from settling on one token.
+  constexpr float kMlpGain = 3.0f;
   if (ends_with("norm.weight")) return {1.0f, 0.1f};
   if (ends_with(".bias")) return {0.0f, 0.2f};
   if (name == "model.embed_tokens.weight") {
-    // Tied embeddings double as lm_head; unit-std rows would make logits ~sqrt(hidden) wide.
+    // Tied embeddings double as lm_head. With unit rows the current token's own embedding
+    // dominates the residual stream and its logit, and greedy decoding repeats one token
+    // forever; rows of std 1/sqrt(hidden) keep that self-match to about one logit std.
     return {0.0f,
-            c.tie_word_embeddings ? static_cast<float>(std::pow(c.hidden_size, -0.25)) : 1.0f};
+            c.tie_word_embeddings ? 1.0f / std::sqrt(static_cast<float>(c.hidden_size)) : 1.0f};
   }
   const float fan_in = static_cast<float>(shape.back());
   float std = 1.0f / std::sqrt(fan_in);
-  if (ends_with("o_proj.weight") || ends_with("down_proj.weight")) std *= residual_scale;
+  if (ends_with("o_proj.weight")) std *= residual_scale;
+  if (ends_with("down_proj.weight")) std *= kMlpGain * residual_scale;
   return {0.0f, std};
 }
 
@@ -174,14 +182,17 @@ absl::StatusOr<json> ParseJson(const std::string& text, const std::string& sourc
   }
 }
 
-// Removes earlier weights so a shard layout from a previous run cannot mix with this one.
+// Removes earlier weights so a shard layout from a previous run cannot mix with this one, and
+// temporary files a killed run left behind.
 void RemoveOldWeights(const std::string& dir) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     std::string name = entry.path().filename().string();
     bool shard = name.rfind("model-", 0) == 0 && name.find("-of-") != std::string::npos &&
                  name.size() > 12 && name.compare(name.size() - 12, 12, ".safetensors") == 0;
-    if (shard || name == "model.safetensors" || name == "model.safetensors.index.json") {
+    bool interrupted = name.find(".tmp.") != std::string::npos;  // left by a killed run
+    if (shard || interrupted || name == "model.safetensors" ||
+        name == "model.safetensors.index.json") {
       fs::remove(entry.path(), ec);
     }
   }
