@@ -7,5 +7,6 @@ namespace tandem::tools {
 int RunTokenize(int argc, char** argv);
 int RunSynthModel(int argc, char** argv);
 int RunGenerate(int argc, char** argv);
+int RunServe(int argc, char** argv);
 
 }  // namespace tandem::tools

@@ -1,0 +1,80 @@
+// The OpenAI API's request bodies, parsed and checked field by field, and its error format.
+// Every refusal is an absl::Status whose payload names the offending parameter, so the HTTP
+// layer can answer with {"error": {"message", "type", "param", "code"}}.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+#include "tandem/engine/sampling_params.h"
+
+namespace tandem::router {
+
+// Limits of the API layer, on top of those of engine/sampling_params.h.
+inline constexpr int kMaxMessagesPerRequest = 256;
+inline constexpr int kMaxJsonDepth = 32;  // nesting of the request body
+
+// InvalidArgument naming the request field `param` (e.g. "temperature", "messages").
+absl::Status ParamError(std::string_view param, std::string_view message);
+// Attaches an OpenAI error `code` (e.g. "context_length_exceeded") to a status.
+absl::Status WithErrorCode(absl::Status status, std::string_view code);
+// The parameter or code a status carries, or "" when none.
+std::string ParamOf(const absl::Status& status);
+std::string ErrorCodeOf(const absl::Status& status);
+
+// {"error": {"message", "type", "param", "code"}} for an HTTP status; empty param and code
+// become null.
+std::string ErrorBody(int http_status, std::string_view message, std::string_view param = "",
+                      std::string_view code = "");
+
+// Parses a request body that must be a JSON object. Syntax errors report the byte offset and
+// never repeat the input; nesting deeper than kMaxJsonDepth is refused before parsing.
+absl::StatusOr<nlohmann::json> ParseJsonObject(std::string_view body);
+
+enum class ApiKind { kCompletion, kChat };
+
+// A /v1/completions or /v1/chat/completions request, checked but not yet tokenized.
+struct CompletionRequest {
+  ApiKind kind = ApiKind::kCompletion;
+  std::optional<std::string> model;
+  // Completions: the prompt as text, or as token ids when given so.
+  std::optional<std::string> prompt_text;
+  std::vector<int32_t> prompt_tokens;
+  bool add_special_tokens = true;
+  // Chat: [{"role", "content": string}], content parts joined; roles checked.
+  nlohmann::json messages;
+  bool add_generation_prompt = true;
+
+  bool stream = false;
+  bool include_usage = false;
+  // Unset: 16 for completions, the rest of the context for chat.
+  std::optional<int> max_tokens;
+  // max_tokens is set from the above once the prompt length is known; logprobs is the
+  // engine's (-1 none, k >= 0 top-k) whichever API spelling was used.
+  engine::SamplingParams params;
+};
+
+// Checks every field's type and range; `vocab_size` bounds token ids. Unknown fields are
+// ignored, but fields whose meaning Tandem does not implement (echo, suffix, best_of > n,
+// tools, logit_bias, ...) are refused rather than silently dropped.
+absl::StatusOr<CompletionRequest> ParseCompletionRequest(const nlohmann::json& body, ApiKind kind,
+                                                         int vocab_size);
+
+// Token ids from a JSON array: integers in [0, vocab_size), else an error naming `param`.
+absl::StatusOr<std::vector<int32_t>> ParseTokenIds(const nlohmann::json& array, const char* param,
+                                                   int vocab_size);
+
+// Checks a chat `messages` array and returns it with every content a string.
+absl::StatusOr<nlohmann::json> NormalizeMessages(const nlohmann::json& messages);
+
+// Maps a SamplingParams::Validate or LlmEngine::Validate message to the request field it is
+// about, and attaches it (plus code "context_length_exceeded" for a context overflow).
+absl::Status AttachParam(absl::Status status, ApiKind kind);
+
+}  // namespace tandem::router

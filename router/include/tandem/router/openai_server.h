@@ -1,0 +1,50 @@
+// The OpenAI-compatible HTTP API in front of one AsyncEngine: completions and chat completions
+// (streamed as server-sent events or not), models, tokenize/detokenize, health, readiness and
+// Prometheus metrics. docs/api.md describes every endpoint, field, limit and error.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "tandem/engine/async_engine.h"
+#include "tandem/router/http_server.h"
+
+namespace tandem::router {
+
+struct ApiServerOptions {
+  HttpServerOptions http;
+  // Names clients may use in "model"; the first is the one reported. Must not be empty.
+  std::vector<std::string> served_model_names;
+  // When non-empty, every route but /health (and /metrics with metrics_public) needs
+  // "Authorization: Bearer <api_key>".
+  std::string api_key;
+  bool metrics_public = false;
+  // Generation requests in flight beyond which new ones are refused with overload_status
+  // (529, or 503 for clients that only know standard codes) and Retry-After.
+  int max_active_requests = 1024;
+  int overload_status = 529;
+  // /ready re-proves the engine path with a one-token generation at most this often.
+  std::chrono::milliseconds ready_cache{10000};
+};
+
+//   TANDEM_ASSIGN_OR_RETURN(auto engine, engine::AsyncEngine::Create(engine_options));
+//   TANDEM_ASSIGN_OR_RETURN(auto api, ApiServer::Create(options, std::move(engine)));
+//   std::printf("serving on port %d\n", api->port());
+//   ...
+//   api->Shutdown(std::chrono::seconds(30));
+class ApiServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<ApiServer>> Create(
+      ApiServerOptions options, std::unique_ptr<engine::AsyncEngine> engine);
+  virtual ~ApiServer() = default;
+
+  virtual int port() const = 0;
+  // Stops accepting connections, lets requests in flight finish for up to `grace` (new ones
+  // on open connections get 503), then stops all I/O and the engine. Idempotent.
+  virtual void Shutdown(std::chrono::milliseconds grace) = 0;
+};
+
+}  // namespace tandem::router

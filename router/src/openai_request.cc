@@ -1,0 +1,512 @@
+#include "tandem/router/openai_request.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "tandem/base/status_macros.h"
+
+namespace tandem::router {
+namespace {
+
+using nlohmann::json;
+
+constexpr char kParamPayload[] = "type.tandem/openai.param";
+constexpr char kCodePayload[] = "type.tandem/openai.code";
+
+// A value from the request shown in a message: short, so a message never echoes the input.
+std::string Excerpt(const std::string& s) {
+  constexpr size_t kMax = 40;
+  if (s.size() <= kMax) return s;
+  return s.substr(0, kMax) + "...";
+}
+
+std::string ShortDump(const json& v) {
+  return Excerpt(v.dump(-1, ' ', false, json::error_handler_t::replace));
+}
+
+std::string NotSupported(const std::string& what) {
+  return absl::StrCat(what, " is not supported by this server");
+}
+
+// The field, or nullptr when it is absent or null (clients send null for "default").
+const json* Field(const json& body, const char* name) {
+  auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+absl::Status ReadBool(const json& body, const char* name, bool* out) {
+  const json* v = Field(body, name);
+  if (v == nullptr) return absl::OkStatus();
+  if (!v->is_boolean()) return ParamError(name, absl::StrCat(name, " must be a boolean"));
+  *out = v->get<bool>();
+  return absl::OkStatus();
+}
+
+// An integer in [lo, hi]; a float with an integral value (2.0) counts as an integer.
+absl::Status ReadInt(const json& body, const char* name, int64_t lo, int64_t hi,
+                     std::optional<int64_t>* out) {
+  const json* v = Field(body, name);
+  if (v == nullptr) return absl::OkStatus();
+  auto range_error = [&] {
+    return ParamError(name, absl::StrCat(name, " must be an integer in [", lo, ", ", hi, "], got ",
+                                         ShortDump(*v)));
+  };
+  if (v->is_number_unsigned()) {
+    uint64_t u = v->get<uint64_t>();
+    if (u > static_cast<uint64_t>(hi)) return range_error();
+    *out = static_cast<int64_t>(u);
+  } else if (v->is_number_integer()) {
+    int64_t i = v->get<int64_t>();
+    if (i < lo || i > hi) return range_error();
+    *out = i;
+  } else if (v->is_number_float()) {
+    double d = v->get<double>();
+    if (d != std::floor(d)) return ParamError(name, absl::StrCat(name, " must be an integer"));
+    if (d < static_cast<double>(lo) || d > static_cast<double>(hi)) return range_error();
+    *out = static_cast<int64_t>(d);
+  } else {
+    return ParamError(name, absl::StrCat(name, " must be an integer"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadInt32(const json& body, const char* name, int64_t lo, int* out) {
+  std::optional<int64_t> v;
+  TANDEM_RETURN_IF_ERROR(ReadInt(body, name, lo, std::numeric_limits<int32_t>::max(), &v));
+  if (v) *out = static_cast<int>(*v);
+  return absl::OkStatus();
+}
+
+absl::Status ReadFloat(const json& body, const char* name, float* out) {
+  const json* v = Field(body, name);
+  if (v == nullptr) return absl::OkStatus();
+  if (!v->is_number()) return ParamError(name, absl::StrCat(name, " must be a number"));
+  double d = v->get<double>();
+  // Values beyond float range become infinite here and are refused by the range check.
+  *out = static_cast<float>(d);
+  return absl::OkStatus();
+}
+
+absl::Status ReadStop(const json& body, engine::SamplingParams* params) {
+  const json* v = Field(body, "stop");
+  if (v == nullptr) return absl::OkStatus();
+  const std::string kType = "stop must be a string or an array of strings";
+  if (v->is_string()) {
+    params->stop = {v->get<std::string>()};
+  } else if (v->is_array()) {
+    if (v->size() > static_cast<size_t>(engine::kMaxStopStrings)) {
+      return ParamError("stop", absl::StrCat("stop may hold at most ", engine::kMaxStopStrings,
+                                             " strings, got ", v->size()));
+    }
+    for (const json& s : *v) {
+      if (!s.is_string()) return ParamError("stop", kType);
+      params->stop.push_back(s.get<std::string>());
+    }
+  } else {
+    return ParamError("stop", kType);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadTokenIds(const json& array, const char* param, int vocab_size,
+                          std::vector<int32_t>* out) {
+  for (const json& t : array) {
+    if (!t.is_number_integer()) {
+      return ParamError(param, absl::StrCat(param, " must hold integer token ids"));
+    }
+    int64_t id = t.is_number_unsigned()
+                     ? static_cast<int64_t>(std::min<uint64_t>(t.get<uint64_t>(),
+                                                               std::numeric_limits<int64_t>::max()))
+                     : t.get<int64_t>();
+    if (id < 0 || id >= vocab_size) {
+      return ParamError(param, absl::StrCat(param, ": token id ", id,
+                                            " is outside the vocabulary [0, ", vocab_size, ")"));
+    }
+    out->push_back(static_cast<int32_t>(id));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadPrompt(const json& body, int vocab_size, CompletionRequest* r) {
+  const json* v = Field(body, "prompt");
+  const std::string kType =
+      "prompt must be a string, an array of token ids, or an array holding one of those";
+  if (v == nullptr) return ParamError("prompt", "prompt is required");
+  if (v->is_string()) {
+    r->prompt_text = v->get<std::string>();
+    return absl::OkStatus();
+  }
+  if (!v->is_array()) return ParamError("prompt", kType);
+  if (v->empty()) return ParamError("prompt", "prompt must not be empty");
+  const json& first = v->front();
+  if (first.is_number()) {
+    TANDEM_RETURN_IF_ERROR(ReadTokenIds(*v, "prompt", vocab_size, &r->prompt_tokens));
+  } else if (first.is_string() || first.is_array()) {
+    if (v->size() > 1) {
+      return ParamError("prompt", absl::StrCat("a batch of ", v->size(),
+                                               " prompts is not supported; send one request per "
+                                               "prompt"));
+    }
+    if (first.is_string()) {
+      r->prompt_text = first.get<std::string>();
+    } else {
+      if (first.empty()) return ParamError("prompt", "prompt must not be empty");
+      TANDEM_RETURN_IF_ERROR(ReadTokenIds(first, "prompt", vocab_size, &r->prompt_tokens));
+    }
+  } else {
+    return ParamError("prompt", kType);
+  }
+  return absl::OkStatus();
+}
+
+// Refuses request fields whose meaning this server does not implement.
+absl::Status RefuseUnsupported(const json& body, int n) {
+  if (const json* v = Field(body, "echo")) {
+    if (!v->is_boolean()) return ParamError("echo", "echo must be a boolean");
+    if (v->get<bool>()) return ParamError("echo", NotSupported("echo"));
+  }
+  if (const json* v = Field(body, "suffix")) {
+    if (!v->is_string()) return ParamError("suffix", "suffix must be a string");
+    if (!v->get<std::string>().empty()) return ParamError("suffix", NotSupported("suffix"));
+  }
+  std::optional<int64_t> best_of;
+  TANDEM_RETURN_IF_ERROR(ReadInt(body, "best_of", 1, engine::kMaxSamplesPerRequest, &best_of));
+  if (best_of && *best_of != n) {
+    return ParamError("best_of", NotSupported("best_of other than n"));
+  }
+  for (const char* name : {"tools", "functions"}) {
+    if (const json* v = Field(body, name)) {
+      if (!v->is_array()) return ParamError(name, absl::StrCat(name, " must be an array"));
+      if (!v->empty()) return ParamError(name, NotSupported(name));
+    }
+  }
+  for (const char* name : {"tool_choice", "function_call"}) {
+    if (const json* v = Field(body, name)) {
+      if (!(v->is_string() && v->get<std::string>() == "none")) {
+        return ParamError(name, NotSupported(name));
+      }
+    }
+  }
+  if (const json* v = Field(body, "logit_bias")) {
+    if (!v->is_object()) return ParamError("logit_bias", "logit_bias must be an object");
+    if (!v->empty()) return ParamError("logit_bias", NotSupported("logit_bias"));
+  }
+  if (const json* v = Field(body, "response_format")) {
+    if (!v->is_object()) return ParamError("response_format", "response_format must be an object");
+    auto type = v->find("type");
+    if (type == v->end() || !type->is_string() || type->get<std::string>() != "text") {
+      return ParamError("response_format", NotSupported("a response_format other than text"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<int32_t>> ParseTokenIds(const json& array, const char* param,
+                                                   int vocab_size) {
+  if (!array.is_array()) {
+    return ParamError(param, absl::StrCat(param, " must be an array of token ids"));
+  }
+  std::vector<int32_t> ids;
+  TANDEM_RETURN_IF_ERROR(ReadTokenIds(array, param, vocab_size, &ids));
+  return ids;
+}
+
+absl::Status ParamError(std::string_view param, std::string_view message) {
+  absl::Status status = absl::InvalidArgumentError(std::string(message));
+  status.SetPayload(kParamPayload, absl::Cord(std::string(param)));
+  return status;
+}
+
+absl::Status WithErrorCode(absl::Status status, std::string_view code) {
+  status.SetPayload(kCodePayload, absl::Cord(std::string(code)));
+  return status;
+}
+
+std::string ParamOf(const absl::Status& status) {
+  auto payload = status.GetPayload(kParamPayload);
+  return payload ? std::string(*payload) : "";
+}
+
+std::string ErrorCodeOf(const absl::Status& status) {
+  auto payload = status.GetPayload(kCodePayload);
+  return payload ? std::string(*payload) : "";
+}
+
+std::string ErrorBody(int http_status, std::string_view message, std::string_view param,
+                      std::string_view code) {
+  std::string type = "invalid_request_error";
+  if (http_status >= 500) type = "server_error";
+  json error = {{"message", std::string(message)},
+                {"type", type},
+                {"param", param.empty() ? json(nullptr) : json(std::string(param))},
+                {"code", code.empty() ? json(nullptr) : json(std::string(code))}};
+  return json{{"error", error}}.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+absl::StatusOr<json> ParseJsonObject(std::string_view body) {
+  // nlohmann's parser copes with any depth, but nothing Tandem reads nests deeply, and a
+  // shallow document is cheap to handle everywhere else.
+  int depth = 0;
+  bool in_string = false;
+  bool escaped = false;
+  for (char c : body) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxJsonDepth) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("request body nests deeper than ", kMaxJsonDepth, " levels"));
+      }
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  if (body.find_first_not_of(" \t\r\n") == std::string_view::npos) {
+    return absl::InvalidArgumentError("request body is empty; expected a JSON object");
+  }
+  json parsed;
+  try {
+    parsed = json::parse(body.begin(), body.end());
+  } catch (const json::parse_error& e) {
+    // e.what() quotes the last token read, which may be most of the input: keep the reason only.
+    std::string what = e.what();
+    std::string reason;
+    size_t start = what.find(" - ");
+    if (start != std::string::npos) {
+      size_t end = what.find("; last read", start);
+      reason =
+          what.substr(start + 3, end == std::string::npos ? std::string::npos : end - start - 3);
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat("request body is not valid JSON (",
+                     Excerpt(reason.empty() ? "syntax error" : reason), " at byte ", e.byte, ")"));
+  } catch (const std::exception&) {
+    return absl::InvalidArgumentError("request body is not valid JSON");
+  }
+  if (!parsed.is_object()) return absl::InvalidArgumentError("request body must be a JSON object");
+  return parsed;
+}
+
+absl::StatusOr<json> NormalizeMessages(const json& messages) {
+  if (!messages.is_array()) {
+    return ParamError("messages", "messages must be an array of message objects");
+  }
+  if (messages.empty()) return ParamError("messages", "messages must not be empty");
+  if (messages.size() > static_cast<size_t>(kMaxMessagesPerRequest)) {
+    return ParamError("messages", absl::StrCat("messages may hold at most ", kMaxMessagesPerRequest,
+                                               " messages, got ", messages.size()));
+  }
+  json out = json::array();
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const json& m = messages[i];
+    const std::string where = absl::StrCat("messages[", i, "]");
+    if (!m.is_object()) return ParamError("messages", where + " must be an object");
+    const json* role_v = Field(m, "role");
+    if (role_v == nullptr || !role_v->is_string()) {
+      return ParamError("messages", where + ".role must be a string");
+    }
+    std::string role = role_v->get<std::string>();
+    if (role == "developer") role = "system";  // the newer name of the system role
+    if (role == "tool" || role == "function") {
+      return ParamError("messages",
+                        absl::StrCat(where, ".role '", role, "': ", NotSupported("tool calling")));
+    }
+    if (role != "system" && role != "user" && role != "assistant") {
+      return ParamError("messages", absl::StrCat(where,
+                                                 ".role must be one of system, developer, user, "
+                                                 "assistant; got '",
+                                                 Excerpt(role), "'"));
+    }
+    if (const json* calls = Field(m, "tool_calls")) {
+      if (!calls->is_array() || !calls->empty()) {
+        return ParamError("messages",
+                          absl::StrCat(where, ".tool_calls: ", NotSupported("tool calling")));
+      }
+    }
+    std::string content;
+    const json* c = Field(m, "content");
+    if (c == nullptr) {
+      if (role != "assistant") return ParamError("messages", where + ".content is required");
+    } else if (c->is_string()) {
+      content = c->get<std::string>();
+    } else if (c->is_array()) {
+      for (size_t j = 0; j < c->size(); ++j) {
+        const json& part = (*c)[j];
+        const std::string pwhere = absl::StrCat(where, ".content[", j, "]");
+        if (!part.is_object()) return ParamError("messages", pwhere + " must be an object");
+        const json* type = Field(part, "type");
+        if (type == nullptr || !type->is_string()) {
+          return ParamError("messages", pwhere + ".type must be a string");
+        }
+        if (type->get<std::string>() != "text") {
+          return ParamError("messages",
+                            absl::StrCat(pwhere, ": part type '", Excerpt(type->get<std::string>()),
+                                         "' is not supported; only 'text' parts are"));
+        }
+        const json* text = Field(part, "text");
+        if (text == nullptr || !text->is_string()) {
+          return ParamError("messages", pwhere + ".text must be a string");
+        }
+        if (j > 0) content += "\n";
+        content += text->get<std::string>();
+      }
+    } else {
+      return ParamError("messages", where + ".content must be a string or an array of text parts");
+    }
+    json normalized = {{"role", role}, {"content", content}};
+    if (const json* name = Field(m, "name")) {
+      if (!name->is_string()) return ParamError("messages", where + ".name must be a string");
+      normalized["name"] = *name;
+    }
+    out.push_back(std::move(normalized));
+  }
+  return out;
+}
+
+absl::Status AttachParam(absl::Status status, ApiKind kind) {
+  if (status.ok() || !ParamOf(status).empty()) return status;
+  const std::string message(status.message());
+  const char* prompt_param = kind == ApiKind::kChat ? "messages" : "prompt";
+  if (absl::StartsWith(message, "this model's maximum context length") ||
+      absl::StartsWith(message, "the prompt (")) {
+    absl::Status out = ParamError(prompt_param, message);
+    return WithErrorCode(out, "context_length_exceeded");
+  }
+  if (absl::StartsWith(message, "prompt")) return ParamError(prompt_param, message);
+  if (absl::StartsWith(message, "stop ") || absl::StartsWith(message, "each stop string")) {
+    return ParamError("stop", message);
+  }
+  size_t end = message.find_first_not_of("abcdefghijklmnopqrstuvwxyz_");
+  std::string word = message.substr(0, end);
+  for (const char* known :
+       {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+        "frequency_penalty", "max_tokens", "min_tokens", "n", "stop_token_ids", "seed"}) {
+    if (word == known) return ParamError(word, message);
+  }
+  if (word == "logprobs") {
+    return ParamError(kind == ApiKind::kChat ? "top_logprobs" : "logprobs", message);
+  }
+  return status;
+}
+
+absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKind kind,
+                                                         int vocab_size) {
+  CompletionRequest r;
+  r.kind = kind;
+  engine::SamplingParams& p = r.params;
+  if (const json* v = Field(body, "model")) {
+    if (!v->is_string()) return ParamError("model", "model must be a string");
+    r.model = v->get<std::string>();
+  }
+  if (kind == ApiKind::kCompletion) {
+    TANDEM_RETURN_IF_ERROR(ReadPrompt(body, vocab_size, &r));
+  } else {
+    const json* m = Field(body, "messages");
+    if (m == nullptr) return ParamError("messages", "messages is required");
+    TANDEM_ASSIGN_OR_RETURN(r.messages, NormalizeMessages(*m));
+    r.add_special_tokens = false;  // the chat template writes the special tokens it wants
+    TANDEM_RETURN_IF_ERROR(ReadBool(body, "add_generation_prompt", &r.add_generation_prompt));
+  }
+  TANDEM_RETURN_IF_ERROR(ReadBool(body, "add_special_tokens", &r.add_special_tokens));
+
+  TANDEM_RETURN_IF_ERROR(ReadBool(body, "stream", &r.stream));
+  if (const json* v = Field(body, "stream_options")) {
+    if (!v->is_object()) return ParamError("stream_options", "stream_options must be an object");
+    if (!r.stream) {
+      return ParamError("stream_options", "stream_options is only allowed when stream is true");
+    }
+    auto usage = v->find("include_usage");
+    if (usage != v->end() && !usage->is_null()) {
+      if (!usage->is_boolean()) {
+        return ParamError("stream_options", "stream_options.include_usage must be a boolean");
+      }
+      r.include_usage = usage->get<bool>();
+    }
+  }
+
+  TANDEM_RETURN_IF_ERROR(ReadInt32(body, "n", 1, &p.n));
+  if (p.n > engine::kMaxSamplesPerRequest) {
+    return ParamError("n", absl::StrCat("n must be an integer in [1, ",
+                                        engine::kMaxSamplesPerRequest, "], got ", p.n));
+  }
+  TANDEM_RETURN_IF_ERROR(RefuseUnsupported(body, p.n));
+
+  std::optional<int64_t> max_tokens;
+  const int64_t kIntMax = std::numeric_limits<int32_t>::max();
+  TANDEM_RETURN_IF_ERROR(ReadInt(body, "max_tokens", 1, kIntMax, &max_tokens));
+  if (kind == ApiKind::kChat) {
+    std::optional<int64_t> max_completion_tokens;
+    TANDEM_RETURN_IF_ERROR(
+        ReadInt(body, "max_completion_tokens", 1, kIntMax, &max_completion_tokens));
+    if (max_completion_tokens) max_tokens = max_completion_tokens;
+  }
+  if (max_tokens) r.max_tokens = static_cast<int>(*max_tokens);
+
+  TANDEM_RETURN_IF_ERROR(ReadFloat(body, "temperature", &p.temperature));
+  TANDEM_RETURN_IF_ERROR(ReadFloat(body, "top_p", &p.top_p));
+  TANDEM_RETURN_IF_ERROR(ReadInt32(body, "top_k", std::numeric_limits<int32_t>::min(), &p.top_k));
+  TANDEM_RETURN_IF_ERROR(ReadFloat(body, "min_p", &p.min_p));
+  TANDEM_RETURN_IF_ERROR(ReadFloat(body, "presence_penalty", &p.presence_penalty));
+  TANDEM_RETURN_IF_ERROR(ReadFloat(body, "frequency_penalty", &p.frequency_penalty));
+  TANDEM_RETURN_IF_ERROR(ReadFloat(body, "repetition_penalty", &p.repetition_penalty));
+  TANDEM_RETURN_IF_ERROR(ReadInt32(body, "min_tokens", 0, &p.min_tokens));
+  TANDEM_RETURN_IF_ERROR(ReadBool(body, "ignore_eos", &p.ignore_eos));
+  TANDEM_RETURN_IF_ERROR(ReadBool(body, "skip_special_tokens", &p.skip_special_tokens));
+  TANDEM_RETURN_IF_ERROR(
+      ReadBool(body, "include_stop_str_in_output", &p.include_stop_str_in_output));
+  if (const json* v = Field(body, "seed")) {
+    if (v->is_number_unsigned()) {
+      p.seed = v->get<uint64_t>();
+    } else if (v->is_number_integer()) {
+      p.seed = static_cast<uint64_t>(v->get<int64_t>());
+    } else {
+      return ParamError("seed", "seed must be an integer");
+    }
+  }
+  TANDEM_RETURN_IF_ERROR(ReadStop(body, &p));
+  if (const json* v = Field(body, "stop_token_ids")) {
+    if (!v->is_array()) return ParamError("stop_token_ids", "stop_token_ids must be an array");
+    if (v->size() > static_cast<size_t>(engine::kMaxStopTokenIds)) {
+      return ParamError("stop_token_ids", absl::StrCat("stop_token_ids may hold at most ",
+                                                       engine::kMaxStopTokenIds, " ids"));
+    }
+    TANDEM_RETURN_IF_ERROR(ReadTokenIds(*v, "stop_token_ids", vocab_size, &p.stop_token_ids));
+  }
+
+  if (kind == ApiKind::kCompletion) {
+    std::optional<int64_t> logprobs;
+    TANDEM_RETURN_IF_ERROR(ReadInt(body, "logprobs", 0, engine::kMaxTopLogprobs, &logprobs));
+    p.logprobs = logprobs ? static_cast<int>(*logprobs) : -1;
+  } else {
+    bool logprobs = false;
+    TANDEM_RETURN_IF_ERROR(ReadBool(body, "logprobs", &logprobs));
+    std::optional<int64_t> top;
+    TANDEM_RETURN_IF_ERROR(ReadInt(body, "top_logprobs", 0, engine::kMaxTopLogprobs, &top));
+    if (top && !logprobs) {
+      return ParamError("top_logprobs", "top_logprobs requires logprobs to be true");
+    }
+    p.logprobs = logprobs ? static_cast<int>(top.value_or(0)) : -1;
+  }
+
+  // Chat's default max_tokens depends on the prompt length; until then check with the most
+  // permissive value so min_tokens is not refused early.
+  p.max_tokens = r.max_tokens.value_or(kind == ApiKind::kChat ? static_cast<int>(kIntMax) : 16);
+  TANDEM_RETURN_IF_ERROR(AttachParam(p.Validate(vocab_size), kind));
+  return r;
+}
+
+}  // namespace tandem::router

@@ -1,0 +1,229 @@
+#include "tandem/router/openai_request.h"
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace tandem::router {
+namespace {
+
+using ::nlohmann::json;
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+constexpr int kVocab = 1000;
+
+absl::StatusOr<CompletionRequest> Completion(const std::string& body) {
+  absl::StatusOr<json> parsed = ParseJsonObject(body);
+  if (!parsed.ok()) return parsed.status();
+  return ParseCompletionRequest(*parsed, ApiKind::kCompletion, kVocab);
+}
+
+absl::StatusOr<CompletionRequest> Chat(const std::string& body) {
+  absl::StatusOr<json> parsed = ParseJsonObject(body);
+  if (!parsed.ok()) return parsed.status();
+  return ParseCompletionRequest(*parsed, ApiKind::kChat, kVocab);
+}
+
+TEST(ParseJsonObjectTest, SyntaxErrorsGiveThePositionButNotTheInput) {
+  const std::string secret(5000, 'x');
+  absl::StatusOr<json> r = ParseJsonObject("{\"prompt\": \"" + secret + "\" oops}");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(r.status().message(), HasSubstr("not valid JSON"));
+  EXPECT_THAT(r.status().message(), HasSubstr("at byte"));
+  EXPECT_THAT(r.status().message(),
+              Not(HasSubstr("xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx")));
+  EXPECT_LT(r.status().message().size(), 200u);
+}
+
+TEST(ParseJsonObjectTest, RefusesEmptyNonObjectsDeepNestingAndNonFiniteNumbers) {
+  EXPECT_THAT(ParseJsonObject("").status().message(), HasSubstr("empty"));
+  EXPECT_THAT(ParseJsonObject("[1, 2]").status().message(), HasSubstr("must be a JSON object"));
+  EXPECT_THAT(ParseJsonObject(std::string(100000, '[')).status().message(),
+              HasSubstr("nests deeper"));
+  EXPECT_FALSE(ParseJsonObject(R"({"temperature": NaN})").ok());
+  EXPECT_FALSE(ParseJsonObject(R"({"temperature": Infinity})").ok());
+  EXPECT_FALSE(ParseJsonObject(R"({"temperature": 1e999})").ok());
+  EXPECT_FALSE(ParseJsonObject("{\"prompt\": \"\xff\xfe\"}").ok());  // invalid UTF-8
+  // Brackets inside strings are text, not nesting.
+  EXPECT_TRUE(ParseJsonObject("{\"prompt\": \"" + std::string(100, '[') + "\"}").ok());
+}
+
+TEST(ParseCompletionRequestTest, ReadsEveryField) {
+  absl::StatusOr<CompletionRequest> r = Completion(R"({
+    "model": "m", "prompt": "hi", "max_tokens": 7, "n": 2, "temperature": 0.5, "top_p": 0.9,
+    "top_k": 5, "min_p": 0.1, "presence_penalty": 1, "frequency_penalty": -1,
+    "repetition_penalty": 1.2, "seed": 42, "stop": ["a", "b"], "logprobs": 3, "stream": true,
+    "stream_options": {"include_usage": true}, "user": "ignored", "best_of": 2, "echo": false})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r->model, "m");
+  EXPECT_EQ(*r->prompt_text, "hi");
+  EXPECT_EQ(r->params.max_tokens, 7);
+  EXPECT_EQ(r->params.n, 2);
+  EXPECT_FLOAT_EQ(r->params.temperature, 0.5f);
+  EXPECT_EQ(r->params.top_k, 5);
+  EXPECT_EQ(*r->params.seed, 42u);
+  EXPECT_EQ(r->params.stop, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(r->params.logprobs, 3);
+  EXPECT_TRUE(r->stream);
+  EXPECT_TRUE(r->include_usage);
+}
+
+TEST(ParseCompletionRequestTest, PromptMayBeTokenIds) {
+  absl::StatusOr<CompletionRequest> r = Completion(R"({"prompt": [1, 2, 3]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->prompt_tokens, (std::vector<int32_t>{1, 2, 3}));
+  r = Completion(R"({"prompt": [[4, 5]]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->prompt_tokens, (std::vector<int32_t>{4, 5}));
+  EXPECT_EQ(ParamOf(Completion(R"({"prompt": [1, 5000]})").status()), "prompt");
+}
+
+struct BadField {
+  const char* body;
+  const char* param;
+  const char* message;
+};
+
+class BadCompletionFieldTest : public ::testing::TestWithParam<BadField> {};
+
+TEST_P(BadCompletionFieldTest, IsRefusedNamingTheParameter) {
+  absl::StatusOr<CompletionRequest> r = Completion(GetParam().body);
+  ASSERT_FALSE(r.ok()) << GetParam().body;
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ParamOf(r.status()), GetParam().param) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr(GetParam().message));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fields, BadCompletionFieldTest,
+    ::testing::Values(
+        BadField{R"({})", "prompt", "prompt is required"},
+        BadField{R"({"prompt": 5})", "prompt", "prompt must be"},
+        BadField{R"({"prompt": []})", "prompt", "must not be empty"},
+        BadField{R"({"prompt": ["a", "b"]})", "prompt", "not supported"},
+        BadField{R"({"prompt": "x", "model": 3})", "model", "model must be a string"},
+        BadField{R"({"prompt": "x", "temperature": "hot"})", "temperature", "must be a number"},
+        BadField{R"({"prompt": "x", "temperature": 5})", "temperature", "temperature must be"},
+        BadField{R"({"prompt": "x", "temperature": -1})", "temperature", "temperature must be"},
+        BadField{R"({"prompt": "x", "temperature": 1e300})", "temperature", "temperature must be"},
+        BadField{R"({"prompt": "x", "temperature": true})", "temperature", "must be a number"},
+        BadField{R"({"prompt": "x", "top_p": 0})", "top_p", "top_p must be"},
+        BadField{R"({"prompt": "x", "top_k": 1.5})", "top_k", "must be an integer"},
+        BadField{R"({"prompt": "x", "top_k": -2})", "top_k", "top_k must be"},
+        BadField{R"({"prompt": "x", "min_p": 2})", "min_p", "min_p must be"},
+        BadField{R"({"prompt": "x", "presence_penalty": 3})", "presence_penalty", "must be"},
+        BadField{R"({"prompt": "x", "frequency_penalty": -3})", "frequency_penalty", "must be"},
+        BadField{R"({"prompt": "x", "repetition_penalty": 0})", "repetition_penalty", "must be"},
+        BadField{R"({"prompt": "x", "max_tokens": 0})", "max_tokens", "max_tokens must be"},
+        BadField{R"({"prompt": "x", "max_tokens": -5})", "max_tokens", "max_tokens must be"},
+        BadField{R"({"prompt": "x", "max_tokens": 99999999999999})", "max_tokens", "must be"},
+        BadField{R"({"prompt": "x", "max_tokens": "10"})", "max_tokens", "must be an integer"},
+        BadField{R"({"prompt": "x", "n": 0})", "n", "n must be"},
+        BadField{R"({"prompt": "x", "n": 1000})", "n", "n must be"},
+        BadField{R"({"prompt": "x", "logprobs": 21})", "logprobs", "logprobs must be"},
+        BadField{R"({"prompt": "x", "logprobs": true})", "logprobs", "must be an integer"},
+        BadField{R"({"prompt": "x", "seed": "s"})", "seed", "seed must be an integer"},
+        BadField{R"({"prompt": "x", "stop": 5})", "stop", "stop must be"},
+        BadField{R"({"prompt": "x", "stop": [1]})", "stop", "stop must be"},
+        BadField{R"({"prompt": "x", "stop": [""]})", "stop", "stop string"},
+        BadField{R"({"prompt": "x", "stop": ["a","b","c","d","e","f","g","h","i","j","k","l",
+                    "m","n","o","p","q"]})",
+                 "stop", "at most 16"},
+        BadField{R"({"prompt": "x", "stream": "yes"})", "stream", "must be a boolean"},
+        BadField{R"({"prompt": "x", "stream_options": {"include_usage": true}})", "stream_options",
+                 "only allowed when stream"},
+        BadField{R"({"prompt": "x", "echo": true})", "echo", "not supported"},
+        BadField{R"({"prompt": "x", "suffix": "s"})", "suffix", "not supported"},
+        BadField{R"({"prompt": "x", "best_of": 3})", "best_of", "not supported"},
+        BadField{R"({"prompt": "x", "logit_bias": {"1": 5}})", "logit_bias", "not supported"},
+        BadField{R"({"prompt": "x", "min_tokens": 20, "max_tokens": 5})", "min_tokens",
+                 "min_tokens must be"},
+        BadField{R"({"prompt": "x", "stop_token_ids": [-1]})", "stop_token_ids", "vocabulary"}));
+
+TEST(ParseChatRequestTest, JoinsTextPartsAndMapsDeveloperToSystem) {
+  absl::StatusOr<CompletionRequest> r = Chat(R"({"messages": [
+      {"role": "developer", "content": "be brief"},
+      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+      {"role": "assistant", "content": null}],
+      "logprobs": true, "top_logprobs": 2, "max_completion_tokens": 9})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->messages[0]["role"], "system");
+  EXPECT_EQ(r->messages[1]["content"], "a\nb");
+  EXPECT_EQ(r->messages[2]["content"], "");
+  EXPECT_EQ(r->params.logprobs, 2);
+  EXPECT_EQ(*r->max_tokens, 9);
+  EXPECT_FALSE(r->add_special_tokens);
+}
+
+class BadChatFieldTest : public ::testing::TestWithParam<BadField> {};
+
+TEST_P(BadChatFieldTest, IsRefusedNamingTheParameter) {
+  absl::StatusOr<CompletionRequest> r = Chat(GetParam().body);
+  ASSERT_FALSE(r.ok()) << GetParam().body;
+  EXPECT_EQ(ParamOf(r.status()), GetParam().param) << r.status();
+  EXPECT_THAT(r.status().message(), HasSubstr(GetParam().message));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Fields, BadChatFieldTest,
+    ::testing::Values(
+        BadField{R"({})", "messages", "messages is required"},
+        BadField{R"({"messages": "hi"})", "messages", "must be an array"},
+        BadField{R"({"messages": []})", "messages", "must not be empty"},
+        BadField{R"({"messages": [1]})", "messages", "must be an object"},
+        BadField{R"({"messages": [{"content": "x"}]})", "messages", "role must be a string"},
+        BadField{R"({"messages": [{"role": "king", "content": "x"}]})", "messages",
+                 "must be one of"},
+        BadField{R"({"messages": [{"role": "user"}]})", "messages", "content is required"},
+        BadField{R"({"messages": [{"role": "user", "content": 5}]})", "messages",
+                 "must be a string or an array"},
+        BadField{R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
+                 "messages", "only 'text' parts"},
+        BadField{R"({"messages": [{"role": "tool", "content": "x"}]})", "messages",
+                 "not supported"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "tools": [{}]})", "tools",
+                 "not supported"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "logprobs": 1})", "logprobs",
+                 "must be a boolean"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})",
+                 "top_logprobs", "requires logprobs"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "logprobs": true,
+                    "top_logprobs": 50})",
+                 "top_logprobs", "top_logprobs must be"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}],
+                    "response_format": {"type": "json_object"}})",
+                 "response_format", "not supported"}));
+
+TEST(ParseChatRequestTest, CapsTheNumberOfMessages) {
+  json messages = json::array();
+  for (int i = 0; i <= kMaxMessagesPerRequest; ++i) {
+    messages.push_back({{"role", "user"}, {"content", "x"}});
+  }
+  absl::StatusOr<CompletionRequest> r =
+      ParseCompletionRequest(json{{"messages", messages}}, ApiKind::kChat, kVocab);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("at most 256"));
+}
+
+TEST(AttachParamTest, ContextOverflowNamesThePromptWithOpenAiCode) {
+  absl::Status s = AttachParam(
+      absl::InvalidArgumentError("this model's maximum context length is 512 tokens, but the "
+                                 "prompt has 600 tokens and max_tokens is 16 (616 in all)"),
+      ApiKind::kChat);
+  EXPECT_EQ(ParamOf(s), "messages");
+  EXPECT_EQ(ErrorCodeOf(s), "context_length_exceeded");
+}
+
+TEST(ErrorBodyTest, HasTheOpenAiShape) {
+  json body = json::parse(ErrorBody(400, "temperature must be in [0, 2]", "temperature"));
+  EXPECT_EQ(body["error"]["message"], "temperature must be in [0, 2]");
+  EXPECT_EQ(body["error"]["type"], "invalid_request_error");
+  EXPECT_EQ(body["error"]["param"], "temperature");
+  EXPECT_TRUE(body["error"]["code"].is_null());
+}
+
+}  // namespace
+}  // namespace tandem::router
