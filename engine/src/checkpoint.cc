@@ -49,6 +49,7 @@ std::map<std::string, std::vector<int64_t>> ExpectedTensors(const ModelConfig& c
     t[p + "self_attn.k_proj.weight"] = {kv_dim, hidden};
     t[p + "self_attn.v_proj.weight"] = {kv_dim, hidden};
     t[p + "self_attn.o_proj.weight"] = {hidden, q_dim};
+    if (c.o_proj_bias) t[p + "self_attn.o_proj.bias"] = {hidden};
     if (c.attention_bias) {
       t[p + "self_attn.q_proj.bias"] = {q_dim};
       t[p + "self_attn.k_proj.bias"] = {kv_dim};

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -38,7 +39,7 @@ json TinyConfig(const std::string& arch) {
             {"eos_token_id", 2},
             {"torch_dtype", "bfloat16"},
             {"hidden_act", "silu"}};
-  if (arch == "llama") {
+  if (arch == "llama" || arch == "llama-bias") {
     j["architectures"] = {"LlamaForCausalLM"};
     j["model_type"] = "llama";
     j["rope_theta"] = 500000.0;
@@ -47,7 +48,7 @@ json TinyConfig(const std::string& arch) {
                          {"low_freq_factor", 1.0},
                          {"high_freq_factor", 4.0},
                          {"original_max_position_embeddings", 32}};
-    j["attention_bias"] = false;
+    j["attention_bias"] = arch == "llama-bias";
     j["tie_word_embeddings"] = false;
   } else if (arch == "mistral") {
     j["architectures"] = {"MistralForCausalLM"};
@@ -168,7 +169,8 @@ TEST_P(CheckpointLoadTest, LoadsEveryTensorWithItsValues) {
   auto ckpt = Checkpoint::Open(dir_);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   const ModelConfig& c = (*ckpt)->config();
-  EXPECT_EQ(c.attention_bias, p.arch == "qwen2");
+  EXPECT_EQ(c.attention_bias, p.arch == "qwen2" || p.arch == "llama-bias");
+  EXPECT_EQ(c.o_proj_bias, p.arch == "llama-bias");
   EXPECT_EQ(c.qk_norm, p.arch == "qwen3");
   EXPECT_EQ(c.tie_word_embeddings, p.arch == "qwen2");
   EXPECT_EQ(c.head_dim, p.arch == "qwen3" ? 16 : 8);
@@ -200,10 +202,11 @@ INSTANTIATE_TEST_SUITE_P(
                       LoadCase{"qwen2", DType::kF32, 1}, LoadCase{"qwen2", DType::kBF16, 1},
                       LoadCase{"qwen3", DType::kF32, 1}, LoadCase{"qwen3", DType::kBF16, 1},
                       LoadCase{"llama", DType::kBF16, 3}, LoadCase{"qwen2", DType::kF32, 2},
-                      LoadCase{"qwen3", DType::kBF16, 4}),
+                      LoadCase{"qwen3", DType::kBF16, 4}, LoadCase{"llama-bias", DType::kF32, 1}),
     [](const auto& info) {
-      return absl::StrCat(info.param.arch, "_", DTypeName(info.param.dtype), "_", info.param.shards,
-                          "shard");
+      std::string arch = info.param.arch;
+      std::replace(arch.begin(), arch.end(), '-', '_');
+      return absl::StrCat(arch, "_", DTypeName(info.param.dtype), "_", info.param.shards, "shard");
     });
 
 TEST_F(CheckpointTest, IgnoresExtraTensors) {
@@ -265,7 +268,7 @@ TEST(ModelConfigTest, AppliesHuggingFaceDefaults) {
   EXPECT_EQ(c->eos_token_ids, std::vector<int32_t>{2});
 }
 
-TEST(ModelConfigTest, Qwen2HasBiasesWithoutAFlagAndLlamaOnlyWithOne) {
+TEST(ModelConfigTest, BiasesFollowTransformersPerArchitecture) {
   auto qwen2 = ModelConfig::FromJson(TinyConfig("qwen2").dump(), "config.json");
   ASSERT_TRUE(qwen2.ok());
   EXPECT_TRUE(qwen2->attention_bias);
@@ -278,8 +281,22 @@ TEST(ModelConfigTest, Qwen2HasBiasesWithoutAFlagAndLlamaOnlyWithOne) {
   auto llama = ModelConfig::FromJson(j.dump(), "config.json");
   ASSERT_TRUE(llama.ok());
   EXPECT_TRUE(llama->attention_bias);
+  EXPECT_TRUE(llama->o_proj_bias);
+  EXPECT_FALSE(qwen2->o_proj_bias);
   EXPECT_EQ(ExpectedTensors(*llama).at("model.layers.0.self_attn.k_proj.bias"),
             (std::vector<int64_t>{16}));
+  // transformers' LlamaAttention biases o_proj as well under attention_bias.
+  EXPECT_EQ(ExpectedTensors(*llama).at("model.layers.1.self_attn.o_proj.bias"),
+            (std::vector<int64_t>{32}));
+  EXPECT_FALSE(ExpectedTensors(*qwen2).count("model.layers.0.self_attn.o_proj.bias"));
+
+  // MistralAttention has no biases whatever the config says.
+  j = TinyConfig("mistral");
+  j["attention_bias"] = true;
+  auto mistral = ModelConfig::FromJson(j.dump(), "config.json");
+  ASSERT_TRUE(mistral.ok());
+  EXPECT_FALSE(mistral->attention_bias);
+  EXPECT_FALSE(ExpectedTensors(*mistral).count("model.layers.0.self_attn.q_proj.bias"));
 }
 
 TEST(ModelConfigTest, Qwen3ShapesFollowExplicitHeadDim) {

@@ -241,11 +241,14 @@ absl::StatusOr<ModelConfig> ModelConfig::FromJson(std::string_view text,
   TANDEM_RETURN_IF_ERROR(ParseRopeScaling(reader, c.rope));
 
   TANDEM_ASSIGN_OR_RETURN(c.tie_word_embeddings, reader.Bool("tie_word_embeddings", false));
-  // Qwen2 always has q/k/v biases and its config.json carries no flag for them.
+  // As in transformers: Qwen2 always biases q/k/v and its config.json has no flag for it;
+  // Llama and Qwen3 bias q/k/v and o when "attention_bias" is true; Mistral never has biases
+  // and ignores the key.
   if (c.architecture == Architecture::kQwen2) {
     c.attention_bias = true;
-  } else {
+  } else if (c.architecture != Architecture::kMistral) {
     TANDEM_ASSIGN_OR_RETURN(c.attention_bias, reader.Bool("attention_bias", false));
+    c.o_proj_bias = c.attention_bias;
   }
   c.qk_norm = c.architecture == Architecture::kQwen3;
   TANDEM_ASSIGN_OR_RETURN(c.torch_dtype, ParseTorchDtype(reader));
@@ -317,8 +320,10 @@ std::string ModelConfig::ToJson() const {
     j["rope_scaling"] = nullptr;
   }
   j["tie_word_embeddings"] = tie_word_embeddings;
-  // Qwen2's config has no such flag: its biases are implied by the architecture.
-  if (architecture != Architecture::kQwen2) j["attention_bias"] = attention_bias;
+  // Qwen2's and Mistral's configs have no such flag: their biases follow from the architecture.
+  if (architecture == Architecture::kLlama || architecture == Architecture::kQwen3) {
+    j["attention_bias"] = attention_bias;
+  }
   j["torch_dtype"] = TorchDtypeName(torch_dtype);
   if (bos_token_id >= 0) {
     j["bos_token_id"] = bos_token_id;

@@ -106,10 +106,14 @@ class Config:
         self.theta = c.get("rope_theta", 10000.0)
         self.rope_scaling = c.get("rope_scaling")
         self.tie = c.get("tie_word_embeddings", False)
+        # transformers: Qwen2 biases q/k/v always; Llama and Qwen3 bias q/k/v and o under
+        # attention_bias; Mistral has no attention biases.
         if self.arch == "Qwen2ForCausalLM":
-            self.bias = True
+            self.bias, self.o_bias = True, False
+        elif self.arch == "MistralForCausalLM":
+            self.bias, self.o_bias = False, False
         else:
-            self.bias = c.get("attention_bias", False)
+            self.bias = self.o_bias = bool(c.get("attention_bias", False))
         self.qk_norm = self.arch == "Qwen3ForCausalLM"
 
 
@@ -192,6 +196,8 @@ def forward(cfg, w, tokens):
         probs = probs / probs.sum(axis=-1, keepdims=True)
         attn = np.einsum("hqk,khd->qhd", probs, v).reshape(t, cfg.heads * cfg.head_dim)
         x = x + attn @ w[p + "self_attn.o_proj.weight"].T
+        if cfg.o_bias:
+            x = x + w[p + "self_attn.o_proj.bias"]
 
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], cfg.eps)
         gate = h @ w[p + "mlp.gate_proj.weight"].T

@@ -32,7 +32,10 @@ struct ModelConfig {
   kernels::RopeConfig rope;  // theta and llama3 scaling; rope.head_dim == head_dim
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // q/k/v projections carry a bias (Qwen2)
-  bool qk_norm = false;         // per-head RMSNorm of q and k before RoPE (Qwen3)
+  // o_proj carries a bias too: Llama and Qwen3 with "attention_bias": true put one on all four
+  // attention projections (Qwen2 biases only q/k/v).
+  bool o_proj_bias = false;
+  bool qk_norm = false;  // per-head RMSNorm of q and k before RoPE (Qwen3)
   DType torch_dtype = DType::kBF16;
   int bos_token_id = -1;
   std::vector<int32_t> eos_token_ids;
