@@ -47,8 +47,8 @@ class SafetensorsFile {
 class SafetensorsWriter {
  public:
   // Adds a tensor; data is `dtype`-encoded bytes of prod(shape) elements, copied.
-  void Add(const std::string& name, DType dtype, std::vector<int64_t> shape,
-           const void* data, size_t nbytes);
+  void Add(const std::string& name, DType dtype, std::vector<int64_t> shape, const void* data,
+           size_t nbytes);
   // Adds fp32 values, converting to `dtype`.
   void AddFloat(const std::string& name, DType dtype, std::vector<int64_t> shape,
                 const std::vector<float>& values);
