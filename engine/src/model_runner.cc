@@ -16,6 +16,7 @@ struct ModelRunner::Layer {
   std::vector<float> qkv_bias;                     // [(heads + 2 kv_heads) * head_dim] or empty
   std::vector<float> q_norm, k_norm;               // [head_dim] or empty
   std::unique_ptr<kernels::PackedWeight> o;        // [hidden, heads * head_dim]
+  std::vector<float> o_bias;                       // [hidden] or empty
   std::unique_ptr<kernels::PackedWeight> gate_up;  // [2 * intermediate, hidden]
   std::unique_ptr<kernels::PackedWeight> down;     // [hidden, intermediate]
 };
@@ -111,6 +112,9 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint) {
     TANDEM_ASSIGN_OR_RETURN(std::vector<float> o,
                             checkpoint.ReadFloat(p + "self_attn.o_proj.weight"));
     layer->o = backend_->PackWeight(o.data(), c.hidden_size, q_dim);
+    if (c.o_proj_bias) {
+      TANDEM_ASSIGN_OR_RETURN(layer->o_bias, checkpoint.ReadFloat(p + "self_attn.o_proj.bias"));
+    }
     TANDEM_ASSIGN_OR_RETURN(std::vector<float> gate_up,
                             checkpoint.ReadFloat(p + "mlp.gate_proj.weight"));
     TANDEM_ASSIGN_OR_RETURN(std::vector<float> up, checkpoint.ReadFloat(p + "mlp.up_proj.weight"));
@@ -211,7 +215,8 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     float* cache = layer_cache(l);
     b.WriteKv(k_.data(), v_.data(), slots_.data(), tokens, kv_layout_, cache);
     b.PagedAttention(q_.data(), cache, kv_layout_, batch, c.num_heads, scale, attn_.data());
-    b.Linear(attn_.data(), tokens, *layer.o, nullptr, proj_.data());
+    b.Linear(attn_.data(), tokens, *layer.o, layer.o_bias.empty() ? nullptr : layer.o_bias.data(),
+             proj_.data());
     b.AddRmsNorm(residual_.data(), proj_.data(), layer.post_attn_norm.data(), c.rms_norm_eps,
                  tokens, hidden, hidden_.data());
     b.Linear(hidden_.data(), tokens, *layer.gate_up, nullptr, gate_up_.data());
