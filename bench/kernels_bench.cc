@@ -1,0 +1,232 @@
+// CPU kernel benchmarks: Tandem's GEMM against OpenBLAS sgemm for decode and prefill shapes,
+// weight streaming against copy bandwidth, paged decode attention, and thread-pool dispatch.
+//
+//   build/bin/tandem_bench_kernels --benchmark_filter=Linear
+//
+// Rates use wall-clock time (UseRealTime): the work runs on more than the calling thread.
+// Every benchmark uses two threads (the machine the figures in bench/results/ come from has two
+// cores). "Cold" variants cycle through more weights than the last-level cache holds, as a
+// decode step does walking its layers; the plain variants reuse one weight, which may stay
+// cached.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "bench/bandwidth.h"
+#include "benchmark/benchmark.h"
+#include "kernels/src/cpu/thread_pool.h"
+#include "tandem/kernels/backend.h"
+
+#if TANDEM_BENCH_OPENBLAS
+#include <cblas.h>
+#endif
+
+namespace tandem::bench {
+namespace {
+
+constexpr int kThreads = 2;
+// 16 weights of 2048 x 2048 floats: 256 MiB, beyond any last-level cache here.
+constexpr int64_t kColdBytes = int64_t{256} << 20;
+
+std::vector<float> Random(int64_t size, uint32_t seed) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(size);
+  for (float& x : v) x = dist(gen);
+  return v;
+}
+
+kernels::Backend& Cpu() {
+  static kernels::Backend* backend = [] {
+    auto created = kernels::CreateCpuBackend({.num_threads = kThreads});
+    if (!created.ok()) std::abort();
+    return created->release();
+  }();
+  return *backend;
+}
+
+// Measured once per run, the first time a benchmark asks.
+double CopyGBs() {
+  static const double gbs = MeasureCopyBandwidthGBs(kThreads);
+  return gbs;
+}
+
+void ReportGemm(benchmark::State& state, int64_t m, int64_t n, int64_t k) {
+  const double iterations = static_cast<double>(state.iterations());
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * m * n * k * iterations / 1e9, benchmark::Counter::kIsRate);
+  // Weight bytes per second: what a few-row product is limited by.
+  state.counters["W_GB/s"] =
+      benchmark::Counter(4.0 * n * k * iterations / 1e9, benchmark::Counter::kIsRate);
+}
+
+// Weight streaming (reads only) as a fraction of copy bandwidth (reads + writes).
+void ReportAgainstCopy(benchmark::State& state, int64_t n, int64_t k, double copy_gbs) {
+  state.counters["copy_GB/s"] = copy_gbs;
+  state.counters["W_of_copy"] =
+      benchmark::Counter(4.0 * n * k * static_cast<double>(state.iterations()) / 1e9 / copy_gbs,
+                         benchmark::Counter::kIsRate);
+}
+
+// Args: m, n, k.
+void BM_Linear(benchmark::State& state) {
+  const int m = state.range(0), n = state.range(1), k = state.range(2);
+  const std::vector<float> w = Random(int64_t{n} * k, 1);
+  const std::vector<float> x = Random(int64_t{m} * k, 2);
+  std::vector<float> y(int64_t{m} * n);
+  auto packed = Cpu().PackWeight(w.data(), n, k);
+  for (auto _ : state) {
+    Cpu().Linear(x.data(), m, *packed, nullptr, y.data());
+    benchmark::DoNotOptimize(y.data());
+  }
+  ReportGemm(state, m, n, k);
+}
+
+// Args: m, n, k. Each iteration multiplies by the next of enough weights to miss the caches.
+void BM_LinearColdWeights(benchmark::State& state) {
+  const int m = state.range(0), n = state.range(1), k = state.range(2);
+  const int count = static_cast<int>(std::max<int64_t>(2, kColdBytes / (int64_t{4} * n * k)));
+  std::vector<std::unique_ptr<kernels::PackedWeight>> weights;
+  {
+    const std::vector<float> w = Random(int64_t{n} * k, 1);
+    for (int i = 0; i < count; ++i) weights.push_back(Cpu().PackWeight(w.data(), n, k));
+  }
+  const std::vector<float> x = Random(int64_t{m} * k, 2);
+  std::vector<float> y(int64_t{m} * n);
+  const double copy_gbs = CopyGBs();
+  int next = 0;
+  for (auto _ : state) {
+    Cpu().Linear(x.data(), m, *weights[next], nullptr, y.data());
+    benchmark::DoNotOptimize(y.data());
+    next = (next + 1) % count;
+  }
+  ReportGemm(state, m, n, k);
+  ReportAgainstCopy(state, n, k, copy_gbs);
+}
+
+#if TANDEM_BENCH_OPENBLAS
+void BM_Sgemm(benchmark::State& state) {
+  const int m = state.range(0), n = state.range(1), k = state.range(2);
+  openblas_set_num_threads(kThreads);
+  const std::vector<float> w = Random(int64_t{n} * k, 1);
+  const std::vector<float> x = Random(int64_t{m} * k, 2);
+  std::vector<float> y(int64_t{m} * n);
+  for (auto _ : state) {
+    // y[m, n] = x[m, k] * W[n, k]^T, the same product as Linear.
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x.data(), k, w.data(), k,
+                0.0f, y.data(), n);
+    benchmark::DoNotOptimize(y.data());
+  }
+  ReportGemm(state, m, n, k);
+}
+
+void BM_SgemmColdWeights(benchmark::State& state) {
+  const int m = state.range(0), n = state.range(1), k = state.range(2);
+  openblas_set_num_threads(kThreads);
+  const int count = static_cast<int>(std::max<int64_t>(2, kColdBytes / (int64_t{4} * n * k)));
+  std::vector<std::vector<float>> weights(count, Random(int64_t{n} * k, 1));
+  const std::vector<float> x = Random(int64_t{m} * k, 2);
+  std::vector<float> y(int64_t{m} * n);
+  const double copy_gbs = CopyGBs();
+  int next = 0;
+  for (auto _ : state) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, n, k, 1.0f, x.data(), k,
+                weights[next].data(), k, 0.0f, y.data(), n);
+    benchmark::DoNotOptimize(y.data());
+    next = (next + 1) % count;
+  }
+  ReportGemm(state, m, n, k);
+  ReportAgainstCopy(state, n, k, copy_gbs);
+}
+#endif
+
+// Decode attention of `seqs` sequences of `context` tokens each, Llama-3-8B shape (32 query
+// heads over 8 KV heads of 128), block size 16. Args: seqs, context.
+void BM_Attention(benchmark::State& state) {
+  const int seqs = state.range(0), context = state.range(1);
+  const int heads = 32, kv_heads = 8, head_dim = 128, block = 16;
+  const int blocks_per_seq = (context + block - 1) / block;
+  const kernels::KvLayout layout{.num_blocks = seqs * blocks_per_seq,
+                                 .block_size = block,
+                                 .num_kv_heads = kv_heads,
+                                 .head_dim = head_dim};
+  const std::vector<float> cache = Random(layout.LayerElements(), 3);
+  const std::vector<float> q = Random(int64_t{seqs} * heads * head_dim, 4);
+  std::vector<float> out(q.size());
+  std::vector<int32_t> query_start(seqs + 1), context_len(seqs, context),
+      block_table(int64_t{seqs} * blocks_per_seq);
+  for (int s = 0; s <= seqs; ++s) query_start[s] = s;
+  for (size_t i = 0; i < block_table.size(); ++i) block_table[i] = static_cast<int32_t>(i);
+  const kernels::PagedAttentionBatch batch{.num_seqs = seqs,
+                                           .query_start = query_start.data(),
+                                           .context_len = context_len.data(),
+                                           .block_table = block_table.data(),
+                                           .max_blocks_per_seq = blocks_per_seq};
+  for (auto _ : state) {
+    Cpu().PagedAttention(q.data(), cache.data(), layout, batch, heads, 0.088f, out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  state.counters["KV_GB/s"] =
+      benchmark::Counter(8.0 * seqs * context * kv_heads * head_dim * state.iterations() / 1e9,
+                         benchmark::Counter::kIsRate);
+}
+
+// One ParallelFor of two trivial chunks: the fixed cost every threaded operator pays.
+void BM_ParallelForDispatch(benchmark::State& state) {
+  auto pool = kernels::cpu::ThreadPool::Create(kThreads);
+  if (!pool.ok()) std::abort();
+  int64_t sink[2] = {0, 0};
+  for (auto _ : state) {
+    (*pool)->ParallelFor(2, 1, [&](int64_t begin, int64_t, int thread) { sink[thread] += begin; });
+  }
+  benchmark::DoNotOptimize(sink);
+}
+
+void BM_CopyBandwidth(benchmark::State& state) {
+  double gbs = 0.0;
+  for (auto _ : state) gbs = MeasureCopyBandwidthGBs(kThreads);
+  state.counters["GB/s"] = gbs;
+}
+
+// Decode (m = 1, 8, 16) and prefill (m = 256, 512) over Llama-3.2-1B-like projections:
+// square 2048, gate/up 2048 -> 8192, down 8192 -> 2048.
+void GemmShapes(benchmark::internal::Benchmark* b) {
+  for (int m : {1, 8, 16, 256, 512}) {
+    b->Args({m, 2048, 2048});
+    if (m <= 16) {
+      b->Args({m, 8192, 2048});
+      b->Args({m, 2048, 8192});
+    }
+  }
+  b->Unit(benchmark::kMicrosecond)->UseRealTime();
+}
+
+void ColdShapes(benchmark::internal::Benchmark* b) {
+  for (int m : {1, 8, 16}) b->Args({m, 2048, 2048});
+  b->Unit(benchmark::kMicrosecond)->UseRealTime();
+}
+
+BENCHMARK(BM_CopyBandwidth)->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ParallelForDispatch)->UseRealTime();
+BENCHMARK(BM_Linear)->Apply(GemmShapes);
+BENCHMARK(BM_LinearColdWeights)->Apply(ColdShapes);
+BENCHMARK(BM_Attention)
+    ->Args({1, 1024})
+    ->Args({8, 1024})
+    ->Args({1, 64})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+// OpenBLAS last: its worker threads keep spinning for a while after each call and would steal
+// the cores from the benchmarks after them.
+#if TANDEM_BENCH_OPENBLAS
+BENCHMARK(BM_Sgemm)->Apply(GemmShapes);
+BENCHMARK(BM_SgemmColdWeights)->Apply(ColdShapes);
+#endif
+
+}  // namespace
+}  // namespace tandem::bench
+
+BENCHMARK_MAIN();

@@ -1,0 +1,44 @@
+// The CUDA backend: the Backend operators as CUDA kernels (cuBLAS for Linear).
+//
+// Every tensor pointer given to it is device memory: activations, the KV cache, positions,
+// token ids, slot mappings and inv_freq. The exceptions are PackWeight's source (host; it is
+// uploaded) and PagedAttentionBatch's arrays (host, as Backend says; uploaded per call into
+// workspace sized by CudaBackendOptions). Operators are queued on the backend's stream and
+// return at once; an error (a failed launch, an unsupported head_dim) is kept and returned by
+// the next Synchronize. Linear runs cuBLAS, whose kernel choice depends on m, so unlike the CPU
+// backend its rows are not batch invariant.
+//
+//   TANDEM_ASSIGN_OR_RETURN(auto gpu, CreateCudaBackend({.device = 0}));
+//   gpu->RmsNorm(d_x, d_weight, 1e-5f, rows, dim, d_y);
+//   TANDEM_RETURN_IF_ERROR(gpu->Synchronize());
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "tandem/kernels/backend.h"
+
+namespace tandem::kernels {
+
+struct CudaBackendOptions {
+  int device = 0;
+  // Bounds on one PagedAttention call's batch, for the metadata workspace.
+  int max_seqs = 256;
+  int max_blocks_per_seq = 8192;
+  // Workspace merging split-KV partitions: num_tokens * num_heads * partitions * (head_dim + 2)
+  // floats per call, partitions = ceil(longest context / 512).
+  int64_t attention_workspace_bytes = int64_t{256} << 20;
+};
+
+class CudaBackend : public Backend {
+ public:
+  // Waits for the queued work and returns the first error since the previous call.
+  virtual absl::Status Synchronize() = 0;
+};
+
+// Fails (FailedPrecondition) when no CUDA device is present.
+absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackendOptions& options);
+
+}  // namespace tandem::kernels

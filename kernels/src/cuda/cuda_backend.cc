@@ -1,0 +1,245 @@
+// CudaBackend: checks arguments, plans PagedAttention on the host, and queues the kernels of
+// kernels/src/cuda on one stream. Launch errors are kept (first one wins) for Synchronize.
+#include "tandem/kernels/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/src/cuda/dispatch.cuh"
+#include "kernels/src/cuda/embedding.cuh"
+#include "kernels/src/cuda/kv_write.cuh"
+#include "kernels/src/cuda/linear.cuh"
+#include "kernels/src/cuda/paged_attention.cuh"
+#include "kernels/src/cuda/rmsnorm.cuh"
+#include "kernels/src/cuda/rope.cuh"
+#include "kernels/src/cuda/silu_mul.cuh"
+#include "tandem/base/status_macros.h"
+
+namespace tandem::kernels {
+namespace {
+
+using cuda::CudaStatus;
+
+struct DeviceFree {
+  void operator()(void* p) const { cudaFree(p); }
+};
+template <typename T>
+using DeviceArray = std::unique_ptr<T[], DeviceFree>;
+
+template <typename T>
+absl::StatusOr<DeviceArray<T>> DeviceAlloc(int64_t count) {
+  void* p = nullptr;
+  TANDEM_RETURN_IF_ERROR(
+      CudaStatus(cudaMalloc(&p, sizeof(T) * std::max<int64_t>(count, 1)), "cudaMalloc"));
+  return DeviceArray<T>(static_cast<T*>(p));
+}
+
+struct StreamDestroy {
+  void operator()(CUstream_st* stream) const { cudaStreamDestroy(stream); }
+};
+using Stream = std::unique_ptr<CUstream_st, StreamDestroy>;
+
+class CudaPackedWeight final : public PackedWeight {
+ public:
+  CudaPackedWeight(int n, int k, DeviceArray<float> data)
+      : PackedWeight(n, k), data_(std::move(data)) {}
+  const float* data() const { return data_.get(); }  // [n, k] device, row-major
+
+ private:
+  DeviceArray<float> data_;
+};
+
+class CudaBackendImpl final : public CudaBackend {
+ public:
+  CudaBackendImpl(const CudaBackendOptions& options, Stream stream, cuda::CublasHandle cublas,
+                  DeviceArray<int32_t> metadata, DeviceArray<float> workspace)
+      : options_(options),
+        stream_(std::move(stream)),
+        cublas_(std::move(cublas)),
+        metadata_(std::move(metadata)),
+        workspace_(std::move(workspace)) {
+    staging_.reserve(MetadataInts());
+  }
+
+  std::string_view name() const override { return "cuda"; }
+
+  absl::Status Synchronize() override {
+    Keep(CudaStatus(cudaStreamSynchronize(stream_.get()), "cudaStreamSynchronize"));
+    return std::exchange(status_, absl::OkStatus());
+  }
+
+  std::unique_ptr<PackedWeight> PackWeight(const float* w, int n, int k) override {
+    auto data = DeviceAlloc<float>(int64_t{n} * k);
+    if (!data.ok()) {
+      Keep(data.status());
+      return std::make_unique<CudaPackedWeight>(n, k, nullptr);
+    }
+    Keep(CudaStatus(cudaMemcpyAsync(data->get(), w, sizeof(float) * n * k, cudaMemcpyHostToDevice,
+                                    stream_.get()),
+                    "PackWeight upload"));
+    // The caller may free w once this returns.
+    Keep(CudaStatus(cudaStreamSynchronize(stream_.get()), "PackWeight upload"));
+    return std::make_unique<CudaPackedWeight>(n, k, std::move(data).value());
+  }
+
+  void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
+    const auto& packed = static_cast<const CudaPackedWeight&>(w);
+    if (packed.data() == nullptr) {
+      Keep(absl::FailedPreconditionError("Linear with a weight whose upload failed"));
+      return;
+    }
+    Keep(cuda::LaunchLinear(cublas_.get(), x, m, packed.data(), w.n(), w.k(), bias, y,
+                            stream_.get()));
+  }
+
+  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim,
+               float* y) override {
+    Keep(cuda::LaunchRmsNorm(x, nullptr, weight, eps, rows, dim, y, stream_.get()));
+  }
+
+  void AddRmsNorm(float* residual, const float* x, const float* weight, float eps, int rows,
+                  int dim, float* y) override {
+    Keep(cuda::LaunchRmsNorm(x, residual, weight, eps, rows, dim, y, stream_.get()));
+  }
+
+  void Rope(float* x, const int32_t* positions, int tokens, int heads, int head_dim,
+            const float* inv_freq) override {
+    Keep(cuda::LaunchRope(x, positions, tokens, heads, head_dim, inv_freq, stream_.get()));
+  }
+
+  void SiluMul(const float* gate_up, int rows, int inter, float* out) override {
+    Keep(cuda::LaunchSiluMul(gate_up, rows, inter, out, stream_.get()));
+  }
+
+  void Embedding(const float* table, const int32_t* ids, int tokens, int dim, float* out) override {
+    Keep(cuda::LaunchEmbedding(table, ids, tokens, dim, out, stream_.get()));
+  }
+
+  void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
+               const KvLayout& layout, float* layer_cache) override {
+    Keep(cuda::LaunchWriteKv(k, v, slot_mapping, tokens, layout, layer_cache, stream_.get()));
+  }
+
+  void PagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
+                      const PagedAttentionBatch& batch, int num_heads, float scale,
+                      float* out) override {
+    Keep(RunPagedAttention(q, layer_cache, layout, batch, num_heads, scale, out));
+  }
+
+ private:
+  int64_t MetadataInts() const {
+    return 2 * int64_t{options_.max_seqs} + 1 +
+           int64_t{options_.max_seqs} * options_.max_blocks_per_seq;
+  }
+
+  void Keep(absl::Status status) {
+    if (status_.ok()) status_ = std::move(status);
+  }
+
+  absl::Status RunPagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
+                                 const PagedAttentionBatch& batch, int num_heads, float scale,
+                                 float* out) {
+    const int n = batch.num_seqs;
+    if (n <= 0) return absl::OkStatus();
+    if (n > options_.max_seqs || batch.max_blocks_per_seq > options_.max_blocks_per_seq) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("PagedAttention batch of ", n, " sequences x ", batch.max_blocks_per_seq,
+                       " blocks exceeds CudaBackendOptions (", options_.max_seqs, " x ",
+                       options_.max_blocks_per_seq, ")"));
+    }
+    // Plan on the host: the metadata goes up in one copy, laid out
+    // [query_start (n + 1)][context_len (n)][block_table (n x max_blocks_per_seq)].
+    const int64_t table_ints = int64_t{n} * batch.max_blocks_per_seq;
+    staging_.assign(batch.query_start, batch.query_start + n + 1);
+    staging_.insert(staging_.end(), batch.context_len, batch.context_len + n);
+    staging_.insert(staging_.end(), batch.block_table, batch.block_table + table_ints);
+    int max_context = 1;
+    for (int s = 0; s < n; ++s) max_context = std::max(max_context, batch.context_len[s]);
+    // From pageable memory the copy returns once staging_ has been read, so reusing it next
+    // call is safe.
+    TANDEM_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(metadata_.get(), staging_.data(), sizeof(int32_t) * staging_.size(),
+                        cudaMemcpyHostToDevice, stream_.get()),
+        "PagedAttention metadata upload"));
+
+    cuda::PagedAttentionParams p;
+    p.q = q;
+    p.k_cache = layer_cache;
+    p.v_cache = layer_cache + layout.HalfElements();
+    p.query_start = metadata_.get();
+    p.context_len = metadata_.get() + n + 1;
+    p.block_table = metadata_.get() + 2 * n + 1;
+    p.out = out;
+    p.num_seqs = n;
+    p.num_tokens = batch.query_start[n];
+    p.num_heads = num_heads;
+    p.num_kv_heads = layout.num_kv_heads;
+    p.head_dim = layout.head_dim;
+    p.block_size = layout.block_size;
+    p.max_blocks_per_seq = batch.max_blocks_per_seq;
+    p.max_partitions =
+        (max_context + cuda::kAttentionPartitionTokens - 1) / cuda::kAttentionPartitionTokens;
+    p.scale = scale;
+    const int64_t needed = cuda::PagedAttentionWorkspaceFloats(p.num_tokens, num_heads,
+                                                               layout.head_dim, p.max_partitions);
+    if (needed > 0) {
+      if (needed * int64_t{sizeof(float)} > options_.attention_workspace_bytes) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "PagedAttention needs ", needed * sizeof(float),
+            " bytes of merge workspace; raise CudaBackendOptions.attention_workspace_bytes"));
+      }
+      const int64_t outs = int64_t{p.num_tokens} * num_heads * p.max_partitions;
+      p.partial_out = workspace_.get();
+      p.partial_max = p.partial_out + outs * layout.head_dim;
+      p.partial_sum = p.partial_max + outs;
+    }
+    return cuda::LaunchPagedAttention(p, stream_.get());
+  }
+
+  CudaBackendOptions options_;
+  Stream stream_;
+  cuda::CublasHandle cublas_;
+  DeviceArray<int32_t> metadata_;  // [MetadataInts()]
+  DeviceArray<float> workspace_;   // [attention_workspace_bytes / 4]
+  std::vector<int32_t> staging_;   // host copy of the metadata, capacity MetadataInts()
+  absl::Status status_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackendOptions& options) {
+  int count = 0;
+  const cudaError_t probe = cudaGetDeviceCount(&count);
+  if (probe != cudaSuccess || count == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "no CUDA device: ", probe == cudaSuccess ? "none found" : cudaGetErrorString(probe)));
+  }
+  if (options.device < 0 || options.device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CUDA device ", options.device, " of ", count, " does not exist"));
+  }
+  if (options.max_seqs <= 0 || options.max_blocks_per_seq <= 0 ||
+      options.attention_workspace_bytes < 0) {
+    return absl::InvalidArgumentError("CudaBackendOptions bounds must be positive");
+  }
+  TANDEM_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options.device), "cudaSetDevice"));
+  cudaStream_t raw_stream = nullptr;
+  TANDEM_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamCreateWithFlags(&raw_stream, cudaStreamNonBlocking), "stream"));
+  Stream stream(raw_stream);
+  TANDEM_ASSIGN_OR_RETURN(cuda::CublasHandle cublas, cuda::CreateCublasHandle(raw_stream));
+  TANDEM_ASSIGN_OR_RETURN(
+      DeviceArray<int32_t> metadata,
+      DeviceAlloc<int32_t>(2 * int64_t{options.max_seqs} + 1 +
+                           int64_t{options.max_seqs} * options.max_blocks_per_seq));
+  TANDEM_ASSIGN_OR_RETURN(DeviceArray<float> workspace,
+                          DeviceAlloc<float>(options.attention_workspace_bytes / 4));
+  return std::make_unique<CudaBackendImpl>(options, std::move(stream), std::move(cublas),
+                                           std::move(metadata), std::move(workspace));
+}
+
+}  // namespace tandem::kernels

@@ -1,0 +1,266 @@
+// Every CUDA operator against the CPU reference, over a table of shapes. Needs a GPU: without
+// one, creating the backend fails and so does every test (ctest runs it only with label gpu).
+#include "tandem/kernels/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/src/cpu/reference.h"
+#include "tandem/kernels/backend.h"
+
+namespace tandem::kernels {
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+std::vector<float> Random(int64_t size, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(size);
+  for (float& x : v) x = dist(gen);
+  return v;
+}
+
+// A device copy of a host vector, freed on destruction.
+template <typename T>
+class DeviceVector {
+ public:
+  explicit DeviceVector(const std::vector<T>& host) : size_(host.size()) {
+    EXPECT_EQ(cudaMalloc(&data_, sizeof(T) * std::max<size_t>(size_, 1)), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(data_, host.data(), sizeof(T) * size_, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  ~DeviceVector() { cudaFree(data_); }
+  DeviceVector(const DeviceVector&) = delete;
+  DeviceVector& operator=(const DeviceVector&) = delete;
+
+  T* get() { return data_; }
+  std::vector<T> ToHost() const {
+    std::vector<T> host(size_);
+    EXPECT_EQ(cudaMemcpy(host.data(), data_, sizeof(T) * size_, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return host;
+  }
+
+ private:
+  T* data_ = nullptr;
+  size_t size_;
+};
+
+// Largest |actual - expected| / (|expected| + floor); an unwritten (still NaN) element fails.
+double MaxRelativeError(const std::vector<float>& actual, const std::vector<float>& expected,
+                        double floor) {
+  EXPECT_EQ(actual.size(), expected.size());
+  double worst = 0.0;
+  for (size_t i = 0; i < actual.size() && i < expected.size(); ++i) {
+    if (!std::isfinite(actual[i])) {
+      ADD_FAILURE() << "element " << i << " is " << actual[i];
+      return std::numeric_limits<double>::infinity();
+    }
+    worst = std::max(
+        worst, std::abs(double{actual[i]} - expected[i]) / (std::abs(double{expected[i]}) + floor));
+  }
+  return worst;
+}
+
+// One row of the shape table: sizes for the row operators and a paged-attention layout.
+struct Shape {
+  int rows;
+  int dim;
+  int head_dim;
+  int kv_heads;
+  int group;
+  int block_size;
+};
+
+std::string ShapeName(const ::testing::TestParamInfo<Shape>& info) {
+  const Shape& s = info.param;
+  return "rows" + std::to_string(s.rows) + "_dim" + std::to_string(s.dim) + "_hd" +
+         std::to_string(s.head_dim) + "_g" + std::to_string(s.group) + "_bs" +
+         std::to_string(s.block_size);
+}
+
+class CudaBackendTest : public ::testing::TestWithParam<Shape> {
+ protected:
+  void SetUp() override {
+    auto backend = CreateCudaBackend({});
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    backend_ = std::move(backend).value();
+  }
+  std::unique_ptr<CudaBackend> backend_;
+};
+
+TEST_P(CudaBackendTest, LinearMatchesReference) {
+  const Shape& s = GetParam();
+  const int m = s.rows, k = s.dim, n = s.dim + 13;
+  const std::vector<float> x = Random(int64_t{m} * k, 1), w = Random(int64_t{n} * k, 2),
+                           bias = Random(n, 3);
+  std::vector<float> expected(int64_t{m} * n);
+  reference::Linear(x.data(), m, w.data(), n, k, bias.data(), expected.data());
+  DeviceVector<float> d_x(x), d_bias(bias), d_y(std::vector<float>(expected.size(), kNaN));
+  auto packed = backend_->PackWeight(w.data(), n, k);
+  backend_->Linear(d_x.get(), m, *packed, d_bias.get(), d_y.get());
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  EXPECT_LT(MaxRelativeError(d_y.ToHost(), expected, 1.0), 1e-5 * std::sqrt(k));
+}
+
+TEST_P(CudaBackendTest, RmsNormAndAddRmsNormMatchReference) {
+  const Shape& s = GetParam();
+  const int64_t size = int64_t{s.rows} * s.dim;
+  const std::vector<float> x = Random(size, 4, -3, 3), residual = Random(size, 5, -2, 2),
+                           weight = Random(s.dim, 6, 0.5f, 1.5f);
+  std::vector<float> expected(size);
+  reference::RmsNorm(x.data(), weight.data(), 1e-5f, s.rows, s.dim, expected.data());
+  DeviceVector<float> d_x(x), d_w(weight), d_y(std::vector<float>(size, kNaN));
+  backend_->RmsNorm(d_x.get(), d_w.get(), 1e-5f, s.rows, s.dim, d_y.get());
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  EXPECT_LT(MaxRelativeError(d_y.ToHost(), expected, 1e-3), 1e-5);
+
+  std::vector<float> expected_residual = residual;
+  reference::AddRmsNorm(expected_residual.data(), x.data(), weight.data(), 1e-5f, s.rows, s.dim,
+                        expected.data());
+  DeviceVector<float> d_residual(residual), d_y2(std::vector<float>(size, kNaN));
+  backend_->AddRmsNorm(d_residual.get(), d_x.get(), d_w.get(), 1e-5f, s.rows, s.dim, d_y2.get());
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  EXPECT_EQ(d_residual.ToHost(), expected_residual);
+  EXPECT_LT(MaxRelativeError(d_y2.ToHost(), expected, 1e-3), 1e-5);
+}
+
+TEST_P(CudaBackendTest, RopeMatchesReference) {
+  const Shape& s = GetParam();
+  const int heads = s.kv_heads * s.group;
+  const std::vector<float> inv_freq =
+      RopeInverseFrequencies({.head_dim = s.head_dim, .theta = 500000.0f, .llama3_scaling = true});
+  std::vector<int32_t> positions(s.rows);
+  for (int t = 0; t < s.rows; ++t) positions[t] = (t * 977) % 30000;
+  const std::vector<float> x = Random(int64_t{s.rows} * heads * s.head_dim, 7);
+  std::vector<float> expected = x;
+  reference::Rope(expected.data(), positions.data(), s.rows, heads, s.head_dim, inv_freq.data());
+  DeviceVector<float> d_x(x), d_inv(inv_freq);
+  DeviceVector<int32_t> d_pos(positions);
+  backend_->Rope(d_x.get(), d_pos.get(), s.rows, heads, s.head_dim, d_inv.get());
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  EXPECT_LT(MaxRelativeError(d_x.ToHost(), expected, 0.1), 1e-5);
+}
+
+TEST_P(CudaBackendTest, SiluMulMatchesReference) {
+  const Shape& s = GetParam();
+  const std::vector<float> gate_up = Random(int64_t{s.rows} * 2 * s.dim, 8, -30, 30);
+  std::vector<float> expected(int64_t{s.rows} * s.dim);
+  reference::SiluMul(gate_up.data(), s.rows, s.dim, expected.data());
+  DeviceVector<float> d_in(gate_up), d_out(std::vector<float>(expected.size(), kNaN));
+  backend_->SiluMul(d_in.get(), s.rows, s.dim, d_out.get());
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  EXPECT_LT(MaxRelativeError(d_out.ToHost(), expected, 1e-3), 1e-5);
+}
+
+TEST_P(CudaBackendTest, EmbeddingAndWriteKvCopyExactly) {
+  const Shape& s = GetParam();
+  const int vocab = 97;
+  const std::vector<float> table = Random(int64_t{vocab} * s.dim, 9);
+  std::vector<int32_t> ids(s.rows);
+  for (int t = 0; t < s.rows; ++t) ids[t] = (t * 31 + 5) % vocab;
+  std::vector<float> expected(int64_t{s.rows} * s.dim);
+  reference::Embedding(table.data(), ids.data(), s.rows, s.dim, expected.data());
+  DeviceVector<float> d_table(table), d_out(std::vector<float>(expected.size(), kNaN));
+  DeviceVector<int32_t> d_ids(ids);
+  backend_->Embedding(d_table.get(), d_ids.get(), s.rows, s.dim, d_out.get());
+
+  const KvLayout layout{.num_blocks = (s.rows + s.block_size - 1) / s.block_size + 2,
+                        .block_size = s.block_size,
+                        .num_kv_heads = s.kv_heads,
+                        .head_dim = s.head_dim};
+  const int64_t row = int64_t{s.kv_heads} * s.head_dim;
+  const std::vector<float> k = Random(s.rows * row, 10), v = Random(s.rows * row, 11);
+  std::vector<int32_t> slots(s.rows);
+  for (int t = 0; t < s.rows; ++t) slots[t] = t % 5 == 4 ? -1 : t + s.block_size;  // padding too
+  std::vector<float> expected_cache(layout.LayerElements(), 3.0f);
+  reference::WriteKv(k.data(), v.data(), slots.data(), s.rows, layout, expected_cache.data());
+  DeviceVector<float> d_k(k), d_v(v), d_cache(std::vector<float>(expected_cache.size(), 3.0f));
+  DeviceVector<int32_t> d_slots(slots);
+  backend_->WriteKv(d_k.get(), d_v.get(), d_slots.get(), s.rows, layout, d_cache.get());
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  EXPECT_EQ(d_out.ToHost(), expected);
+  EXPECT_EQ(d_cache.ToHost(), expected_cache);
+}
+
+TEST_P(CudaBackendTest, PagedAttentionMatchesReference) {
+  const Shape& s = GetParam();
+  // Decode rows with contexts across the 512-token partitions (split and merged), a prefill
+  // chunk over earlier context, and a whole prompt, in one batch.
+  const std::vector<std::pair<int, int>> seqs = {{1, 1}, {1, 700}, {40, 300}, {1, 1100}, {17, 17}};
+  const int heads = s.kv_heads * s.group;
+  int total_blocks = 0, max_blocks = 0;
+  for (auto [q_len, ctx] : seqs) {
+    const int blocks = (ctx + s.block_size - 1) / s.block_size;
+    total_blocks += blocks;
+    max_blocks = std::max(max_blocks, blocks);
+  }
+  const KvLayout layout{.num_blocks = total_blocks,
+                        .block_size = s.block_size,
+                        .num_kv_heads = s.kv_heads,
+                        .head_dim = s.head_dim};
+  std::vector<int32_t> physical(total_blocks);
+  std::iota(physical.begin(), physical.end(), 0);
+  std::shuffle(physical.begin(), physical.end(), std::mt19937(12));
+  std::vector<int32_t> block_table(seqs.size() * max_blocks, 0), query_start = {0}, context_len;
+  int next = 0;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    for (int b = 0; b * s.block_size < seqs[i].second; ++b) {
+      block_table[i * max_blocks + b] = physical[next++];
+    }
+    query_start.push_back(query_start.back() + seqs[i].first);
+    context_len.push_back(seqs[i].second);
+  }
+  const std::vector<float> cache = Random(layout.LayerElements(), 13);
+  const std::vector<float> q = Random(int64_t{query_start.back()} * heads * s.head_dim, 14, -2, 2);
+  const PagedAttentionBatch batch{.num_seqs = static_cast<int>(seqs.size()),
+                                  .query_start = query_start.data(),
+                                  .context_len = context_len.data(),
+                                  .block_table = block_table.data(),
+                                  .max_blocks_per_seq = max_blocks};
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  std::vector<float> expected(q.size());
+  reference::PagedAttention(q.data(), cache.data(), layout, batch, heads, scale, expected.data());
+  DeviceVector<float> d_q(q), d_cache(cache), d_out(std::vector<float>(q.size(), kNaN));
+  backend_->PagedAttention(d_q.get(), d_cache.get(), layout, batch, heads, scale, d_out.get());
+  const absl::Status status = backend_->Synchronize();
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_LT(MaxRelativeError(d_out.ToHost(), expected, 0.05), 2e-5);
+}
+
+TEST_P(CudaBackendTest, UnsupportedHeadDimIsReported) {
+  const Shape& s = GetParam();
+  const KvLayout layout{
+      .num_blocks = 1, .block_size = s.block_size, .num_kv_heads = 1, .head_dim = 72};
+  const int32_t query_start[2] = {0, 1}, context_len[1] = {1}, block_table[1] = {0};
+  DeviceVector<float> d_q(std::vector<float>(72)),
+      d_cache(std::vector<float>(layout.LayerElements())), d_out(std::vector<float>(72));
+  backend_->PagedAttention(d_q.get(), d_cache.get(), layout,
+                           {.num_seqs = 1,
+                            .query_start = query_start,
+                            .context_len = context_len,
+                            .block_table = block_table,
+                            .max_blocks_per_seq = 1},
+                           1, 1.0f, d_out.get());
+  EXPECT_EQ(backend_->Synchronize().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(backend_->Synchronize().ok()) << "the error is reported once";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackendTest,
+                         ::testing::Values(Shape{1, 64, 64, 2, 1, 8}, Shape{3, 1000, 128, 2, 2, 16},
+                                           Shape{7, 2048, 64, 1, 4, 32},
+                                           Shape{130, 333, 128, 2, 4, 16}),
+                         ShapeName);
+
+}  // namespace
+}  // namespace tandem::kernels

@@ -1,0 +1,56 @@
+// Paged attention for decode and chunked prefill, split over the KV sequence.
+//
+// Every query row (token) attends to its visible prefix in partitions of
+// kAttentionPartitionTokens keys: one block per (partition, KV head, row) computes a partial
+// softmax for all the query heads sharing that KV head, so each K and V vector is read once per
+// group. A second kernel merges the partitions. Calls whose rows all fit one partition skip the
+// merge and write the output directly.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+
+namespace tandem::kernels::cuda {
+
+inline constexpr int kAttentionPartitionTokens = 512;
+// Query heads per KV head that one block can hold in shared memory.
+inline constexpr int kAttentionMaxGroup = 16;
+
+// One PagedAttention call. Every pointer is device memory.
+struct PagedAttentionParams {
+  const float* q = nullptr;              // [num_tokens, num_heads, head_dim]
+  const float* k_cache = nullptr;        // [num_blocks, block_size, num_kv_heads, head_dim]
+  const float* v_cache = nullptr;        // [num_blocks, block_size, num_kv_heads, head_dim]
+  const int32_t* query_start = nullptr;  // [num_seqs + 1]
+  const int32_t* context_len = nullptr;  // [num_seqs]
+  const int32_t* block_table = nullptr;  // [num_seqs, max_blocks_per_seq]
+  float* out = nullptr;                  // [num_tokens, num_heads, head_dim]
+  // Merge workspace, used when max_partitions > 1.
+  float* partial_out = nullptr;  // [num_tokens, num_heads, max_partitions, head_dim]
+  float* partial_max = nullptr;  // [num_tokens, num_heads, max_partitions]
+  float* partial_sum = nullptr;  // [num_tokens, num_heads, max_partitions]
+  int num_seqs = 0;
+  int num_tokens = 0;
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int block_size = 0;
+  int max_blocks_per_seq = 0;
+  // ceil(longest context / kAttentionPartitionTokens).
+  int max_partitions = 0;
+  float scale = 1.0f;
+};
+
+// Floats of merge workspace a call with these sizes needs (0 when max_partitions == 1).
+inline int64_t PagedAttentionWorkspaceFloats(int num_tokens, int num_heads, int head_dim,
+                                             int max_partitions) {
+  if (max_partitions <= 1) return 0;
+  return static_cast<int64_t>(num_tokens) * num_heads * max_partitions * (head_dim + 2);
+}
+
+absl::Status LaunchPagedAttention(const PagedAttentionParams& params, cudaStream_t stream);
+
+}  // namespace tandem::kernels::cuda
