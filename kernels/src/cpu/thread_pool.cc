@@ -23,6 +23,19 @@ namespace {
 // worker costs a futex wake (several microseconds) on the next job.
 constexpr auto kSpinBeforeSleep = std::chrono::microseconds(200);
 
+// Waits until done() holds: polls briefly, then yields the core between polls, since on a
+// shared machine the thread being waited for may be descheduled.
+template <typename Done>
+void SpinUntil(const Done& done) {
+  for (int spins = 0; !done(); ++spins) {
+    if (spins < 4096) {
+      TANDEM_CPU_RELAX();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ThreadPool>> ThreadPool::Create(int num_threads) {
@@ -47,7 +60,7 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::Run(int64_t n, int64_t grain, ChunkFn fn, const void* ctx) {
   // A worker that saw the previous job open may still be inside it (finding no chunk left);
   // the job fields must not change under it.
-  while (active_.load() != 0) TANDEM_CPU_RELAX();
+  SpinUntil([&] { return active_.load() == 0; });
   fn_ = fn;
   ctx_ = ctx;
   n_ = n;
@@ -61,16 +74,7 @@ void ThreadPool::Run(int64_t n, int64_t grain, ChunkFn fn, const void* ctx) {
   if (sleepers_.load() > 0) epoch_.notify_all();
 
   Work(0);
-  int spins = 0;
-  while (done_chunks_.load(std::memory_order_acquire) != num_chunks_) {
-    // A chunk is held by a worker that the OS may have descheduled (the machine is shared):
-    // give the core away rather than spin for a whole time slice.
-    if (++spins < 4096) {
-      TANDEM_CPU_RELAX();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  SpinUntil([&] { return done_chunks_.load(std::memory_order_acquire) == num_chunks_; });
   // Close the job (even epoch) so that late workers do not enter it.
   epoch_.fetch_add(1);
 }

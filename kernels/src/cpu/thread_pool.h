@@ -32,12 +32,13 @@ class ThreadPool {
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
 
-  // Calls fn(begin, end, thread) over [0, n) in chunks of `grain` items, on every thread of the
-  // pool, and returns when all chunks are done. `thread` is in [0, num_threads()) and no two
-  // concurrent calls share one, so it can index per-thread scratch. Chunks are handed out
-  // dynamically, so which thread runs which chunk varies from call to call: fn must not let
-  // its results depend on it. Not reentrant: fn must not call ParallelFor, and one thread at a
-  // time may use the pool.
+  // Calls fn(begin, end, thread) on disjoint ranges covering [0, n), on every thread of the
+  // pool, and returns when all are done. Ranges are `grain` items (the last may be shorter), or
+  // the whole of [0, n) when the pool has one thread or n <= grain. `thread` is in
+  // [0, num_threads()) and no two concurrent calls of fn share one, so it can index per-thread
+  // scratch. Ranges are handed out dynamically, so which thread runs which range varies from
+  // call to call: fn must not let its results depend on it. Not reentrant: fn must not call
+  // ParallelFor, and one thread at a time may use the pool.
   template <typename Fn>
   void ParallelFor(int64_t n, int64_t grain, const Fn& fn) {
     if (n <= 0) return;
