@@ -1,0 +1,16 @@
+#include "tandem/kvtransfer/agent.h"
+
+#include "absl/strings/str_cat.h"
+#include "kvtransfer/src/local/local_agent.h"
+#include "kvtransfer/src/ucx/ucx_agent.h"
+
+namespace tandem::kvtransfer {
+
+absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options) {
+  if (options.backend == "local") return local::CreateLocalAgent(options);
+  if (options.backend == "ucx") return ucx::CreateUcxAgent(options);
+  return absl::InvalidArgumentError(absl::StrCat("unknown kvtransfer backend \"", options.backend,
+                                                 "\" (expected \"local\" or \"ucx\")"));
+}
+
+}  // namespace tandem::kvtransfer

@@ -1,0 +1,89 @@
+#include "kvtransfer/src/internal.h"
+
+#include <cstdint>
+#include <limits>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace tandem::kvtransfer::internal {
+namespace {
+
+using ::testing::HasSubstr;
+
+RegionDescriptor Sample() {
+  RegionDescriptor d;
+  d.backend = BackendKind::kUcx;
+  d.owner_instance = 0x1234567890abcdefull;
+  d.region_id = 7;
+  d.generation = 3;
+  d.base = 0x7f0000001000ull;
+  d.bytes = 1 << 20;
+  d.payload = std::string("remote-key\0bytes", 16);
+  return d;
+}
+
+TEST(DescriptorTest, RoundTripsEveryField) {
+  absl::StatusOr<RegionDescriptor> d = DecodeDescriptor(EncodeDescriptor(Sample()), BackendKind::kUcx);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->owner_instance, Sample().owner_instance);
+  EXPECT_EQ(d->region_id, 7u);
+  EXPECT_EQ(d->generation, 3u);
+  EXPECT_EQ(d->base, Sample().base);
+  EXPECT_EQ(d->bytes, uint64_t{1} << 20);
+  EXPECT_EQ(d->payload, Sample().payload);
+}
+
+TEST(DescriptorTest, EveryCorruptedByteIsRefused) {
+  const std::string good = EncodeDescriptor(Sample());
+  for (size_t i = 0; i < good.size(); ++i) {
+    std::string bad = good;
+    bad[i] ^= 0x01;
+    EXPECT_TRUE(absl::IsInvalidArgument(DecodeDescriptor(bad, BackendKind::kUcx).status()))
+        << "byte " << i;
+  }
+  for (size_t size = 0; size < good.size(); ++size) {
+    EXPECT_TRUE(
+        absl::IsInvalidArgument(DecodeDescriptor(good.substr(0, size), BackendKind::kUcx).status()))
+        << "truncated to " << size;
+  }
+  EXPECT_TRUE(absl::IsInvalidArgument(DecodeDescriptor(good + "x", BackendKind::kUcx).status()));
+}
+
+TEST(DescriptorTest, AnotherBackendsDescriptorIsRefusedByName) {
+  const absl::Status status =
+      DecodeDescriptor(EncodeDescriptor(Sample()), BackendKind::kLocal).status();
+  EXPECT_TRUE(absl::IsInvalidArgument(status));
+  EXPECT_THAT(status.message(), HasSubstr("\"ucx\""));
+}
+
+TEST(CheckRangesTest, AcceptsRangesEndingExactlyAtTheRegionEnd) {
+  EXPECT_TRUE(CheckRanges({{0, 0, 100}, {60, 90, 40}, {100, 130, 0}}, 100, 130).ok());
+}
+
+TEST(CheckRangesTest, RefusesRangesPastEitherEndWithoutOverflowing) {
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  EXPECT_THAT(CheckRanges({{0, 0, 10}, {91, 0, 10}}, 100, 100).message(),
+              HasSubstr("range 1 reads"));
+  EXPECT_THAT(CheckRanges({{0, 95, 10}}, 100, 100).message(), HasSubstr("range 0 writes"));
+  EXPECT_FALSE(CheckRanges({{kMax - 4, 0, 8}}, 100, 100).ok());
+  EXPECT_FALSE(CheckRanges({{0, kMax - 4, 8}}, 100, 100).ok());
+  EXPECT_FALSE(CheckRanges({{0, 0, kMax}}, 100, 100).ok());
+}
+
+TEST(TransferStateTest, ReportedTimeoutStaysReportedAfterALateCompletion) {
+  TransferState state(absl::Now() - absl::Seconds(1));
+  EXPECT_TRUE(absl::IsDeadlineExceeded(state.Wait()));
+  state.Finish(absl::OkStatus());
+  EXPECT_TRUE(absl::IsDeadlineExceeded(*state.Poll()));
+}
+
+TEST(TransferStateTest, CompletionBeforeTheDeadlineIsReported) {
+  TransferState state(absl::Now() + absl::Hours(1));
+  EXPECT_FALSE(state.Poll().has_value());
+  state.Finish(absl::UnavailableError("peer lost"));
+  EXPECT_TRUE(absl::IsUnavailable(state.Wait()));
+}
+
+}  // namespace
+}  // namespace tandem::kvtransfer::internal

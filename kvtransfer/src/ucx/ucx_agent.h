@@ -1,0 +1,20 @@
+// The "ucx" backend: one UCP context and worker per agent, driven by a progress thread that
+// owns every UCX call; a listener so peers connect by "host:port"; ucp_put_nbx of each range
+// followed by ucp_ep_flush_nbx, so a transfer is complete only once its bytes are remote.
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "tandem/kvtransfer/agent.h"
+
+namespace tandem::kvtransfer::ucx {
+
+// The transports used when the environment does not set UCX_TLS: TCP, shared memory (including
+// cma, which writes straight into a peer's memory) and self, all of which work on CPU memory
+// without RDMA hardware.
+inline constexpr char kDefaultTransports[] = "tcp,sm,self";
+
+absl::StatusOr<std::unique_ptr<Agent>> CreateUcxAgent(const AgentOptions& options);
+
+}  // namespace tandem::kvtransfer::ucx
