@@ -4,6 +4,7 @@
 // above) keep their baseline code and the binary still runs on a CPU without AVX.
 #include "kernels/src/cpu/simd_kernels.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
