@@ -64,8 +64,7 @@ absl::Status Run(int argc, char** argv) {
   args.Declare("tokenizer", "FILE", "tokenizer.json to use (required)");
   args.DeclareSwitch("decode", "read a JSON array of ids per line, print the text as JSON");
   args.DeclareSwitch("no-special",
-                     "encode without the post-processor's special tokens (BOS); with --decode, "
-                     "leave special tokens out of the text");
+                     "encode: no BOS or other template tokens; decode: drop specials");
   args.DeclareSwitch("json-input", "encode: each line is a JSON string (may hold newlines)");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
   if (args.help_requested()) {
