@@ -50,12 +50,10 @@ constexpr size_t kPieceCacheCapacity = 1 << 16;
 // UTF-8
 
 // Outcome of reading one character at a position: `length` bytes form a valid character, or
-// (valid == false) the maximal ill-formed subpart to replace with one U+FFFD. `truncated` says
-// the subpart is a valid prefix of a character that the end of input cut short.
+// (valid == false) the maximal ill-formed subpart to replace with one U+FFFD.
 struct Utf8Step {
   int length;
   bool valid;
-  bool truncated;
 };
 
 // Follows the well-formed byte sequences of Unicode Table 3-7, which is also what the WHATWG
@@ -63,7 +61,7 @@ struct Utf8Step {
 Utf8Step ReadUtf8(std::string_view s, size_t i) {
   const auto* p = reinterpret_cast<const uint8_t*>(s.data());
   const uint8_t b = p[i];
-  if (b < 0x80) return {1, true, false};
+  if (b < 0x80) return {1, true};
   int len = 0;
   uint8_t lo = 0x80, hi = 0xBF;
   if (b >= 0xC2 && b <= 0xDF) {
@@ -85,14 +83,14 @@ Utf8Step ReadUtf8(std::string_view s, size_t i) {
     len = 4;
     hi = 0x8F;
   } else {
-    return {1, false, false};
+    return {1, false};
   }
   for (int j = 1; j < len; ++j) {
-    if (i + j >= s.size()) return {j, false, true};
+    if (i + j >= s.size()) return {j, false};
     const uint8_t c = p[i + j];
-    if (c < (j == 1 ? lo : 0x80) || c > (j == 1 ? hi : 0xBF)) return {j, false, false};
+    if (c < (j == 1 ? lo : 0x80) || c > (j == 1 ? hi : 0xBF)) return {j, false};
   }
-  return {len, true, false};
+  return {len, true};
 }
 
 bool IsValidUtf8(std::string_view s) {
