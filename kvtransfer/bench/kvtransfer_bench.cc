@@ -5,8 +5,16 @@
 //
 // The region stands for the KV of ~2k tokens of a mid-sized model (64 MiB); it is pushed in
 // ranges of 4 KiB (one block of one layer of a small model) to 64 KiB. Each line reports the
-// median of the iterations; UCX runs two agents in this process over loopback with the
-// transports named (the default set, and TCP alone as a network stand-in).
+// median of the iterations. UCX runs two agents in this process over loopback with the
+// transports named (the default set, and TCP alone as a network stand-in); "raw tcp loopback"
+// streams the same bytes over one plain socket in writes of the range size, the most a TCP
+// push could reach here.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -15,6 +23,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -82,6 +91,51 @@ double PushSeconds(AgentOptions options, std::vector<char>& src, std::vector<cha
   });
 }
 
+// Streams `src` over one loopback TCP connection in writes of `write_bytes`, read into `dst` by
+// another thread: what a hand-written TCP push could reach on this machine, the yardstick for
+// the UCX rows.
+double RawTcpSeconds(std::vector<char>& src, std::vector<char>& dst, uint64_t write_bytes,
+                     int iterations) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  if (bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      listen(listener, 1) != 0 ||
+      getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+    close(listener);
+    return -1;
+  }
+  const int sender = socket(AF_INET, SOCK_STREAM, 0);
+  if (connect(sender, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) return -1;
+  const int receiver = accept(listener, nullptr, nullptr);
+  close(listener);
+  const int one = 1;
+  setsockopt(sender, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  const double seconds = MedianSeconds(iterations, [&] {
+    std::thread reader([&] {
+      for (uint64_t done = 0; done < dst.size();) {
+        const ssize_t n = read(receiver, dst.data() + done, dst.size() - done);
+        if (n <= 0) return;
+        done += n;
+      }
+    });
+    bool ok = true;
+    for (uint64_t done = 0; ok && done < src.size();) {
+      const ssize_t n =
+          write(sender, src.data() + done, std::min<uint64_t>(write_bytes, src.size() - done));
+      ok = n > 0;
+      done += ok ? n : 0;
+    }
+    reader.join();
+    return ok;
+  });
+  close(sender);
+  close(receiver);
+  return seconds;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -122,6 +176,7 @@ int main(int argc, char** argv) {
              }
              return true;
            }));
+    report("raw tcp loopback", range_bytes, RawTcpSeconds(src, dst, range_bytes, iterations));
     report("local", range_bytes,
            PushSeconds({.backend = "local"}, src, dst, ranges, iterations));
     report("ucx loopback (tcp,sm,self)", range_bytes,

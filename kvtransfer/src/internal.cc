@@ -129,6 +129,24 @@ absl::Status CheckRanges(const std::vector<Range>& ranges, uint64_t src_bytes,
   return absl::OkStatus();
 }
 
+std::vector<Range> CoalesceRanges(const std::vector<Range>& ranges) {
+  std::vector<Range> merged;
+  merged.reserve(ranges.size());
+  for (const Range& r : ranges) {
+    if (r.bytes == 0) continue;
+    if (!merged.empty()) {
+      Range& last = merged.back();
+      if (last.src_offset + last.bytes == r.src_offset &&
+          last.dst_offset + last.bytes == r.dst_offset) {
+        last.bytes += r.bytes;
+        continue;
+      }
+    }
+    merged.push_back(r);
+  }
+  return merged;
+}
+
 uint64_t NewInstanceId() {
   std::random_device device;
   uint64_t id = 0;

@@ -49,6 +49,10 @@ absl::StatusOr<RegionDescriptor> DecodeDescriptor(const std::string& encoded,
 absl::Status CheckRanges(const std::vector<Range>& ranges, uint64_t src_bytes,
                          uint64_t dst_bytes);
 
+// Drops empty ranges and merges each range into the one before it when both its source and its
+// destination continue that one, so consecutive KV blocks go out as one message.
+std::vector<Range> CoalesceRanges(const std::vector<Range>& ranges);
+
 // A random 64-bit id for one agent incarnation, never 0.
 uint64_t NewInstanceId();
 

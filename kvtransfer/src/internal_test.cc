@@ -71,6 +71,18 @@ TEST(CheckRangesTest, RefusesRangesPastEitherEndWithoutOverflowing) {
   EXPECT_FALSE(CheckRanges({{0, 0, kMax}}, 100, 100).ok());
 }
 
+TEST(CoalesceRangesTest, MergesOnlyRangesContiguousOnBothSides) {
+  const std::vector<Range> merged = CoalesceRanges(
+      {{0, 100, 10}, {10, 110, 5}, {15, 200, 5}, {20, 205, 0}, {20, 205, 5}, {0, 0, 0}});
+  ASSERT_EQ(merged.size(), 2u);
+  EXPECT_EQ(merged[0].src_offset, 0u);
+  EXPECT_EQ(merged[0].dst_offset, 100u);
+  EXPECT_EQ(merged[0].bytes, 15u);
+  EXPECT_EQ(merged[1].src_offset, 15u);
+  EXPECT_EQ(merged[1].dst_offset, 200u);
+  EXPECT_EQ(merged[1].bytes, 10u);
+}
+
 TEST(TransferStateTest, ReportedTimeoutStaysReportedAfterALateCompletion) {
   TransferState state(absl::Now() - absl::Seconds(1));
   EXPECT_TRUE(absl::IsDeadlineExceeded(state.Wait()));

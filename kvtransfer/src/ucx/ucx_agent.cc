@@ -315,6 +315,18 @@ absl::StatusOr<std::unique_ptr<Agent>> UcxAgent::Create(const AgentOptions& opti
     return absl::InternalError(absl::StrCat("ucp_config_read: ", UcsError(status)));
   }
   ConfigPtr config(raw_config);
+  // TCP segments larger than UCX's defaults (8 KiB sent, 64 KiB received) cut the per-message
+  // cost of KV pushes over TCP (kvtransfer/bench/RESULTS.md). UCX applies these un-prefixed
+  // names to the TCP transport's settings (only it has them); UCX_TCP_* in the environment
+  // still wins.
+  for (const auto& [name, value] : {std::pair<const char*, const char*>{"TX_SEG_SIZE", "64k"},
+                                    {"RX_SEG_SIZE", "128k"}}) {
+    if (std::getenv(absl::StrCat("UCX_TCP_", name).c_str()) != nullptr) continue;
+    status = ucp_config_modify(config.get(), name, value);
+    if (status != UCS_OK) {
+      return absl::InternalError(absl::StrCat("setting UCX ", name, ": ", UcsError(status)));
+    }
+  }
   std::string transports = options.ucx_transports;
   if (transports.empty() && std::getenv("UCX_TLS") == nullptr) transports = kDefaultTransports;
   if (!transports.empty()) {
@@ -855,8 +867,7 @@ absl::StatusOr<std::unique_ptr<TransferHandle>> UcxAgent::StartTransfer(
       ++op->outstanding;
     }
   };
-  for (const Range& r : ranges) {
-    if (r.bytes == 0) continue;
+  for (const Range& r : internal::CoalesceRanges(ranges)) {
     track(ucp_put_nbx(ep, region.base + r.src_offset, r.bytes, d.base + r.dst_offset, rkey,
                       &param));
     if (op->error != UCS_OK) break;
