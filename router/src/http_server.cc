@@ -114,7 +114,7 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     if (!keep_alive_) head += "Connection: close\r\n";
     head += "\r\n";
-    head += response.body;
+    if (!head_request_) head += response.body;  // HEAD: the length is told, the body is not sent
     Enqueue(std::move(head));
   }
 
@@ -223,6 +223,7 @@ class Session : public std::enable_shared_from_this<Session> {
     response_started_ = false;
     complete_ = false;
     keep_alive_ = false;
+    head_request_ = false;
     on_gone_ = nullptr;
     DoReply(server_.Error(status, message));
   }
@@ -241,6 +242,7 @@ class Session : public std::enable_shared_from_this<Session> {
     request.body = std::move(req.body());
     http11_ = req.version() >= 11;
     keep_alive_ = http11_ && req.keep_alive();
+    head_request_ = req.method() == http::verb::head;
     parser_.reset();
 
     ++exchange_id_;
@@ -385,6 +387,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   uint64_t exchange_id_ = 0;  // the exchange allowed to write; bumped per request
   bool http11_ = true;
+  bool head_request_ = false;
   bool keep_alive_ = true;
   bool response_started_ = false;
   bool complete_ = false;  // the whole response is queued

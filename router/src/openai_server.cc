@@ -95,7 +95,8 @@ struct ApiMetrics {
         registry.AddGauge("tandem_requests_running", "Requests in the engine's running batch.");
     waiting = registry.AddGauge("tandem_requests_waiting", "Requests queued in the engine.");
     kv_used = registry.AddGauge("tandem_kv_cache_blocks_used", "KV cache blocks in use.");
-    kv_total = registry.AddGauge("tandem_kv_cache_blocks_total", "KV cache blocks in all.");
+    // Not "_total": Prometheus reserves that suffix for counters (promtool refuses a gauge).
+    kv_total = registry.AddGauge("tandem_kv_cache_blocks_capacity", "KV cache blocks in all.");
     preemptions =
         registry.AddCounter("tandem_preemptions_total", "Requests preempted to free KV blocks.");
     in_flight = registry.AddGauge("tandem_api_requests_in_flight",

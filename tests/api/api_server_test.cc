@@ -1,0 +1,359 @@
+// `tandem serve` end to end over raw HTTP: many concurrent streams, cancellation freeing KV
+// blocks, the Prometheus exposition (checked by promtool), authentication, overload and
+// shutdown. Uses the tiny synthetic model written by the api_tiny_model fixture.
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "api_test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+
+namespace tandem::api_test {
+namespace {
+
+using nlohmann::json;
+using ::testing::HasSubstr;
+
+std::unique_ptr<ServerProcess> StartServer(const std::vector<std::string>& args = {}) {
+  std::string error;
+  auto server = ServerProcess::Start(args, &error);
+  EXPECT_NE(server, nullptr) << error;
+  return server;
+}
+
+std::string Metrics(int port, const std::vector<std::string>& headers = {}) {
+  HttpResult r = Request(port, "GET", "/metrics", "", headers);
+  EXPECT_EQ(r.status, 200);
+  return r.body;
+}
+
+// The text of a streamed completion, checked chunk by chunk: one id throughout, only choice 0,
+// a finish reason only on the last content chunk, then a usage chunk with no choices, then
+// [DONE]. Returns the text and sets the usage's completion_tokens.
+std::string CheckStream(const std::string& body, int* completion_tokens) {
+  std::vector<std::string> events = SseEvents(body);
+  EXPECT_GE(events.size(), 3u) << body;
+  if (events.size() < 3) return "";
+  EXPECT_EQ(events.back(), "[DONE]");
+  std::string text;
+  std::string id;
+  bool finished = false;
+  for (size_t i = 0; i + 2 < events.size(); ++i) {
+    json chunk = json::parse(events[i]);
+    if (id.empty()) id = chunk["id"];
+    EXPECT_EQ(chunk["id"], id);
+    EXPECT_EQ(chunk["object"], "text_completion");
+    EXPECT_EQ(chunk["choices"].size(), 1u);
+    EXPECT_EQ(chunk["choices"][0]["index"], 0);
+    EXPECT_FALSE(finished) << "a chunk after the finish reason";
+    text += chunk["choices"][0]["text"].get<std::string>();
+    finished = !chunk["choices"][0]["finish_reason"].is_null();
+  }
+  EXPECT_TRUE(finished);
+  json usage = json::parse(events[events.size() - 2]);
+  EXPECT_EQ(usage["id"], id);
+  EXPECT_TRUE(usage["choices"].is_array() && usage["choices"].empty());
+  *completion_tokens = usage["usage"]["completion_tokens"];
+  EXPECT_EQ(usage["usage"]["total_tokens"].get<int>(),
+            usage["usage"]["prompt_tokens"].get<int>() + *completion_tokens);
+  return text;
+}
+
+std::string CompletionBody(const std::string& prompt, int max_tokens, bool stream, int n = 1) {
+  json body = {{"prompt", prompt},
+               {"max_tokens", max_tokens},
+               {"temperature", 0},
+               {"ignore_eos", true},
+               {"n", n}};
+  if (stream) {
+    body["stream"] = true;
+    body["stream_options"] = {{"include_usage", true}};
+  }
+  return body.dump();
+}
+
+TEST(ApiServerTest, TwoHundredConcurrentStreamsAllFinishCorrectly) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  const int port = server->port();
+  const std::vector<std::string> prompts = {"Once upon a time", "The cat", "Hello there",
+                                            "In the beginning"};
+  constexpr int kMaxTokens = 8;
+  // Greedy references, one request at a time.
+  std::vector<std::string> expected;
+  for (const std::string& p : prompts) {
+    HttpResult r = Request(port, "POST", "/v1/completions", CompletionBody(p, kMaxTokens, false));
+    ASSERT_EQ(r.status, 200) << r.body;
+    expected.push_back(json::parse(r.body)["choices"][0]["text"]);
+  }
+
+  constexpr int kClients = 200;
+  std::vector<HttpResult> results(kClients);
+  std::vector<std::thread> clients;
+  std::atomic<int> ready{0};
+  for (int i = 0; i < kClients; ++i) {
+    clients.emplace_back([&, i] {
+      const std::string body = CompletionBody(prompts[i % prompts.size()], kMaxTokens, true);
+      int fd = Connect(port, 120000);
+      if (fd < 0) return;
+      ++ready;
+      while (ready.load() < kClients) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      std::string raw =
+          "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+          "Content-Length: " +
+          std::to_string(body.size()) + "\r\n\r\n" + body;
+      if (SendAll(fd, raw)) results[i] = ReadResponse(fd);
+      close(fd);
+    });
+  }
+  for (std::thread& t : clients) t.join();
+  ASSERT_EQ(ready.load(), kClients) << "not every client could connect";
+  for (int i = 0; i < kClients; ++i) {
+    SCOPED_TRACE("client " + std::to_string(i));
+    ASSERT_EQ(results[i].status, 200) << results[i].body;
+    EXPECT_EQ(results[i].headers["content-type"], "text/event-stream");
+    int completion_tokens = 0;
+    std::string text = CheckStream(results[i].body, &completion_tokens);
+    EXPECT_EQ(completion_tokens, kMaxTokens);
+    EXPECT_EQ(text, expected[i % prompts.size()]);
+  }
+  std::string metrics = Metrics(port);
+  EXPECT_EQ(MetricValue(metrics, "tandem_kv_cache_blocks_used"), 0);
+  EXPECT_GE(MetricValue(metrics, "tandem_requests_total{finish_reason=\"length\"}").value_or(0),
+            kClients);
+  EXPECT_TRUE(server->Alive());
+}
+
+TEST(ApiServerTest, ClientDisconnectMidStreamFreesKvBlocks) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  const int port = server->port();
+  // Long enough (16 samples of 1900 tokens: seconds even for the tiny model) that it is still
+  // generating when the client leaves.
+  const std::string body = CompletionBody("Once upon a time", 1900, true, 16);
+  int fd = Connect(port);
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: " +
+                              std::to_string(body.size()) + "\r\n\r\n" + body));
+  std::string received;
+  char buf[4096];
+  while (received.find("data: ", received.find("data: ") + 1) == std::string::npos) {
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    ASSERT_GT(n, 0) << "stream ended before two chunks";
+    received.append(buf, static_cast<size_t>(n));
+  }
+  EXPECT_GT(MetricValue(Metrics(port), "tandem_kv_cache_blocks_used").value_or(0), 0)
+      << "the request should hold KV blocks while it streams";
+  close(fd);
+
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  std::string metrics;
+  while (std::chrono::steady_clock::now() < deadline) {
+    metrics = Metrics(port);
+    if (MetricValue(metrics, "tandem_kv_cache_blocks_used") == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(MetricValue(metrics, "tandem_kv_cache_blocks_used"), 0) << metrics;
+  EXPECT_EQ(MetricValue(metrics, "tandem_requests_running"), 0);
+  EXPECT_EQ(MetricValue(metrics, "tandem_requests_total{finish_reason=\"abort\"}"), 1);
+  // The server is unharmed.
+  HttpResult after = Request(port, "POST", "/v1/completions", CompletionBody("Hi", 2, false));
+  EXPECT_EQ(after.status, 200) << after.body;
+}
+
+TEST(ApiServerTest, MetricsPassPromtoolOnALiveScrape) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  const int port = server->port();
+  // Exercise every family: successes, a stream, an error.
+  ASSERT_EQ(Request(port, "POST", "/v1/completions", CompletionBody("Hi", 3, false)).status, 200);
+  ASSERT_EQ(Request(port, "POST", "/v1/completions", CompletionBody("Hi", 3, true)).status, 200);
+  ASSERT_EQ(Request(port, "POST", "/v1/completions", R"({"prompt": 1})").status, 400);
+  HttpResult r = Request(port, "GET", "/metrics");
+  ASSERT_EQ(r.status, 200);
+  EXPECT_EQ(r.headers["content-type"], "text/plain; version=0.0.4; charset=utf-8");
+  for (const char* family :
+       {"tandem_requests_total", "tandem_prompt_tokens_total", "tandem_generation_tokens_total",
+        "tandem_time_to_first_token_seconds", "tandem_inter_token_latency_seconds",
+        "tandem_e2e_request_latency_seconds", "tandem_requests_running", "tandem_requests_waiting",
+        "tandem_kv_cache_blocks_used", "tandem_kv_cache_blocks_capacity",
+        "tandem_preemptions_total", "tandem_http_responses_total"}) {
+    EXPECT_THAT(r.body, HasSubstr(std::string("# TYPE ") + family + " ")) << family;
+  }
+  EXPECT_EQ(MetricValue(r.body, "tandem_generation_tokens_total"), 6);
+  EXPECT_EQ(MetricValue(r.body, "tandem_http_responses_total{code=\"400\"}"), 1);
+  EXPECT_GT(MetricValue(r.body, "tandem_kv_cache_blocks_capacity").value_or(0), 0);
+
+  const std::string path =
+      std::string(::testing::TempDir()) + "/tandem_metrics_" + std::to_string(getpid()) + ".txt";
+  std::ofstream(path) << r.body;
+  const std::string command = "promtool check metrics < " + path + " 2>&1";
+  FILE* p = popen(command.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string output;
+  char buf[512];
+  while (fgets(buf, sizeof(buf), p) != nullptr) output += buf;
+  const int status = pclose(p);
+  ASSERT_TRUE(WIFEXITED(status));
+  ASSERT_NE(WEXITSTATUS(status), 127) << "promtool is missing: run scripts/install-deps";
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "promtool check metrics:\n" << output << "\n" << r.body;
+  std::remove(path.c_str());
+}
+
+TEST(ApiServerTest, ApiKeyIsRequiredEverywhereButHealth) {
+  auto server = StartServer({"--api-key", "sekret"});
+  ASSERT_NE(server, nullptr);
+  const int port = server->port();
+  EXPECT_EQ(Request(port, "GET", "/health").status, 200);
+  for (const char* path : {"/v1/models", "/metrics", "/ready", "/no/such/route"}) {
+    HttpResult r = Request(port, "GET", path);
+    EXPECT_EQ(r.status, 401) << path;
+    EXPECT_EQ(json::parse(r.body)["error"]["code"], "invalid_api_key");
+    EXPECT_EQ(Request(port, "GET", path, "", {"Authorization: Bearer wrong"}).status, 401);
+  }
+  EXPECT_EQ(Request(port, "POST", "/v1/completions", CompletionBody("Hi", 1, false)).status, 401);
+  EXPECT_EQ(Request(port, "GET", "/v1/models", "", {"Authorization: Bearer sekret"}).status, 200);
+  EXPECT_EQ(Request(port, "GET", "/no/such/route", "", {"Authorization: Bearer sekret"}).status,
+            404);
+
+  auto open_metrics = StartServer({"--api-key", "sekret", "--metrics-public"});
+  ASSERT_NE(open_metrics, nullptr);
+  EXPECT_EQ(Request(open_metrics->port(), "GET", "/metrics").status, 200);
+  EXPECT_EQ(Request(open_metrics->port(), "GET", "/v1/models").status, 401);
+}
+
+TEST(ApiServerTest, OverloadIsRefusedWithRetryAfter) {
+  for (const char* status : {"529", "503"}) {
+    auto server = StartServer({"--max-active-requests", "1", "--overload-status", status});
+    ASSERT_NE(server, nullptr);
+    const int port = server->port();
+    const std::string body = CompletionBody("Once", 1900, true, 16);
+    int fd = Connect(port);
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(SendAll(fd, "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: " +
+                                std::to_string(body.size()) + "\r\n\r\n" + body));
+    char buf[256];
+    ASSERT_GT(recv(fd, buf, sizeof(buf), 0), 0);  // the stream has started
+    HttpResult r = Request(port, "POST", "/v1/completions", CompletionBody("Hi", 1, false));
+    EXPECT_EQ(r.status, std::atoi(status)) << r.body;
+    EXPECT_EQ(r.headers["retry-after"], "1");
+    EXPECT_EQ(json::parse(r.body)["error"]["code"], "overloaded");
+    close(fd);
+    // Once the stream is cancelled the server takes requests again.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    int last = 0;
+    while (std::chrono::steady_clock::now() < deadline) {
+      last = Request(port, "POST", "/v1/completions", CompletionBody("Hi", 1, false)).status;
+      if (last == 200) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_EQ(last, 200);
+  }
+}
+
+TEST(ApiServerTest, KeepAliveServesSeveralRequestsOnOneConnection) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  int fd = Connect(server->port());
+  ASSERT_GE(fd, 0);
+  const std::string body = CompletionBody("Hi", 2, false);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(SendAll(fd, "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: " +
+                                std::to_string(body.size()) + "\r\n\r\n" + body));
+    HttpResult r = ReadResponse(fd);
+    EXPECT_EQ(r.status, 200) << "request " << i;
+  }
+  // A stream, then a plain request, on the same connection.
+  const std::string stream = CompletionBody("Hi", 2, true);
+  ASSERT_TRUE(SendAll(fd, "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: " +
+                              std::to_string(stream.size()) + "\r\n\r\n" + stream));
+  HttpResult s = ReadResponse(fd);
+  EXPECT_EQ(s.status, 200);
+  EXPECT_EQ(SseEvents(s.body).back(), "[DONE]");
+  ASSERT_TRUE(SendAll(fd, "GET /health HTTP/1.1\r\nHost: t\r\n\r\n"));
+  EXPECT_EQ(ReadResponse(fd).status, 200);
+  close(fd);
+}
+
+TEST(ApiServerTest, ReadyProvesTheEngineAndTokenizeRoundTrips) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  const int port = server->port();
+  HttpResult ready = Request(port, "GET", "/ready");
+  EXPECT_EQ(ready.status, 200) << ready.body;
+  HttpResult tok = Request(port, "POST", "/tokenize", R"({"prompt": "hello world"})");
+  ASSERT_EQ(tok.status, 200) << tok.body;
+  json t = json::parse(tok.body);
+  EXPECT_EQ(t["count"], t["tokens"].size());
+  EXPECT_GT(t["max_model_len"].get<int>(), 0);
+  HttpResult chat =
+      Request(port, "POST", "/tokenize", R"({"messages": [{"role": "user", "content": "hello"}]})");
+  ASSERT_EQ(chat.status, 200) << chat.body;
+  EXPECT_GT(json::parse(chat.body)["count"].get<int>(), t["count"].get<int>() - 3);
+  // Without the BOS the tokenizer adds, the ids decode back to the text.
+  HttpResult plain = Request(port, "POST", "/tokenize",
+                             R"({"prompt": "hello world", "add_special_tokens": false})");
+  json ids = json::parse(plain.body)["tokens"];
+  HttpResult detok = Request(port, "POST", "/detokenize", json{{"tokens", ids}}.dump());
+  ASSERT_EQ(detok.status, 200) << detok.body;
+  EXPECT_EQ(json::parse(detok.body)["prompt"], "hello world");
+  HttpResult bad = Request(port, "POST", "/detokenize", R"({"tokens": [99999999]})");
+  EXPECT_EQ(bad.status, 400);
+  EXPECT_EQ(json::parse(bad.body)["error"]["param"], "tokens");
+}
+
+TEST(ApiServerTest, SigtermFinishesTheStreamInFlightAndExitsZero) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  const std::string body = CompletionBody("Once", 64, true);
+  int fd = Connect(server->port());
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: " +
+                              std::to_string(body.size()) + "\r\n\r\n" + body));
+  char first[64];
+  ASSERT_GT(recv(fd, first, sizeof(first), MSG_PEEK), 0);
+  std::thread term([&] { kill(server->pid(), SIGTERM); });
+  HttpResult r = ReadResponse(fd);
+  term.join();
+  close(fd);
+  EXPECT_EQ(r.status, 200);
+  EXPECT_EQ(SseEvents(r.body).back(), "[DONE]") << "the stream was cut by the shutdown";
+  const int status = server->Terminate();
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0);
+}
+
+TEST(ApiServerTest, BadFlagsExitNonZeroWithOneLineReason) {
+  const std::string binary = std::string(std::getenv("TANDEM_BINARY_DIR")) + "/bin/tandem";
+  for (const char* flags : {"--port 70000", "--overload-status 500", "--no-such-flag",
+                            "--max-active-requests 0", "--port abc"}) {
+    const std::string command =
+        binary + " serve --model " + TinyModelDir() + " " + flags + " 2>&1 </dev/null";
+    FILE* p = popen(command.c_str(), "r");
+    ASSERT_NE(p, nullptr);
+    std::string output;
+    char buf[512];
+    while (fgets(buf, sizeof(buf), p) != nullptr) output += buf;
+    const int status = pclose(p);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0) << flags;
+    EXPECT_THAT(output, HasSubstr("tandem serve: ")) << flags;
+    EXPECT_EQ(std::count(output.begin(), output.end(), '\n'), 1) << output;
+  }
+}
+
+}  // namespace
+}  // namespace tandem::api_test

@@ -1,0 +1,264 @@
+// The official `openai` npm client against `tandem serve`: completions and chat, streamed and
+// not, n > 1, the usage chunk, stop strings, seeded sampling, logprobs, and errors arriving as
+// the client's typed errors. Starts its own servers (tiny synthetic model, free ports).
+//   node --test tests/api/openai_client_test.mjs   (TANDEM_BINARY_DIR=build)
+import { spawn } from 'node:child_process';
+import { createRequire } from 'node:module';
+import path from 'node:path';
+import { after, before, describe, test } from 'node:test';
+import assert from 'node:assert/strict';
+
+const sourceDir = process.env.TANDEM_SOURCE_DIR ?? path.resolve(import.meta.dirname, '../..');
+const binaryDir = process.env.TANDEM_BINARY_DIR ?? path.join(sourceDir, 'build');
+const modelDir = process.env.TANDEM_API_TEST_MODEL ?? path.join(binaryDir, 'tests/api/tiny-model');
+// The client is installed with the other conformance packages in tests/js (scripts/install-deps).
+const require = createRequire(path.join(sourceDir, 'tests/js/package.json'));
+const openaiModule = require('openai');
+const OpenAI = openaiModule.OpenAI ?? openaiModule.default ?? openaiModule;
+
+const MODEL = 'tiny-model';
+
+// Starts `tandem serve` and resolves with {url, child} once it prints its address.
+function startServer(extraArgs = []) {
+  const child = spawn(
+    path.join(binaryDir, 'bin/tandem'),
+    ['serve', '--model', modelDir, '--port', '0', '--threads', '1', ...extraArgs],
+    { stdio: ['ignore', 'pipe', 'inherit'] },
+  );
+  return new Promise((resolve, reject) => {
+    let out = '';
+    const timer = setTimeout(() => reject(new Error(`server did not start: ${out}`)), 120000);
+    child.stdout.on('data', (chunk) => {
+      out += chunk;
+      const m = out.match(/ on (http:\/\/[^\s]+)/);
+      if (m) {
+        clearTimeout(timer);
+        resolve({ url: m[1], child });
+      }
+    });
+    child.on('exit', (code) => {
+      clearTimeout(timer);
+      reject(new Error(`server exited with ${code}: ${out}`));
+    });
+  });
+}
+
+function stopServer(server) {
+  if (!server || server.child.exitCode !== null) return Promise.resolve();
+  return new Promise((resolve) => {
+    server.child.once('exit', resolve);
+    server.child.kill('SIGTERM');
+  });
+}
+
+function client(server, apiKey = 'unused') {
+  return new OpenAI({ baseURL: `${server.url}/v1`, apiKey, maxRetries: 0, timeout: 120000 });
+}
+
+describe('tandem serve with the openai client', () => {
+  let server;
+  let openai;
+  before(async () => {
+    server = await startServer();
+    openai = client(server);
+  });
+  after(() => stopServer(server));
+
+  test('lists the served model', async () => {
+    const models = await openai.models.list();
+    assert.deepEqual(models.data.map((m) => m.id), [MODEL]);
+  });
+
+  test('completion, not streamed', async () => {
+    const r = await openai.completions.create({
+      model: MODEL, prompt: 'Once upon a time', max_tokens: 8, temperature: 0, ignore_eos: true,
+    });
+    assert.equal(r.object, 'text_completion');
+    assert.equal(r.choices.length, 1);
+    assert.equal(typeof r.choices[0].text, 'string');
+    assert.equal(r.choices[0].finish_reason, 'length');
+    assert.equal(r.usage.completion_tokens, 8);
+    assert.ok(r.usage.prompt_tokens > 0);
+    assert.equal(r.usage.total_tokens, r.usage.prompt_tokens + 8);
+  });
+
+  test('completion streamed equals the same completion not streamed, with a usage chunk last', async () => {
+    const params = { model: MODEL, prompt: 'The cat', max_tokens: 12, temperature: 0, ignore_eos: true };
+    const whole = await openai.completions.create(params);
+    const stream = await openai.completions.create({
+      ...params, stream: true, stream_options: { include_usage: true },
+    });
+    const chunks = [];
+    for await (const chunk of stream) chunks.push(chunk);
+    const last = chunks.at(-1);
+    assert.deepEqual(last.choices, []);
+    assert.equal(last.usage.completion_tokens, 12);
+    assert.equal(last.usage.prompt_tokens, whole.usage.prompt_tokens);
+    const content = chunks.slice(0, -1);
+    assert.ok(content.every((c) => c.choices.length === 1 && c.id === last.id));
+    assert.equal(content.map((c) => c.choices[0].text).join(''), whole.choices[0].text);
+    assert.equal(content.at(-1).choices[0].finish_reason, 'length');
+  });
+
+  test('chat, not streamed and streamed', async () => {
+    const messages = [
+      { role: 'system', content: 'You are terse.' },
+      { role: 'user', content: [{ type: 'text', text: 'Say' }, { type: 'text', text: 'hello' }] },
+    ];
+    const whole = await openai.chat.completions.create({
+      model: MODEL, messages, max_completion_tokens: 10, temperature: 0, ignore_eos: true,
+    });
+    assert.equal(whole.object, 'chat.completion');
+    assert.equal(whole.choices[0].message.role, 'assistant');
+    assert.equal(whole.usage.completion_tokens, 10);
+    const stream = await openai.chat.completions.create({
+      model: MODEL, messages, max_tokens: 10, temperature: 0, ignore_eos: true, stream: true,
+      stream_options: { include_usage: true },
+    });
+    let text = '';
+    let role;
+    let finish;
+    let usage;
+    for await (const chunk of stream) {
+      assert.equal(chunk.object, 'chat.completion.chunk');
+      if (chunk.usage) usage = chunk.usage;
+      for (const c of chunk.choices) {
+        role ??= c.delta.role;
+        text += c.delta.content ?? '';
+        if (c.finish_reason) finish = c.finish_reason;
+      }
+    }
+    assert.equal(role, 'assistant');
+    assert.equal(text, whole.choices[0].message.content);
+    assert.equal(finish, 'length');
+    assert.equal(usage.completion_tokens, 10);
+  });
+
+  test('n > 1 gives n choices, streamed and not', async () => {
+    const r = await openai.completions.create({
+      model: MODEL, prompt: 'Hello', n: 3, max_tokens: 5, temperature: 1, seed: 7, ignore_eos: true,
+    });
+    assert.deepEqual(r.choices.map((c) => c.index).sort(), [0, 1, 2]);
+    assert.equal(r.usage.completion_tokens, 15);
+    const stream = await openai.chat.completions.create({
+      model: MODEL, messages: [{ role: 'user', content: 'Hi' }], n: 2, max_tokens: 4,
+      ignore_eos: true, stream: true, stream_options: { include_usage: true },
+    });
+    const finished = new Set();
+    let usage;
+    for await (const chunk of stream) {
+      if (chunk.usage) usage = chunk.usage;
+      for (const c of chunk.choices) if (c.finish_reason) finished.add(c.index);
+    }
+    assert.deepEqual([...finished].sort(), [0, 1]);
+    assert.equal(usage.completion_tokens, 8);
+  });
+
+  test('stop strings end the text before them', async () => {
+    const params = { model: MODEL, prompt: 'Once upon a time', max_tokens: 40, temperature: 0, ignore_eos: true };
+    const free = (await openai.completions.create(params)).choices[0].text;
+    // A piece of what the model says anyway; the stopped text is everything before its first
+    // occurrence.
+    const codepoints = [...free];
+    assert.ok(codepoints.length >= 12, `need some text to cut: ${JSON.stringify(free)}`);
+    const stop = codepoints.slice(8, 11).join('');
+    const expected = free.slice(0, free.indexOf(stop));
+    const r = await openai.completions.create({ ...params, stop: [stop, 'never-said-xyz'] });
+    assert.equal(r.choices[0].finish_reason, 'stop');
+    assert.equal(r.choices[0].text, expected);
+    assert.ok(!r.choices[0].text.includes(stop));
+    const s = await openai.completions.create({ ...params, stop, stream: true });
+    let text = '';
+    for await (const chunk of s) text += chunk.choices[0]?.text ?? '';
+    assert.equal(text, expected);
+  });
+
+  test('the same seed gives the same text at temperature > 0, another seed another', async () => {
+    const params = { model: MODEL, prompt: 'In the beginning', max_tokens: 24, temperature: 1.0, ignore_eos: true };
+    const a = await openai.completions.create({ ...params, seed: 1234 });
+    const b = await openai.completions.create({ ...params, seed: 1234 });
+    assert.equal(a.choices[0].text, b.choices[0].text);
+    const others = await Promise.all([1, 2, 3].map((seed) => openai.completions.create({ ...params, seed })));
+    assert.ok(others.some((o) => o.choices[0].text !== a.choices[0].text));
+  });
+
+  test('logprobs in the completions and chat formats', async () => {
+    const c = await openai.completions.create({
+      model: MODEL, prompt: 'Hello', max_tokens: 4, logprobs: 2, temperature: 0, ignore_eos: true,
+    });
+    const lp = c.choices[0].logprobs;
+    assert.equal(lp.tokens.length, 4);
+    assert.equal(lp.token_logprobs.length, 4);
+    assert.ok(lp.token_logprobs.every((x) => x <= 0));
+    assert.equal(lp.top_logprobs.length, 4);
+    assert.ok(lp.top_logprobs.every((t) => Object.keys(t).length >= 1 && Object.keys(t).length <= 2));
+    assert.deepEqual(lp.text_offset.length, 4);
+    // Greedy: the chosen token is the most likely one.
+    lp.top_logprobs.forEach((t, i) => assert.ok(Math.max(...Object.values(t)) <= lp.token_logprobs[i] + 1e-4));
+
+    const chat = await openai.chat.completions.create({
+      model: MODEL, messages: [{ role: 'user', content: 'Hi' }], max_tokens: 3, temperature: 0,
+      logprobs: true, top_logprobs: 3, ignore_eos: true,
+    });
+    const content = chat.choices[0].logprobs.content;
+    assert.equal(content.length, 3);
+    for (const entry of content) {
+      assert.equal(typeof entry.token, 'string');
+      assert.ok(entry.logprob <= 0);
+      assert.ok(Array.isArray(entry.bytes) && entry.bytes.every((b) => b >= 0 && b < 256));
+      assert.equal(entry.top_logprobs.length, 3);
+    }
+  });
+
+  test('bad requests raise BadRequestError naming the parameter', async () => {
+    await assert.rejects(
+      openai.completions.create({ model: MODEL, prompt: 'x', temperature: 7 }),
+      (e) => e instanceof OpenAI.BadRequestError && e.status === 400 && e.param === 'temperature',
+    );
+    await assert.rejects(
+      openai.chat.completions.create({ model: MODEL, messages: [], max_tokens: 1 }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === 'messages',
+    );
+    await assert.rejects(
+      openai.completions.create({ model: MODEL, prompt: 'x', echo: true }),
+      (e) => e instanceof OpenAI.BadRequestError && /not supported/.test(e.message),
+    );
+  });
+
+  test('a context overflow is a BadRequestError that gives both numbers', async () => {
+    const models = await openai.models.list();
+    const maxLen = models.data[0].max_model_len;
+    await assert.rejects(
+      openai.completions.create({ model: MODEL, prompt: 'hello world', max_tokens: maxLen }),
+      (e) => e instanceof OpenAI.BadRequestError && e.code === 'context_length_exceeded' &&
+        e.message.includes(String(maxLen)) && /prompt has \d+ tokens/.test(e.message),
+    );
+  });
+
+  test('an unknown model is a NotFoundError', async () => {
+    await assert.rejects(
+      openai.completions.create({ model: 'no-such-model', prompt: 'x', max_tokens: 1 }),
+      (e) => e instanceof OpenAI.NotFoundError && e.status === 404 && e.code === 'model_not_found',
+    );
+  });
+});
+
+describe('tandem serve with --api-key', () => {
+  let server;
+  before(async () => {
+    server = await startServer(['--api-key', 'test-key-123']);
+  });
+  after(() => stopServer(server));
+
+  test('a wrong or missing key is an AuthenticationError; the right one works', async () => {
+    await assert.rejects(
+      client(server, 'wrong').completions.create({ model: MODEL, prompt: 'x', max_tokens: 1 }),
+      (e) => e instanceof OpenAI.AuthenticationError && e.status === 401,
+    );
+    await assert.rejects(client(server, 'wrong').models.list(), OpenAI.AuthenticationError);
+    const ok = await client(server, 'test-key-123').completions.create({
+      model: MODEL, prompt: 'x', max_tokens: 1,
+    });
+    assert.equal(ok.choices.length, 1);
+  });
+});
