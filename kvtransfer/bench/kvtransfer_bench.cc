@@ -177,14 +177,12 @@ int main(int argc, char** argv) {
              return true;
            }));
     report("raw tcp loopback", range_bytes, RawTcpSeconds(src, dst, range_bytes, iterations));
-    report("local", range_bytes,
-           PushSeconds({.backend = "local"}, src, dst, ranges, iterations));
+    report("local", range_bytes, PushSeconds({.backend = "local"}, src, dst, ranges, iterations));
     report("ucx loopback (tcp,sm,self)", range_bytes,
            PushSeconds({.backend = "ucx", .ucx_transports = "tcp,sm,self"}, src, dst, ranges,
                        iterations));
     report("ucx loopback (tcp)", range_bytes,
-           PushSeconds({.backend = "ucx", .ucx_transports = "tcp"}, src, dst, ranges,
-                       iterations));
+           PushSeconds({.backend = "ucx", .ucx_transports = "tcp"}, src, dst, ranges, iterations));
   }
   return 0;
 }

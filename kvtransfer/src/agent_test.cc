@@ -101,8 +101,7 @@ class AgentTest : public ::testing::TestWithParam<std::string> {
     src_ = RandomBytes(src_bytes, /*seed=*/src_bytes);
     dst_.assign(dst_bytes, kPoison);
     ASSERT_TRUE(sender_->RegisterMemory(1, src_.data(), src_.size()).ok());
-    absl::StatusOr<std::string> descriptor =
-        receiver_->RegisterMemory(2, dst_.data(), dst_.size());
+    absl::StatusOr<std::string> descriptor = receiver_->RegisterMemory(2, dst_.data(), dst_.size());
     ASSERT_TRUE(descriptor.ok()) << descriptor.status();
     descriptor_ = *descriptor;
     absl::StatusOr<PeerId> peer =
@@ -112,8 +111,7 @@ class AgentTest : public ::testing::TestWithParam<std::string> {
   }
 
   absl::Status Push(std::vector<Range> ranges, absl::Duration timeout = kLongDeadline) {
-    return SubmitAndWait(*sender_, peer_, 1, descriptor_, std::move(ranges),
-                         absl::Now() + timeout);
+    return SubmitAndWait(*sender_, peer_, 1, descriptor_, std::move(ranges), absl::Now() + timeout);
   }
 
   std::unique_ptr<Agent> sender_;
@@ -289,7 +287,8 @@ TEST_P(AgentTest, DisconnectedPeerIsNotFoundAndCanBeConnectedAgain) {
   ASSERT_TRUE(sender_->Disconnect(peer_).ok());
   EXPECT_TRUE(absl::IsNotFound(Push({{0, 0, 64}})));
   EXPECT_TRUE(absl::IsNotFound(sender_->Disconnect(peer_)));
-  absl::StatusOr<PeerId> again = sender_->Connect(receiver_->address(), absl::Now() + kLongDeadline);
+  absl::StatusOr<PeerId> again =
+      sender_->Connect(receiver_->address(), absl::Now() + kLongDeadline);
   ASSERT_TRUE(again.ok());
   peer_ = *again;
   ASSERT_TRUE(Push({{0, 0, 64}}).ok());
@@ -327,8 +326,7 @@ TEST_P(AgentTest, HandleOutlivingItsAgentReportsAFinalStatus) {
   ASSERT_TRUE(handle.ok());
   sender_.reset();
   const absl::Status status = (*handle)->Wait();
-  EXPECT_THAT(status.code(), AnyOf(absl::StatusCode::kOk, absl::StatusCode::kCancelled))
-      << status;
+  EXPECT_THAT(status.code(), AnyOf(absl::StatusCode::kOk, absl::StatusCode::kCancelled)) << status;
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, AgentTest, ::testing::Values("local", "ucx"),
@@ -463,7 +461,8 @@ class UcxPeerProcessTest : public ::testing::Test {
     sender_ = std::move(agent).value();
     src_ = RandomBytes(bytes, /*seed=*/7);
     ASSERT_TRUE(sender_->RegisterMemory(1, src_.data(), src_.size()).ok());
-    absl::StatusOr<PeerId> connected = sender_->Connect(peer.address(), absl::Now() + kLongDeadline);
+    absl::StatusOr<PeerId> connected =
+        sender_->Connect(peer.address(), absl::Now() + kLongDeadline);
     ASSERT_TRUE(connected.ok()) << connected.status();
     peer_ = *connected;
   }
@@ -487,9 +486,9 @@ TEST_F(UcxPeerProcessTest, TransferIntoAnotherProcessIsVerifiedByThatProcess) {
   }
   std::vector<unsigned char> expected(kBytes, 0);
   ApplyRanges(src_, expected, ranges);
-  ASSERT_TRUE(SubmitAndWait(*sender_, peer_, 1, peer->descriptor(), ranges,
-                            absl::Now() + kLongDeadline)
-                  .ok());
+  ASSERT_TRUE(
+      SubmitAndWait(*sender_, peer_, 1, peer->descriptor(), ranges, absl::Now() + kLongDeadline)
+          .ok());
   // Wait returned OK, so the bytes must already be visible to the peer.
   EXPECT_EQ(peer->Checksum(0, kBytes), Fnv1a(expected.data(), kBytes));
   EXPECT_EQ(peer->Checksum(65536, 4096), Fnv1a(expected.data() + 65536, 4096));
@@ -573,8 +572,8 @@ TEST_F(UcxPeerProcessTest, DeregisterCancelsATimedOutTransferToAStuckPeer) {
   ASSERT_NE(peer, nullptr);
   SetUpSender(*peer, kBytes, "tcp");
   peer->Signal(SIGSTOP);
-  const absl::Status late = SubmitAndWait(*sender_, peer_, 1, peer->descriptor(),
-                                          {{0, 0, kBytes}}, absl::Now() + absl::Seconds(1));
+  const absl::Status late = SubmitAndWait(*sender_, peer_, 1, peer->descriptor(), {{0, 0, kBytes}},
+                                          absl::Now() + absl::Seconds(1));
   EXPECT_TRUE(absl::IsDeadlineExceeded(late)) << late;
   const absl::Time before = absl::Now();
   EXPECT_TRUE(sender_->DeregisterMemory(1).ok());

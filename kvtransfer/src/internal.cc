@@ -68,8 +68,8 @@ std::string EncodeDescriptor(const RegionDescriptor& d) {
 absl::StatusOr<RegionDescriptor> DecodeDescriptor(const std::string& encoded,
                                                   BackendKind expected) {
   if (encoded.size() < kHeaderBytes + kChecksumBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("region descriptor is ", encoded.size(),
-                                                   " bytes, too short to be one"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("region descriptor is ", encoded.size(), " bytes, too short to be one"));
   }
   const char* p = encoded.data();
   if (std::memcmp(p, kMagic, sizeof(kMagic)) != 0) {
@@ -110,20 +110,19 @@ absl::StatusOr<RegionDescriptor> DecodeDescriptor(const std::string& encoded,
   return d;
 }
 
-absl::Status CheckRanges(const std::vector<Range>& ranges, uint64_t src_bytes,
-                         uint64_t dst_bytes) {
+absl::Status CheckRanges(const std::vector<Range>& ranges, uint64_t src_bytes, uint64_t dst_bytes) {
   for (size_t i = 0; i < ranges.size(); ++i) {
     const Range& r = ranges[i];
     // Written as subtractions so that huge offsets cannot wrap around.
     if (r.bytes > src_bytes || r.src_offset > src_bytes - r.bytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("range ", i, " reads [", r.src_offset, ", +", r.bytes,
-                       ") outside the local region of ", src_bytes, " bytes"));
+      return absl::InvalidArgumentError(absl::StrCat("range ", i, " reads [", r.src_offset, ", +",
+                                                     r.bytes, ") outside the local region of ",
+                                                     src_bytes, " bytes"));
     }
     if (r.bytes > dst_bytes || r.dst_offset > dst_bytes - r.bytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("range ", i, " writes [", r.dst_offset, ", +", r.bytes,
-                       ") outside the remote region of ", dst_bytes, " bytes"));
+      return absl::InvalidArgumentError(absl::StrCat("range ", i, " writes [", r.dst_offset, ", +",
+                                                     r.bytes, ") outside the remote region of ",
+                                                     dst_bytes, " bytes"));
     }
   }
   return absl::OkStatus();

@@ -41,13 +41,11 @@ std::string EncodeDescriptor(const RegionDescriptor& descriptor);
 
 // Parses and verifies a descriptor; InvalidArgument (saying what is wrong) if it is garbled or
 // was made by another backend than `expected`.
-absl::StatusOr<RegionDescriptor> DecodeDescriptor(const std::string& encoded,
-                                                  BackendKind expected);
+absl::StatusOr<RegionDescriptor> DecodeDescriptor(const std::string& encoded, BackendKind expected);
 
 // InvalidArgument naming the first range that does not fit in [0, src_bytes) on the source or
 // [0, dst_bytes) on the destination (overflow-safe).
-absl::Status CheckRanges(const std::vector<Range>& ranges, uint64_t src_bytes,
-                         uint64_t dst_bytes);
+absl::Status CheckRanges(const std::vector<Range>& ranges, uint64_t src_bytes, uint64_t dst_bytes);
 
 // Drops empty ranges and merges each range into the one before it when both its source and its
 // destination continue that one, so consecutive KV blocks go out as one message.

@@ -24,7 +24,8 @@ RegionDescriptor Sample() {
 }
 
 TEST(DescriptorTest, RoundTripsEveryField) {
-  absl::StatusOr<RegionDescriptor> d = DecodeDescriptor(EncodeDescriptor(Sample()), BackendKind::kUcx);
+  absl::StatusOr<RegionDescriptor> d =
+      DecodeDescriptor(EncodeDescriptor(Sample()), BackendKind::kUcx);
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_EQ(d->owner_instance, Sample().owner_instance);
   EXPECT_EQ(d->region_id, 7u);

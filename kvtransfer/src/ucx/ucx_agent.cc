@@ -89,7 +89,7 @@ constexpr uint64_t kHelloMagic = 0x54414e44454d4b56ull;  // "TANDEMKV"
 
 struct HelloMessage {
   uint64_t magic = kHelloMagic;
-  uint64_t token = 0;  // The client's PeerId, echoed back.
+  uint64_t token = 0;     // The client's PeerId, echoed back.
   uint64_t instance = 0;  // Hello: the instance expected; ack: the server's own.
 };
 
@@ -151,8 +151,7 @@ class UcxAgent : public Agent {
   static absl::StatusOr<std::unique_ptr<Agent>> Create(const AgentOptions& options);
   ~UcxAgent() override;
 
-  absl::StatusOr<std::string> RegisterMemory(uint64_t region_id, void* base,
-                                             size_t bytes) override;
+  absl::StatusOr<std::string> RegisterMemory(uint64_t region_id, void* base, size_t bytes) override;
   absl::Status DeregisterMemory(uint64_t region_id) override;
   std::string address() const override { return address_; }
   absl::StatusOr<PeerId> Connect(const std::string& peer_address, absl::Time deadline) override;
@@ -236,8 +235,7 @@ class UcxAgent : public Agent {
   void FailPeer(PeerId id, absl::Status why);
   void CloseEndpoint(std::unique_ptr<EndpointContext> endpoint);
   void CloseEndpoints();
-  absl::StatusOr<std::unique_ptr<TransferHandle>> StartTransfer(PeerId peer_id,
-                                                                uint64_t region_id,
+  absl::StatusOr<std::unique_ptr<TransferHandle>> StartTransfer(PeerId peer_id, uint64_t region_id,
                                                                 const RegionDescriptor& d,
                                                                 const std::vector<Range>& ranges,
                                                                 absl::Time deadline);
@@ -250,8 +248,8 @@ class UcxAgent : public Agent {
   static void OnEndpointError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static ucs_status_t OnHello(void* arg, const void* header, size_t header_length, void* data,
                               size_t length, const ucp_am_recv_param_t* param);
-  static ucs_status_t OnHelloAck(void* arg, const void* header, size_t header_length,
-                                 void* data, size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnHelloAck(void* arg, const void* header, size_t header_length, void* data,
+                                 size_t length, const ucp_am_recv_param_t* param);
   static void OnSendDone(void* request, ucs_status_t status, void* user_data);
   static void OnOpRequestDone(void* request, ucs_status_t status, void* user_data);
 
@@ -319,8 +317,8 @@ absl::StatusOr<std::unique_ptr<Agent>> UcxAgent::Create(const AgentOptions& opti
   // cost of KV pushes over TCP (kvtransfer/bench/RESULTS.md). UCX applies these un-prefixed
   // names to the TCP transport's settings (only it has them); UCX_TCP_* in the environment
   // still wins.
-  for (const auto& [name, value] : {std::pair<const char*, const char*>{"TX_SEG_SIZE", "64k"},
-                                    {"RX_SEG_SIZE", "128k"}}) {
+  for (const auto& [name, value] :
+       {std::pair<const char*, const char*>{"TX_SEG_SIZE", "64k"}, {"RX_SEG_SIZE", "128k"}}) {
     if (std::getenv(absl::StrCat("UCX_TCP_", name).c_str()) != nullptr) continue;
     status = ucp_config_modify(config.get(), name, value);
     if (status != UCS_OK) {
@@ -376,7 +374,8 @@ absl::StatusOr<std::unique_ptr<Agent>> UcxAgent::Create(const AgentOptions& opti
     am.arg = agent.get();
     status = ucp_worker_set_am_recv_handler(worker, &am);
     if (status != UCS_OK) {
-      return absl::InternalError(absl::StrCat("ucp_worker_set_am_recv_handler: ", UcsError(status)));
+      return absl::InternalError(
+          absl::StrCat("ucp_worker_set_am_recv_handler: ", UcsError(status)));
     }
   }
 
@@ -524,7 +523,10 @@ void UcxAgent::OnConnectionRequest(ucp_conn_request_h request, void* arg) {
   params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
   params.err_handler.cb = &OnEndpointError;
   params.err_handler.arg = endpoint.get();
-  if (ucp_ep_create(agent->worker_.get(), &params, &endpoint->ep) != UCS_OK) return;
+  if (ucp_ep_create(agent->worker_.get(), &params, &endpoint->ep) != UCS_OK) {
+    ucp_listener_reject(agent->listener_.get(), request);  // The client sees a refusal.
+    return;
+  }
   ucp_ep_h ep = endpoint->ep;
   agent->server_endpoints_[ep] = std::move(endpoint);
 }
@@ -547,8 +549,8 @@ ucs_status_t UcxAgent::OnHello(void* arg, const void* header, size_t header_leng
   return UCS_OK;
 }
 
-ucs_status_t UcxAgent::OnHelloAck(void* arg, const void* header, size_t header_length,
-                                  void* data, size_t length, const ucp_am_recv_param_t* param) {
+ucs_status_t UcxAgent::OnHelloAck(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param) {
   auto* agent = static_cast<UcxAgent*>(arg);
   HelloMessage ack;
   if (header_length != sizeof(ack)) return UCS_OK;
@@ -677,8 +679,8 @@ absl::StatusOr<PeerId> UcxAgent::StartConnect(const std::string& address, uint64
   if (UCS_PTR_IS_ERR(request)) {
     FailPeer(id, absl::UnavailableError(UcsError(UCS_PTR_STATUS(request))));
     peers_.erase(id);
-    return absl::UnavailableError(absl::StrCat("cannot connect to ", address, ": ",
-                                               UcsError(UCS_PTR_STATUS(request))));
+    return absl::UnavailableError(
+        absl::StrCat("cannot connect to ", address, ": ", UcsError(UCS_PTR_STATUS(request))));
   }
   return id;
 }
@@ -686,7 +688,8 @@ absl::StatusOr<PeerId> UcxAgent::StartConnect(const std::string& address, uint64
 absl::StatusOr<PeerId> UcxAgent::Connect(const std::string& peer_address, absl::Time deadline) {
   TANDEM_ASSIGN_OR_RETURN(ParsedAddress parsed, ParseAddress(peer_address));
   if (absl::Now() >= deadline) {
-    return absl::DeadlineExceededError(absl::StrCat("connect to ", peer_address, ": deadline passed"));
+    return absl::DeadlineExceededError(
+        absl::StrCat("connect to ", peer_address, ": deadline passed"));
   }
   TANDEM_ASSIGN_OR_RETURN(sockaddr_storage addr,
                           Resolve(parsed.host, parsed.port, /*passive=*/false));
@@ -720,48 +723,46 @@ absl::Status UcxAgent::Disconnect(PeerId peer) {
 
 // ---- Memory ----
 
-absl::StatusOr<std::string> UcxAgent::RegisterMemory(uint64_t region_id, void* base,
-                                                     size_t bytes) {
+absl::StatusOr<std::string> UcxAgent::RegisterMemory(uint64_t region_id, void* base, size_t bytes) {
   if (base == nullptr || bytes == 0) {
     return absl::InvalidArgumentError("RegisterMemory: a region needs a base and a size");
   }
-  return RunOnProgressThread<absl::StatusOr<std::string>>(
-      [&]() -> absl::StatusOr<std::string> {
-        if (regions_.count(region_id) != 0) {
-          return absl::AlreadyExistsError(absl::StrCat("region ", region_id, " is registered"));
-        }
-        ucp_mem_map_params_t params{};
-        params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
-        params.address = base;
-        params.length = bytes;
-        ucp_mem_h memh = nullptr;
-        ucs_status_t status = ucp_mem_map(context_.get(), &params, &memh);
-        if (status != UCS_OK) {
-          return absl::InternalError(absl::StrCat("ucp_mem_map: ", UcsError(status)));
-        }
-        MemPtr mem(memh, MemDeleter{context_.get()});
-        void* rkey_buffer = nullptr;
-        size_t rkey_bytes = 0;
-        status = ucp_rkey_pack(context_.get(), memh, &rkey_buffer, &rkey_bytes);
-        if (status != UCS_OK) {
-          return absl::InternalError(absl::StrCat("ucp_rkey_pack: ", UcsError(status)));
-        }
-        std::unique_ptr<void, RkeyBufferDeleter> packed(rkey_buffer);
-        RegionDescriptor d;
-        d.backend = BackendKind::kUcx;
-        d.owner_instance = instance_;
-        d.region_id = region_id;
-        d.generation = ++last_generation_;
-        d.base = reinterpret_cast<uintptr_t>(base);
-        d.bytes = bytes;
-        d.payload.assign(static_cast<const char*>(rkey_buffer), rkey_bytes);
-        LocalRegion& region = regions_[region_id];
-        region.base = static_cast<char*>(base);
-        region.bytes = bytes;
-        region.generation = d.generation;
-        region.memh = std::move(mem);
-        return internal::EncodeDescriptor(d);
-      });
+  return RunOnProgressThread<absl::StatusOr<std::string>>([&]() -> absl::StatusOr<std::string> {
+    if (regions_.count(region_id) != 0) {
+      return absl::AlreadyExistsError(absl::StrCat("region ", region_id, " is registered"));
+    }
+    ucp_mem_map_params_t params{};
+    params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    params.address = base;
+    params.length = bytes;
+    ucp_mem_h memh = nullptr;
+    ucs_status_t status = ucp_mem_map(context_.get(), &params, &memh);
+    if (status != UCS_OK) {
+      return absl::InternalError(absl::StrCat("ucp_mem_map: ", UcsError(status)));
+    }
+    MemPtr mem(memh, MemDeleter{context_.get()});
+    void* rkey_buffer = nullptr;
+    size_t rkey_bytes = 0;
+    status = ucp_rkey_pack(context_.get(), memh, &rkey_buffer, &rkey_bytes);
+    if (status != UCS_OK) {
+      return absl::InternalError(absl::StrCat("ucp_rkey_pack: ", UcsError(status)));
+    }
+    std::unique_ptr<void, RkeyBufferDeleter> packed(rkey_buffer);
+    RegionDescriptor d;
+    d.backend = BackendKind::kUcx;
+    d.owner_instance = instance_;
+    d.region_id = region_id;
+    d.generation = ++last_generation_;
+    d.base = reinterpret_cast<uintptr_t>(base);
+    d.bytes = bytes;
+    d.payload.assign(static_cast<const char*>(rkey_buffer), rkey_bytes);
+    LocalRegion& region = regions_[region_id];
+    region.base = static_cast<char*>(base);
+    region.bytes = bytes;
+    region.generation = d.generation;
+    region.memh = std::move(mem);
+    return internal::EncodeDescriptor(d);
+  });
 }
 
 absl::Status UcxAgent::DeregisterMemory(uint64_t region_id) {
@@ -817,8 +818,8 @@ absl::StatusOr<std::unique_ptr<TransferHandle>> UcxAgent::Submit(
 }
 
 absl::StatusOr<std::unique_ptr<TransferHandle>> UcxAgent::StartTransfer(
-    PeerId peer_id, uint64_t region_id, const RegionDescriptor& d,
-    const std::vector<Range>& ranges, absl::Time deadline) {
+    PeerId peer_id, uint64_t region_id, const RegionDescriptor& d, const std::vector<Range>& ranges,
+    absl::Time deadline) {
   auto peer_it = peers_.find(peer_id);
   if (peer_it == peers_.end()) return absl::NotFoundError(absl::StrCat("no peer ", peer_id));
   Peer& peer = peer_it->second;
@@ -868,8 +869,8 @@ absl::StatusOr<std::unique_ptr<TransferHandle>> UcxAgent::StartTransfer(
     }
   };
   for (const Range& r : internal::CoalesceRanges(ranges)) {
-    track(ucp_put_nbx(ep, region.base + r.src_offset, r.bytes, d.base + r.dst_offset, rkey,
-                      &param));
+    track(
+        ucp_put_nbx(ep, region.base + r.src_offset, r.bytes, d.base + r.dst_offset, rkey, &param));
     if (op->error != UCS_OK) break;
   }
   // The flush completes once every put before it is complete at the destination.

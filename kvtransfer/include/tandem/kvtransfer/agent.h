@@ -120,8 +120,7 @@ class Agent {
   // Connects to the agent at `peer_address`. Fails with Unavailable if nobody answers there (or
   // a different incarnation does) and DeadlineExceeded if the handshake is not done by
   // `deadline`.
-  virtual absl::StatusOr<PeerId> Connect(const std::string& peer_address,
-                                         absl::Time deadline) = 0;
+  virtual absl::StatusOr<PeerId> Connect(const std::string& peer_address, absl::Time deadline) = 0;
 
   // Closes a connection. Transfers still in flight on it fail with Cancelled.
   virtual absl::Status Disconnect(PeerId peer) = 0;
