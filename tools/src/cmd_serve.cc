@@ -1,6 +1,8 @@
 // `tandem serve`: the OpenAI-compatible API over one in-process engine. With no flags it
 // writes the synthetic `small` model once into the user's cache and serves it on
 // 127.0.0.1:8000, so a fresh machine has a working endpoint without downloading anything.
+#include <sys/resource.h>
+
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -148,6 +150,13 @@ absl::Status Serve(int argc, char** argv) {
     name = fs::path(model_dir).lexically_normal().parent_path().filename().string();
   if (name.empty()) name = "model";
   options.served_model_names = {name};
+
+  // Every open stream is a descriptor: allow as many as the system lets this process have.
+  rlimit files{};
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
 
   TANDEM_ASSIGN_OR_RETURN(auto engine, engine::AsyncEngine::Create(engine_options));
   TANDEM_ASSIGN_OR_RETURN(auto server, router::ApiServer::Create(options, std::move(engine)));
