@@ -187,6 +187,7 @@ struct CallArgs {
 struct Callable {
   std::string name;
   std::function<absl::StatusOr<Value>(Renderer&, CallArgs&)> fn;
+  std::shared_ptr<const Value> receiver;  // The object a bound method belongs to, if any.
 };
 
 // State behind the `loop` variable of one for-loop iteration.
@@ -247,17 +248,22 @@ class Value {
   }
   static Value List(ValueList items, Flavor flavor = Flavor::kList) {
     Value v(Kind::kList);
+    for (const Value& item : items) v.nesting_ = std::max(v.nesting_, item.nesting_ + 1);
     v.list_ = std::make_shared<ValueList>(std::move(items));
     v.flavor_ = flavor;
     return v;
   }
   static Value Dict(ValueDict items) {
     Value v(Kind::kDict);
+    for (const auto& [k, val] : items) v.nesting_ = std::max(v.nesting_, val.nesting_ + 1);
     v.dict_ = std::make_shared<ValueDict>(std::move(items));
     return v;
   }
+  // A namespace's nesting is fixed at creation; assignments to its attributes are checked on
+  // their own (see Renderer::Assign).
   static Value Namespace(ValueDict attrs) {
     Value v(Kind::kNamespace);
+    for (const auto& [k, val] : attrs) v.nesting_ = std::max(v.nesting_, val.nesting_ + 1);
     v.dict_ = std::make_shared<ValueDict>(std::move(attrs));
     return v;
   }
@@ -267,9 +273,11 @@ class Value {
     return v;
   }
   static Value Function(std::string name,
-                        std::function<absl::StatusOr<Value>(Renderer&, CallArgs&)> fn) {
+                        std::function<absl::StatusOr<Value>(Renderer&, CallArgs&)> fn,
+                        std::shared_ptr<const Value> receiver = nullptr) {
     Value v(Kind::kCallable);
-    v.fn_ = std::make_shared<const Callable>(Callable{std::move(name), std::move(fn)});
+    v.fn_ = std::make_shared<const Callable>(
+        Callable{std::move(name), std::move(fn), std::move(receiver)});
     return v;
   }
 
@@ -282,6 +290,8 @@ class Value {
   bool is_list() const { return kind_ == Kind::kList; }
   bool is_dict() const { return kind_ == Kind::kDict; }
   Flavor flavor() const { return flavor_; }
+  // How deeply lists and dicts nest inside this value (0 for scalars).
+  int nesting() const { return nesting_; }
 
   bool as_bool() const { return int_ != 0; }
   // Integer value of an int or bool (Python's bool is an int).
@@ -309,6 +319,7 @@ class Value {
 
   Kind kind_ = Kind::kUndefined;
   Flavor flavor_ = Flavor::kList;
+  int nesting_ = 0;
   int64_t int_ = 0;
   double float_ = 0;
   std::string str_;
@@ -320,8 +331,14 @@ class Value {
 
 using Kind = Value::Kind;
 
+// Containers may nest this deep. Printing, serializing and freeing values recurse, so deeper
+// values (from a request or built by a loop) are rejected instead of overflowing the stack.
+constexpr int kMaxValueNesting = 256;
+
+// Converts JSON to a Value; nullopt when it nests deeper than kMaxValueNesting.
 template <typename Json>
-Value FromJson(const Json& j) {
+std::optional<Value> FromJson(const Json& j, int depth = 0) {
+  if (depth > kMaxValueNesting) return std::nullopt;
   switch (j.type()) {
     case nlohmann::json::value_t::null:
       return Value::None();
@@ -343,14 +360,20 @@ Value FromJson(const Json& j) {
     case nlohmann::json::value_t::array: {
       ValueList items;
       items.reserve(j.size());
-      for (const auto& e : j) items.push_back(FromJson(e));
+      for (const auto& e : j) {
+        std::optional<Value> v = FromJson(e, depth + 1);
+        if (!v) return std::nullopt;
+        items.push_back(std::move(*v));
+      }
       return Value::List(std::move(items));
     }
     case nlohmann::json::value_t::object: {
       ValueDict items;
       items.reserve(j.size());
       for (auto it = j.begin(); it != j.end(); ++it) {
-        items.emplace_back(Value::Str(it.key()), FromJson(it.value()));
+        std::optional<Value> v = FromJson(it.value(), depth + 1);
+        if (!v) return std::nullopt;
+        items.emplace_back(Value::Str(it.key()), std::move(*v));
       }
       return Value::Dict(std::move(items));
     }
@@ -1254,8 +1277,33 @@ struct Expr {
   std::vector<std::unique_ptr<Expr>> args;
   std::vector<std::pair<std::string, std::unique_ptr<Expr>>> kwargs;
   std::vector<std::string> compare_ops;
+
+  Expr() = default;
+  Expr(const Expr&) = delete;
+  Expr& operator=(const Expr&) = delete;
+  ~Expr();
 };
 using ExprPtr = std::unique_ptr<Expr>;
+
+// Frees the tree without recursion: a long chain such as "a ~ b + c + ..." nests as deep as it
+// is long.
+Expr::~Expr() {
+  std::vector<ExprPtr> pending;
+  auto take_children = [&pending](Expr& e) {
+    for (ExprPtr& a : e.args) {
+      if (a) pending.push_back(std::move(a));
+    }
+    for (auto& kw : e.kwargs) {
+      if (kw.second) pending.push_back(std::move(kw.second));
+    }
+  };
+  take_children(*this);
+  while (!pending.empty()) {
+    ExprPtr e = std::move(pending.back());
+    pending.pop_back();
+    take_children(*e);
+  }
+}
 
 ExprPtr MakeExpr(Expr::Op op, int line) {
   auto e = std::make_unique<Expr>();
@@ -2109,6 +2157,12 @@ class Renderer {
   absl::Status UndefinedError(const Value& v) const {
     return Fail(v.hint().empty() ? "value is undefined" : v.hint());
   }
+  absl::Status CheckNesting(int nesting) const {
+    if (nesting > kMaxValueNesting) {
+      return Fail(absl::StrCat("value nests deeper than ", kMaxValueNesting, " levels"));
+    }
+    return absl::OkStatus();
+  }
   // Rejects a string or list of `n` bytes or items that would exceed the output limit.
   absl::Status CheckSize(size_t n) const {
     if (n > limits_.max_output_bytes) {
@@ -2394,7 +2448,8 @@ absl::Status Renderer::Exec(const Node& n, const ScopePtr& scope) {
       return Write(PyStr(v));
     }
     case Node::Type::kPassThrough:
-      return ExecBody(n.body, scope);
+      // Rendered like the body of a call block, which has a scope of its own.
+      return ExecBody(n.body, NewScope(scope));
   }
   return absl::OkStatus();
 }
@@ -2437,12 +2492,53 @@ absl::Status Renderer::ExecFor(const Node& n, const ScopePtr& scope) {
   return absl::OkStatus();
 }
 
+// How deeply containers nest in `v`, following namespaces, loops and bound methods as they are
+// now; -1 if `target` is reachable from it. Heights are memoized by identity, so shared
+// substructures are measured once.
+int HeightReaching(const Value& v, const void* target,
+                   absl::flat_hash_map<const void*, int>* heights) {
+  std::vector<const Value*> children;
+  switch (v.kind()) {
+    case Kind::kList:
+      for (const Value& c : v.list()) children.push_back(&c);
+      break;
+    case Kind::kDict:
+    case Kind::kNamespace:
+      for (const auto& [k, c] : v.dict()) {
+        children.push_back(&k);
+        children.push_back(&c);
+      }
+      break;
+    case Kind::kLoop:
+      for (const Value& c : *v.loop().items) children.push_back(&c);
+      break;
+    case Kind::kCallable:
+      if (v.callable().receiver) children.push_back(v.callable().receiver.get());
+      break;
+    default:
+      return 0;
+  }
+  const void* id = v.identity();
+  if (id == target) return -1;
+  if (auto it = heights->find(id); it != heights->end()) return it->second;
+  int height = 0;
+  for (const Value* c : children) {
+    int h = HeightReaching(*c, target, heights);
+    if (h < 0) return -1;
+    height = std::max(height, h + 1);
+  }
+  (*heights)[id] = height;
+  return height;
+}
+
 absl::Status Renderer::Assign(const Target& target, const Value& value, const ScopePtr& scope) {
   switch (target.kind) {
     case Target::Kind::kName:
+      TANDEM_RETURN_IF_ERROR(CheckNesting(value.nesting()));
       scope->vars[target.names[0]] = value;
       return absl::OkStatus();
     case Target::Kind::kTuple: {
+      TANDEM_RETURN_IF_ERROR(CheckNesting(value.nesting()));
       TANDEM_ASSIGN_OR_RETURN(auto items, Iterate(value));
       if (items->size() != target.names.size()) {
         return Fail(absl::StrCat(items->size() < target.names.size() ? "not enough" : "too many",
@@ -2456,6 +2552,12 @@ absl::Status Renderer::Assign(const Target& target, const Value& value, const Sc
       Value ns = Lookup(target.names[0], scope);
       if (ns.is_undefined()) return UndefinedError(ns);
       if (!ns.is(Kind::kNamespace)) return Fail("cannot assign attribute on non-namespace object");
+      // Namespaces are the only mutable values, so this is where a value could come to contain
+      // itself or grow deeper than its recorded nesting: measure what it holds now.
+      absl::flat_hash_map<const void*, int> heights;
+      int height = HeightReaching(value, ns.identity(), &heights);
+      if (height < 0) return Fail("a namespace cannot contain itself");
+      TANDEM_RETURN_IF_ERROR(CheckNesting(height));
       ValueDict& attrs = ns.namespace_attrs();
       for (auto& [k, v] : attrs) {
         if (k.is_string() && k.str() == target.attr) {
@@ -2532,8 +2634,10 @@ absl::StatusOr<Value> Renderer::Eval(const Expr& e, const ScopePtr& scope) {
         TANDEM_ASSIGN_OR_RETURN(Value v, Eval(*a, scope));
         items.push_back(std::move(v));
       }
-      return Value::List(std::move(items),
-                         e.op == Expr::Op::kTuple ? Value::Flavor::kTuple : Value::Flavor::kList);
+      Value list = Value::List(std::move(items), e.op == Expr::Op::kTuple ? Value::Flavor::kTuple
+                                                                          : Value::Flavor::kList);
+      TANDEM_RETURN_IF_ERROR(CheckNesting(list.nesting()));
+      return list;
     }
     case Expr::Op::kDict: {
       ValueDict items;
@@ -2550,7 +2654,9 @@ absl::StatusOr<Value> Renderer::Eval(const Expr& e, const ScopePtr& scope) {
         }
         if (!replaced) items.emplace_back(std::move(k), std::move(v));
       }
-      return Value::Dict(std::move(items));
+      Value dict = Value::Dict(std::move(items));
+      TANDEM_RETURN_IF_ERROR(CheckNesting(dict.nesting()));
+      return dict;
     }
     case Expr::Op::kGetAttr: {
       TANDEM_ASSIGN_OR_RETURN(Value obj, Eval(*e.args[0], scope));
@@ -2809,8 +2915,11 @@ bool IsUnsafeDictAttr(std::string_view name) {
 }
 
 Value BoundMethod(const Value& self, const std::string& name) {
+  auto receiver = std::make_shared<const Value>(self);
   return Value::Function(
-      name, [self, name](Renderer& r, CallArgs& args) { return r.CallMethod(self, name, args); });
+      name,
+      [receiver, name](Renderer& r, CallArgs& args) { return r.CallMethod(*receiver, name, args); },
+      receiver);
 }
 
 absl::StatusOr<Value> Renderer::GetAttr(const Value& obj, const std::string& name) const {
@@ -4037,7 +4146,9 @@ bool IsKnownFilter(std::string_view name) {
 
 absl::StatusOr<Value> Renderer::ApplyFilter(const std::string& name, const Value& input,
                                             CallArgs& args) {
-  std::string_view canonical = name == "d" ? "default" : name == "e" ? "escape" : name;
+  std::string_view canonical = name;
+  if (name == "d") canonical = "default";
+  if (name == "e") canonical = "escape";
   auto it = Filters().find(canonical);
   if (it == Filters().end()) return Fail(absl::StrCat("no filter named '", name, "'"));
   return it->second(*this, input, args);
@@ -4188,7 +4299,12 @@ class ParsedTemplate final : public JinjaTemplate {
   }
 
  private:
-  absl::StatusOr<std::string> RenderValue(const Value& context) const {
+  absl::StatusOr<std::string> RenderValue(const std::optional<Value>& maybe_context) const {
+    if (!maybe_context) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("template context nests deeper than ", kMaxValueNesting, " levels"));
+    }
+    const Value& context = *maybe_context;
     if (!context.is_dict())
       return absl::InvalidArgumentError("template context must be a JSON object");
     auto root = std::make_shared<Scope>();

@@ -572,6 +572,22 @@ TEMPLATES = [
     ("generation_block", "{% for m in messages %}{% if m.role == 'assistant' %}"
      "{% generation %}{{ m.content }}!{% endgeneration %}{% else %}{{ m.content }}{% endif %}"
      "{% endfor %}", {"messages": MSGS}),
+    ("generation_block_scope", "{% set x = 'outer' %}{% generation %}{% set x = 'inner' %}"
+     "{{ x }}{% endgeneration %}{{ x }}", {}),
+    ("scope_read_before_set_in_loop", "{% set x = 'outer' %}{% for i in [1, 2] %}{{ x }}"
+     "{% set x = i %}{{ x }}{% endfor %}{{ x }}", {}),
+    ("scope_set_in_untaken_branch", "{% set x = 'outer' %}{% for i in [1] %}{% if false %}"
+     "{% set x = 'inner' %}{% endif %}{{ x }}{% endfor %}", {}),
+    ("scope_previous_iteration_invisible", "{% for i in [1, 2] %}{% if i == 2 %}[{{ y }}]"
+     "{% endif %}{% set y = i %}{% endfor %}", {}),
+    ("scope_outer_loop_alias", "{% for a in 'xy' %}{% set outer = loop %}{% for b in 'pq' %}"
+     "{{ outer.index }}{{ loop.index }} {% endfor %}{% endfor %}", {}),
+    ("loop_outside_loop", "{{ loop.index }}", {}, "error"),
+    ("list_append_blocked", "{% set xs = [1] %}{{ xs.append(2) }}", {}, "error"),
+    ("unicode_whitespace_trim", "[{{ '\u00a0\u3000x\u2003' | trim }}] "
+     "[{{ '\u00a0a b\u2009c'.split() }}]", {}),
+    ("deep_but_allowed_nesting", "{% set ns = namespace(x=[]) %}{% for i in range(100) %}"
+     "{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x | tojson | length }}", {}),
     ("namespace_reverse_scan", "{% set ns = namespace(idx=-1) %}{% for m in messages[::-1] %}"
      "{% if ns.idx < 0 and m.role == 'user' %}{% set ns.idx = (messages | length - 1) - "
      "loop.index0 %}{% endif %}{% endfor %}{{ ns.idx }}", {"messages": MSGS}),
