@@ -168,6 +168,8 @@ class UcxAgent : public Agent {
     UcxAgent* agent = nullptr;
     bool server = false;  // Accepted by the listener rather than made by Connect.
     PeerId peer = 0;      // Client endpoints: the peer it belongs to.
+    // Not a unique_ptr: closing is asynchronous (a request the progress loop completes), so it
+    // goes through CloseEndpoint, which keeps this context alive until the close is done.
     ucp_ep_h ep = nullptr;
     bool failed = false;
   };

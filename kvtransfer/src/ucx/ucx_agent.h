@@ -10,9 +10,9 @@
 
 namespace tandem::kvtransfer::ucx {
 
-// The transports used when the environment does not set UCX_TLS: TCP, shared memory (including
-// cma, which writes straight into a peer's memory) and self, all of which work on CPU memory
-// without RDMA hardware.
+// The transports used when neither AgentOptions::ucx_transports nor UCX_TLS names any: TCP,
+// shared memory and self, which need no RDMA hardware. (With peer-failure detection on, UCX 1.13
+// does not use cma for puts, so same-host pushes go over TCP loopback; see docs/kvtransfer.md.)
 inline constexpr char kDefaultTransports[] = "tcp,sm,self";
 
 absl::StatusOr<std::unique_ptr<Agent>> CreateUcxAgent(const AgentOptions& options);
