@@ -448,8 +448,20 @@ std::string PyFloatRepr(double d) {
   return sign + digits.substr(0, decpt) + "." + digits.substr(decpt);
 }
 
-// Python's repr(str), close enough for printed containers: quotes chosen as Python does,
-// control characters escaped.
+// Python's str.isprintable() for one code point: false for controls, separators other than
+// the space, format characters, surrogates and private use (unassigned ones are not tracked).
+bool IsPyPrintable(uint32_t cp) {
+  if (cp < 0x20 || (cp >= 0x7F && cp <= 0xA0) || cp == 0xAD) return false;
+  if (cp < 0x600) return true;
+  return !((cp >= 0x600 && cp <= 0x605) || cp == 0x61C || cp == 0x6DD || cp == 0x70F ||
+           cp == 0x180E || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200F) ||
+           (cp >= 0x2028 && cp <= 0x202F) || (cp >= 0x205F && cp <= 0x2064) ||
+           (cp >= 0x2066 && cp <= 0x206F) || cp == 0x3000 || (cp >= 0xD800 && cp <= 0xF8FF) ||
+           cp == 0xFEFF || (cp >= 0xFFF9 && cp <= 0xFFFB) || cp == 0xFFFE || cp == 0xFFFF ||
+           cp == 0x110BD || cp == 0xE0001 || (cp >= 0xE0020 && cp <= 0xE007F) || cp >= 0xF0000);
+}
+
+// Python's repr(str): quotes chosen as Python does, non-printable characters escaped.
 std::string PyStrRepr(std::string_view s) {
   bool has_single = s.find('\'') != std::string_view::npos;
   bool has_double = s.find('"') != std::string_view::npos;
@@ -469,8 +481,10 @@ std::string PyStrRepr(std::string_view s) {
       r += "\\r";
     } else if (cp == '\t') {
       r += "\\t";
-    } else if (cp < 0x20 || (cp >= 0x7F && cp <= 0xA0) || cp == 0xAD) {
-      r += absl::StrFormat("\\x%02x", cp);
+    } else if (!IsPyPrintable(cp)) {
+      r += cp <= 0xFF     ? absl::StrFormat("\\x%02x", cp)
+           : cp <= 0xFFFF ? absl::StrFormat("\\u%04x", cp)
+                          : absl::StrFormat("\\U%08x", cp);
     } else {
       r.append(s.substr(i, len));
     }
@@ -3022,6 +3036,138 @@ absl::StatusOr<Value> Renderer::LoopAttr(const Value& loop, const std::string& n
   return Value::Undefined(absl::StrCat("'LoopContext object' has no attribute '", name, "'"));
 }
 
+// Python's `format % args` for the conversions templates use: %s %r %a %d %i %u %x %X %o %c
+// %e %E %f %F %g %G %%, with flags, width, precision and %(key)s lookups in a dict.
+absl::StatusOr<Value> PyPercentFormat(const Renderer& r, const std::string& format,
+                                      const Value& args) {
+  const bool mapping = args.is_dict();
+  std::vector<Value> positional;
+  if (args.is_list() && args.flavor() == Value::Flavor::kTuple) {
+    positional = args.list();
+  } else {
+    positional.push_back(args);
+  }
+  size_t next = 0;
+  std::string out;
+  for (size_t i = 0; i < format.size(); ++i) {
+    if (format[i] != '%') {
+      out.push_back(format[i]);
+      continue;
+    }
+    if (++i >= format.size()) return r.Fail("incomplete format");
+    if (format[i] == '%') {
+      out.push_back('%');
+      continue;
+    }
+    std::optional<Value> value;
+    if (format[i] == '(') {
+      size_t close = format.find(')', i);
+      if (close == std::string::npos) return r.Fail("incomplete format key");
+      if (!mapping) return r.Fail("format requires a mapping");
+      const Value* v = DictFind(args.dict(), std::string_view(format).substr(i + 1, close - i - 1));
+      if (v == nullptr)
+        return r.Fail(absl::StrCat("KeyError: '", format.substr(i + 1, close - i - 1), "'"));
+      value = *v;
+      i = close + 1;
+    }
+    std::string flags;
+    while (i < format.size() &&
+           std::string_view("-+ #0").find(format[i]) != std::string_view::npos) {
+      flags.push_back(format[i++]);
+    }
+    std::string width, precision;
+    bool has_precision = false;
+    while (i < format.size() && IsAsciiDigit(format[i])) width.push_back(format[i++]);
+    if (i < format.size() && format[i] == '.') {
+      has_precision = true;
+      ++i;
+      while (i < format.size() && IsAsciiDigit(format[i])) precision.push_back(format[i++]);
+    }
+    if (width.size() > 4 || precision.size() > 4) return r.Fail("format width too large");
+    while (i < format.size() && (format[i] == 'h' || format[i] == 'l' || format[i] == 'L')) ++i;
+    if (i >= format.size()) return r.Fail("incomplete format");
+    const char conv = format[i];
+    if (!value) {
+      if (next >= positional.size()) return r.Fail("not enough arguments for format string");
+      value = positional[next++];
+    }
+    const Value& v = *value;
+    std::string piece;
+    // printf with a spec built only from the digits and flags parsed above.
+    auto c_format = [&](const char* length, char c, auto arg) {
+      std::string spec = absl::StrCat("%", flags, width, has_precision ? "." : "", precision,
+                                      length, std::string(1, c));
+      int n = std::snprintf(nullptr, 0, spec.c_str(), arg);
+      std::string buf(n > 0 ? n : 0, '\0');
+      std::snprintf(buf.data(), buf.size() + 1, spec.c_str(), arg);
+      return buf;
+    };
+    switch (conv) {
+      case 's':
+      case 'r':
+      case 'a': {
+        std::string text = conv == 's' ? PyStr(v) : PyRepr(v);
+        if (has_precision) {
+          size_t keep = precision.empty() ? 0 : std::stoul(precision);
+          std::vector<size_t> starts = CodePointStarts(text);
+          if (keep < starts.size()) text.resize(starts[keep]);
+        }
+        size_t w = width.empty() ? 0 : std::stoul(width);
+        size_t len = CodePointCount(text);
+        if (len < w) {
+          bool left = flags.find('-') != std::string::npos;
+          text = left ? text + std::string(w - len, ' ') : std::string(w - len, ' ') + text;
+        }
+        piece = std::move(text);
+        break;
+      }
+      case 'd':
+      case 'i':
+      case 'u':
+      case 'x':
+      case 'X':
+      case 'o':
+      case 'c': {
+        if (!v.is_number()) {
+          return r.Fail(absl::StrCat("%", std::string(1, conv),
+                                     " format: a number is required, not ", TypeName(v)));
+        }
+        if (v.is(Kind::kFloat) && conv != 'd' && conv != 'i' && conv != 'u') {
+          return r.Fail(absl::StrCat("%", std::string(1, conv), " format: an integer is required"));
+        }
+        long long n = v.is(Kind::kFloat) ? static_cast<long long>(std::trunc(v.as_double()))
+                                         : static_cast<long long>(v.as_int());
+        if (conv == 'c') {
+          if (n < 0 || n > 0x10FFFF) return r.Fail("%c arg not in range(0x110000)");
+          AppendUtf8(static_cast<uint32_t>(n), &piece);
+        } else {
+          piece = c_format("ll", conv == 'u' || conv == 'i' ? 'd' : conv, n);
+        }
+        break;
+      }
+      case 'e':
+      case 'E':
+      case 'f':
+      case 'F':
+      case 'g':
+      case 'G':
+        if (!v.is_number()) {
+          return r.Fail(absl::StrCat("must be real number, not ", TypeName(v)));
+        }
+        piece = c_format("", conv, v.as_double());
+        break;
+      default:
+        return r.Fail(absl::StrCat("unsupported format character '", std::string(1, conv), "'"));
+    }
+    out += piece;
+    TANDEM_RETURN_IF_ERROR(r.CheckSize(out.size()));
+  }
+  if (!mapping && next < positional.size()) {
+    return r.Fail("not all arguments converted during string formatting");
+  }
+  return Value::Str(std::move(out));
+}
+
 // ---- operators ------------------------------------------------------------------------------
 
 absl::StatusOr<Value> Renderer::Arith(absl::string_view op, const Value& a, const Value& b) const {
@@ -3141,7 +3287,7 @@ absl::StatusOr<Value> Renderer::Arith(absl::string_view op, const Value& a, cons
       return Value::List(std::move(items), seq->flavor());
     }
   }
-  if (op == "%" && a.is_string()) return Fail("printf-style string formatting is not supported");
+  if (op == "%" && a.is_string()) return PyPercentFormat(*this, a.str(), b);
   return unsupported();
 }
 
@@ -3964,6 +4110,21 @@ const absl::flat_hash_map<std::string_view, FilterFn>& Filters() {
          return items->back();
        }},
       {"float", FloatFilter},
+      {"format",
+       [](Renderer& r, const Value& v, CallArgs& a) -> absl::StatusOr<Value> {
+         if (!a.positional.empty() && !a.keyword.empty()) {
+           return r.Fail("can't handle positional and keyword arguments at the same time");
+         }
+         Value args;
+         if (!a.keyword.empty()) {
+           ValueDict kwargs;
+           for (const auto& [k, val] : a.keyword) kwargs.emplace_back(Value::Str(k), val);
+           args = Value::Dict(std::move(kwargs));
+         } else {
+           args = Value::List(a.positional, Value::Flavor::kTuple);
+         }
+         return PyPercentFormat(r, PyStr(v), args);
+       }},
       {"int", IntFilter},
       {"indent", IndentFilter},
       {"items",
@@ -4033,16 +4194,20 @@ const absl::flat_hash_map<std::string_view, FilterFn>& Filters() {
       {"selectattr",
        [](Renderer& r, const Value& v, CallArgs& a) { return SelectItems(r, v, a, true, true); }},
       {"reverse",
-       [](Renderer& r, const Value& v, CallArgs& a) -> absl::StatusOr<Value> {
-         TANDEM_ASSIGN_OR_RETURN(Params p, r.Bind("reverse", a, {}));
-         TANDEM_ASSIGN_OR_RETURN(auto items, r.Iterate(v));
-         if (v.is_string()) {
-           std::string out;
-           for (auto it = items->rbegin(); it != items->rend(); ++it) out += it->str();
-           return Value::Str(std::move(out));
-         }
-         return Value::List(ValueList(items->rbegin(), items->rend()), Value::Flavor::kIterator);
-       }},
+       [](Renderer& r, const Value& v,
+          CallArgs& a) -> absl::
+                           StatusOr<Value> {
+                             TANDEM_ASSIGN_OR_RETURN(Params p, r.Bind("reverse", a, {}));
+                             TANDEM_ASSIGN_OR_RETURN(auto items, r.Iterate(v));
+                             if (v.is_string()) {
+                               std::string out;
+                               for (auto it = items->rbegin(); it != items->rend(); ++it)
+                                 out += it->str();
+                               return Value::Str(std::move(out));
+                             }
+                             return Value::List(ValueList(items->rbegin(), items->rend()),
+                                                Value::Flavor::kIterator);
+                           }},
       {"round", RoundFilter},
       {"safe",
        [](Renderer& r, const Value& v, CallArgs& a) -> absl::

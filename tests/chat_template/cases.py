@@ -588,6 +588,45 @@ TEMPLATES = [
      "[{{ '\u00a0a b\u2009c'.split() }}]", {}),
     ("deep_but_allowed_nesting", "{% set ns = namespace(x=[]) %}{% for i in range(100) %}"
      "{% set ns.x = [ns.x] %}{% endfor %}{{ ns.x | tojson | length }}", {}),
+    # Python %-formatting and the format filter.
+    ("percent_format_strings", "{{ '%s|%r|%5s|%-5s|%.2s' % ('ab', 'ab', 'ab', 'ab', 'abc') }}",
+     {}),
+    ("percent_format_numbers", "{{ '%d %i %05d %+d %x %X %o %c' % (3.9, -2, 42, 7, 255, 255, 8, 65) }}"
+     " {{ '%.2f %e %g %10.3f %-8.1f|' % (3.14159, 12345.678, 0.0001, 2.5, -1.25) }}", {}),
+    ("percent_format_mapping", "{{ '%(name)s is %(age)d' % {'name': 'Ann', 'age': 31} }} "
+     "{{ '%s' % {'a': 1} }} {{ '%s' % [1, 2] }} {{ '100%%' % () }} {{ '%s' % none }}", {}),
+    ("percent_format_filter", "{{ 'Hi %s, %s' | format('Ann', 3) }} {{ '%(x)s' | format(x=5) }}",
+     {}),
+    ("percent_format_too_few", "{{ '%s %s' % ('a',) }}", {}, "error"),
+    ("percent_format_too_many", "{{ '%s' % ('a', 'b') }}", {}, "error"),
+    ("percent_format_bad_type", "{{ '%d' % 'x' }}", {}, "error"),
+    # Corners of Python semantics.
+    ("repr_escapes", "{{ ['a\\x00', '\\x85', '\\xa0', 'é', '\\u2028', '\\u200b', '\\ufeff', "
+     "'\\ue000', 'ok'] }}", {}),
+    ("float_repr_extremes", "{{ 1.0 }} {{ 100.0 }} {{ 1e22 }} {{ 1.5e-10 }} {{ 5e-324 }} "
+     "{{ 1.7976931348623157e308 }} {{ [1e16, 0.5] }} {{ -1.5 }} {{ 10 ** 15 * 1.0 }}", {}),
+    ("power_precedence", "{{ -2 ** 2 }} {{ 2 ** 3 ** 2 }} {{ (-2) ** 2 }} {{ 2 * 3 ** 2 }}", {}),
+    ("filter_binds_tighter", "{{ 'a' ~ 'b' | upper }} {{ -1 | abs }} {{ not true == false }} "
+     "{{ 1 < 2 > 1 }} {{ 'a' in 'abc' in 'xabcx' }}", {}),
+    ("int_float_filters_edge", "{{ 'a' | int }} {{ true | int }} {{ none | int }} "
+     "{{ '  12  ' | int }} {{ '1_000' | int }} {{ '-3' | int }} {{ '+3.9' | int }} "
+     "{{ 'inf' | float }} {{ 'nan' | float }} {{ '1e3' | float }} {{ ' 2.5 ' | float }}", {}),
+    ("slices_out_of_range", "{{ 'Hello'[10:] }}|{{ 'Hello'[-100:2] }}|{{ [1,2,3][-100:100:2] }}|"
+     "{{ [1,2,3][::-2] }}", {}),
+    ("split_edges", "{{ 'aXbXc'.split('X', -1) }} {{ 'a b'.split(' ', 0) }} {{ '  '.split() }} "
+     "{{ ''.split(',') }} {{ ' a '.rsplit() }} {{ 'a b'.split(maxsplit=1) }}", {}),
+    ("tojson_edges", "{{ none | tojson }} {{ true | tojson }} {{ 1.0 | tojson }} "
+     "{{ 'x' | tojson(indent=0) }} {{ [1] | tojson(indent=0) }} "
+     "{{ {1: 'a', none: 'b', true: 'c', 2.5: 'd'} | tojson }} {{ 'a\\x00b\\u2028\\x7f' | tojson }}",
+     {}),
+    ("none_attribute_is_undefined", "[{{ x.y.z }}] {{ x.y.z is defined }}", {"x": {"y": None}}),
+    ("macro_default_uses_param", "{% macro m(a, b=a * 2) %}{{ a }}{{ b }}{% endmacro %}{{ m(3) }}",
+     {}),
+    ("break_inner_loop_only", "{% for i in range(3) %}{% for j in range(3) %}{% if j == 1 %}"
+     "{% break %}{% endif %}{{ i }}{{ j }} {% endfor %}{% endfor %}", {}),
+    ("ws_raw_and_comments_mixed", "a {%- raw %} b {% endraw -%} c|{% raw -%}  x  {%- endraw %}|"
+     "{{ 'a' }}\n{# c #}\n{{ 'b' }}|  {#- c #}\n  {{ 'b' }}|{% if true %}  \n{% endif %}|"
+     "x\n  {% if true -%}\n  y\n  {%- endif %}  \nz", {}),
     ("namespace_reverse_scan", "{% set ns = namespace(idx=-1) %}{% for m in messages[::-1] %}"
      "{% if ns.idx < 0 and m.role == 'user' %}{% set ns.idx = (messages | length - 1) - "
      "loop.index0 %}{% endif %}{% endfor %}{{ ns.idx }}", {"messages": MSGS}),
