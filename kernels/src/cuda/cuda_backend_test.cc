@@ -4,6 +4,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -193,11 +194,10 @@ TEST_P(CudaBackendTest, EmbeddingAndWriteKvCopyExactly) {
   EXPECT_EQ(d_cache.ToHost(), expected_cache);
 }
 
-TEST_P(CudaBackendTest, PagedAttentionMatchesReference) {
-  const Shape& s = GetParam();
-  // Decode rows with contexts across the 512-token partitions (split and merged), a prefill
-  // chunk over earlier context, and a whole prompt, in one batch.
-  const std::vector<std::pair<int, int>> seqs = {{1, 1}, {1, 700}, {40, 300}, {1, 1100}, {17, 17}};
+// Runs one batch of (q_len, context_len) sequences on the GPU and returns the worst error
+// against the reference.
+double PagedAttentionError(CudaBackend& backend, const Shape& s,
+                           const std::vector<std::pair<int, int>>& seqs) {
   const int heads = s.kv_heads * s.group;
   int total_blocks = 0, max_blocks = 0;
   for (auto [q_len, ctx] : seqs) {
@@ -232,10 +232,20 @@ TEST_P(CudaBackendTest, PagedAttentionMatchesReference) {
   std::vector<float> expected(q.size());
   reference::PagedAttention(q.data(), cache.data(), layout, batch, heads, scale, expected.data());
   DeviceVector<float> d_q(q), d_cache(cache), d_out(std::vector<float>(q.size(), kNaN));
-  backend_->PagedAttention(d_q.get(), d_cache.get(), layout, batch, heads, scale, d_out.get());
-  const absl::Status status = backend_->Synchronize();
-  ASSERT_TRUE(status.ok()) << status;
-  EXPECT_LT(MaxRelativeError(d_out.ToHost(), expected, 0.05), 2e-5);
+  backend.PagedAttention(d_q.get(), d_cache.get(), layout, batch, heads, scale, d_out.get());
+  const absl::Status status = backend.Synchronize();
+  EXPECT_TRUE(status.ok()) << status;
+  return MaxRelativeError(d_out.ToHost(), expected, 0.05);
+}
+
+TEST_P(CudaBackendTest, PagedAttentionMatchesReference) {
+  // Contexts past the 512-key partition (split, then merged), next to a prefill chunk over
+  // earlier context and a whole prompt.
+  EXPECT_LT(PagedAttentionError(*backend_, GetParam(),
+                                {{1, 1}, {1, 700}, {40, 300}, {1, 1100}, {17, 17}}),
+            2e-5);
+  // Every row within one partition: written directly, no merge.
+  EXPECT_LT(PagedAttentionError(*backend_, GetParam(), {{1, 5}, {3, 200}, {1, 512}}), 2e-5);
 }
 
 TEST_P(CudaBackendTest, UnsupportedHeadDimIsReported) {

@@ -16,7 +16,6 @@ __global__ void RmsNormKernel(const float* x,                    // [rows, dim];
                               float* y) {  // [rows, dim]; may alias x
   __shared__ float scratch[32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * dim;
-  const float* source = kAddResidual ? residual + base : x + base;
   float sum_sq = 0.0f;
   for (int i = threadIdx.x; i < dim; i += blockDim.x) {
     float v = x[base + i];
@@ -30,7 +29,8 @@ __global__ void RmsNormKernel(const float* x,                    // [rows, dim];
   const float inv_rms = rsqrtf(sum_sq / dim + eps);
   // Each thread reads back only the elements it wrote, so no barrier is needed in between.
   for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-    y[base + i] = source[i] * inv_rms * weight[i];
+    const float v = kAddResidual ? residual[base + i] : x[base + i];
+    y[base + i] = v * inv_rms * weight[i];
   }
 }
 
