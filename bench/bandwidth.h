@@ -17,4 +17,10 @@ namespace tandem::bench {
 double MeasureCopyBandwidthGBs(int threads = 2, size_t bytes = size_t{256} << 20,
                                int repetitions = 5);
 
+// Read-only streaming (a sum over a `bytes` buffer, split over `threads`), best of
+// `repetitions`; bytes read per second in GB/s. Weight streaming in a decode step is read-only,
+// and on many machines reads alone go faster than the reads plus writes of a copy.
+double MeasureReadBandwidthGBs(int threads = 2, size_t bytes = size_t{256} << 20,
+                               int repetitions = 5);
+
 }  // namespace tandem::bench

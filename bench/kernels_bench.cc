@@ -191,6 +191,12 @@ void BM_CopyBandwidth(benchmark::State& state) {
   state.counters["GB/s"] = gbs;
 }
 
+void BM_ReadBandwidth(benchmark::State& state) {
+  double gbs = 0.0;
+  for (auto _ : state) gbs = MeasureReadBandwidthGBs(kThreads);
+  state.counters["GB/s"] = gbs;
+}
+
 // Decode (m = 1, 8, 16) and prefill (m = 256, 512) over Llama-3.2-1B-like projections:
 // square 2048, gate/up 2048 -> 8192, down 8192 -> 2048.
 void GemmShapes(benchmark::internal::Benchmark* b) {
@@ -210,6 +216,7 @@ void ColdShapes(benchmark::internal::Benchmark* b) {
 }
 
 BENCHMARK(BM_CopyBandwidth)->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ReadBandwidth)->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ParallelForDispatch)->UseRealTime();
 BENCHMARK(BM_Linear)->Apply(GemmShapes);
 BENCHMARK(BM_LinearColdWeights)->Apply(ColdShapes);
