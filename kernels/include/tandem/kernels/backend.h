@@ -108,8 +108,8 @@ class Backend {
                          float* out) = 0;
 
   // Stores k, v [tokens, num_kv_heads, head_dim] into the layer cache at the flat slots
-  // slot_mapping[t] = block * block_size + offset. layer_cache: [2][num_blocks][block_size]
-  // [num_kv_heads][head_dim].
+  // slot_mapping[t] = block * block_size + offset; a negative slot marks a padding token, which
+  // is not stored. layer_cache: [2][num_blocks][block_size][num_kv_heads][head_dim].
   virtual void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
                        const KvLayout& layout, float* layer_cache) = 0;
 
