@@ -9,10 +9,12 @@
 // decode step does walking its layers; the plain variants reuse one weight, which may stay
 // cached.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "bench/bandwidth.h"
@@ -48,6 +50,15 @@ kernels::Backend& Cpu() {
   return *backend;
 }
 
+// OpenBLAS's workers spin for a while after each call, taking the cores from whatever runs
+// next; a Tandem benchmark that follows one waits for them to park first.
+bool openblas_ran = false;
+void LetOpenBlasPark() {
+  if (!openblas_ran) return;
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  openblas_ran = false;
+}
+
 // Measured once per run, the first time a benchmark asks.
 double CopyGBs() {
   static const double gbs = MeasureCopyBandwidthGBs(kThreads);
@@ -78,6 +89,7 @@ void BM_Linear(benchmark::State& state) {
   const std::vector<float> x = Random(int64_t{m} * k, 2);
   std::vector<float> y(int64_t{m} * n);
   auto packed = Cpu().PackWeight(w.data(), n, k);
+  LetOpenBlasPark();
   for (auto _ : state) {
     Cpu().Linear(x.data(), m, *packed, nullptr, y.data());
     benchmark::DoNotOptimize(y.data());
@@ -97,6 +109,7 @@ void BM_LinearColdWeights(benchmark::State& state) {
   const std::vector<float> x = Random(int64_t{m} * k, 2);
   std::vector<float> y(int64_t{m} * n);
   const double copy_gbs = CopyGBs();
+  LetOpenBlasPark();
   int next = 0;
   for (auto _ : state) {
     Cpu().Linear(x.data(), m, *weights[next], nullptr, y.data());
@@ -120,6 +133,7 @@ void BM_Sgemm(benchmark::State& state) {
                 0.0f, y.data(), n);
     benchmark::DoNotOptimize(y.data());
   }
+  openblas_ran = true;
   ReportGemm(state, m, n, k);
 }
 
@@ -138,6 +152,7 @@ void BM_SgemmColdWeights(benchmark::State& state) {
     benchmark::DoNotOptimize(y.data());
     next = (next + 1) % count;
   }
+  openblas_ran = true;
   ReportGemm(state, m, n, k);
   ReportAgainstCopy(state, n, k, copy_gbs);
 }
@@ -165,6 +180,7 @@ void BM_Attention(benchmark::State& state) {
                                            .context_len = context_len.data(),
                                            .block_table = block_table.data(),
                                            .max_blocks_per_seq = blocks_per_seq};
+  LetOpenBlasPark();
   for (auto _ : state) {
     Cpu().PagedAttention(q.data(), cache.data(), layout, batch, heads, 0.088f, out.data());
     benchmark::DoNotOptimize(out.data());
@@ -197,43 +213,65 @@ void BM_ReadBandwidth(benchmark::State& state) {
   state.counters["GB/s"] = gbs;
 }
 
-// Decode (m = 1, 8, 16) and prefill (m = 256, 512) over Llama-3.2-1B-like projections:
-// square 2048, gate/up 2048 -> 8192, down 8192 -> 2048.
-void GemmShapes(benchmark::internal::Benchmark* b) {
-  for (int m : {1, 8, 16, 256, 512}) {
-    b->Args({m, 2048, 2048});
+// Registers each Tandem benchmark next to its OpenBLAS twin, so that both see the same load on
+// a shared machine. Decode (m = 1, 8, 16) and prefill (m = 256, 512) over
+// Llama-3.2-1B-like projections: square 2048, gate/up 2048 -> 8192, down 8192 -> 2048.
+void RegisterAll() {
+  benchmark::RegisterBenchmark("BM_CopyBandwidth", BM_CopyBandwidth)
+      ->Iterations(1)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("BM_ReadBandwidth", BM_ReadBandwidth)
+      ->Iterations(1)
+      ->Unit(benchmark::kMillisecond);
+  benchmark::RegisterBenchmark("BM_ParallelForDispatch", BM_ParallelForDispatch)->UseRealTime();
+  std::vector<std::vector<int64_t>> shapes;
+  for (int64_t m : {1, 8, 16, 256, 512}) {
+    shapes.push_back({m, 2048, 2048});
     if (m <= 16) {
-      b->Args({m, 8192, 2048});
-      b->Args({m, 2048, 8192});
+      shapes.push_back({m, 8192, 2048});
+      shapes.push_back({m, 2048, 8192});
     }
   }
-  b->Unit(benchmark::kMicrosecond)->UseRealTime();
-}
-
-void ColdShapes(benchmark::internal::Benchmark* b) {
-  for (int m : {1, 8, 16}) b->Args({m, 2048, 2048});
-  b->Unit(benchmark::kMicrosecond)->UseRealTime();
-}
-
-BENCHMARK(BM_CopyBandwidth)->Iterations(1)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_ReadBandwidth)->Iterations(1)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_ParallelForDispatch)->UseRealTime();
-BENCHMARK(BM_Linear)->Apply(GemmShapes);
-BENCHMARK(BM_LinearColdWeights)->Apply(ColdShapes);
-BENCHMARK(BM_Attention)
-    ->Args({1, 1024})
-    ->Args({8, 1024})
-    ->Args({1, 64})
-    ->Unit(benchmark::kMicrosecond)
-    ->UseRealTime();
-// OpenBLAS last: its worker threads keep spinning for a while after each call and would steal
-// the cores from the benchmarks after them.
+  for (const std::vector<int64_t>& shape : shapes) {
+    benchmark::RegisterBenchmark("BM_Linear", BM_Linear)
+        ->Args(shape)
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
 #if TANDEM_BENCH_OPENBLAS
-BENCHMARK(BM_Sgemm)->Apply(GemmShapes);
-BENCHMARK(BM_SgemmColdWeights)->Apply(ColdShapes);
+    benchmark::RegisterBenchmark("BM_Sgemm", BM_Sgemm)
+        ->Args(shape)
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
 #endif
+  }
+  for (int64_t m : {1, 8, 16}) {
+    benchmark::RegisterBenchmark("BM_LinearColdWeights", BM_LinearColdWeights)
+        ->Args({m, 2048, 2048})
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
+#if TANDEM_BENCH_OPENBLAS
+    benchmark::RegisterBenchmark("BM_SgemmColdWeights", BM_SgemmColdWeights)
+        ->Args({m, 2048, 2048})
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
+#endif
+  }
+  benchmark::RegisterBenchmark("BM_Attention", BM_Attention)
+      ->Args({1, 1024})
+      ->Args({8, 1024})
+      ->Args({1, 64})
+      ->Unit(benchmark::kMicrosecond)
+      ->UseRealTime();
+}
 
 }  // namespace
 }  // namespace tandem::bench
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  tandem::bench::RegisterAll();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
