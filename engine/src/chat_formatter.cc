@@ -67,6 +67,26 @@ absl::StatusOr<std::optional<std::string>> TokenText(const OrderedJson& v, const
       absl::StrCat(path.string(), ": ", name, " must be a string or an object with \"content\""));
 }
 
+// Adds the special tokens `file` sets (null ones are left out) to `tokens`, replacing any there.
+absl::Status CollectSpecialTokens(const OrderedJson& file, const fs::path& path,
+                                  OrderedJson* tokens) {
+  for (const char* name : kSpecialTokenNames) {
+    if (!file.contains(name)) continue;
+    TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> text, TokenText(file[name], path, name));
+    if (text) (*tokens)[name] = *text;
+  }
+  if (file.contains("additional_special_tokens") && file["additional_special_tokens"].is_array()) {
+    OrderedJson extra = OrderedJson::array();
+    for (const auto& token : file["additional_special_tokens"]) {
+      TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> text,
+                              TokenText(token, path, "additional_special_tokens"));
+      if (text) extra.push_back(*text);
+    }
+    (*tokens)["additional_special_tokens"] = std::move(extra);
+  }
+  return absl::OkStatus();
+}
+
 // `chat_template` is either the template or a list of {"name", "template"}, of which the one
 // named "default" is the model's chat template.
 absl::StatusOr<std::string> TemplateText(const OrderedJson& field, const fs::path& path) {
@@ -128,54 +148,47 @@ absl::StatusOr<std::unique_ptr<ChatFormatter>> ChatFormatter::Load(const std::st
   auto formatter = std::unique_ptr<ChatFormatter>(new ChatFormatter());
   const fs::path dir(model_dir);
 
-  std::optional<std::string> source;
-  fs::path source_path;
-
+  // Special tokens come from tokenizer_config.json, overridden by special_tokens_map.json when
+  // a checkpoint has both, as transformers loads them.
   const fs::path config_path = dir / "tokenizer_config.json";
   TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> config_text, ReadFileIfPresent(config_path));
+  OrderedJson config = OrderedJson::object();
   if (config_text) {
-    TANDEM_ASSIGN_OR_RETURN(OrderedJson config, ParseJsonObject(config_path, *config_text));
-    for (const char* name : kSpecialTokenNames) {
-      if (!config.contains(name)) continue;
-      TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> text,
-                              TokenText(config[name], config_path, name));
-      if (!text) continue;
-      formatter->special_tokens_[name] = *text;
-      if (std::string_view(name) == "bos_token") formatter->bos_token_ = *text;
-      if (std::string_view(name) == "eos_token") formatter->eos_token_ = *text;
-    }
-    if (config.contains("additional_special_tokens") &&
-        config["additional_special_tokens"].is_array()) {
-      OrderedJson extra = OrderedJson::array();
-      for (const auto& token : config["additional_special_tokens"]) {
-        TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> text,
-                                TokenText(token, config_path, "additional_special_tokens"));
-        if (text) extra.push_back(*text);
-      }
-      formatter->special_tokens_["additional_special_tokens"] = std::move(extra);
-    }
-    if (config.contains("chat_template") && !config["chat_template"].is_null()) {
-      TANDEM_ASSIGN_OR_RETURN(source, TemplateText(config["chat_template"], config_path));
-      source_path = config_path;
-    }
+    TANDEM_ASSIGN_OR_RETURN(config, ParseJsonObject(config_path, *config_text));
+    TANDEM_RETURN_IF_ERROR(CollectSpecialTokens(config, config_path, &formatter->special_tokens_));
   }
+  const fs::path map_path = dir / "special_tokens_map.json";
+  TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> map_text, ReadFileIfPresent(map_path));
+  if (map_text) {
+    TANDEM_ASSIGN_OR_RETURN(OrderedJson map, ParseJsonObject(map_path, *map_text));
+    TANDEM_RETURN_IF_ERROR(CollectSpecialTokens(map, map_path, &formatter->special_tokens_));
+  }
+  formatter->bos_token_ = formatter->special_tokens_.value("bos_token", "");
+  formatter->eos_token_ = formatter->special_tokens_.value("eos_token", "");
 
-  // Newer checkpoints keep the template in a file of its own, which then takes precedence.
-  const fs::path json_path = dir / "chat_template.json";
-  TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> json_text, ReadFileIfPresent(json_path));
-  if (json_text) {
-    TANDEM_ASSIGN_OR_RETURN(OrderedJson file, ParseJsonObject(json_path, *json_text));
-    if (!file.contains("chat_template")) {
-      return absl::InvalidArgumentError(absl::StrCat(json_path.string(), ": no chat_template"));
-    }
-    TANDEM_ASSIGN_OR_RETURN(source, TemplateText(file["chat_template"], json_path));
-    source_path = json_path;
-  }
+  // The template: chat_template.jinja (where newer checkpoints keep it), else the one in
+  // tokenizer_config.json, else a processor's chat_template.json (multimodal checkpoints).
+  std::optional<std::string> source;
+  fs::path source_path;
   const fs::path jinja_path = dir / "chat_template.jinja";
   TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> jinja_text, ReadFileIfPresent(jinja_path));
   if (jinja_text) {
     source = std::move(jinja_text);
     source_path = jinja_path;
+  } else if (config.contains("chat_template") && !config["chat_template"].is_null()) {
+    TANDEM_ASSIGN_OR_RETURN(source, TemplateText(config["chat_template"], config_path));
+    source_path = config_path;
+  } else {
+    const fs::path json_path = dir / "chat_template.json";
+    TANDEM_ASSIGN_OR_RETURN(std::optional<std::string> json_text, ReadFileIfPresent(json_path));
+    if (json_text) {
+      TANDEM_ASSIGN_OR_RETURN(OrderedJson file, ParseJsonObject(json_path, *json_text));
+      if (!file.contains("chat_template")) {
+        return absl::InvalidArgumentError(absl::StrCat(json_path.string(), ": no chat_template"));
+      }
+      TANDEM_ASSIGN_OR_RETURN(source, TemplateText(file["chat_template"], json_path));
+      source_path = json_path;
+    }
   }
 
   if (source) {

@@ -314,8 +314,11 @@ def write_synthetic_models(root):
                      "chat_template.jinja": MISTRAL}),
         "llama2": ({"tokenizer_config.json": {"bos_token": "<s>", "eos_token": "</s>",
                                               "unk_token": "<unk>", "chat_template": LLAMA2}}),
-        "gemma": ({"tokenizer_config.json": {"bos_token": "<bos>", "eos_token": "<eos>",
+        # The template only in a processor's chat_template.json; special_tokens_map.json
+        # overriding the config's bos_token.
+        "gemma": ({"tokenizer_config.json": {"bos_token": "<old_bos>", "eos_token": "<eos>",
                                              "pad_token": "<pad>"},
+                   "special_tokens_map.json": {"bos_token": {"content": "<bos>"}},
                    "chat_template.json": {"chat_template": GEMMA}}),
         "chatml": ({"tokenizer_config.json": {"eos_token": "<|im_end|>", "bos_token": None,
                                               "chat_template": CHATML}}),

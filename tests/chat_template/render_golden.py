@@ -103,14 +103,25 @@ def load_model(model_dir):
                 _token_text(t) for t in config["additional_special_tokens"]
                 if _token_text(t) is not None]
         source = config.get("chat_template")
-    json_path = os.path.join(model_dir, "chat_template.json")
-    if os.path.exists(json_path):
-        with open(json_path, encoding="utf-8") as f:
-            source = json.load(f)["chat_template"]
+    # special_tokens_map.json overrides the tokens tokenizer_config.json sets.
+    map_path = os.path.join(model_dir, "special_tokens_map.json")
+    if os.path.exists(map_path):
+        with open(map_path, encoding="utf-8") as f:
+            for name, value in json.load(f).items():
+                if name in SPECIAL_TOKENS and _token_text(value) is not None:
+                    special[name] = _token_text(value)
+                elif name == "additional_special_tokens" and isinstance(value, list):
+                    special[name] = [_token_text(t) for t in value if _token_text(t) is not None]
+    # A tokenizer's chat_template.jinja wins over tokenizer_config.json; a processor's
+    # chat_template.json is used when the tokenizer has no template.
     jinja_path = os.path.join(model_dir, "chat_template.jinja")
+    json_path = os.path.join(model_dir, "chat_template.json")
     if os.path.exists(jinja_path):
         with open(jinja_path, encoding="utf-8") as f:
             source = f.read()
+    elif source is None and os.path.exists(json_path):
+        with open(json_path, encoding="utf-8") as f:
+            source = json.load(f)["chat_template"]
     if isinstance(source, list):
         source = {t["name"]: t["template"] for t in source}["default"]
     return source, special

@@ -47,9 +47,11 @@ class JinjaTemplate {
 class ChatFormatter {
  public:
   // Reads <dir>/tokenizer_config.json (chat_template, bos_token, eos_token) if present.
-  // A template in <dir>/chat_template.jinja or <dir>/chat_template.json takes precedence over the
-  // one in tokenizer_config.json. A model directory without any template gets the plain format;
-  // an unreadable or malformed file, or a template that does not parse, is an error naming it.
+  // As in transformers, <dir>/chat_template.jinja takes precedence over tokenizer_config.json's
+  // template and special_tokens_map.json over its tokens; a processor's chat_template.json is
+  // used when neither has a template. A model directory without any template gets the plain
+  // format; an unreadable or malformed file, or a template that does not parse, is an error
+  // naming the file.
   static absl::StatusOr<std::unique_ptr<ChatFormatter>> Load(const std::string& model_dir);
   // The plain format used when a model has no template (documented in docs/api.md):
   //   "<role>: <content>\n" per message, then "assistant:" when add_generation_prompt.
