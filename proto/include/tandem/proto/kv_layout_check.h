@@ -1,0 +1,37 @@
+// The KV layout handshake rule: when two workers may copy KV pages between their caches.
+//
+// A prefill worker writes raw KV bytes into a decode worker's blocks. Unless both caches have
+// the same dtype, block size, layers, heads, head size, memory order and tensor-parallel shard,
+// those bytes would be read as something else: silent corruption. So every handshake and every
+// reservation is checked, and a mismatch is refused with every difference named:
+//
+//   absl::Status s = tandem::proto::CheckLayoutCompatible(my_layout, endpoint.layout());
+//   // FailedPrecondition: "KV layout mismatch (sender vs receiver): dtype BF16 vs F32;
+//   //                      head_dim 128 vs 64"
+#pragma once
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "tandem/v1/kv_layout.pb.h"
+
+namespace tandem::proto {
+
+// "F32", "F16", "BF16", "FP8_E4M3", "UNSPECIFIED", or "KvDtype(N)" for a value this build does
+// not know (a newer peer).
+std::string KvDtypeName(tandem::v1::KvDtype dtype);
+
+// OK when `layout` describes a usable cache: a known dtype, positive block_size, num_layers,
+// num_kv_heads, head_dim and tp_size, 0 <= tp_rank < tp_size, and a layout_name. Otherwise
+// InvalidArgument naming every bad field and its value.
+absl::Status ValidateLayout(const tandem::v1::KvLayout& layout);
+
+// OK only when pages written in `sender`'s layout can be read as they are in `receiver`'s: both
+// layouts are valid (else InvalidArgument, as ValidateLayout, saying which side) and dtype,
+// block_size, num_layers, num_kv_heads (per shard), head_dim, tp_size, tp_rank and layout_name
+// all agree. Otherwise FailedPrecondition whose message names every mismatching field with the
+// sender's value first.
+absl::Status CheckLayoutCompatible(const tandem::v1::KvLayout& sender,
+                                   const tandem::v1::KvLayout& receiver);
+
+}  // namespace tandem::proto

@@ -1,0 +1,167 @@
+#include "tandem/proto/convert.h"
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace tandem::proto {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+void ExpectSameParams(const engine::SamplingParams& a, const engine::SamplingParams& b) {
+  EXPECT_EQ(a.temperature, b.temperature);
+  EXPECT_EQ(a.top_p, b.top_p);
+  EXPECT_EQ(a.top_k, b.top_k);
+  EXPECT_EQ(a.min_p, b.min_p);
+  EXPECT_EQ(a.repetition_penalty, b.repetition_penalty);
+  EXPECT_EQ(a.presence_penalty, b.presence_penalty);
+  EXPECT_EQ(a.frequency_penalty, b.frequency_penalty);
+  EXPECT_EQ(a.seed, b.seed);
+  EXPECT_EQ(a.max_tokens, b.max_tokens);
+  EXPECT_EQ(a.min_tokens, b.min_tokens);
+  EXPECT_EQ(a.ignore_eos, b.ignore_eos);
+  EXPECT_EQ(a.stop_token_ids, b.stop_token_ids);
+  EXPECT_EQ(a.stop, b.stop);
+  EXPECT_EQ(a.include_stop_str_in_output, b.include_stop_str_in_output);
+  EXPECT_EQ(a.n, b.n);
+  EXPECT_EQ(a.logprobs, b.logprobs);
+  EXPECT_EQ(a.skip_special_tokens, b.skip_special_tokens);
+}
+
+// Through the wire format, as a worker receives it.
+engine::SamplingParams OverTheWire(const engine::SamplingParams& params) {
+  std::string bytes;
+  EXPECT_TRUE(ToProto(params).SerializeToString(&bytes));
+  tandem::v1::SamplingParams received;
+  EXPECT_TRUE(received.ParseFromString(bytes));
+  return FromProto(received);
+}
+
+// Every field away from its default, so a field the conversion forgets is caught.
+engine::SamplingParams AllFieldsSet() {
+  engine::SamplingParams p;
+  p.temperature = 0.7f;
+  p.top_p = 0.9f;
+  p.top_k = 40;
+  p.min_p = 0.05f;
+  p.repetition_penalty = 1.1f;
+  p.presence_penalty = -0.5f;
+  p.frequency_penalty = 1.5f;
+  p.seed = 0xdeadbeefcafef00dull;
+  p.max_tokens = 321;
+  p.min_tokens = 7;
+  p.ignore_eos = true;
+  p.stop_token_ids = {2, 128001, 0};
+  p.stop = {"\n\n", "END"};
+  p.include_stop_str_in_output = true;
+  p.n = 3;
+  p.logprobs = 5;
+  p.skip_special_tokens = false;
+  return p;
+}
+
+TEST(SamplingParamsConvertTest, RoundTripKeepsEveryField) {
+  engine::SamplingParams sent = AllFieldsSet();
+  ExpectSameParams(OverTheWire(sent), sent);
+}
+
+TEST(SamplingParamsConvertTest, RoundTripKeepsDefaults) {
+  ExpectSameParams(OverTheWire(engine::SamplingParams{}), engine::SamplingParams{});
+}
+
+TEST(SamplingParamsConvertTest, UnsetSeedStaysUnsetAndSeedZeroStaysZero) {
+  engine::SamplingParams unseeded;
+  EXPECT_FALSE(ToProto(unseeded).has_seed());
+  EXPECT_EQ(OverTheWire(unseeded).seed, std::nullopt);
+
+  engine::SamplingParams seeded_zero;
+  seeded_zero.seed = 0;
+  EXPECT_TRUE(ToProto(seeded_zero).has_seed());
+  EXPECT_EQ(OverTheWire(seeded_zero).seed, std::optional<uint64_t>(0));
+
+  engine::SamplingParams seeded_max;
+  seeded_max.seed = std::numeric_limits<uint64_t>::max();
+  EXPECT_EQ(OverTheWire(seeded_max).seed, seeded_max.seed);
+}
+
+TEST(SamplingParamsConvertTest, UnicodeStopStringsSurviveByteForByte) {
+  engine::SamplingParams p;
+  p.stop = {"\xC3\xA9t\xC3\xA9",      // "été"
+            "\xE3\x80\x82",           // "。"
+            "\xF0\x9F\x9B\x91 stop",  // "🛑 stop" (4-byte UTF-8)
+            "e\xCC\x81"};             // "é" as e + combining acute: not normalised
+  EXPECT_THAT(OverTheWire(p).stop, ElementsAre("\xC3\xA9t\xC3\xA9", "\xE3\x80\x82",
+                                               "\xF0\x9F\x9B\x91 stop", "e\xCC\x81"));
+}
+
+TEST(SamplingParamsConvertTest, EmptyMessageMeansEngineDefaultsNotZeros) {
+  // A sender that sets nothing must get temperature 1 (not greedy), top_p 1, n 1, no logprobs.
+  engine::SamplingParams p = FromProto(tandem::v1::SamplingParams{});
+  ExpectSameParams(p, engine::SamplingParams{});
+  EXPECT_FALSE(p.greedy());
+  EXPECT_EQ(p.logprobs, -1);
+}
+
+TEST(SamplingParamsConvertTest, ExplicitZerosAreKept) {
+  tandem::v1::SamplingParams msg;
+  msg.set_temperature(0.0f);
+  msg.set_logprobs(0);
+  msg.set_skip_special_tokens(false);
+  engine::SamplingParams p = FromProto(msg);
+  EXPECT_TRUE(p.greedy());
+  EXPECT_EQ(p.logprobs, 0);
+  EXPECT_FALSE(p.skip_special_tokens);
+  EXPECT_EQ(p.max_tokens, engine::SamplingParams{}.max_tokens);
+}
+
+TEST(StatusConvertTest, EveryCanonicalCodeAndMessageCrossesGrpc) {
+  for (int code = 1; code <= 16; ++code) {
+    absl::Status status(static_cast<absl::StatusCode>(code), "why " + std::to_string(code));
+    grpc::Status wire = ToGrpcStatus(status);
+    EXPECT_EQ(static_cast<int>(wire.error_code()), code);
+    EXPECT_EQ(wire.error_message(), "why " + std::to_string(code));
+    EXPECT_EQ(FromGrpcStatus(wire), status);
+  }
+}
+
+TEST(StatusConvertTest, NamedCodesMatch) {
+  EXPECT_TRUE(ToGrpcStatus(absl::OkStatus()).ok());
+  EXPECT_TRUE(FromGrpcStatus(grpc::Status::OK).ok());
+  EXPECT_EQ(ToGrpcStatus(absl::FailedPreconditionError("x")).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(ToGrpcStatus(absl::ResourceExhaustedError("x")).error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(ToGrpcStatus(absl::DeadlineExceededError("x")).error_code(),
+            grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_EQ(FromGrpcStatus(grpc::Status(grpc::StatusCode::UNAVAILABLE, "gone")),
+            absl::UnavailableError("gone"));
+  EXPECT_EQ(FromGrpcStatus(grpc::Status(grpc::StatusCode::CANCELLED, "")).code(),
+            absl::StatusCode::kCancelled);
+}
+
+TEST(StatusConvertTest, ErrorStatusRoundTrip) {
+  absl::Status status = absl::NotFoundError("reservation r7 expired");
+  tandem::v1::ErrorStatus msg = ToProto(status);
+  EXPECT_EQ(msg.code(), 5);
+  EXPECT_EQ(FromProto(msg), status);
+  EXPECT_EQ(ToProto(absl::OkStatus()).code(), 0);
+  EXPECT_TRUE(FromProto(tandem::v1::ErrorStatus{}).ok());
+}
+
+TEST(StatusConvertTest, UnknownCodeFromNewerPeerIsUnknownAndNamed) {
+  tandem::v1::ErrorStatus msg;
+  msg.set_code(42);
+  msg.set_message("new failure");
+  absl::Status status = FromProto(msg);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnknown);
+  EXPECT_THAT(std::string(status.message()), HasSubstr("42"));
+  EXPECT_THAT(std::string(status.message()), HasSubstr("new failure"));
+}
+
+}  // namespace
+}  // namespace tandem::proto

@@ -1,0 +1,90 @@
+#include "tandem/proto/kv_layout_check.h"
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace tandem::proto {
+namespace {
+
+using tandem::v1::KvDtype;
+using tandem::v1::KvLayout;
+
+// Appends "<field> <a> vs <b>" when the values differ.
+template <typename T>
+void CompareField(const char* field, const T& sender, const T& receiver,
+                  std::vector<std::string>* mismatches) {
+  if (sender != receiver) mismatches->push_back(absl::StrCat(field, " ", sender, " vs ", receiver));
+}
+
+std::string Quoted(const std::string& s) { return absl::StrCat("\"", s, "\""); }
+
+}  // namespace
+
+std::string KvDtypeName(KvDtype dtype) {
+  switch (dtype) {
+    case tandem::v1::KV_DTYPE_UNSPECIFIED:
+      return "UNSPECIFIED";
+    case tandem::v1::KV_DTYPE_F32:
+      return "F32";
+    case tandem::v1::KV_DTYPE_F16:
+      return "F16";
+    case tandem::v1::KV_DTYPE_BF16:
+      return "BF16";
+    case tandem::v1::KV_DTYPE_FP8_E4M3:
+      return "FP8_E4M3";
+    default:
+      // proto3 enums are open: a newer peer may send a value this build has no name for.
+      return absl::StrCat("KvDtype(", static_cast<int>(dtype), ")");
+  }
+}
+
+absl::Status ValidateLayout(const KvLayout& layout) {
+  std::vector<std::string> problems;
+  const KvDtype dtype = layout.dtype();
+  if (dtype == tandem::v1::KV_DTYPE_UNSPECIFIED || !tandem::v1::KvDtype_IsValid(dtype)) {
+    problems.push_back(absl::StrCat("dtype ", KvDtypeName(dtype), " (must be set)"));
+  }
+  auto positive = [&](const char* field, int32_t value) {
+    if (value <= 0) problems.push_back(absl::StrCat(field, " ", value, " (must be > 0)"));
+  };
+  positive("block_size", layout.block_size());
+  positive("num_layers", layout.num_layers());
+  positive("num_kv_heads", layout.num_kv_heads());
+  positive("head_dim", layout.head_dim());
+  positive("tp_size", layout.tp_size());
+  if (layout.tp_rank() < 0 || (layout.tp_size() > 0 && layout.tp_rank() >= layout.tp_size())) {
+    problems.push_back(absl::StrCat("tp_rank ", layout.tp_rank(), " (must be in [0, tp_size ",
+                                    layout.tp_size(), "))"));
+  }
+  if (layout.layout_name().empty()) problems.push_back("layout_name empty (must be set)");
+  if (problems.empty()) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("invalid KV layout: ", absl::StrJoin(problems, "; ")));
+}
+
+absl::Status CheckLayoutCompatible(const KvLayout& sender, const KvLayout& receiver) {
+  if (absl::Status s = ValidateLayout(sender); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("sender: ", s.message()));
+  }
+  if (absl::Status s = ValidateLayout(receiver); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("receiver: ", s.message()));
+  }
+  std::vector<std::string> mismatches;
+  CompareField("dtype", KvDtypeName(sender.dtype()), KvDtypeName(receiver.dtype()), &mismatches);
+  CompareField("block_size", sender.block_size(), receiver.block_size(), &mismatches);
+  CompareField("num_layers", sender.num_layers(), receiver.num_layers(), &mismatches);
+  CompareField("num_kv_heads", sender.num_kv_heads(), receiver.num_kv_heads(), &mismatches);
+  CompareField("head_dim", sender.head_dim(), receiver.head_dim(), &mismatches);
+  CompareField("tp_size", sender.tp_size(), receiver.tp_size(), &mismatches);
+  CompareField("tp_rank", sender.tp_rank(), receiver.tp_rank(), &mismatches);
+  CompareField("layout_name", Quoted(sender.layout_name()), Quoted(receiver.layout_name()),
+               &mismatches);
+  if (mismatches.empty()) return absl::OkStatus();
+  return absl::FailedPreconditionError(
+      absl::StrCat("KV layout mismatch (sender vs receiver): ", absl::StrJoin(mismatches, "; ")));
+}
+
+}  // namespace tandem::proto
