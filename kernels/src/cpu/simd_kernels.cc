@@ -88,6 +88,12 @@ struct Vec {
     for (int i = 0; i < kLanes; ++i) r.v[i] = std::ldexp(1.0f, static_cast<int>(a.v[i]));
     return r;
   }
+  static void ReduceAdd4(const T& a, const T& b, const T& c, const T& d, float* out) {
+    out[0] = ReduceAdd(a);
+    out[1] = ReduceAdd(b);
+    out[2] = ReduceAdd(c);
+    out[3] = ReduceAdd(d);
+  }
   static float ReduceAdd(const T& a) {
     // Pairwise, in the same tree as the AVX2 code.
     float s[4];
@@ -140,6 +146,13 @@ struct Vec {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
+  // out[0..3] = the lane sums of a, b, c, d.
+  static void ReduceAdd4(T a, T b, T c, T d, float* out) {
+    const __m256 ab = _mm256_hadd_ps(a, b);      // a01 a23 b01 b23 | a45 a67 b45 b67
+    const __m256 cd = _mm256_hadd_ps(c, d);      // c01 c23 d01 d23 | c45 c67 d45 d67
+    const __m256 abcd = _mm256_hadd_ps(ab, cd);  // a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  }
 };
 
 #include "kernels/src/cpu/simd_kernels.inc"
@@ -188,6 +201,17 @@ struct Vec {
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
+  }
+  // out[0..3] = the lane sums of a, b, c, d: halve each to 8 lanes, then as in AVX2.
+  static void ReduceAdd4(T a, T b, T c, T d, float* out) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(1, 0, 1, 0)),
+                                    _mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 ab8 = _mm256_hadd_ps(_mm512_castps512_ps256(ab), _mm512_extractf32x8_ps(ab, 1));
+    const __m256 cd8 = _mm256_hadd_ps(_mm512_castps512_ps256(cd), _mm512_extractf32x8_ps(cd, 1));
+    const __m256 abcd = _mm256_hadd_ps(ab8, cd8);
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
   }
 };
 
