@@ -1,6 +1,7 @@
 #include "tandem/proto/kv_layout_check.h"
 
 #include <functional>
+#include <ostream>
 #include <string>
 
 #include "gmock/gmock.h"
@@ -40,6 +41,7 @@ struct FieldCase {
   const char* field;
   std::function<void(tandem::v1::KvLayout*)> change_receiver;
   const char* expected;  // "<field> <sender> vs <receiver>"
+  friend void PrintTo(const FieldCase& c, std::ostream* os) { *os << c.field; }
 };
 
 class OneFieldMismatchTest : public ::testing::TestWithParam<FieldCase> {};
