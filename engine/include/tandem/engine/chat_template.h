@@ -39,7 +39,8 @@ class JinjaTemplate {
   // As Render, but objects keep the key order they were given in (nlohmann::json sorts keys),
   // which is what `|tojson` and `|items` then see: use it for request bodies such as tool
   // schemas so that the prompt lists their fields as the client wrote them.
-  virtual absl::StatusOr<std::string> RenderOrdered(const nlohmann::ordered_json& context) const = 0;
+  virtual absl::StatusOr<std::string> RenderOrdered(
+      const nlohmann::ordered_json& context) const = 0;
 };
 
 // How a model turns chat messages into a prompt. Templates come only from the model
