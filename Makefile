@@ -28,7 +28,8 @@ serve: deps
 	$(BUILD_DIR)/bin/tandem serve
 
 bench: build
-	$(BUILD_DIR)/bin/tandem_bench_cpu
+	$(BUILD_DIR)/bin/tandem_bench_kernels
+	$(BUILD_DIR)/bin/tandem_bench_decode
 
 format:
 	git ls-files '*.h' '*.cc' '*.cu' '*.cuh' | xargs clang-format -i
