@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
@@ -43,8 +44,7 @@ absl::Status Args::Parse(int argc, char** argv) {
     }
     if (it->second.value_name.empty()) {
       if (inline_value) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(command_, ": --", name, " takes no value"));
+        return absl::InvalidArgumentError(absl::StrCat(command_, ": --", name, " takes no value"));
       }
       switches_.insert(name);
       continue;
@@ -107,6 +107,15 @@ absl::StatusOr<double> Args::Double(const std::string& name, double fallback) co
         absl::StrCat(command_, ": --", name, " must be a finite number, got '", *v, "'"));
   }
   return x;
+}
+
+int ExitCode(const std::string& command, const absl::Status& status) {
+  if (status.ok()) return 0;
+  std::string message(status.message());
+  const std::string prefix = command + ": ";
+  if (message.rfind(prefix, 0) == 0) message = message.substr(prefix.size());
+  std::fprintf(stderr, "tandem %s: %s\n", command.c_str(), message.c_str());
+  return 1;
 }
 
 }  // namespace tandem::tools

@@ -77,13 +77,6 @@ absl::Status Generate(int argc, char** argv) {
 
 }  // namespace
 
-int RunGenerate(int argc, char** argv) {
-  absl::Status status = Generate(argc, argv);
-  if (!status.ok()) {
-    std::fprintf(stderr, "tandem generate: %s\n", std::string(status.message()).c_str());
-    return 1;
-  }
-  return 0;
-}
+int RunGenerate(int argc, char** argv) { return ExitCode("generate", Generate(argc, argv)); }
 
 }  // namespace tandem::tools

@@ -182,15 +182,6 @@ absl::Status Serve(int argc, char** argv) {
 
 }  // namespace
 
-int RunServe(int argc, char** argv) {
-  absl::Status status = Serve(argc, argv);
-  if (!status.ok()) {
-    std::string message(status.message());
-    if (message.rfind("serve: ", 0) == 0) message = message.substr(7);
-    std::fprintf(stderr, "tandem serve: %s\n", message.c_str());
-    return 1;
-  }
-  return 0;
-}
+int RunServe(int argc, char** argv) { return ExitCode("serve", Serve(argc, argv)); }
 
 }  // namespace tandem::tools

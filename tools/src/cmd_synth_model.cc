@@ -79,16 +79,6 @@ absl::Status Run(int argc, char** argv) {
 
 }  // namespace
 
-int RunSynthModel(int argc, char** argv) {
-  absl::Status status = Run(argc, argv);
-  if (!status.ok()) {
-    // Args already names the subcommand in its messages.
-    std::string message(status.message());
-    if (message.rfind("synth-model: ", 0) != 0) message = "synth-model: " + message;
-    std::fprintf(stderr, "tandem %s\n", message.c_str());
-    return 1;
-  }
-  return 0;
-}
+int RunSynthModel(int argc, char** argv) { return ExitCode("synth-model", Run(argc, argv)); }
 
 }  // namespace tandem::tools

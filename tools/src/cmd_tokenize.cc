@@ -114,16 +114,6 @@ absl::Status Run(int argc, char** argv) {
 
 }  // namespace
 
-int RunTokenize(int argc, char** argv) {
-  absl::Status status = Run(argc, argv);
-  if (!status.ok()) {
-    // Args already names the subcommand in its messages.
-    std::string message(status.message());
-    if (message.rfind("tokenize: ", 0) != 0) message = "tokenize: " + message;
-    std::fprintf(stderr, "tandem %s\n", message.c_str());
-    return 1;
-  }
-  return 0;
-}
+int RunTokenize(int argc, char** argv) { return ExitCode("tokenize", Run(argc, argv)); }
 
 }  // namespace tandem::tools

@@ -51,4 +51,9 @@ class Args {
   bool help_ = false;
 };
 
+// The exit code of subcommand `command` for `status`: 0 when OK; otherwise prints one line
+// "tandem <command>: <reason>" on stderr (without repeating the command when the message already
+// starts with it, as Args messages do) and returns 1.
+int ExitCode(const std::string& command, const absl::Status& status);
+
 }  // namespace tandem::tools
