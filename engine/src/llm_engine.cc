@@ -191,6 +191,13 @@ void LlmEngine::ProcessToken(Request& request, Choice& choice, int32_t token, Ch
     reason = FinishReason::kPrefilled;
   }
 
+  if (reason == FinishReason::kPrefilled) {
+    // The decode engine detokenizes from the first token on; this engine emits no text.
+    handoffs_.push_back({request.id, seq.choice_index, token, seq.last_logprob,
+                         seq.last_top_logprobs, seq.rng.state(), seq.block_table});
+    FinishChoice(choice, reason, delta);
+    return;
+  }
   if (reason != FinishReason::kNone) {
     if (!stopped_by_string) choice.held += choice.detokenizer->Finish();
     delta.text += choice.held;
@@ -210,7 +217,8 @@ void LlmEngine::ProcessToken(Request& request, Choice& choice, int32_t token, Ch
 
 absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   std::vector<RequestOutput> outputs;
-  if (requests_.empty()) return outputs;
+  outputs.swap(pending_outputs_);
+  if (!scheduler_->has_work()) return outputs;
   SchedulerStep step = scheduler_->Schedule();
   if (step.empty()) {
     return absl::InternalError("scheduler made no progress with requests pending");
@@ -221,6 +229,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   const int vocab = checkpoint_->config().vocab_size;
   std::vector<float> row(vocab);
   std::map<std::string, size_t> output_index;
+  for (size_t i = 0; i < outputs.size(); ++i) output_index[outputs[i].request_id] = i;
   int r = 0;
   for (const ScheduledSequence& s : step.seqs) {
     if (!s.samples) continue;
@@ -245,6 +254,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   }
   for (RequestOutput& out : outputs) {
     auto it = requests_.find(out.request_id);
+    if (it == requests_.end()) continue;  // already reported finished
     bool all_done = std::all_of(it->second->choices.begin(), it->second->choices.end(),
                                 [](const Choice& c) { return c.done; });
     if (all_done) {
@@ -253,6 +263,96 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
     }
   }
   return outputs;
+}
+
+std::vector<PrefillHandoff> LlmEngine::TakeHandoffs() {
+  std::vector<PrefillHandoff> out;
+  out.swap(handoffs_);
+  return out;
+}
+
+void LlmEngine::ReleaseHandoff(const PrefillHandoff& handoff) {
+  BlockTable blocks = handoff.blocks;
+  blocks_->Free(blocks);
+}
+
+absl::StatusOr<BlockTable> LlmEngine::ReserveBlocks(int num_tokens) {
+  if (num_tokens <= 0) return absl::InvalidArgumentError("reserve at least one token");
+  BlockTable table;
+  auto copy = blocks_->Append(table, 0, num_tokens);
+  if (!copy.ok()) return copy.status();
+  return table;
+}
+
+void LlmEngine::FreeReservation(BlockTable& blocks) { blocks_->Free(blocks); }
+
+absl::Status LlmEngine::AddPrefilled(GenerateRequest request,
+                                     std::vector<PrefilledChoice> choices) {
+  if (requests_.count(request.request_id) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("request ", request.request_id, " exists"));
+  }
+  TANDEM_RETURN_IF_ERROR(Validate(request));
+  const int prompt_len = static_cast<int>(request.prompt_tokens.size());
+  if (static_cast<int>(choices.size()) != request.params.n) {
+    return absl::InvalidArgumentError(absl::StrCat("request asks for n = ", request.params.n,
+                                                   " but ", choices.size(), " were prefilled"));
+  }
+  const int vocab = checkpoint_->config().vocab_size;
+  for (const PrefilledChoice& c : choices) {
+    if (blocks_->BlocksFor(prompt_len) > static_cast<int>(c.blocks.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("a prefilled sample brings ", c.blocks.size(),
+                                                     " blocks for ", prompt_len, " tokens"));
+    }
+    for (int32_t b : c.blocks) {
+      if (b < 0 || b >= blocks_->num_blocks() || blocks_->ref_count(b) == 0) {
+        return absl::InvalidArgumentError(absl::StrCat("block ", b, " is not reserved here"));
+      }
+    }
+    if (c.first_token < 0 || c.first_token >= vocab) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("first token ", c.first_token, " is outside the vocabulary"));
+    }
+  }
+  auto req = std::make_unique<Request>();
+  req->id = request.request_id;
+  req->params = std::make_shared<const SamplingParams>(std::move(request.params));
+  req->num_prompt_tokens = prompt_len;
+  for (const std::string& s : req->params->stop) {
+    req->max_stop_bytes = std::max(req->max_stop_bytes, s.size());
+  }
+  RequestOutput out;
+  out.request_id = req->id;
+  out.num_prompt_tokens = prompt_len;
+  req->choices.resize(choices.size());
+  for (size_t i = 0; i < choices.size(); ++i) {
+    Choice& choice = req->choices[i];
+    choice.seq = std::make_unique<Sequence>();
+    Sequence& seq = *choice.seq;
+    seq.seq_id = next_seq_id_++;
+    seq.request_id = req->id;
+    seq.choice_index = static_cast<int>(i);
+    seq.tokens = request.prompt_tokens;
+    seq.num_prompt_tokens = prompt_len;
+    seq.num_computed_tokens = prompt_len;
+    seq.block_table = std::move(choices[i].blocks);
+    seq.params = req->params;
+    seq.rng = SamplerRng::FromState(choices[i].rng_state);
+    seq.last_logprob = choices[i].first_logprob;
+    seq.last_top_logprobs = std::move(choices[i].first_top_logprobs);
+    seq.status = SequenceStatus::kRunning;
+    choice.detokenizer =
+        std::make_unique<IncrementalDetokenizer>(*tokenizer_, req->params->skip_special_tokens);
+    out.choices.emplace_back();
+    out.choices.back().index = static_cast<int>(i);
+    ProcessToken(*req, choice, choices[i].first_token, out.choices.back());
+    if (!choice.done) scheduler_->AddPrefilled(choice.seq.get());
+  }
+  out.num_generation_tokens = req->num_generation_tokens;
+  out.finished =
+      std::all_of(req->choices.begin(), req->choices.end(), [](const Choice& c) { return c.done; });
+  if (!out.finished) requests_[req->id] = std::move(req);
+  pending_outputs_.push_back(std::move(out));
+  return absl::OkStatus();
 }
 
 EngineStats LlmEngine::stats() const {

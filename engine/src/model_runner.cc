@@ -23,6 +23,53 @@ struct ModelRunner::Layer {
 
 ModelRunner::~ModelRunner() = default;
 
+absl::StatusOr<std::vector<KvCopyRange>> KvBlockCopyRanges(const kernels::KvLayout& src,
+                                                           const kernels::KvLayout& dst,
+                                                           int num_layers,
+                                                           const BlockTable& src_blocks,
+                                                           const BlockTable& dst_blocks) {
+  if (src.block_size != dst.block_size || src.num_kv_heads != dst.num_kv_heads ||
+      src.head_dim != dst.head_dim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("KV layouts differ: block_size ", src.block_size, " vs ", dst.block_size,
+                     ", kv_heads ", src.num_kv_heads, " vs ", dst.num_kv_heads, ", head_dim ",
+                     src.head_dim, " vs ", dst.head_dim));
+  }
+  if (src_blocks.size() != dst_blocks.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("copying ", src_blocks.size(), " blocks into ", dst_blocks.size()));
+  }
+  for (int32_t b : src_blocks) {
+    if (b < 0 || b >= src.num_blocks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("source block id ", b, " outside [0, ", src.num_blocks, ")"));
+    }
+  }
+  for (int32_t b : dst_blocks) {
+    if (b < 0 || b >= dst.num_blocks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("destination block id ", b, " outside [0, ", dst.num_blocks, ")"));
+    }
+  }
+  const uint64_t block_bytes =
+      static_cast<uint64_t>(src.block_size) * src.num_kv_heads * src.head_dim * sizeof(float);
+  std::vector<KvCopyRange> ranges;
+  ranges.reserve(static_cast<size_t>(num_layers) * 2 * src_blocks.size());
+  for (int l = 0; l < num_layers; ++l) {
+    for (int half = 0; half < 2; ++half) {
+      const uint64_t src_base =
+          (l * 2 + half) * static_cast<uint64_t>(src.num_blocks) * block_bytes;
+      const uint64_t dst_base =
+          (l * 2 + half) * static_cast<uint64_t>(dst.num_blocks) * block_bytes;
+      for (size_t i = 0; i < src_blocks.size(); ++i) {
+        ranges.push_back({src_base + src_blocks[i] * block_bytes,
+                          dst_base + dst_blocks[i] * block_bytes, block_bytes});
+      }
+    }
+  }
+  return ranges;
+}
+
 int64_t ModelRunner::KvBytesPerBlock(const ModelConfig& config, int block_size) {
   return static_cast<int64_t>(config.num_layers) * 2 * block_size * config.num_kv_heads *
          config.head_dim * static_cast<int64_t>(sizeof(float));

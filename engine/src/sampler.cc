@@ -43,6 +43,12 @@ SamplerRng::SamplerRng(uint64_t seed) {
   for (uint64_t& s : s_) s = SplitMix64(seed);
 }
 
+SamplerRng SamplerRng::FromState(const std::array<uint64_t, 4>& state) {
+  SamplerRng rng;
+  for (int i = 0; i < 4; ++i) rng.s_[i] = state[i];
+  return rng;
+}
+
 uint64_t SamplerRng::Next() {
   uint64_t result = Rotl(s_[1] * 5, 7) * 9;
   uint64_t t = s_[1] << 17;

@@ -1,6 +1,7 @@
 // One engine instance: checkpoint, tokenizer, KV cache, scheduler, runner and sampler.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -56,6 +57,28 @@ struct RequestOutput {
   int num_generation_tokens = 0;  // over all choices, so far
 };
 
+// A sequence whose prompt a prefill-role engine has computed, ready to continue on a decode
+// engine: its first token, the sampler stream, and the blocks holding its prompt KV (valid
+// until LlmEngine::ReleaseHandoff).
+struct PrefillHandoff {
+  std::string request_id;
+  int choice_index = 0;
+  int32_t first_token = 0;
+  float first_logprob = 0.0f;
+  std::vector<TokenLogprob> first_top_logprobs;
+  std::array<uint64_t, 4> rng_state{};
+  BlockTable blocks;  // prefill engine's blocks: KV of the prompt tokens
+};
+
+// What a decode-role engine needs of one sample to continue it (see AddPrefilled).
+struct PrefilledChoice {
+  int32_t first_token = 0;
+  float first_logprob = 0.0f;
+  std::vector<TokenLogprob> first_top_logprobs;
+  std::array<uint64_t, 4> rng_state{};
+  BlockTable blocks;  // this engine's reserved blocks, now holding the prompt KV
+};
+
 struct EngineStats {
   int running = 0;
   int waiting = 0;
@@ -83,7 +106,28 @@ class LlmEngine {
   void Abort(const std::string& request_id);
   // Runs one scheduler step and returns what each progressed request produced.
   absl::StatusOr<std::vector<RequestOutput>> Step();
-  bool has_unfinished() const { return !requests_.empty(); }
+  bool has_unfinished() const { return !requests_.empty() || !pending_outputs_.empty(); }
+
+  // --- prefill role ---
+  // Hand-offs of the samples that finished their prefill since the last call. Their blocks
+  // stay allocated until ReleaseHandoff.
+  std::vector<PrefillHandoff> TakeHandoffs();
+  // Frees the blocks of a hand-off once its KV has been copied (or the request was cancelled).
+  void ReleaseHandoff(const PrefillHandoff& handoff);
+
+  // --- decode role ---
+  // Allocates blocks for the prompt KV of a request about to be prefilled elsewhere.
+  absl::StatusOr<BlockTable> ReserveBlocks(int num_tokens);
+  // Returns reserved blocks that will not be used (e.g. the prefill failed).
+  void FreeReservation(BlockTable& blocks);
+  // Continues `request` (its prompt and params, n == choices.size()) from prefilled samples
+  // whose KV is already in their reserved blocks. The first tokens appear in the next Step().
+  absl::Status AddPrefilled(GenerateRequest request, std::vector<PrefilledChoice> choices);
+
+  // The KV cache, for registration with a transfer agent.
+  float* kv_cache() { return runner_->kv_cache(); }
+  size_t kv_cache_bytes() const { return runner_->kv_cache_bytes(); }
+  const kernels::KvLayout& kv_layout() const { return runner_->kv_layout(); }
 
   const ModelConfig& config() const { return checkpoint_->config(); }
   const Tokenizer& tokenizer() const { return *tokenizer_; }
@@ -111,6 +155,8 @@ class LlmEngine {
   int max_model_len_ = 0;
   int64_t next_seq_id_ = 0;
   std::map<std::string, std::unique_ptr<Request>> requests_;
+  std::vector<PrefillHandoff> handoffs_;        // prefill role: not yet taken
+  std::vector<RequestOutput> pending_outputs_;  // decode role: first tokens of AddPrefilled
 };
 
 // Runs `requests` to completion on `engine` and returns, per request in order, the final

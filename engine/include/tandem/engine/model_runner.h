@@ -20,6 +20,22 @@ struct ModelRunnerOptions {
   int block_size = 16;
 };
 
+// One contiguous byte range of a KV copy between two caches (offsets from each cache's start).
+struct KvCopyRange {
+  uint64_t src_offset = 0;
+  uint64_t dst_offset = 0;
+  uint64_t bytes = 0;
+};
+
+// The byte ranges that copy the K and V of `src_blocks` (in a cache laid out as `src`) into
+// `dst_blocks` (of `dst`), for every layer. Both caches must agree on block size, KV heads and
+// head_dim; every block id is checked against its cache (InvalidArgument otherwise).
+absl::StatusOr<std::vector<KvCopyRange>> KvBlockCopyRanges(const kernels::KvLayout& src,
+                                                           const kernels::KvLayout& dst,
+                                                           int num_layers,
+                                                           const BlockTable& src_blocks,
+                                                           const BlockTable& dst_blocks);
+
 // Owns the weights (converted to fp32 and packed for the backend), the KV cache and every
 // activation buffer, all sized up front so a step never allocates.
 //   TANDEM_ASSIGN_OR_RETURN(auto runner, ModelRunner::Create(*ckpt, backend.get(), options));
@@ -40,6 +56,12 @@ class ModelRunner {
 
   const ModelConfig& config() const { return config_; }
   const kernels::KvLayout& kv_layout() const { return kv_layout_; }
+  // The whole cache, [layers][2][num_blocks][block_size][num_kv_heads][head_dim], for
+  // registration with a KV transfer agent.
+  float* kv_cache() { return kv_cache_.get(); }
+  size_t kv_cache_bytes() const {
+    return static_cast<size_t>(config_.num_layers) * kv_layout_.LayerElements() * sizeof(float);
+  }
   // One layer's cache: [2][num_blocks][block_size][num_kv_heads][head_dim].
   float* layer_cache(int layer) { return kv_cache_.get() + layer * kv_layout_.LayerElements(); }
 

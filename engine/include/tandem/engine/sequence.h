@@ -1,6 +1,7 @@
 // One sequence being generated: a request's prompt and one of its `n` samples.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -29,7 +30,12 @@ class SamplerRng {
   // Uniform in [0, 1).
   double Uniform() { return static_cast<double>(Next() >> 11) * 0x1.0p-53; }
 
+  // The full state, so a sequence handed from a prefill to a decode engine keeps its stream.
+  std::array<uint64_t, 4> state() const { return {s_[0], s_[1], s_[2], s_[3]}; }
+  static SamplerRng FromState(const std::array<uint64_t, 4>& state);
+
  private:
+  SamplerRng() = default;
   uint64_t s_[4];
 };
 

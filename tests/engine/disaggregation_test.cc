@@ -1,0 +1,170 @@
+// Prefill on one engine, KV pages moved by a kvtransfer agent, decode on another: the output
+// must equal a colocated engine's, token for token.
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "tandem/engine/llm_engine.h"
+#include "tandem/kvtransfer/agent.h"
+#include "test_models.h"
+
+namespace tandem::engine {
+namespace {
+
+constexpr int64_t kKvBytes = 24ll << 20;
+
+std::unique_ptr<LlmEngine> MakeEngine(EngineRole role) {
+  EngineOptions options;
+  options.model_dir = testing::TinyModel("qwen3", DType::kBF16);
+  options.num_threads = 2;
+  options.kv_cache_bytes = kKvBytes;
+  options.max_num_batched_tokens = 64;  // prompts span several prefill chunks
+  options.role = role;
+  auto engine = LlmEngine::Create(options);
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return std::move(engine).value();
+}
+
+std::vector<GenerateRequest> MakeRequests(int count, int vocab) {
+  std::mt19937 rng(count);
+  std::vector<GenerateRequest> requests;
+  for (int i = 0; i < count; ++i) {
+    SamplingParams p;
+    p.max_tokens = 12 + i % 5;
+    p.ignore_eos = true;
+    p.logprobs = 1;
+    if (i % 2 == 0) {
+      p.temperature = 0;
+    } else {
+      p.temperature = 0.8f;
+      p.seed = 100 + i;
+      p.n = 1 + i % 3;
+    }
+    std::vector<int32_t> prompt(70 + static_cast<int>(rng() % 150));
+    for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % vocab);
+    requests.push_back({absl::StrCat("req", i), prompt, p});
+  }
+  return requests;
+}
+
+class DisaggregationTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+
+TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
+  const auto& [backend, concurrency] = GetParam();
+  auto colocated = MakeEngine(EngineRole::kColocated);
+  auto prefill = MakeEngine(EngineRole::kPrefill);
+  auto decode = MakeEngine(EngineRole::kDecode);
+  const std::vector<GenerateRequest> requests =
+      MakeRequests(concurrency, colocated->config().vocab_size);
+  auto expected = GenerateAll(*colocated, requests);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+
+  // The prefill side pushes into the decode side's cache, as separate workers would.
+  auto sender = kvtransfer::Agent::Create({.backend = backend, .name = "prefill"});
+  auto receiver = kvtransfer::Agent::Create({.backend = backend, .name = "decode"});
+  ASSERT_TRUE(sender.ok() && receiver.ok());
+  ASSERT_TRUE((*sender)->RegisterMemory(1, prefill->kv_cache(), prefill->kv_cache_bytes()).ok());
+  auto descriptor = (*receiver)->RegisterMemory(2, decode->kv_cache(), decode->kv_cache_bytes());
+  ASSERT_TRUE(descriptor.ok()) << descriptor.status();
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  auto peer = (*sender)->Connect((*receiver)->address(), deadline);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+
+  std::map<std::string, const GenerateRequest*> by_id;
+  std::map<std::string, std::vector<PrefillHandoff>> handoffs;
+  for (const GenerateRequest& r : requests) {
+    by_id[r.request_id] = &r;
+    ASSERT_TRUE(prefill->AddRequest(r).ok());
+  }
+  std::map<std::string, RequestOutput> got;
+  for (const GenerateRequest& r : requests) {
+    got[r.request_id].choices.resize(r.params.n);
+  }
+  const int num_layers = prefill->config().num_layers;
+  while (prefill->has_unfinished() || decode->has_unfinished() || !handoffs.empty()) {
+    if (prefill->has_unfinished()) ASSERT_TRUE(prefill->Step().ok());
+    for (PrefillHandoff& h : prefill->TakeHandoffs()) handoffs[h.request_id].push_back(h);
+    // A request moves once all its samples are prefilled.
+    for (auto it = handoffs.begin(); it != handoffs.end();) {
+      const GenerateRequest& request = *by_id.at(it->first);
+      if (static_cast<int>(it->second.size()) < request.params.n) {
+        ++it;
+        continue;
+      }
+      std::vector<PrefilledChoice> choices(request.params.n);
+      for (PrefillHandoff& h : it->second) {
+        auto reserved = decode->ReserveBlocks(static_cast<int>(request.prompt_tokens.size()));
+        ASSERT_TRUE(reserved.ok()) << reserved.status();
+        auto ranges = KvBlockCopyRanges(prefill->kv_layout(), decode->kv_layout(), num_layers,
+                                        h.blocks, *reserved);
+        ASSERT_TRUE(ranges.ok()) << ranges.status();
+        std::vector<kvtransfer::Range> wire;
+        for (const KvCopyRange& r : *ranges) wire.push_back({r.src_offset, r.dst_offset, r.bytes});
+        auto handle = (*sender)->Submit(*peer, 1, *descriptor, std::move(wire), deadline);
+        ASSERT_TRUE(handle.ok()) << handle.status();
+        ASSERT_TRUE((*handle)->Wait().ok());
+        prefill->ReleaseHandoff(h);
+        choices[h.choice_index] = {h.first_token, h.first_logprob, h.first_top_logprobs,
+                                   h.rng_state, *reserved};
+      }
+      ASSERT_TRUE(decode->AddPrefilled(request, std::move(choices)).ok());
+      it = handoffs.erase(it);
+    }
+    if (decode->has_unfinished()) {
+      auto outputs = decode->Step();
+      ASSERT_TRUE(outputs.ok()) << outputs.status();
+      for (RequestOutput& out : *outputs) {
+        for (ChoiceDelta& d : out.choices) {
+          ChoiceDelta& acc = got[out.request_id].choices[d.index];
+          acc.token_ids.insert(acc.token_ids.end(), d.token_ids.begin(), d.token_ids.end());
+          acc.text += d.text;
+          acc.logprobs.insert(acc.logprobs.end(), d.logprobs.begin(), d.logprobs.end());
+          if (d.finish_reason != FinishReason::kNone) acc.finish_reason = d.finish_reason;
+        }
+      }
+    }
+  }
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const RequestOutput& want = (*expected)[i];
+    const RequestOutput& have = got[requests[i].request_id];
+    for (size_t c = 0; c < want.choices.size(); ++c) {
+      EXPECT_EQ(have.choices[c].token_ids, want.choices[c].token_ids) << i << "/" << c;
+      EXPECT_EQ(have.choices[c].logprobs, want.choices[c].logprobs) << i << "/" << c;
+      EXPECT_EQ(have.choices[c].text, want.choices[c].text) << i << "/" << c;
+      EXPECT_EQ(have.choices[c].finish_reason, FinishReason::kLength);
+    }
+  }
+  // Nothing leaks on either side.
+  EXPECT_EQ(prefill->stats().kv_blocks_used, 0);
+  EXPECT_EQ(decode->stats().kv_blocks_used, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(BackendsAndConcurrency, DisaggregationTest,
+                         ::testing::Combine(::testing::Values("local", "ucx"),
+                                            ::testing::Values(1, 8, 32)));
+
+TEST(KvBlockCopyRangesTest, RefusesOutOfRangeAndMismatchedLayouts) {
+  kernels::KvLayout a{.num_blocks = 4, .block_size = 16, .num_kv_heads = 2, .head_dim = 8};
+  kernels::KvLayout b = a;
+  EXPECT_TRUE(KvBlockCopyRanges(a, b, 2, {0, 3}, {1, 2}).ok());
+  EXPECT_EQ(KvBlockCopyRanges(a, b, 2, {4}, {0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvBlockCopyRanges(a, b, 2, {0}, {-1}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvBlockCopyRanges(a, b, 2, {0, 1}, {0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  b.head_dim = 16;
+  EXPECT_EQ(KvBlockCopyRanges(a, b, 2, {0}, {0}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Two layers x (K, V) x one block: four ranges, V of layer 1 at its place.
+  auto ranges = KvBlockCopyRanges(a, a, 2, {1}, {2});
+  ASSERT_TRUE(ranges.ok());
+  ASSERT_EQ(ranges->size(), 4u);
+  const uint64_t block_bytes = 16 * 2 * 8 * 4;
+  EXPECT_EQ((*ranges)[3].src_offset, (3 * 4 + 1) * block_bytes);
+  EXPECT_EQ((*ranges)[3].dst_offset, (3 * 4 + 2) * block_bytes);
+}
+
+}  // namespace
+}  // namespace tandem::engine
