@@ -8,5 +8,6 @@ int RunTokenize(int argc, char** argv);
 int RunSynthModel(int argc, char** argv);
 int RunGenerate(int argc, char** argv);
 int RunServe(int argc, char** argv);
+int RunRoofline(int argc, char** argv);
 
 }  // namespace tandem::tools

@@ -15,6 +15,7 @@ struct Command {
 
 constexpr Command kCommands[] = {
     {"generate", tandem::tools::RunGenerate, "offline generation from a checkpoint"},
+    {"roofline", tandem::tools::RunRoofline, "FLOPs, bytes and bound per operator, step times"},
     {"serve", tandem::tools::RunServe, "serve the OpenAI-compatible API (default: a demo model)"},
     {"synth-model", tandem::tools::RunSynthModel, "write a synthetic Hugging Face checkpoint"},
     {"tokenize", tandem::tools::RunTokenize, "tokenize (or --decode) lines from stdin"},
