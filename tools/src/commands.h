@@ -9,5 +9,6 @@ int RunSynthModel(int argc, char** argv);
 int RunGenerate(int argc, char** argv);
 int RunServe(int argc, char** argv);
 int RunRoofline(int argc, char** argv);
+int RunBench(int argc, char** argv);
 
 }  // namespace tandem::tools

@@ -14,6 +14,7 @@ struct Command {
 };
 
 constexpr Command kCommands[] = {
+    {"bench", tandem::tools::RunBench, "load generator against an OpenAI-compatible endpoint"},
     {"generate", tandem::tools::RunGenerate, "offline generation from a checkpoint"},
     {"roofline", tandem::tools::RunRoofline, "FLOPs, bytes and bound per operator, step times"},
     {"serve", tandem::tools::RunServe, "serve the OpenAI-compatible API (default: a demo model)"},

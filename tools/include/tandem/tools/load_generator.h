@@ -1,0 +1,102 @@
+// Load generator behind `tandem bench`: sends streaming requests to an OpenAI-compatible endpoint
+// on a Poisson or gamma arrival schedule, records per-request latencies and summarizes them.
+//
+//   LoadConfig config;
+//   config.url = "http://127.0.0.1:8000";
+//   config.model = "tiny";
+//   std::vector<BenchRequest> requests = SyntheticRequests(16, 8, 20, /*seed=*/0);
+//   absl::StatusOr<BenchResult> result = RunLoad(config, requests);
+//
+// The arithmetic (percentiles, arrival times, SLO attainment) is exposed as pure functions.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+
+namespace tandem::tools {
+
+// One request to send: its prompt and how many tokens to ask for.
+struct BenchRequest {
+  std::string prompt;
+  int64_t max_tokens = 16;
+};
+
+// What was measured for one request. Times are seconds.
+struct RequestRecord {
+  bool success = false;
+  std::string error;          // set when !success
+  double start = 0;           // send time, relative to the start of the run
+  double ttft = 0;            // time to the first content chunk
+  double e2e = 0;             // time to the end of the stream
+  std::vector<double> itls;   // gaps between consecutive content chunks
+  int64_t output_tokens = 0;  // from the usage chunk (content chunk count when absent)
+  int64_t prompt_tokens = 0;
+  // (e2e - ttft) / (output_tokens - 1); 0 with fewer than two tokens.
+  double Tpot() const;
+};
+
+struct LoadConfig {
+  std::string url;        // http://host:port (optionally with a path prefix, e.g. /v1 omitted)
+  std::string model;
+  std::string endpoint = "completions";  // or "chat"
+  std::string api_key;
+  double request_rate = 0;  // requests/s; <= 0 or inf: all at once
+  double burstiness = 1.0;  // gamma shape; 1 = Poisson
+  int64_t max_concurrency = 0;  // 0 = unbounded
+  bool ignore_eos = true;
+  uint64_t seed = 0;
+};
+
+// Mean and percentiles of one metric, in the unit of the samples.
+struct MetricSummary {
+  double mean = 0, p50 = 0, p90 = 0, p99 = 0;
+};
+
+struct BenchResult {
+  std::vector<RequestRecord> records;
+  double duration = 0;  // seconds from the first send to the last completion
+};
+
+// Percentile `p` in [0, 100] of `samples` with linear interpolation between closest ranks
+// (numpy's default). 0 for an empty set.
+double Percentile(std::vector<double> samples, double p);
+MetricSummary Summarize(const std::vector<double>& samples);
+
+// Send times (seconds from the start) of `n` requests: gamma-distributed gaps with shape
+// `burstiness` and mean 1/rate (burstiness 1 is a Poisson process). rate <= 0 or infinite:
+// all zero.
+std::vector<double> ArrivalTimes(int64_t n, double rate, double burstiness, uint64_t seed);
+
+// Fraction of successful requests meeting both TTFT <= ttft_slo and TPOT <= tpot_slo, over all
+// requests (failed requests miss). 0 for none.
+double SloAttainment(const std::vector<RequestRecord>& records, double ttft_slo, double tpot_slo);
+// Requests per second meeting both SLOs.
+double Goodput(const std::vector<RequestRecord>& records, double duration, double ttft_slo,
+               double tpot_slo);
+
+// `n` prompts of `input_len` random words each, asking for `output_len` tokens.
+std::vector<BenchRequest> SyntheticRequests(int64_t input_len, int64_t output_len, int64_t n,
+                                            uint64_t seed);
+// Up to `n` requests from a ShareGPT-format file: prompt = first human turn; max_tokens =
+// `output_len` when given, else the word count of the following gpt turn. Entries without a
+// human turn are skipped; they are reused in order when the file has fewer than n.
+absl::StatusOr<std::vector<BenchRequest>> ShareGptRequests(const std::string& path, int64_t n,
+                                                           std::optional<int64_t> output_len);
+
+// Sends every request on its arrival time (threads, at most max_concurrency in flight) and
+// waits for all. Per-request failures are recorded, not returned; an invalid URL is an error.
+absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
+                                    const std::vector<BenchRequest>& requests);
+
+// The report as JSON: counts, duration, throughputs, metric summaries in milliseconds, SLO
+// numbers when slos are given (> 0), and per-request records.
+nlohmann::json ReportJson(const BenchResult& result, double ttft_slo, double tpot_slo);
+// The same numbers as a human-readable table.
+std::string ReportTable(const nlohmann::json& report);
+
+}  // namespace tandem::tools
