@@ -35,7 +35,8 @@ absl::Status Run(int argc, char** argv) {
   args.Declare("model", "NAME", "model name sent in every request (required)");
   args.Declare("endpoint", "KIND", "completions | chat (default completions)");
   args.Declare("num-requests", "N", "requests to send (default 100)");
-  args.Declare("request-rate", "R", "mean arrivals per second, or inf for all at once (default inf)");
+  args.Declare("request-rate", "R",
+               "mean arrivals per second, or inf for all at once (default inf)");
   args.Declare("burstiness", "B", "gamma shape of inter-arrival gaps; 1 = Poisson (default 1)");
   args.Declare("max-concurrency", "C", "most requests in flight (default unbounded)");
   args.Declare("input-len", "I", "synthetic prompts of I random words (default 32)");
@@ -112,9 +113,8 @@ absl::Status Run(int argc, char** argv) {
   }
   if (report["requests_succeeded"].get<int64_t>() == 0) {
     // Nothing to report: say why in one line (the first request's error).
-    return absl::UnavailableError(absl::StrCat("all ", result.records.size(),
-                                               " requests failed; first: ",
-                                               result.records.front().error));
+    return absl::UnavailableError(absl::StrCat(
+        "all ", result.records.size(), " requests failed; first: ", result.records.front().error));
   }
   std::fputs(ReportTable(report).c_str(), stdout);
   return absl::OkStatus();

@@ -8,15 +8,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
-#include <cerrno>
 #include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <mutex>
-#include <cstring>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -43,8 +43,8 @@ struct Url {
 absl::StatusOr<Url> ParseUrl(const std::string& url) {
   const std::string scheme = "http://";
   if (url.rfind(scheme, 0) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat("--url must start with http:// (got '", url,
-                                                   "'; https is not supported)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--url must start with http:// (got '", url, "'; https is not supported)"));
   }
   std::string rest = url.substr(scheme.size());
   Url out;
@@ -222,14 +222,15 @@ RequestRecord SendOne(const LoadConfig& config, const Url& url, const BenchReque
     return record;
   };
 
-  const std::string path = url.prefix + (config.endpoint == "chat" ? "/v1/chat/completions"
-                                                                   : "/v1/completions");
+  const std::string path =
+      url.prefix + (config.endpoint == "chat" ? "/v1/chat/completions" : "/v1/completions");
   const std::string body = RequestBody(config, request);
   std::string head = absl::StrCat("POST ", path, " HTTP/1.1\r\nHost: ", url.host, ":", url.port,
                                   "\r\nContent-Type: application/json\r\nAccept: "
                                   "text/event-stream\r\nConnection: close\r\nContent-Length: ",
                                   body.size(), "\r\n");
-  if (!config.api_key.empty()) absl::StrAppend(&head, "Authorization: Bearer ", config.api_key, "\r\n");
+  if (!config.api_key.empty())
+    absl::StrAppend(&head, "Authorization: Bearer ", config.api_key, "\r\n");
   absl::StrAppend(&head, "\r\n");
 
   Socket socket;
@@ -343,17 +344,19 @@ RequestRecord SendOne(const LoadConfig& config, const Url& url, const BenchReque
 }
 
 const char* const kWords[] = {
-    "time",   "year",  "people", "way",    "day",   "man",    "thing",  "woman", "life",
-    "child",  "world", "school", "state",  "family", "student", "group", "country", "problem",
-    "hand",   "part",  "place",  "case",   "week",  "company", "system", "program", "question",
-    "work",   "night", "point",  "home",   "water", "room",   "mother", "area",  "money",
-    "story",  "fact",  "month",  "lot",    "right", "study",  "book",   "eye",   "job",
-    "word",   "business", "issue", "side", "kind",  "head",   "house",  "service", "friend",
-    "father", "power", "hour",   "game",   "line",  "end",    "member", "law",   "car",
-    "city",   "name",  "team",   "minute", "idea",  "kid",    "body",   "back",  "parent",
-    "face",   "level", "office", "door",   "health", "person", "art",   "war",   "history",
-    "party",  "result", "change", "morning", "reason", "research", "girl", "guy", "moment",
-    "air",    "teacher", "force", "education", "blue", "green", "river", "stone", "light",
+    "time",    "year",    "people",   "way",     "day",     "man",       "thing",    "woman",
+    "life",    "child",   "world",    "school",  "state",   "family",    "student",  "group",
+    "country", "problem", "hand",     "part",    "place",   "case",      "week",     "company",
+    "system",  "program", "question", "work",    "night",   "point",     "home",     "water",
+    "room",    "mother",  "area",     "money",   "story",   "fact",      "month",    "lot",
+    "right",   "study",   "book",     "eye",     "job",     "word",      "business", "issue",
+    "side",    "kind",    "head",     "house",   "service", "friend",    "father",   "power",
+    "hour",    "game",    "line",     "end",     "member",  "law",       "car",      "city",
+    "name",    "team",    "minute",   "idea",    "kid",     "body",      "back",     "parent",
+    "face",    "level",   "office",   "door",    "health",  "person",    "art",      "war",
+    "history", "party",   "result",   "change",  "morning", "reason",    "research", "girl",
+    "guy",     "moment",  "air",      "teacher", "force",   "education", "blue",     "green",
+    "river",   "stone",   "light",
 };
 
 }  // namespace
@@ -486,9 +489,8 @@ absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
     return absl::InvalidArgumentError(
         absl::StrCat("--endpoint must be completions or chat (got '", config.endpoint, "')"));
   }
-  const std::vector<double> arrivals =
-      ArrivalTimes(static_cast<int64_t>(requests.size()), config.request_rate, config.burstiness,
-                   config.seed);
+  const std::vector<double> arrivals = ArrivalTimes(
+      static_cast<int64_t>(requests.size()), config.request_rate, config.burstiness, config.seed);
   BenchResult result;
   result.records.resize(requests.size());
 
@@ -503,7 +505,8 @@ absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
                                                   std::chrono::duration<double>(arrivals[i])));
     {
       std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock, [&] { return config.max_concurrency <= 0 || in_flight < config.max_concurrency; });
+      cv.wait(lock,
+              [&] { return config.max_concurrency <= 0 || in_flight < config.max_concurrency; });
       ++in_flight;
     }
     threads.emplace_back([&, i] {

@@ -74,11 +74,11 @@ RequestRecord Record(bool success, double ttft, double e2e, int64_t tokens) {
 
 TEST(SloTest, AttainmentAndGoodputOnHandMadeSet) {
   const std::vector<RequestRecord> records = {
-      Record(true, 0.1, 1.1, 11),   // tpot 0.1: meets both
-      Record(true, 0.5, 1.5, 11),   // ttft misses
-      Record(true, 0.1, 3.1, 11),   // tpot 0.3 misses
-      Record(true, 0.2, 0.2, 1),    // one token: tpot 0, meets both
-      Record(false, 0.0, 0.1, 0),   // failed: misses
+      Record(true, 0.1, 1.1, 11),  // tpot 0.1: meets both
+      Record(true, 0.5, 1.5, 11),  // ttft misses
+      Record(true, 0.1, 3.1, 11),  // tpot 0.3 misses
+      Record(true, 0.2, 0.2, 1),   // one token: tpot 0, meets both
+      Record(false, 0.0, 0.1, 0),  // failed: misses
   };
   EXPECT_DOUBLE_EQ(records[0].Tpot(), 0.1);
   EXPECT_DOUBLE_EQ(SloAttainment(records, 0.3, 0.15), 2.0 / 5.0);

@@ -41,12 +41,12 @@ struct RequestRecord {
 };
 
 struct LoadConfig {
-  std::string url;        // http://host:port (optionally with a path prefix, e.g. /v1 omitted)
+  std::string url;  // http://host:port (optionally with a path prefix, e.g. /v1 omitted)
   std::string model;
   std::string endpoint = "completions";  // or "chat"
   std::string api_key;
-  double request_rate = 0;  // requests/s; <= 0 or inf: all at once
-  double burstiness = 1.0;  // gamma shape; 1 = Poisson
+  double request_rate = 0;      // requests/s; <= 0 or inf: all at once
+  double burstiness = 1.0;      // gamma shape; 1 = Poisson
   int64_t max_concurrency = 0;  // 0 = unbounded
   bool ignore_eos = true;
   uint64_t seed = 0;
