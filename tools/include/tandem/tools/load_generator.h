@@ -41,7 +41,7 @@ struct RequestRecord {
 };
 
 struct LoadConfig {
-  std::string url;  // http://host:port (optionally with a path prefix, e.g. /v1 omitted)
+  std::string url;  // http://host:port, optionally followed by /v1
   std::string model;
   std::string endpoint = "completions";  // or "chat"
   std::string api_key;
