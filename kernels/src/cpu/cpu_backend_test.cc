@@ -13,37 +13,15 @@
 #include "gtest/gtest.h"
 #include "kernels/src/cpu/reference.h"
 #include "kernels/src/cpu/simd_kernels.h"
+#include "kernels/src/kernel_test_support.h"
 #include "tandem/kernels/backend.h"
 
 namespace tandem::kernels {
 namespace {
 
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-std::vector<float> Random(int64_t size, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(size);
-  for (float& x : v) x = dist(gen);
-  return v;
-}
-
-// Largest |actual - expected| / (|expected| + floor), after checking every element is finite:
-// an element the backend forgot to write still holds its NaN poison.
-double MaxRelativeError(const std::vector<float>& actual, const std::vector<float>& expected,
-                        double floor = 1e-3) {
-  EXPECT_EQ(actual.size(), expected.size());
-  double worst = 0.0;
-  for (size_t i = 0; i < actual.size() && i < expected.size(); ++i) {
-    if (!std::isfinite(actual[i])) {
-      ADD_FAILURE() << "element " << i << " is " << actual[i] << " (not written?)";
-      return std::numeric_limits<double>::infinity();
-    }
-    worst = std::max(
-        worst, std::abs(double{actual[i]} - expected[i]) / (std::abs(double{expected[i]}) + floor));
-  }
-  return worst;
-}
+using test_support::kNaN;
+using test_support::MaxRelativeError;
+using test_support::Random;
 
 bool BitwiseEqual(const float* a, const float* b, int64_t n) {
   return std::memcmp(a, b, sizeof(float) * n) == 0;

@@ -16,20 +16,15 @@
 
 #include "gtest/gtest.h"
 #include "kernels/src/cpu/reference.h"
+#include "kernels/src/kernel_test_support.h"
 #include "tandem/kernels/backend.h"
 
 namespace tandem::kernels {
 namespace {
 
-constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
-
-std::vector<float> Random(int64_t size, uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(size);
-  for (float& x : v) x = dist(gen);
-  return v;
-}
+using test_support::kNaN;
+using test_support::MaxRelativeError;
+using test_support::Random;
 
 // A device copy of a host vector, freed on destruction.
 template <typename T>
@@ -56,22 +51,6 @@ class DeviceVector {
   T* data_ = nullptr;
   size_t size_;
 };
-
-// Largest |actual - expected| / (|expected| + floor); an unwritten (still NaN) element fails.
-double MaxRelativeError(const std::vector<float>& actual, const std::vector<float>& expected,
-                        double floor) {
-  EXPECT_EQ(actual.size(), expected.size());
-  double worst = 0.0;
-  for (size_t i = 0; i < actual.size() && i < expected.size(); ++i) {
-    if (!std::isfinite(actual[i])) {
-      ADD_FAILURE() << "element " << i << " is " << actual[i];
-      return std::numeric_limits<double>::infinity();
-    }
-    worst = std::max(
-        worst, std::abs(double{actual[i]} - expected[i]) / (std::abs(double{expected[i]}) + floor));
-  }
-  return worst;
-}
 
 // One row of the shape table: sizes for the row operators and a paged-attention layout.
 struct Shape {
