@@ -58,7 +58,16 @@ absl::Status Args::Parse(int argc, char** argv) {
           absl::StrCat(command_, ": --", name, " needs a value ", it->second.value_name));
     }
   }
+  if (static_cast<int>(positional_.size()) > max_positional_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(command_, ": unexpected argument '", positional_[max_positional_], "'"));
+  }
   return absl::OkStatus();
+}
+
+bool Args::HandleHelp() const {
+  if (help_) std::fputs(Usage().c_str(), stdout);
+  return help_;
 }
 
 std::string Args::Usage() const {

@@ -48,11 +48,9 @@ absl::Status Run(int argc, char** argv) {
   args.Declare("tpot-slo", "SECONDS", "time-per-output-token SLO (with --ttft-slo)");
   args.Declare("json", "FILE", "also write the report and per-request records as JSON");
   args.Declare("api-key", "KEY", "sent as Authorization: Bearer KEY");
+  args.AllowPositional(1);  // the FILE of `--dataset sharegpt FILE`
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
-  if (args.help_requested()) {
-    std::fputs(args.Usage().c_str(), stdout);
-    return absl::OkStatus();
-  }
+  if (args.HandleHelp()) return absl::OkStatus();
   std::optional<std::string> dataset_path = args.Get("dataset-path");
   // Also accept `--dataset sharegpt FILE`.
   if (!dataset_path && args.Has("dataset") && args.positional().size() == 1) {

@@ -25,10 +25,7 @@ absl::Status Generate(int argc, char** argv) {
   args.DeclareSwitch("json", "print one JSON object per sample instead of the text");
   DeclareSamplingFlags(args);
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
-  if (args.help_requested()) {
-    std::fputs(args.Usage().c_str(), stdout);
-    return absl::OkStatus();
-  }
+  if (args.HandleHelp()) return absl::OkStatus();
   auto model = args.Get("model");
   if (!model) return absl::InvalidArgumentError("generate: --model DIR is required");
   if (args.Has("prompt") == args.Has("chat")) {

@@ -94,14 +94,7 @@ absl::Status Run(int argc, char** argv) {
   args.Declare("dtype-bytes", "N", "bytes per element (default 2, or the checkpoint's dtype)");
   args.DeclareSwitch("json", "print one JSON object");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
-  if (args.help_requested()) {
-    std::fputs(args.Usage().c_str(), stdout);
-    return absl::OkStatus();
-  }
-  if (!args.positional().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unexpected argument '", args.positional()[0], "'"));
-  }
+  if (args.HandleHelp()) return absl::OkStatus();
   TANDEM_ASSIGN_OR_RETURN(HardwareProfile hardware, HardwareFromFlags(args));
   TANDEM_ASSIGN_OR_RETURN(RooflineShape shape, ShapeFromFlags(args));
   TANDEM_ASSIGN_OR_RETURN(RooflineReport report, AnalyzeRoofline(shape, hardware));

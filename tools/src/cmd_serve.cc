@@ -76,14 +76,7 @@ absl::Status Serve(int argc, char** argv) {
                "time for a client to send a whole request, and to idle between requests "
                "(default 30000)");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
-  if (args.help_requested()) {
-    std::fputs(args.Usage().c_str(), stdout);
-    return absl::OkStatus();
-  }
-  if (!args.positional().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("serve: unexpected argument '", args.positional().front(), "'"));
-  }
+  if (args.HandleHelp()) return absl::OkStatus();
 
   router::ApiServerOptions options;
   options.http.host = args.GetOr("host", "127.0.0.1");

@@ -31,14 +31,7 @@ absl::Status Run(int argc, char** argv) {
   args.Declare("tokenizer", "FILE", "tokenizer.json to copy (default: train a small BPE)");
   args.Declare("max-shard-bytes", "N", "shard the weights into files of at most N bytes");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
-  if (args.help_requested()) {
-    std::fputs(args.Usage().c_str(), stdout);
-    return absl::OkStatus();
-  }
-  if (!args.positional().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unexpected argument '", args.positional()[0], "'"));
-  }
+  if (args.HandleHelp()) return absl::OkStatus();
   SynthModelOptions options;
   if (!args.Has("out")) return absl::InvalidArgumentError("--out DIR is required");
   options.out_dir = *args.Get("out");

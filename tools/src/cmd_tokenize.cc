@@ -67,14 +67,7 @@ absl::Status Run(int argc, char** argv) {
                      "encode: no BOS or other template tokens; decode: drop specials");
   args.DeclareSwitch("json-input", "encode: each line is a JSON string (may hold newlines)");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
-  if (args.help_requested()) {
-    std::fputs(args.Usage().c_str(), stdout);
-    return absl::OkStatus();
-  }
-  if (!args.positional().empty()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("unexpected argument '", args.positional()[0], "'"));
-  }
+  if (args.HandleHelp()) return absl::OkStatus();
   std::optional<std::string> path = args.Get("tokenizer");
   if (!path) return absl::InvalidArgumentError("--tokenizer FILE is required");
   TANDEM_ASSIGN_OR_RETURN(auto tokenizer, engine::Tokenizer::FromFile(*path));

@@ -23,10 +23,14 @@ class Args {
   explicit Args(std::string command) : command_(std::move(command)) {}
   void Declare(const std::string& name, const std::string& value_name, const std::string& help);
   void DeclareSwitch(const std::string& name, const std::string& help);
+  // Accepts up to `max` positional arguments (none by default: Parse refuses them).
+  void AllowPositional(int max) { max_positional_ = max; }
   // argv[0] is the subcommand name. `--help` sets help_requested().
   absl::Status Parse(int argc, char** argv);
 
   bool help_requested() const { return help_; }
+  // Prints Usage() on stdout when --help was given; true means the command is done.
+  bool HandleHelp() const;
   std::string Usage() const;
   bool Has(const std::string& name) const { return values_.count(name) > 0; }
   bool Switch(const std::string& name) const { return switches_.count(name) > 0; }
@@ -48,6 +52,7 @@ class Args {
   std::map<std::string, std::string> values_;
   std::set<std::string> switches_;
   std::vector<std::string> positional_;
+  int max_positional_ = 0;
   bool help_ = false;
 };
 
