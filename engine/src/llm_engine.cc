@@ -93,26 +93,16 @@ absl::Status LlmEngine::Validate(const GenerateRequest& request) const {
   return absl::OkStatus();
 }
 
-absl::Status LlmEngine::AddRequest(GenerateRequest request) {
-  if (requests_.count(request.request_id) > 0) {
-    return absl::AlreadyExistsError(absl::StrCat("request ", request.request_id, " exists"));
-  }
-  TANDEM_RETURN_IF_ERROR(Validate(request));
-  const int prompt_len = static_cast<int>(request.prompt_tokens.size());
+std::unique_ptr<LlmEngine::Request> LlmEngine::NewRequest(GenerateRequest& request) {
   auto req = std::make_unique<Request>();
   req->id = request.request_id;
   req->params = std::make_shared<const SamplingParams>(std::move(request.params));
-  req->num_prompt_tokens = prompt_len;
+  req->num_prompt_tokens = static_cast<int>(request.prompt_tokens.size());
   for (const std::string& s : req->params->stop) {
     req->max_stop_bytes = std::max(req->max_stop_bytes, s.size());
   }
-  const SamplingParams& params = *req->params;
-  uint64_t base_seed =
-      params.seed.has_value()
-          ? *params.seed
-          : (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
-  req->choices.resize(params.n);
-  for (int i = 0; i < params.n; ++i) {
+  req->choices.resize(req->params->n);
+  for (int i = 0; i < req->params->n; ++i) {
     Choice& choice = req->choices[i];
     choice.seq = std::make_unique<Sequence>();
     Sequence& seq = *choice.seq;
@@ -120,12 +110,29 @@ absl::Status LlmEngine::AddRequest(GenerateRequest request) {
     seq.request_id = req->id;
     seq.choice_index = i;
     seq.tokens = request.prompt_tokens;
-    seq.num_prompt_tokens = prompt_len;
+    seq.num_prompt_tokens = req->num_prompt_tokens;
     seq.params = req->params;
-    // Sample i of a seeded request draws from its own stream derived from (seed, i).
-    seq.rng = SamplerRng(base_seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(i));
     choice.detokenizer =
-        std::make_unique<IncrementalDetokenizer>(*tokenizer_, params.skip_special_tokens);
+        std::make_unique<IncrementalDetokenizer>(*tokenizer_, req->params->skip_special_tokens);
+  }
+  return req;
+}
+
+absl::Status LlmEngine::AddRequest(GenerateRequest request) {
+  if (requests_.count(request.request_id) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("request ", request.request_id, " exists"));
+  }
+  TANDEM_RETURN_IF_ERROR(Validate(request));
+  std::unique_ptr<Request> req = NewRequest(request);
+  const SamplingParams& params = *req->params;
+  uint64_t base_seed =
+      params.seed.has_value()
+          ? *params.seed
+          : (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
+  for (int i = 0; i < params.n; ++i) {
+    // Sample i of a seeded request draws from its own stream derived from (seed, i).
+    req->choices[i].seq->rng =
+        SamplerRng(base_seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(i));
   }
   for (Choice& choice : req->choices) scheduler_->Add(choice.seq.get());
   requests_[req->id] = std::move(req);
@@ -313,35 +320,19 @@ absl::Status LlmEngine::AddPrefilled(GenerateRequest request,
           absl::StrCat("first token ", c.first_token, " is outside the vocabulary"));
     }
   }
-  auto req = std::make_unique<Request>();
-  req->id = request.request_id;
-  req->params = std::make_shared<const SamplingParams>(std::move(request.params));
-  req->num_prompt_tokens = prompt_len;
-  for (const std::string& s : req->params->stop) {
-    req->max_stop_bytes = std::max(req->max_stop_bytes, s.size());
-  }
+  std::unique_ptr<Request> req = NewRequest(request);
   RequestOutput out;
   out.request_id = req->id;
   out.num_prompt_tokens = prompt_len;
-  req->choices.resize(choices.size());
   for (size_t i = 0; i < choices.size(); ++i) {
     Choice& choice = req->choices[i];
-    choice.seq = std::make_unique<Sequence>();
     Sequence& seq = *choice.seq;
-    seq.seq_id = next_seq_id_++;
-    seq.request_id = req->id;
-    seq.choice_index = static_cast<int>(i);
-    seq.tokens = request.prompt_tokens;
-    seq.num_prompt_tokens = prompt_len;
     seq.num_computed_tokens = prompt_len;
     seq.block_table = std::move(choices[i].blocks);
-    seq.params = req->params;
     seq.rng = SamplerRng::FromState(choices[i].rng_state);
     seq.last_logprob = choices[i].first_logprob;
     seq.last_top_logprobs = std::move(choices[i].first_top_logprobs);
     seq.status = SequenceStatus::kRunning;
-    choice.detokenizer =
-        std::make_unique<IncrementalDetokenizer>(*tokenizer_, req->params->skip_special_tokens);
     out.choices.emplace_back();
     out.choices.back().index = static_cast<int>(i);
     ProcessToken(*req, choice, choices[i].first_token, out.choices.back());
@@ -358,6 +349,15 @@ absl::Status LlmEngine::AddPrefilled(GenerateRequest request,
 EngineStats LlmEngine::stats() const {
   return {scheduler_->num_running(), scheduler_->num_waiting(), blocks_->num_blocks(),
           blocks_->num_used_blocks(), scheduler_->num_preemptions()};
+}
+
+void AccumulateDelta(ChoiceDelta& total, const ChoiceDelta& delta) {
+  total.token_ids.insert(total.token_ids.end(), delta.token_ids.begin(), delta.token_ids.end());
+  total.text += delta.text;
+  total.logprobs.insert(total.logprobs.end(), delta.logprobs.begin(), delta.logprobs.end());
+  total.top_logprobs.insert(total.top_logprobs.end(), delta.top_logprobs.begin(),
+                            delta.top_logprobs.end());
+  if (delta.finish_reason != FinishReason::kNone) total.finish_reason = delta.finish_reason;
 }
 
 absl::StatusOr<std::vector<RequestOutput>> GenerateAll(LlmEngine& engine,
@@ -379,13 +379,7 @@ absl::StatusOr<std::vector<RequestOutput>> GenerateAll(LlmEngine& engine,
       total.finished = out.finished;
       total.num_generation_tokens = out.num_generation_tokens;
       for (ChoiceDelta& d : out.choices) {
-        ChoiceDelta& acc = total.choices[d.index];
-        acc.token_ids.insert(acc.token_ids.end(), d.token_ids.begin(), d.token_ids.end());
-        acc.text += d.text;
-        acc.logprobs.insert(acc.logprobs.end(), d.logprobs.begin(), d.logprobs.end());
-        acc.top_logprobs.insert(acc.top_logprobs.end(), d.top_logprobs.begin(),
-                                d.top_logprobs.end());
-        if (d.finish_reason != FinishReason::kNone) acc.finish_reason = d.finish_reason;
+        AccumulateDelta(total.choices[d.index], d);
       }
     }
   }

@@ -116,11 +116,7 @@ TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
       ASSERT_TRUE(outputs.ok()) << outputs.status();
       for (RequestOutput& out : *outputs) {
         for (ChoiceDelta& d : out.choices) {
-          ChoiceDelta& acc = got[out.request_id].choices[d.index];
-          acc.token_ids.insert(acc.token_ids.end(), d.token_ids.begin(), d.token_ids.end());
-          acc.text += d.text;
-          acc.logprobs.insert(acc.logprobs.end(), d.logprobs.begin(), d.logprobs.end());
-          if (d.finish_reason != FinishReason::kNone) acc.finish_reason = d.finish_reason;
+          AccumulateDelta(got[out.request_id].choices[d.index], d);
         }
       }
     }

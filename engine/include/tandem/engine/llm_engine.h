@@ -139,6 +139,9 @@ class LlmEngine {
   struct Choice;
   struct Request;
   LlmEngine() = default;
+  // A request of n choices, each a sequence holding the prompt, with its detokenizer; the
+  // caller sets what differs (random stream, prefilled state). Moves request.params.
+  std::unique_ptr<Request> NewRequest(GenerateRequest& request);
   // Applies one sampled token to a choice: stop checks, detokenization, delta.
   void ProcessToken(Request& request, Choice& choice, int32_t token, ChoiceDelta& delta);
   void FinishChoice(Choice& choice, FinishReason reason, ChoiceDelta& delta);
@@ -158,6 +161,9 @@ class LlmEngine {
   std::vector<PrefillHandoff> handoffs_;        // prefill role: not yet taken
   std::vector<RequestOutput> pending_outputs_;  // decode role: first tokens of AddPrefilled
 };
+
+// Appends one step's delta of a choice to what that choice produced so far.
+void AccumulateDelta(ChoiceDelta& total, const ChoiceDelta& delta);
 
 // Runs `requests` to completion on `engine` and returns, per request in order, the final
 // output of each choice (all tokens, all text). For offline use and tests.
