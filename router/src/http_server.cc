@@ -47,6 +47,7 @@ struct ServerState {
   HttpServerOptions options;
   HttpHandler handler;
   std::atomic<int> connections{0};
+  std::atomic<int> responses_in_flight{0};  // requests read whose response is not fully written
 
   HttpResponse Error(int status, const std::string& message) const {
     if (options.error_response) return options.error_response(status, message);
@@ -80,7 +81,10 @@ class Session : public std::enable_shared_from_this<Session> {
   Session(tcp::socket socket, ServerState& server) : stream_(std::move(socket)), server_(server) {
     ++server_.connections;
   }
-  ~Session() { --server_.connections; }
+  ~Session() {
+    SetBusy(false);
+    --server_.connections;
+  }
 
   void Start() {
     net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->ReadRequest(); });
@@ -250,6 +254,7 @@ class Session : public std::enable_shared_from_this<Session> {
     complete_ = false;
     chunked_ = false;
     on_gone_ = nullptr;
+    SetBusy(true);
     Watch();
     auto exchange =
         std::make_shared<Exchange>(shared_from_this(), exchange_id_, std::move(request));
@@ -326,6 +331,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void ResponseDone() {
     on_gone_ = nullptr;
+    SetBusy(false);
     if (!keep_alive_) return GracefulClose();
     if (watching_) {
       // The pending read completes with operation_aborted and then reads the next request.
@@ -377,6 +383,13 @@ class Session : public std::enable_shared_from_this<Session> {
     out_.clear();
     out_bytes_ = 0;
     on_gone_ = nullptr;
+    SetBusy(false);
+  }
+
+  void SetBusy(bool busy) {
+    if (busy == busy_) return;
+    busy_ = busy;
+    server_.responses_in_flight += busy ? 1 : -1;
   }
 
   beast::tcp_stream stream_;
@@ -398,6 +411,7 @@ class Session : public std::enable_shared_from_this<Session> {
   bool closed_ = false;
   bool draining_ = false;
   bool writing_ = false;
+  bool busy_ = false;  // counted in ServerState::responses_in_flight
   size_t drained_ = 0;
   std::chrono::steady_clock::time_point drain_deadline_;
   std::deque<std::string> out_;
@@ -497,6 +511,7 @@ class HttpServerImpl : public HttpServer {
   }
 
   int num_connections() const override { return state_.connections.load(); }
+  int num_responses_in_flight() const override { return state_.responses_in_flight.load(); }
 
  private:
   void Accept() {

@@ -330,8 +330,10 @@ TEST(ApiServerTest, SigtermFinishesTheStreamInFlightAndExitsZero) {
   HttpResult r = ReadResponse(fd);
   term.join();
   close(fd);
-  EXPECT_EQ(r.status, 200);
-  EXPECT_EQ(SseEvents(r.body).back(), "[DONE]") << "the stream was cut by the shutdown";
+  ASSERT_EQ(r.status, 200) << "the stream was cut by the shutdown";
+  const std::vector<std::string> events = SseEvents(r.body);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back(), "[DONE]") << "the stream was cut by the shutdown";
   const int status = server->Terminate();
   ASSERT_TRUE(WIFEXITED(status)) << status;
   EXPECT_EQ(WEXITSTATUS(status), 0);

@@ -102,6 +102,9 @@ class HttpServer {
   virtual void Stop() = 0;
   // Open connections, for tests and metrics.
   virtual int num_connections() const = 0;
+  // Requests read whose response is not yet fully written to the socket (or abandoned by a
+  // client that went away). A graceful shutdown waits for this to reach zero.
+  virtual int num_responses_in_flight() const = 0;
 };
 
 }  // namespace tandem::router
