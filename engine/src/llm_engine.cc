@@ -62,6 +62,12 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                                               {options.max_num_batched_tokens, options.max_num_seqs,
                                                engine->blocks_->num_blocks(), options.block_size}));
   engine->sampler_ = std::make_unique<Sampler>(config.eos_token_ids);
+  if (options.on_layer_kv_written) {
+    LlmEngine* self = engine.get();
+    engine->runner_->set_layer_written_hook([self](int layer) {
+      self->options_.on_layer_kv_written(layer, self->step_writes_);
+    });
+  }
   return engine;
 }
 
@@ -229,6 +235,14 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   SchedulerStep step = scheduler_->Schedule();
   if (step.empty()) {
     return absl::InternalError("scheduler made no progress with requests pending");
+  }
+  if (options_.on_layer_kv_written) {
+    step_writes_.clear();
+    for (const ScheduledSequence& s : step.seqs) {
+      const Sequence& seq = *s.seq;
+      step_writes_.push_back({seq.request_id, seq.choice_index, seq.num_computed_tokens,
+                              seq.num_computed_tokens + s.num_new_tokens, &seq.block_table});
+    }
   }
   TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits, runner_->Execute(step));
   scheduler_->Commit(step);

@@ -261,6 +261,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     b.Rope(k_.data(), positions_.data(), tokens, c.num_kv_heads, c.head_dim, inv_freq_.data());
     float* cache = layer_cache(l);
     b.WriteKv(k_.data(), v_.data(), slots_.data(), tokens, kv_layout_, cache);
+    if (layer_written_hook_) layer_written_hook_(l);
     b.PagedAttention(q_.data(), cache, kv_layout_, batch, c.num_heads, scale, attn_.data());
     b.Linear(attn_.data(), tokens, *layer.o, layer.o_bias.empty() ? nullptr : layer.o_bias.data(),
              proj_.data());

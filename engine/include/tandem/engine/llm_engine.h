@@ -3,9 +3,12 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -21,6 +24,17 @@
 
 namespace tandem::engine {
 
+// Tokens [begin, end) of one sample whose K and V a step has just written in one layer; see
+// EngineOptions::on_layer_kv_written. `blocks` is the sample's block table (valid during the
+// call only).
+struct KvWritten {
+  std::string_view request_id;
+  int choice_index = 0;
+  int begin = 0;
+  int end = 0;
+  const BlockTable* blocks = nullptr;
+};
+
 struct EngineOptions {
   std::string model_dir;
   int num_threads = 0;                   // 0: one per core
@@ -30,6 +44,11 @@ struct EngineOptions {
   int max_num_batched_tokens = 512;  // also the prefill chunk size
   int max_model_len = 0;             // 0: max_position_embeddings of the model
   EngineRole role = EngineRole::kColocated;
+  // Called on the engine thread, inside Step(), once per layer as soon as that layer's KV of
+  // the step's tokens is in the cache (the later layers are not yet computed). A prefill worker
+  // pushes those pages to the decode worker from here, overlapping transfer with compute. Must
+  // not call back into the engine.
+  std::function<void(int layer, std::span<const KvWritten> written)> on_layer_kv_written;
 };
 
 struct GenerateRequest {
@@ -160,6 +179,7 @@ class LlmEngine {
   std::map<std::string, std::unique_ptr<Request>> requests_;
   std::vector<PrefillHandoff> handoffs_;        // prefill role: not yet taken
   std::vector<RequestOutput> pending_outputs_;  // decode role: first tokens of AddPrefilled
+  std::vector<KvWritten> step_writes_;          // of the running step, for on_layer_kv_written
 };
 
 // Appends one step's delta of a choice to what that choice produced so far.

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -54,6 +55,13 @@ class ModelRunner {
   // sequence with `samples` set, in step order. The span is valid until the next call.
   absl::StatusOr<std::span<const float>> Execute(const SchedulerStep& step);
 
+  // Called by Execute on its own thread as soon as layer `layer`'s K and V of every token of
+  // the step are in the cache, before the next layer runs: lets a prefill worker push a
+  // layer's pages while the later layers are still being computed. Empty: no call.
+  void set_layer_written_hook(std::function<void(int layer)> hook) {
+    layer_written_hook_ = std::move(hook);
+  }
+
   const ModelConfig& config() const { return config_; }
   const kernels::KvLayout& kv_layout() const { return kv_layout_; }
   // The whole cache, [layers][2][num_blocks][block_size][num_kv_heads][head_dim], for
@@ -73,6 +81,7 @@ class ModelRunner {
 
   ModelConfig config_;
   ModelRunnerOptions options_;
+  std::function<void(int layer)> layer_written_hook_;
   kernels::Backend* backend_ = nullptr;  // not owned
   kernels::KvLayout kv_layout_;
   std::vector<float> inv_freq_;  // [head_dim / 2]
