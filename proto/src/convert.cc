@@ -94,4 +94,89 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return StatusFromCode(static_cast<int>(status.error_code()), status.error_message());
 }
 
+tandem::v1::KvLayout EngineKvLayout(const engine::ModelConfig& config,
+                                    const kernels::KvLayout& layout) {
+  tandem::v1::KvLayout out;
+  out.set_dtype(tandem::v1::KV_DTYPE_F32);
+  out.set_block_size(layout.block_size);
+  out.set_num_layers(config.num_layers);
+  out.set_num_kv_heads(layout.num_kv_heads);
+  out.set_head_dim(layout.head_dim);
+  out.set_tp_size(1);
+  out.set_tp_rank(0);
+  out.set_layout_name("layer[2][blocks][block_size][kv_heads][head_dim]");
+  return out;
+}
+
+tandem::v1::FinishReason ToProto(engine::FinishReason reason) {
+  switch (reason) {
+    case engine::FinishReason::kStop:
+      return tandem::v1::FINISH_REASON_STOP;
+    case engine::FinishReason::kLength:
+      return tandem::v1::FINISH_REASON_LENGTH;
+    case engine::FinishReason::kAbort:
+      return tandem::v1::FINISH_REASON_ABORT;
+    case engine::FinishReason::kNone:
+    case engine::FinishReason::kPrefilled:
+      break;
+  }
+  return tandem::v1::FINISH_REASON_NONE;
+}
+
+engine::FinishReason FromProto(tandem::v1::FinishReason reason) {
+  switch (reason) {
+    case tandem::v1::FINISH_REASON_NONE:
+      return engine::FinishReason::kNone;
+    case tandem::v1::FINISH_REASON_STOP:
+      return engine::FinishReason::kStop;
+    case tandem::v1::FINISH_REASON_LENGTH:
+      return engine::FinishReason::kLength;
+    default:
+      return engine::FinishReason::kAbort;
+  }
+}
+
+tandem::v1::PrefilledChoice ToProto(int index, const engine::PrefillHandoff& handoff) {
+  tandem::v1::PrefilledChoice out;
+  out.set_index(index);
+  tandem::v1::SampledToken* first = out.mutable_first_token();
+  first->set_token_id(handoff.first_token);
+  first->set_logprob(handoff.first_logprob);
+  for (const engine::TokenLogprob& t : handoff.first_top_logprobs) {
+    tandem::v1::TokenLogprob* entry = first->add_top_logprobs();
+    entry->set_token_id(t.token);
+    entry->set_logprob(t.logprob);
+  }
+  std::string state(32, '\0');
+  for (int w = 0; w < 4; ++w) {
+    for (int b = 0; b < 8; ++b) {
+      state[w * 8 + b] = static_cast<char>((handoff.rng_state[w] >> (8 * b)) & 0xff);
+    }
+  }
+  out.set_sampler_state(std::move(state));
+  return out;
+}
+
+absl::StatusOr<engine::PrefilledChoice> FromProto(const tandem::v1::PrefilledChoice& choice) {
+  const std::string& state = choice.sampler_state();
+  if (state.size() != 32) {
+    return absl::InvalidArgumentError(absl::StrCat("sampler_state of choice ", choice.index(),
+                                                   " has ", state.size(), " bytes, not 32"));
+  }
+  engine::PrefilledChoice out;
+  out.first_token = choice.first_token().token_id();
+  out.first_logprob = choice.first_token().logprob();
+  for (const tandem::v1::TokenLogprob& t : choice.first_token().top_logprobs()) {
+    out.first_top_logprobs.push_back({t.token_id(), t.logprob()});
+  }
+  for (int w = 0; w < 4; ++w) {
+    uint64_t word = 0;
+    for (int b = 0; b < 8; ++b) {
+      word |= static_cast<uint64_t>(static_cast<unsigned char>(state[w * 8 + b])) << (8 * b);
+    }
+    out.rng_state[w] = word;
+  }
+  return out;
+}
+
 }  // namespace tandem::proto

@@ -163,5 +163,25 @@ TEST(StatusConvertTest, UnknownCodeFromNewerPeerIsUnknownAndNamed) {
   EXPECT_THAT(std::string(status.message()), HasSubstr("new failure"));
 }
 
+
+TEST(PrefilledChoiceConvertTest, RoundTripKeepsTheRandomStreamBitForBit) {
+  engine::PrefillHandoff h;
+  h.first_token = 42;
+  h.first_logprob = -1.25f;
+  h.first_top_logprobs = {{42, -1.25f}, {7, -2.5f}};
+  h.rng_state = {0x0123456789abcdefull, ~0ull, 0, 0x8000000000000001ull};
+  tandem::v1::PrefilledChoice wire = ToProto(3, h);
+  EXPECT_EQ(wire.index(), 3);
+  absl::StatusOr<engine::PrefilledChoice> back = FromProto(wire);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->first_token, 42);
+  EXPECT_EQ(back->first_logprob, -1.25f);
+  ASSERT_EQ(back->first_top_logprobs.size(), 2u);
+  EXPECT_EQ(back->first_top_logprobs[1].token, 7);
+  EXPECT_EQ(back->rng_state, h.rng_state);
+  wire.mutable_sampler_state()->pop_back();
+  EXPECT_EQ(FromProto(wire).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace tandem::proto

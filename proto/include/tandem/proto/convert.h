@@ -9,8 +9,11 @@
 #pragma once
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "grpcpp/support/status.h"
+#include "tandem/engine/llm_engine.h"
 #include "tandem/engine/sampling_params.h"
+#include "tandem/v1/kv_layout.pb.h"
 #include "tandem/v1/sampling.pb.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -31,6 +34,22 @@ tandem::v1::ErrorStatus ToProto(const absl::Status& status);
 absl::Status FromProto(const tandem::v1::ErrorStatus& status);
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
+
+// The layout of an engine's KV cache as the handshake states it: fp32 (the CPU runner's cache),
+// the engine's block size, layers, KV heads and head size, one unsharded rank, and the memory
+// order "layer[2][blocks][block_size][kv_heads][head_dim]".
+tandem::v1::KvLayout EngineKvLayout(const engine::ModelConfig& config,
+                                    const kernels::KvLayout& layout);
+
+// Finish reasons on the wire. kPrefilled never crosses it (it becomes NONE); an unknown value
+// from a newer peer becomes kAbort.
+tandem::v1::FinishReason ToProto(engine::FinishReason reason);
+engine::FinishReason FromProto(tandem::v1::FinishReason reason);
+
+// A prefilled sample on the wire: first token, its logprobs, and the sampler's RNG state as 32
+// little-endian bytes. FromProto refuses (InvalidArgument) a state of any other size.
+tandem::v1::PrefilledChoice ToProto(int index, const engine::PrefillHandoff& handoff);
+absl::StatusOr<engine::PrefilledChoice> FromProto(const tandem::v1::PrefilledChoice& choice);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace tandem::proto
