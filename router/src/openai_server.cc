@@ -177,7 +177,7 @@ struct Generation {
 
 class ApiServerImpl : public ApiServer {
  public:
-  ApiServerImpl(ApiServerOptions options, std::unique_ptr<engine::AsyncEngine> engine)
+  ApiServerImpl(ApiServerOptions options, std::unique_ptr<engine::Generator> engine)
       : options_(std::move(options)), started_(UnixSeconds()), engine_(std::move(engine)) {
     vocab_size_ = std::min(engine_->config().vocab_size, engine_->tokenizer().vocab_size());
   }
@@ -213,7 +213,10 @@ class ApiServerImpl : public ApiServer {
       http_->StopAccepting();
       draining_ = true;
       const Clock::time_point deadline = Clock::now() + grace;
-      while (active_.load() > 0 && Clock::now() < deadline) {
+      // A finished generation may still have its last bytes queued on the socket: wait for
+      // those too, so that no stream in flight is cut by the shutdown.
+      while ((active_.load() > 0 || http_->num_responses_in_flight() > 0) &&
+             Clock::now() < deadline) {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
       http_->Stop();
@@ -224,7 +227,7 @@ class ApiServerImpl : public ApiServer {
 
   // --- used by Generation ---
   ApiMetrics& metrics() { return metrics_; }
-  engine::AsyncEngine& engine() { return *engine_; }
+  engine::Generator& engine() { return *engine_; }
   void RequestFinished() { active_.fetch_sub(1); }
   std::string TokenString(int32_t id) const {
     if (id < 0 || id >= engine_->tokenizer().vocab_size()) return "";
@@ -632,7 +635,7 @@ class ApiServerImpl : public ApiServer {
   // The HTTP server is stopped before the engine goes, and destroyed after it (its I/O
   // context holds handlers that the engine's last callbacks posted).
   std::unique_ptr<HttpServer> http_;
-  std::unique_ptr<engine::AsyncEngine> engine_;
+  std::unique_ptr<engine::Generator> engine_;
 };
 
 json Generation::LogprobsFor(const engine::ChoiceDelta& delta, Choice& choice) const {
@@ -828,7 +831,7 @@ void Generation::Finalize(const std::string& reason) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Create(
-    ApiServerOptions options, std::unique_ptr<engine::AsyncEngine> engine) {
+    ApiServerOptions options, std::unique_ptr<engine::Generator> engine) {
   if (engine == nullptr) return absl::InvalidArgumentError("ApiServer needs an engine");
   auto server = std::make_unique<ApiServerImpl>(std::move(options), std::move(engine));
   TANDEM_RETURN_IF_ERROR(server->Start());

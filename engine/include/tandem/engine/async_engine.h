@@ -13,41 +13,37 @@
 #include <unordered_map>
 
 #include "absl/status/statusor.h"
+#include "tandem/engine/generator.h"
 #include "tandem/engine/llm_engine.h"
 
 namespace tandem::engine {
 
-// Receives every step's output for one request, on the engine thread; the last call has
-// `finished` set (or a non-OK `status`). It must return quickly (hand the data to an I/O
-// thread), since the next engine step waits for it.
-using OutputCallback = std::function<void(const RequestOutput& output, const absl::Status& status)>;
-
 //   TANDEM_ASSIGN_OR_RETURN(auto engine, AsyncEngine::Create(options));
 //   TANDEM_RETURN_IF_ERROR(engine->Submit(std::move(request), [](auto& out, auto& st) {...}));
 //   engine->Abort(request_id);  // e.g. when the client goes away
-class AsyncEngine {
+class AsyncEngine : public Generator {
  public:
   static absl::StatusOr<std::unique_ptr<AsyncEngine>> Create(const EngineOptions& options);
   // Stops the loop; requests still running get a final callback with an Unavailable status.
-  ~AsyncEngine();
+  ~AsyncEngine() override;
 
   // Validates like LlmEngine::AddRequest (the same errors, returned here, synchronously) and
   // queues the request. AlreadyExists for an id that is still running.
-  absl::Status Submit(GenerateRequest request, OutputCallback callback);
+  absl::Status Submit(GenerateRequest request, OutputCallback callback) override;
   // Cancels a request; its KV blocks are freed before the next step. Its callback is not
   // called again. Unknown ids are ignored.
-  void Abort(const std::string& request_id);
+  void Abort(const std::string& request_id) override;
 
   // Immutable after Create: safe from any thread.
-  const ModelConfig& config() const { return engine_->config(); }
-  const Tokenizer& tokenizer() const { return engine_->tokenizer(); }
-  const ChatFormatter& chat_formatter() const { return engine_->chat_formatter(); }
-  int max_model_len() const { return engine_->max_model_len(); }
+  const ModelConfig& config() const override { return engine_->config(); }
+  const Tokenizer& tokenizer() const override { return engine_->tokenizer(); }
+  const ChatFormatter& chat_formatter() const override { return engine_->chat_formatter(); }
+  int max_model_len() const override { return engine_->max_model_len(); }
 
   // Snapshot taken after the latest step.
-  EngineStats stats() const;
+  EngineStats stats() const override;
   // Requests submitted and not yet finished or aborted.
-  int num_active() const;
+  int num_active() const override;
 
  private:
   explicit AsyncEngine(std::unique_ptr<LlmEngine> engine);

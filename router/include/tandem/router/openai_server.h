@@ -1,4 +1,5 @@
-// The OpenAI-compatible HTTP API in front of one AsyncEngine: completions and chat completions
+// The OpenAI-compatible HTTP API in front of a Generator (one engine, or prefill and decode
+// workers): completions and chat completions
 // (streamed as server-sent events or not), models, tokenize/detokenize, health, readiness and
 // Prometheus metrics. docs/api.md describes every endpoint, field, limit and error.
 #pragma once
@@ -9,7 +10,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "tandem/engine/async_engine.h"
+#include "tandem/engine/generator.h"
 #include "tandem/router/http_server.h"
 
 namespace tandem::router {
@@ -38,7 +39,7 @@ struct ApiServerOptions {
 class ApiServer {
  public:
   static absl::StatusOr<std::unique_ptr<ApiServer>> Create(
-      ApiServerOptions options, std::unique_ptr<engine::AsyncEngine> engine);
+      ApiServerOptions options, std::unique_ptr<engine::Generator> engine);
   virtual ~ApiServer() = default;
 
   virtual int port() const = 0;

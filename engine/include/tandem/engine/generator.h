@@ -1,0 +1,46 @@
+// What the HTTP front end generates with: one engine in this process (AsyncEngine) or a
+// disaggregated pool of prefill and decode workers reached over the control plane
+// (router::DisaggregatedGenerator). Both stream every request's output through a callback.
+#pragma once
+
+#include <functional>
+#include <string>
+
+#include "absl/status/status.h"
+#include "tandem/engine/chat_template.h"
+#include "tandem/engine/llm_engine.h"
+#include "tandem/engine/model_config.h"
+#include "tandem/engine/tokenizer.h"
+
+namespace tandem::engine {
+
+// Receives every step's output for one request; the last call has `finished` set (or a non-OK
+// `status`). It must return quickly (hand the data to an I/O thread): it runs on the thread
+// that produces the output (the engine loop, or a control-plane stream reader).
+using OutputCallback = std::function<void(const RequestOutput& output, const absl::Status& status)>;
+
+class Generator {
+ public:
+  virtual ~Generator() = default;
+
+  // Validates the request (InvalidArgument naming the field, as LlmEngine::AddRequest) and
+  // starts it; its outputs then arrive through `callback`. AlreadyExists for an id in flight;
+  // ResourceExhausted or Unavailable when no capacity is left to take it now.
+  virtual absl::Status Submit(GenerateRequest request, OutputCallback callback) = 0;
+  // Cancels a request and frees its KV blocks wherever they are; its callback is not called
+  // again. Unknown ids are ignored.
+  virtual void Abort(const std::string& request_id) = 0;
+
+  // Immutable after creation: safe from any thread.
+  virtual const ModelConfig& config() const = 0;
+  virtual const Tokenizer& tokenizer() const = 0;
+  virtual const ChatFormatter& chat_formatter() const = 0;
+  virtual int max_model_len() const = 0;
+
+  // The latest snapshot of running/waiting requests and KV blocks (summed over workers).
+  virtual EngineStats stats() const = 0;
+  // Requests submitted and not yet finished or aborted.
+  virtual int num_active() const = 0;
+};
+
+}  // namespace tandem::engine

@@ -1,0 +1,57 @@
+// The router's side of disaggregated serving: a Generator that runs each request on a pool of
+// prefill workers and a pool of decode workers over the tandem.v1 control plane.
+//
+// Per request (docs/protocol.md): pick a decode worker by free KV blocks and running batch and
+// Reserve the prompt's blocks there; pick a prefill worker by queued prefill tokens and Submit
+// the prompt with that reservation (the prefill worker pushes the KV pages straight into the
+// reserved blocks); then Start the request on the decode worker and relay its token stream to
+// the callback. Abort cancels whichever call is in flight, which the workers see at once; every
+// error path releases the reservation, so no KV block is left behind.
+//
+//   TANDEM_ASSIGN_OR_RETURN(auto generator, DisaggregatedGenerator::Create(
+//       {.model_dir = dir, .prefill_addresses = {"10.0.0.5:7001"},
+//        .decode_addresses = {"10.0.0.6:7002"}}));
+//   TANDEM_ASSIGN_OR_RETURN(auto api, ApiServer::Create(options, std::move(generator)));
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "tandem/engine/generator.h"
+
+namespace tandem::router {
+
+struct DisaggregatedOptions {
+  // The checkpoint directory: the router reads its config.json, tokenizer.json and chat
+  // template (never the weights).
+  std::string model_dir;
+  // host:port of every prefill and decode worker's control plane; at least one of each.
+  std::vector<std::string> prefill_addresses;
+  std::vector<std::string> decode_addresses;
+  // Context length; 0: the model's. Workers refuse longer requests too.
+  int max_model_len = 0;
+  // How long Create waits for every worker to answer Stats.
+  absl::Duration connect_timeout = absl::Seconds(30);
+  // How long a request may wait for KV room on some decode worker before it is refused with
+  // ResourceExhausted (HTTP 529/503).
+  absl::Duration admission_timeout = absl::Seconds(30);
+  // Time a reservation may take to be prefilled and started; also the prefill's deadline.
+  absl::Duration prefill_timeout = absl::Seconds(60);
+  // Longest token stream from a decode worker.
+  absl::Duration stream_timeout = absl::Minutes(30);
+  // How often each worker's Stats are polled for routing and /metrics.
+  absl::Duration stats_interval = absl::Milliseconds(100);
+};
+
+class DisaggregatedGenerator : public engine::Generator {
+ public:
+  // Loads the tokenizer and config, connects to every worker and waits until each answers
+  // Stats (Unavailable naming the worker otherwise).
+  static absl::StatusOr<std::unique_ptr<DisaggregatedGenerator>> Create(
+      const DisaggregatedOptions& options);
+};
+
+}  // namespace tandem::router

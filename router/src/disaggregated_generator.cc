@@ -1,0 +1,520 @@
+#include "tandem/router/disaggregated_generator.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/base/status_macros.h"
+#include "tandem/proto/convert.h"
+#include "tandem/v1/decode.grpc.pb.h"
+#include "tandem/v1/prefill.grpc.pb.h"
+
+namespace tandem::router {
+namespace {
+
+using engine::GenerateRequest;
+using engine::OutputCallback;
+using engine::RequestOutput;
+
+int64_t UnixMillis(absl::Time t) { return absl::ToUnixMillis(t); }
+
+std::chrono::system_clock::time_point GrpcDeadline(absl::Time t) {
+  return absl::ToChronoTime(t);
+}
+
+// The latest Stats of one worker, refreshed by the poller.
+struct WorkerState {
+  std::string address;
+  std::shared_ptr<grpc::Channel> channel;
+  bool up = false;
+  tandem::v1::WorkerStats stats;
+  // Work sent since the last Stats, so that a burst of requests between two polls spreads:
+  // prompt tokens on a prefill worker, reserved blocks on a decode worker.
+  int64_t pending_load = 0;
+  int pending_requests = 0;
+};
+
+struct DecodeWorkerState : WorkerState {
+  std::unique_ptr<tandem::v1::DecodeWorker::Stub> stub;
+};
+
+struct PrefillWorkerState : WorkerState {
+  std::unique_ptr<tandem::v1::PrefillWorker::Stub> stub;
+};
+
+// One request in flight. Its thread drives Reserve -> Submit -> Start; Abort only flags it and
+// cancels the call in flight, so the I/O thread that calls Abort never blocks.
+struct Flight {
+  GenerateRequest request;
+  OutputCallback callback;
+  std::mutex mu;
+  bool cancelled = false;                  // guarded by mu
+  grpc::ClientContext* call = nullptr;     // the call in flight, guarded by mu
+};
+
+class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
+ public:
+  explicit DisaggregatedGeneratorImpl(const DisaggregatedOptions& options) : options_(options) {}
+
+  ~DisaggregatedGeneratorImpl() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+      for (auto& [id, flight] : flights_) Cancel(*flight);
+    }
+    poll_wake_.notify_all();
+    if (poller_.joinable()) poller_.join();
+    std::unique_lock<std::mutex> lock(mu_);
+    threads_done_.wait(lock, [&] { return num_threads_ == 0; });
+  }
+
+  absl::Status Init() {
+    if (options_.prefill_addresses.empty() || options_.decode_addresses.empty()) {
+      return absl::InvalidArgumentError(
+          "the router needs at least one prefill and one decode worker address");
+    }
+    TANDEM_ASSIGN_OR_RETURN(config_,
+                            engine::ModelConfig::FromFile(options_.model_dir + "/config.json"));
+    TANDEM_ASSIGN_OR_RETURN(tokenizer_,
+                            engine::Tokenizer::FromFile(options_.model_dir + "/tokenizer.json"));
+    TANDEM_ASSIGN_OR_RETURN(chat_formatter_, engine::ChatFormatter::Load(options_.model_dir));
+    max_model_len_ = config_.max_position_embeddings;
+    if (options_.max_model_len > 0) max_model_len_ = std::min(max_model_len_, options_.max_model_len);
+
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, 64 << 20);
+    for (const std::string& address : options_.decode_addresses) {
+      auto w = std::make_unique<DecodeWorkerState>();
+      w->address = address;
+      w->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+      w->stub = tandem::v1::DecodeWorker::NewStub(w->channel);
+      decode_.push_back(std::move(w));
+    }
+    for (const std::string& address : options_.prefill_addresses) {
+      auto w = std::make_unique<PrefillWorkerState>();
+      w->address = address;
+      w->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+      w->stub = tandem::v1::PrefillWorker::NewStub(w->channel);
+      prefill_.push_back(std::move(w));
+    }
+    // Every worker must answer once before the router serves.
+    const absl::Time deadline = absl::Now() + options_.connect_timeout;
+    for (;;) {
+      std::string missing = PollOnce(absl::Milliseconds(500));
+      if (missing.empty()) break;
+      if (absl::Now() >= deadline) {
+        return absl::UnavailableError(absl::StrCat("no answer from worker ", missing, " within ",
+                                                   absl::FormatDuration(options_.connect_timeout)));
+      }
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    poller_ = std::thread([this] { PollLoop(); });
+    return absl::OkStatus();
+  }
+
+  // --- engine::Generator ---
+
+  absl::Status Submit(GenerateRequest request, OutputCallback callback) override {
+    TANDEM_RETURN_IF_ERROR(Validate(request));
+    auto flight = std::make_shared<Flight>();
+    const std::string id = request.request_id;
+    flight->request = std::move(request);
+    flight->callback = std::move(callback);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return absl::UnavailableError("the router is shutting down");
+      if (!flights_.emplace(id, flight).second) {
+        return absl::AlreadyExistsError(absl::StrCat("request id ", id, " is already running"));
+      }
+      ++num_threads_;
+    }
+    std::thread([this, flight] {
+      Run(*flight);
+      std::lock_guard<std::mutex> lock(mu_);
+      flights_.erase(flight->request.request_id);
+      if (--num_threads_ == 0) threads_done_.notify_all();
+    }).detach();
+    return absl::OkStatus();
+  }
+
+  void Abort(const std::string& request_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = flights_.find(request_id);
+    if (it != flights_.end()) Cancel(*it->second);
+  }
+
+  const engine::ModelConfig& config() const override { return config_; }
+  const engine::Tokenizer& tokenizer() const override { return *tokenizer_; }
+  const engine::ChatFormatter& chat_formatter() const override { return *chat_formatter_; }
+  int max_model_len() const override { return max_model_len_; }
+
+  engine::EngineStats stats() const override {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    engine::EngineStats total;
+    for (const auto& w : decode_) {
+      total.running += w->stats.running();
+      total.waiting += w->stats.waiting();
+      total.kv_blocks_total += w->stats.kv_blocks_total();
+      total.kv_blocks_used += w->stats.kv_blocks_used();
+      total.preemptions += w->stats.preemptions_total();
+    }
+    for (const auto& w : prefill_) {
+      total.running += w->stats.running();
+      total.waiting += w->stats.waiting();
+    }
+    return total;
+  }
+
+  int num_active() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return static_cast<int>(flights_.size());
+  }
+
+ private:
+  // The checks a worker would make that need no worker state, so bad input is a 400 at once.
+  absl::Status Validate(const GenerateRequest& request) const {
+    TANDEM_RETURN_IF_ERROR(request.params.Validate(config_.vocab_size));
+    const int prompt_len = static_cast<int>(request.prompt_tokens.size());
+    if (prompt_len == 0) return absl::InvalidArgumentError("prompt must not be empty");
+    for (int32_t id : request.prompt_tokens) {
+      if (id < 0 || id >= config_.vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "prompt token id ", id, " is outside the vocabulary [0, ", config_.vocab_size, ")"));
+      }
+    }
+    const int64_t total = static_cast<int64_t>(prompt_len) + request.params.max_tokens;
+    if (total > max_model_len_) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("this model's maximum context length is ", max_model_len_,
+                       " tokens, but the prompt has ", prompt_len, " tokens and max_tokens is ",
+                       request.params.max_tokens, " (", total, " in all)"));
+    }
+    return absl::OkStatus();
+  }
+
+  // Requires mu_.
+  static void Cancel(Flight& flight) {
+    std::lock_guard<std::mutex> lock(flight.mu);
+    flight.cancelled = true;
+    if (flight.call != nullptr) flight.call->TryCancel();
+  }
+
+  // Marks `context` as the call in flight; false (and nothing set) if already cancelled.
+  static bool BeginCall(Flight& flight, grpc::ClientContext* context) {
+    std::lock_guard<std::mutex> lock(flight.mu);
+    if (flight.cancelled) return false;
+    flight.call = context;
+    return true;
+  }
+  static void EndCall(Flight& flight) {
+    std::lock_guard<std::mutex> lock(flight.mu);
+    flight.call = nullptr;
+  }
+  static bool Cancelled(Flight& flight) {
+    std::lock_guard<std::mutex> lock(flight.mu);
+    return flight.cancelled;
+  }
+
+  // Calls the callback unless the request was aborted (an aborted request hears nothing more).
+  static void Deliver(Flight& flight, const RequestOutput& output, const absl::Status& status) {
+    if (Cancelled(flight)) return;
+    flight.callback(output, status);
+  }
+  static void Fail(Flight& flight, const absl::Status& status) {
+    RequestOutput output;
+    output.request_id = flight.request.request_id;
+    output.num_prompt_tokens = static_cast<int>(flight.request.prompt_tokens.size());
+    output.finished = true;
+    Deliver(flight, output, status);
+  }
+
+  // Decode workers that are up, most free KV blocks first, then smallest running batch.
+  std::vector<DecodeWorkerState*> RankDecode(int blocks_needed) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    std::vector<DecodeWorkerState*> order;
+    for (const auto& w : decode_) {
+      if (w->up) order.push_back(w.get());
+    }
+    auto free_blocks = [](const DecodeWorkerState* w) {
+      return w->stats.kv_blocks_total() - w->stats.kv_blocks_used() - w->pending_load;
+    };
+    auto running = [](const DecodeWorkerState* w) {
+      return w->stats.running() + w->pending_requests;
+    };
+    // Those with room first; among them the smallest running batch, then the most room.
+    std::stable_sort(order.begin(), order.end(), [&](auto* a, auto* b) {
+      const bool fits_a = free_blocks(a) >= blocks_needed, fits_b = free_blocks(b) >= blocks_needed;
+      if (fits_a != fits_b) return fits_a;
+      if (running(a) != running(b)) return running(a) < running(b);
+      return free_blocks(a) > free_blocks(b);
+    });
+    return order;
+  }
+
+  // The prefill worker that is up with the fewest queued prefill tokens.
+  PrefillWorkerState* PickPrefill() {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    PrefillWorkerState* best = nullptr;
+    int64_t best_load = 0;
+    for (const auto& w : prefill_) {
+      if (!w->up) continue;
+      const int64_t load = w->stats.queued_prefill_tokens() + w->pending_load;
+      if (best == nullptr || load < best_load) {
+        best = w.get();
+        best_load = load;
+      }
+    }
+    return best;
+  }
+
+  void AddPending(WorkerState* w, int64_t amount, int requests) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    w->pending_load += amount;
+    w->pending_requests += requests;
+  }
+
+  // Reserves the prompt's blocks on some decode worker, waiting for room up to the admission
+  // timeout. Cancelled if the request is aborted meanwhile.
+  absl::StatusOr<std::pair<DecodeWorkerState*, tandem::v1::KvReservation>> Reserve(
+      Flight& flight) {
+    const GenerateRequest& r = flight.request;
+    const int prompt_len = static_cast<int>(r.prompt_tokens.size());
+    const absl::Time give_up = absl::Now() + options_.admission_timeout;
+    absl::Duration backoff = absl::Milliseconds(5);
+    absl::Status last = absl::UnavailableError("no decode worker is up");
+    for (;;) {
+      // Blocks the prompt needs over all samples, at the default block size of 16 (an estimate
+      // for ranking only; the worker decides).
+      const int blocks_needed = r.params.n * ((prompt_len + 15) / 16);
+      for (DecodeWorkerState* w : RankDecode(blocks_needed)) {
+        tandem::v1::ReserveRequest request;
+        request.set_request_id(r.request_id);
+        request.set_num_prompt_tokens(prompt_len);
+        request.set_max_tokens(r.params.max_tokens);
+        request.set_n(r.params.n);
+        request.set_deadline_unix_ms(UnixMillis(absl::Now() + options_.prefill_timeout));
+        tandem::v1::ReserveResponse response;
+        grpc::ClientContext context;
+        context.set_deadline(GrpcDeadline(absl::Now() + absl::Seconds(10)));
+        if (!BeginCall(flight, &context)) return absl::CancelledError("request aborted");
+        grpc::Status status = w->stub->Reserve(&context, request, &response);
+        EndCall(flight);
+        if (status.ok()) {
+          AddPending(w, response.reservation().block_ids_size(), 1);
+          return std::make_pair(w, response.reservation());
+        }
+        last = proto::FromGrpcStatus(status);
+        if (Cancelled(flight)) return absl::CancelledError("request aborted");
+        // A request no decode worker could ever hold is refused as it is; the others wait.
+        if (last.code() == absl::StatusCode::kInvalidArgument) return last;
+      }
+      if (absl::Now() + backoff >= give_up) break;
+      absl::SleepFor(backoff);
+      backoff = std::min(backoff * 2, absl::Milliseconds(100));
+      if (Cancelled(flight)) return absl::CancelledError("request aborted");
+    }
+    if (last.code() == absl::StatusCode::kResourceExhausted) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("no decode worker had room for the request's KV cache within ",
+                       absl::FormatDuration(options_.admission_timeout), " (", last.message(),
+                       ")"));
+    }
+    return absl::UnavailableError(
+        absl::StrCat("no decode worker could take the request: ", last.message()));
+  }
+
+  void Release(DecodeWorkerState* w, const tandem::v1::KvReservation& reservation) {
+    tandem::v1::ReleaseRequest request;
+    request.set_reservation_id(reservation.reservation_id());
+    tandem::v1::ReleaseResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(GrpcDeadline(absl::Now() + absl::Seconds(5)));
+    // Best effort: a reservation nobody releases expires on the worker.
+    w->stub->Release(&context, request, &response);
+  }
+
+  void Run(Flight& flight) {
+    const GenerateRequest& r = flight.request;
+    const int prompt_len = static_cast<int>(r.prompt_tokens.size());
+
+    // 1. KV room on a decode worker.
+    auto reserved = Reserve(flight);
+    if (!reserved.ok()) {
+      if (!absl::IsCancelled(reserved.status())) Fail(flight, reserved.status());
+      return;
+    }
+    auto [decode, reservation] = std::move(reserved).value();
+    const int reserved_blocks = reservation.block_ids_size();
+
+    // 2. Prefill, the KV landing in the reservation.
+    tandem::v1::SubmitResponse prefilled;
+    absl::Status status = Prefill(flight, reservation, prefilled);
+    if (!status.ok()) {
+      Release(decode, reservation);
+      AddPending(decode, -reserved_blocks, -1);
+      if (!absl::IsCancelled(status) || !Cancelled(flight)) Fail(flight, status);
+      return;
+    }
+
+    // 3. Decode: relay the token stream.
+    tandem::v1::StartRequest start;
+    start.set_request_id(r.request_id);
+    start.set_reservation_id(reservation.reservation_id());
+    start.mutable_prompt_token_ids()->Add(r.prompt_tokens.begin(), r.prompt_tokens.end());
+    *start.mutable_sampling() = proto::ToProto(r.params);
+    *start.mutable_choices() = prefilled.choices();
+    grpc::ClientContext context;
+    context.set_deadline(GrpcDeadline(absl::Now() + options_.stream_timeout));
+    if (!BeginCall(flight, &context)) {
+      Release(decode, reservation);
+      AddPending(decode, -reserved_blocks, -1);
+      return;
+    }
+    std::unique_ptr<grpc::ClientReader<tandem::v1::TokenEvent>> reader =
+        decode->stub->Start(&context, start);
+    AddPending(decode, -reserved_blocks, -1);  // the worker's own stats count them from now on
+    RequestOutput output;
+    output.request_id = r.request_id;
+    output.num_prompt_tokens = prompt_len;
+    bool finished = false;
+    absl::Status stream_error;
+    tandem::v1::TokenEvent event;
+    while (reader->Read(&event)) {
+      output.choices.clear();
+      if (event.has_error() && event.error().code() != 0) {
+        stream_error = proto::FromProto(event.error());
+        break;
+      }
+      engine::ChoiceDelta delta;
+      delta.index = event.index();
+      delta.token_ids.assign(event.token_ids().begin(), event.token_ids().end());
+      delta.text = event.text();
+      delta.logprobs.assign(event.logprobs().begin(), event.logprobs().end());
+      for (const tandem::v1::TopLogprobs& top : event.top_logprobs()) {
+        std::vector<engine::TokenLogprob>& entries = delta.top_logprobs.emplace_back();
+        for (const tandem::v1::TokenLogprob& t : top.entries()) {
+          entries.push_back({t.token_id(), t.logprob()});
+        }
+      }
+      delta.finish_reason = proto::FromProto(event.finish_reason());
+      output.num_generation_tokens += static_cast<int>(delta.token_ids.size());
+      output.choices.push_back(std::move(delta));
+      // The request's last event carries the usage; the stream then ends.
+      if (event.has_usage()) output.finished = finished = true;
+      Deliver(flight, output, absl::OkStatus());
+    }
+    grpc::Status call_status = reader->Finish();
+    EndCall(flight);
+    if (finished) return;
+    if (!stream_error.ok()) {
+      output.choices.clear();
+      output.finished = true;
+      Deliver(flight, output, stream_error);
+      return;
+    }
+    if (Cancelled(flight)) return;
+    absl::Status failed = proto::FromGrpcStatus(call_status);
+    if (failed.ok()) failed = absl::UnavailableError("the decode worker ended the stream early");
+    output.choices.clear();
+    output.finished = true;
+    Deliver(flight, output,
+            absl::Status(failed.code(), absl::StrCat("decode worker ", decode->address, ": ",
+                                                     failed.message())));
+  }
+
+  absl::Status Prefill(Flight& flight, const tandem::v1::KvReservation& reservation,
+                       tandem::v1::SubmitResponse& response) {
+    const GenerateRequest& r = flight.request;
+    PrefillWorkerState* prefill = PickPrefill();
+    if (prefill == nullptr) return absl::UnavailableError("no prefill worker is up");
+    tandem::v1::SubmitRequest request;
+    request.set_request_id(r.request_id);
+    request.mutable_prompt_token_ids()->Add(r.prompt_tokens.begin(), r.prompt_tokens.end());
+    *request.mutable_sampling() = proto::ToProto(r.params);
+    *request.mutable_reservation() = reservation;
+    request.set_deadline_unix_ms(reservation.expires_unix_ms());
+    grpc::ClientContext context;
+    context.set_deadline(GrpcDeadline(absl::FromUnixMillis(reservation.expires_unix_ms()) +
+                                      absl::Seconds(1)));
+    if (!BeginCall(flight, &context)) return absl::CancelledError("request aborted");
+    const int64_t tokens = static_cast<int64_t>(r.prompt_tokens.size()) * r.params.n;
+    AddPending(prefill, tokens, 1);
+    grpc::Status status = prefill->stub->Submit(&context, request, &response);
+    AddPending(prefill, -tokens, -1);
+    EndCall(flight);
+    if (status.ok()) return absl::OkStatus();
+    absl::Status failed = proto::FromGrpcStatus(status);
+    return absl::Status(failed.code(),
+                        absl::StrCat("prefill worker ", prefill->address, ": ", failed.message()));
+  }
+
+  // Polls every worker's Stats once; returns the address of one that did not answer, or "".
+  std::string PollOnce(absl::Duration timeout) {
+    std::string missing;
+    auto poll = [&](WorkerState& w, auto& stub) {
+      tandem::v1::StatsRequest request;
+      tandem::v1::WorkerStats stats;
+      grpc::ClientContext context;
+      context.set_deadline(GrpcDeadline(absl::Now() + timeout));
+      grpc::Status status = stub->Stats(&context, request, &stats);
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      w.up = status.ok();
+      if (status.ok()) {
+        w.stats = stats;
+      } else if (missing.empty()) {
+        missing = w.address;
+      }
+    };
+    for (auto& w : decode_) poll(*w, w->stub);
+    for (auto& w : prefill_) poll(*w, w->stub);
+    return missing;
+  }
+
+  void PollLoop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stopping_) {
+      lock.unlock();
+      PollOnce(absl::Seconds(1));
+      lock.lock();
+      poll_wake_.wait_for(lock, absl::ToChronoMilliseconds(options_.stats_interval),
+                          [&] { return stopping_; });
+    }
+  }
+
+  DisaggregatedOptions options_;
+  engine::ModelConfig config_;
+  std::unique_ptr<engine::Tokenizer> tokenizer_;
+  std::unique_ptr<engine::ChatFormatter> chat_formatter_;
+  int max_model_len_ = 0;
+
+  std::vector<std::unique_ptr<DecodeWorkerState>> decode_;
+  std::vector<std::unique_ptr<PrefillWorkerState>> prefill_;
+  mutable std::mutex stats_mu_;  // guards every WorkerState's up, stats and pending_*
+
+  mutable std::mutex mu_;
+  std::map<std::string, std::shared_ptr<Flight>> flights_;  // guarded by mu_
+  int num_threads_ = 0;                                     // guarded by mu_
+  bool stopping_ = false;                                   // guarded by mu_
+  std::condition_variable threads_done_;
+  std::condition_variable poll_wake_;
+  std::thread poller_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DisaggregatedGenerator>> DisaggregatedGenerator::Create(
+    const DisaggregatedOptions& options) {
+  auto generator = std::make_unique<DisaggregatedGeneratorImpl>(options);
+  TANDEM_RETURN_IF_ERROR(generator->Init());
+  return generator;
+}
+
+}  // namespace tandem::router
