@@ -50,6 +50,10 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::vector<std::strin
   const std::string binary = Env("TANDEM_BINARY_DIR", ".") + "/bin/tandem";
   std::vector<std::string> args = {binary,   "serve", "--model",   TinyModelDir(),
                                    "--port", "0",     "--threads", "1"};
+  // TANDEM_API_TEST_SERVE_FLAGS (space-separated) runs a whole suite in another mode, e.g.
+  // "--colocated".
+  std::istringstream mode(Env("TANDEM_API_TEST_SERVE_FLAGS", ""));
+  for (std::string flag; mode >> flag;) args.push_back(flag);
   args.insert(args.end(), extra_args.begin(), extra_args.end());
   int out[2];
   if (pipe(out) != 0) {

@@ -1,163 +1,87 @@
-// `tandem serve`: the OpenAI-compatible API over one in-process engine. With no flags it
-// writes the synthetic `small` model once into the user's cache and serves it on
-// 127.0.0.1:8000, so a fresh machine has a working endpoint without downloading anything.
-#include <sys/resource.h>
-
-#include <csignal>
+// `tandem serve`: the embedded default. Router, one prefill worker and one decode worker in
+// this process, talking over the real control plane (gRPC on loopback) with KV pages moved by
+// UCX; `--colocated` serves from one engine instead. With no flags it writes the synthetic
+// `small` model once into the user's cache and serves it on 127.0.0.1:8000, so a fresh machine
+// has a working endpoint without downloading anything.
 #include <cstdio>
-#include <cstdlib>
-#include <filesystem>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "commands.h"
+#include "server_flags.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/decode_worker/decode_worker.h"
 #include "tandem/engine/async_engine.h"
+#include "tandem/prefill_worker/prefill_worker.h"
+#include "tandem/router/disaggregated_generator.h"
 #include "tandem/router/openai_server.h"
-#include "tandem/tools/args.h"
-#include "tandem/tools/synth_model.h"
 
 namespace tandem::tools {
 namespace {
 
-namespace fs = std::filesystem;
-
-std::string DefaultModelDir() {
-  const char* xdg = std::getenv("XDG_CACHE_HOME");
-  const char* home = std::getenv("HOME");
-  fs::path cache = xdg != nullptr && *xdg != '\0' ? fs::path(xdg)
-                   : home != nullptr              ? fs::path(home) / ".cache"
-                                                  : fs::temp_directory_path();
-  return (cache / "tandem" / "models" / "small-llama").string();
-}
-
-// A flag's integer value within [lo, hi], or an error naming the flag.
-absl::StatusOr<int64_t> IntFlag(const Args& args, const std::string& name, int64_t fallback,
-                                int64_t lo, int64_t hi) {
-  TANDEM_ASSIGN_OR_RETURN(int64_t v, args.Int(name, fallback));
-  if (v < lo || v > hi) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("serve: --", name, " must be in [", lo, ", ", hi, "], got ", v));
-  }
-  return v;
-}
-
 absl::Status Serve(int argc, char** argv) {
-  // Blocked before any thread starts, so every thread inherits the mask and sigwait() below
-  // is the one place that receives them.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGINT);
-  sigaddset(&signals, SIGTERM);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  const sigset_t signals = BlockStopSignals();
 
   Args args("serve");
-  args.Declare("model", "DIR",
-               "Hugging Face checkpoint directory (default: the synthetic 'small' model, "
-               "written once into ~/.cache/tandem/models/small-llama)");
-  args.Declare("host", "ADDR", "address to listen on (default 127.0.0.1)");
-  args.Declare("port", "N", "port to listen on; 0 picks a free one (default 8000)");
-  args.Declare("served-model-name", "NAME", "model name clients use (default: the directory name)");
-  args.Declare("api-key", "KEY",
-               "require 'Authorization: Bearer KEY' on every route but /health (default: "
-               "$TANDEM_API_KEY, else none)");
-  args.DeclareSwitch("metrics-public", "serve /metrics without the API key");
-  args.Declare("max-num-seqs", "N", "sequences in the running batch (default 64)");
-  args.Declare("max-num-batched-tokens", "N", "tokens per engine step (default 512)");
-  args.Declare("kv-cache-bytes", "N", "KV cache budget in bytes (default 512 MiB)");
-  args.Declare("max-model-len", "N", "context length (default: the model's)");
-  args.Declare("threads", "N", "engine CPU threads (default: all cores)");
-  args.Declare("http-threads", "N", "HTTP I/O threads (default 2)");
-  args.Declare("max-active-requests", "N",
-               "generation requests in flight before new ones are refused (default 1024)");
-  args.Declare("overload-status", "529|503", "status for refused requests (default 529)");
-  args.Declare("max-body-bytes", "N", "largest request body (default 4 MiB)");
-  args.Declare("request-timeout-ms", "N",
-               "time for a client to send a whole request, and to idle between requests "
-               "(default 30000)");
+  DeclareEngineFlags(args);
+  DeclareApiFlags(args);
+  args.DeclareSwitch("colocated", "one engine does prefill and decode (no workers, no transfer)");
+  args.Declare("kv-backend", "ucx|local",
+               "how KV pages move from the prefill to the decode worker (default ucx)");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
   if (args.HandleHelp()) return absl::OkStatus();
 
-  router::ApiServerOptions options;
-  options.http.host = args.GetOr("host", "127.0.0.1");
-  TANDEM_ASSIGN_OR_RETURN(int64_t port, IntFlag(args, "port", 8000, 0, 65535));
-  options.http.port = static_cast<int>(port);
-  TANDEM_ASSIGN_OR_RETURN(int64_t http_threads, IntFlag(args, "http-threads", 2, 1, 64));
-  options.http.num_threads = static_cast<int>(http_threads);
-  TANDEM_ASSIGN_OR_RETURN(options.http.max_body_bytes,
-                          IntFlag(args, "max-body-bytes", 4 << 20, 1024, int64_t{1} << 32));
-  TANDEM_ASSIGN_OR_RETURN(int64_t timeout_ms,
-                          IntFlag(args, "request-timeout-ms", 30000, 100, 3600000));
-  options.http.request_timeout = std::chrono::milliseconds(timeout_ms);
-  TANDEM_ASSIGN_OR_RETURN(int64_t max_active,
-                          IntFlag(args, "max-active-requests", 1024, 1, 1000000));
-  options.max_active_requests = static_cast<int>(max_active);
-  TANDEM_ASSIGN_OR_RETURN(int64_t overload, args.Int("overload-status", 529));
-  if (overload != 529 && overload != 503) {
+  TANDEM_ASSIGN_OR_RETURN(engine::EngineOptions engine_options, EngineFlags(args));
+  TANDEM_ASSIGN_OR_RETURN(router::ApiServerOptions options,
+                          ApiFlags(args, engine_options.model_dir));
+  const std::string kv_backend = args.GetOr("kv-backend", "ucx");
+  if (kv_backend != "ucx" && kv_backend != "local") {
     return absl::InvalidArgumentError(
-        absl::StrCat("serve: --overload-status must be 529 or 503, got ", overload));
+        absl::StrCat("serve: --kv-backend must be ucx or local, got ", kv_backend));
   }
-  options.overload_status = static_cast<int>(overload);
-  options.metrics_public = args.Switch("metrics-public");
-  if (args.Has("api-key")) {
-    options.api_key = *args.Get("api-key");
-    if (options.api_key.empty()) {
-      return absl::InvalidArgumentError("serve: --api-key must not be empty");
-    }
-  } else if (const char* env = std::getenv("TANDEM_API_KEY"); env != nullptr && *env != '\0') {
-    options.api_key = env;
+  const bool colocated = args.Switch("colocated");
+  if (colocated && args.Has("kv-backend")) {
+    return absl::InvalidArgumentError("serve: --kv-backend has no use with --colocated");
   }
+  RaiseFileLimit();
 
-  engine::EngineOptions engine_options;
-  TANDEM_ASSIGN_OR_RETURN(int64_t seqs, IntFlag(args, "max-num-seqs", 64, 1, 65536));
-  engine_options.max_num_seqs = static_cast<int>(seqs);
-  TANDEM_ASSIGN_OR_RETURN(int64_t batched,
-                          IntFlag(args, "max-num-batched-tokens", 512, 1, 1 << 20));
-  engine_options.max_num_batched_tokens = static_cast<int>(batched);
-  TANDEM_ASSIGN_OR_RETURN(engine_options.kv_cache_bytes,
-                          IntFlag(args, "kv-cache-bytes", 512ll << 20, 1, int64_t{1} << 50));
-  TANDEM_ASSIGN_OR_RETURN(int64_t max_len, IntFlag(args, "max-model-len", 0, 0, 1 << 24));
-  engine_options.max_model_len = static_cast<int>(max_len);
-  TANDEM_ASSIGN_OR_RETURN(int64_t threads, IntFlag(args, "threads", 0, 0, 1024));
-  engine_options.num_threads = static_cast<int>(threads);
-
-  std::string model_dir;
-  if (args.Has("model")) {
-    model_dir = *args.Get("model");
+  // Destroyed in reverse order: the API server (and the generator it owns) before the workers.
+  std::unique_ptr<decode_worker::DecodeWorker> decode;
+  std::unique_ptr<prefill_worker::PrefillWorker> prefill;
+  std::unique_ptr<engine::Generator> generator;
+  if (colocated) {
+    TANDEM_ASSIGN_OR_RETURN(generator, engine::AsyncEngine::Create(engine_options));
   } else {
-    model_dir = DefaultModelDir();
-    // config.json is written last, so its presence means a complete checkpoint.
-    if (!fs::exists(fs::path(model_dir) / "config.json")) {
-      std::fprintf(stderr, "tandem: writing the synthetic 'small' model to %s (once)\n",
-                   model_dir.c_str());
-      SynthModelOptions synth;
-      synth.out_dir = model_dir;
-      synth.preset = "small";
-      TANDEM_RETURN_IF_ERROR(WriteSyntheticModel(synth));
-    }
+    decode_worker::DecodeWorkerOptions decode_options;
+    decode_options.engine = engine_options;
+    decode_options.worker_id = "decode-0";
+    decode_options.kv_backend = kv_backend;
+    TANDEM_ASSIGN_OR_RETURN(decode, decode_worker::DecodeWorker::Create(decode_options));
+    prefill_worker::PrefillWorkerOptions prefill_options;
+    prefill_options.engine = engine_options;
+    prefill_options.worker_id = "prefill-0";
+    prefill_options.kv_backend = kv_backend;
+    TANDEM_ASSIGN_OR_RETURN(prefill, prefill_worker::PrefillWorker::Create(prefill_options));
+    router::DisaggregatedOptions router_options;
+    router_options.model_dir = engine_options.model_dir;
+    router_options.max_model_len = engine_options.max_model_len;
+    router_options.prefill_addresses = {prefill->grpc_address()};
+    router_options.decode_addresses = {decode->grpc_address()};
+    TANDEM_ASSIGN_OR_RETURN(generator, router::DisaggregatedGenerator::Create(router_options));
   }
-  engine_options.model_dir = model_dir;
-  std::string name = args.GetOr("served-model-name", "");
-  if (name.empty()) name = fs::path(model_dir).lexically_normal().filename().string();
-  if (name.empty() || name == ".")
-    name = fs::path(model_dir).lexically_normal().parent_path().filename().string();
-  if (name.empty()) name = "model";
-  options.served_model_names = {name};
+  TANDEM_ASSIGN_OR_RETURN(auto server, router::ApiServer::Create(options, std::move(generator)));
 
-  // Every open stream is a descriptor: allow as many as the system lets this process have.
-  rlimit files{};
-  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
-    files.rlim_cur = files.rlim_max;
-    setrlimit(RLIMIT_NOFILE, &files);
-  }
-
-  TANDEM_ASSIGN_OR_RETURN(auto engine, engine::AsyncEngine::Create(engine_options));
-  TANDEM_ASSIGN_OR_RETURN(auto server, router::ApiServer::Create(options, std::move(engine)));
-
+  const std::string& name = options.served_model_names.front();
   const std::string host =
       options.http.host == "0.0.0.0" || options.http.host == "::" ? "127.0.0.1" : options.http.host;
   const std::string url = absl::StrCat("http://", host, ":", server->port());
-  std::printf("tandem: serving %s on %s\n", name.c_str(), url.c_str());
+  if (colocated) {
+    std::printf("tandem: serving %s on %s (colocated)\n", name.c_str(), url.c_str());
+  } else {
+    std::printf("tandem: serving %s on %s (prefill %s, decode %s, KV over %s)\n", name.c_str(),
+                url.c_str(), prefill->grpc_address().c_str(), decode->grpc_address().c_str(),
+                kv_backend.c_str());
+  }
   std::printf(
       "try:    curl %s/v1/completions -H 'Content-Type: application/json'%s -d "
       "'{\"model\": \"%s\", \"prompt\": \"Once upon a time\", \"max_tokens\": 32}'\n",
@@ -165,11 +89,11 @@ absl::Status Serve(int argc, char** argv) {
       name.c_str());
   std::fflush(stdout);
 
-  int received = 0;
-  sigwait(&signals, &received);
-  std::fprintf(stderr, "tandem: %s received, finishing requests in flight\n",
-               received == SIGINT ? "SIGINT" : "SIGTERM");
+  WaitForSignal(signals, "finishing requests in flight");
   server->Shutdown(std::chrono::seconds(30));
+  server.reset();
+  if (prefill) prefill->Shutdown(absl::Seconds(5));
+  if (decode) decode->Shutdown(absl::Seconds(5));
   return absl::OkStatus();
 }
 

@@ -10,5 +10,8 @@ int RunGenerate(int argc, char** argv);
 int RunServe(int argc, char** argv);
 int RunRoofline(int argc, char** argv);
 int RunBench(int argc, char** argv);
+int RunRouter(int argc, char** argv);
+int RunPrefill(int argc, char** argv);
+int RunDecode(int argc, char** argv);
 
 }  // namespace tandem::tools

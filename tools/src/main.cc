@@ -15,9 +15,13 @@ struct Command {
 
 constexpr Command kCommands[] = {
     {"bench", tandem::tools::RunBench, "load generator against an OpenAI-compatible endpoint"},
+    {"decode", tandem::tools::RunDecode, "a decode worker (gRPC control plane, KV receiver)"},
     {"generate", tandem::tools::RunGenerate, "offline generation from a checkpoint"},
+    {"prefill", tandem::tools::RunPrefill, "a prefill worker (gRPC control plane, KV sender)"},
     {"roofline", tandem::tools::RunRoofline, "FLOPs, bytes and bound per operator, step times"},
-    {"serve", tandem::tools::RunServe, "serve the OpenAI-compatible API (default: a demo model)"},
+    {"router", tandem::tools::RunRouter, "the OpenAI-compatible API over prefill and decode workers"},
+    {"serve", tandem::tools::RunServe,
+     "router + prefill + decode in one process (default: a demo model)"},
     {"synth-model", tandem::tools::RunSynthModel, "write a synthetic Hugging Face checkpoint"},
     {"tokenize", tandem::tools::RunTokenize, "tokenize (or --decode) lines from stdin"},
 };

@@ -29,6 +29,8 @@ class Args {
   absl::Status Parse(int argc, char** argv);
 
   bool help_requested() const { return help_; }
+  // The subcommand's name, as given to the constructor.
+  const std::string& command() const { return command_; }
   // Prints Usage() on stdout when --help was given; true means the command is done.
   bool HandleHelp() const;
   std::string Usage() const;

@@ -1,0 +1,61 @@
+// The decode worker: a decode-role engine behind the tandem.v1.DecodeWorker gRPC service.
+//
+// It reserves KV blocks for requests about to be prefilled elsewhere, registers its whole KV
+// cache with a kvtransfer agent so prefill workers can write the prompt KV straight into those
+// blocks, and, once the router starts a request (Start), continues it from the prefilled first
+// token and streams the tokens back. docs/protocol.md describes every RPC.
+//
+//   TANDEM_ASSIGN_OR_RETURN(auto worker, DecodeWorker::Create(options));
+//   std::printf("decode worker on %s\n", worker->grpc_address().c_str());
+//   ...
+//   worker->Shutdown(absl::Seconds(30));
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "tandem/engine/llm_engine.h"
+#include "tandem/v1/worker.pb.h"
+
+namespace tandem::decode_worker {
+
+struct DecodeWorkerOptions {
+  // The engine; its role is set to decode.
+  engine::EngineOptions engine;
+  // Reported in Stats and Handshake; empty: "decode-<pid>".
+  std::string worker_id;
+  // host:port the gRPC control plane listens on; port 0 picks a free one (see grpc_address()).
+  std::string grpc_address = "127.0.0.1:0";
+  // host:port of an HTTP listener serving GET /metrics (Prometheus) and GET /health; empty for
+  // none. Port 0 picks a free one (see metrics_port()).
+  std::string metrics_address;
+  // The kvtransfer backend the KV cache is registered with: "ucx" (between processes) or "local"
+  // (prefill worker in the same process).
+  std::string kv_backend = "ucx";
+  // ucx: where the transfer listener binds (must be reachable by the prefill workers).
+  std::string kv_listen_host = "127.0.0.1";
+  // Longest a reservation may wait for Start; a ReserveRequest deadline further out (or none)
+  // is cut to this.
+  absl::Duration max_reservation_ttl = absl::Seconds(60);
+};
+
+class DecodeWorker {
+ public:
+  static absl::StatusOr<std::unique_ptr<DecodeWorker>> Create(DecodeWorkerOptions options);
+  // Shuts down at once (as Shutdown with no grace).
+  virtual ~DecodeWorker() = default;
+
+  // "host:port" the control plane is bound to (the actual port when 0 was asked for).
+  virtual std::string grpc_address() const = 0;
+  // The bound metrics port, 0 when none was asked for.
+  virtual int metrics_port() const = 0;
+  // What the Stats RPC returns.
+  virtual tandem::v1::WorkerStats Stats() const = 0;
+  // Refuses new reservations, lets running requests finish for up to `grace`, then cancels the
+  // rest (their streams end with an error event), frees every block and stops. Idempotent.
+  virtual void Shutdown(absl::Duration grace) = 0;
+};
+
+}  // namespace tandem::decode_worker

@@ -1,0 +1,84 @@
+// `tandem router`: the OpenAI-compatible API in front of pools of prefill and decode workers.
+#include <cstdio>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "commands.h"
+#include "server_flags.h"
+#include "tandem/base/status_macros.h"
+#include "tandem/router/disaggregated_generator.h"
+#include "tandem/router/openai_server.h"
+
+namespace tandem::tools {
+namespace {
+
+absl::StatusOr<std::vector<std::string>> Addresses(const Args& args, const std::string& flag) {
+  if (!args.Has(flag)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("router: --", flag, " HOST:PORT[,HOST:PORT...] is required"));
+  }
+  std::vector<std::string> out;
+  for (absl::string_view part : absl::StrSplit(*args.Get(flag), ',', absl::SkipWhitespace())) {
+    std::string address(part);
+    const size_t colon = address.rfind(':');
+    if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("router: --", flag, " entry '", address, "' is not HOST:PORT"));
+    }
+    out.push_back(address);
+  }
+  if (out.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("router: --", flag, " names no worker"));
+  }
+  return out;
+}
+
+absl::Status Router(int argc, char** argv) {
+  const sigset_t signals = BlockStopSignals();
+  Args args("router");
+  args.Declare("prefill", "ADDR[,ADDR]", "control-plane addresses of the prefill workers");
+  args.Declare("decode", "ADDR[,ADDR]", "control-plane addresses of the decode workers");
+  args.Declare("model", "DIR",
+               "checkpoint directory the workers serve (the router reads its tokenizer, chat "
+               "template and config, not its weights)");
+  args.Declare("max-model-len", "N", "context length (default: the model's)");
+  args.Declare("admission-timeout-ms", "N",
+               "how long a request may wait for KV room on a decode worker (default 30000)");
+  DeclareApiFlags(args);
+  TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
+  if (args.HandleHelp()) return absl::OkStatus();
+
+  router::DisaggregatedOptions options;
+  TANDEM_ASSIGN_OR_RETURN(options.prefill_addresses, Addresses(args, "prefill"));
+  TANDEM_ASSIGN_OR_RETURN(options.decode_addresses, Addresses(args, "decode"));
+  if (!args.Has("model")) return absl::InvalidArgumentError("router: --model DIR is required");
+  options.model_dir = *args.Get("model");
+  TANDEM_ASSIGN_OR_RETURN(int64_t max_len, IntFlag(args, "max-model-len", 0, 0, 1 << 24));
+  options.max_model_len = static_cast<int>(max_len);
+  TANDEM_ASSIGN_OR_RETURN(int64_t admission,
+                          IntFlag(args, "admission-timeout-ms", 30000, 0, 3600000));
+  options.admission_timeout = absl::Milliseconds(admission);
+  TANDEM_ASSIGN_OR_RETURN(router::ApiServerOptions api, ApiFlags(args, options.model_dir));
+  RaiseFileLimit();
+
+  TANDEM_ASSIGN_OR_RETURN(auto generator, router::DisaggregatedGenerator::Create(options));
+  TANDEM_ASSIGN_OR_RETURN(auto server, router::ApiServer::Create(api, std::move(generator)));
+  const std::string host =
+      api.http.host == "0.0.0.0" || api.http.host == "::" ? "127.0.0.1" : api.http.host;
+  std::printf("tandem: routing %s on http://%s:%d (prefill %s; decode %s)\n",
+              api.served_model_names.front().c_str(), host.c_str(), server->port(),
+              absl::StrJoin(options.prefill_addresses, ",").c_str(),
+              absl::StrJoin(options.decode_addresses, ",").c_str());
+  std::fflush(stdout);
+  WaitForSignal(signals, "finishing requests in flight");
+  server->Shutdown(std::chrono::seconds(30));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int RunRouter(int argc, char** argv) { return ExitCode("router", Router(argc, argv)); }
+
+}  // namespace tandem::tools

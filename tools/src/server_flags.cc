@@ -1,0 +1,165 @@
+#include "server_flags.h"
+
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/base/status_macros.h"
+#include "tandem/tools/synth_model.h"
+
+namespace tandem::tools {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string DefaultModelDir() {
+  const char* xdg = std::getenv("XDG_CACHE_HOME");
+  const char* home = std::getenv("HOME");
+  fs::path cache = xdg != nullptr && *xdg != '\0' ? fs::path(xdg)
+                   : home != nullptr              ? fs::path(home) / ".cache"
+                                                  : fs::temp_directory_path();
+  return (cache / "tandem" / "models" / "small-llama").string();
+}
+
+}  // namespace
+
+absl::StatusOr<int64_t> IntFlag(const Args& args, const std::string& name, int64_t fallback,
+                                int64_t lo, int64_t hi) {
+  TANDEM_ASSIGN_OR_RETURN(int64_t v, args.Int(name, fallback));
+  if (v < lo || v > hi) {
+    return absl::InvalidArgumentError(absl::StrCat(args.command(), ": --", name, " must be in [",
+                                                   lo, ", ", hi, "], got ", v));
+  }
+  return v;
+}
+
+void DeclareEngineFlags(Args& args) {
+  args.Declare("model", "DIR",
+               "Hugging Face checkpoint directory (default: the synthetic 'small' model, "
+               "written once into ~/.cache/tandem/models/small-llama)");
+  args.Declare("max-num-seqs", "N", "sequences in the running batch (default 64)");
+  args.Declare("max-num-batched-tokens", "N",
+               "tokens per engine step, also the prefill chunk (default 512)");
+  args.Declare("kv-cache-bytes", "N", "KV cache budget in bytes, per engine (default 512 MiB)");
+  args.Declare("max-model-len", "N", "context length (default: the model's)");
+  args.Declare("threads", "N", "engine CPU threads (default: all cores)");
+}
+
+absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
+  engine::EngineOptions options;
+  TANDEM_ASSIGN_OR_RETURN(int64_t seqs, IntFlag(args, "max-num-seqs", 64, 1, 65536));
+  options.max_num_seqs = static_cast<int>(seqs);
+  TANDEM_ASSIGN_OR_RETURN(int64_t batched,
+                          IntFlag(args, "max-num-batched-tokens", 512, 1, 1 << 20));
+  options.max_num_batched_tokens = static_cast<int>(batched);
+  TANDEM_ASSIGN_OR_RETURN(options.kv_cache_bytes,
+                          IntFlag(args, "kv-cache-bytes", 512ll << 20, 1, int64_t{1} << 50));
+  TANDEM_ASSIGN_OR_RETURN(int64_t max_len, IntFlag(args, "max-model-len", 0, 0, 1 << 24));
+  options.max_model_len = static_cast<int>(max_len);
+  TANDEM_ASSIGN_OR_RETURN(int64_t threads, IntFlag(args, "threads", 0, 0, 1024));
+  options.num_threads = static_cast<int>(threads);
+
+  if (args.Has("model")) {
+    options.model_dir = *args.Get("model");
+  } else {
+    options.model_dir = DefaultModelDir();
+    // config.json is written last, so its presence means a complete checkpoint.
+    if (!fs::exists(fs::path(options.model_dir) / "config.json")) {
+      std::fprintf(stderr, "tandem: writing the synthetic 'small' model to %s (once)\n",
+                   options.model_dir.c_str());
+      SynthModelOptions synth;
+      synth.out_dir = options.model_dir;
+      synth.preset = "small";
+      TANDEM_RETURN_IF_ERROR(WriteSyntheticModel(synth));
+    }
+  }
+  return options;
+}
+
+void DeclareApiFlags(Args& args) {
+  args.Declare("host", "ADDR", "address to listen on (default 127.0.0.1)");
+  args.Declare("port", "N", "port to listen on; 0 picks a free one (default 8000)");
+  args.Declare("served-model-name", "NAME", "model name clients use (default: the directory name)");
+  args.Declare("api-key", "KEY",
+               "require 'Authorization: Bearer KEY' on every route but /health (default: "
+               "$TANDEM_API_KEY, else none)");
+  args.DeclareSwitch("metrics-public", "serve /metrics without the API key");
+  args.Declare("http-threads", "N", "HTTP I/O threads (default 2)");
+  args.Declare("max-active-requests", "N",
+               "generation requests in flight before new ones are refused (default 1024)");
+  args.Declare("overload-status", "529|503", "status for refused requests (default 529)");
+  args.Declare("max-body-bytes", "N", "largest request body (default 4 MiB)");
+  args.Declare("request-timeout-ms", "N",
+               "time for a client to send a whole request, and to idle between requests "
+               "(default 30000)");
+}
+
+absl::StatusOr<router::ApiServerOptions> ApiFlags(const Args& args, const std::string& model_dir) {
+  router::ApiServerOptions options;
+  options.http.host = args.GetOr("host", "127.0.0.1");
+  TANDEM_ASSIGN_OR_RETURN(int64_t port, IntFlag(args, "port", 8000, 0, 65535));
+  options.http.port = static_cast<int>(port);
+  TANDEM_ASSIGN_OR_RETURN(int64_t http_threads, IntFlag(args, "http-threads", 2, 1, 64));
+  options.http.num_threads = static_cast<int>(http_threads);
+  TANDEM_ASSIGN_OR_RETURN(options.http.max_body_bytes,
+                          IntFlag(args, "max-body-bytes", 4 << 20, 1024, int64_t{1} << 32));
+  TANDEM_ASSIGN_OR_RETURN(int64_t timeout_ms,
+                          IntFlag(args, "request-timeout-ms", 30000, 100, 3600000));
+  options.http.request_timeout = std::chrono::milliseconds(timeout_ms);
+  TANDEM_ASSIGN_OR_RETURN(int64_t max_active,
+                          IntFlag(args, "max-active-requests", 1024, 1, 1000000));
+  options.max_active_requests = static_cast<int>(max_active);
+  TANDEM_ASSIGN_OR_RETURN(int64_t overload, args.Int("overload-status", 529));
+  if (overload != 529 && overload != 503) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --overload-status must be 529 or 503, got ", overload));
+  }
+  options.overload_status = static_cast<int>(overload);
+  options.metrics_public = args.Switch("metrics-public");
+  if (args.Has("api-key")) {
+    options.api_key = *args.Get("api-key");
+    if (options.api_key.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(args.command(), ": --api-key must not be empty"));
+    }
+  } else if (const char* env = std::getenv("TANDEM_API_KEY"); env != nullptr && *env != '\0') {
+    options.api_key = env;
+  }
+  std::string name = args.GetOr("served-model-name", "");
+  if (name.empty()) name = fs::path(model_dir).lexically_normal().filename().string();
+  if (name.empty() || name == ".") {
+    name = fs::path(model_dir).lexically_normal().parent_path().filename().string();
+  }
+  if (name.empty()) name = "model";
+  options.served_model_names = {name};
+  return options;
+}
+
+sigset_t BlockStopSignals() {
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  return signals;
+}
+
+void WaitForSignal(const sigset_t& signals, const std::string& what) {
+  int received = 0;
+  sigwait(&signals, &received);
+  std::fprintf(stderr, "tandem: %s received, %s\n", received == SIGINT ? "SIGINT" : "SIGTERM",
+               what.c_str());
+}
+
+void RaiseFileLimit() {
+  rlimit files{};
+  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &files);
+  }
+}
+
+}  // namespace tandem::tools

@@ -1,0 +1,38 @@
+// Flags shared by the serving subcommands (`serve`, `router`, `prefill`, `decode`): the engine
+// a worker runs, the HTTP API the router serves, and the signal wait they all end with.
+#pragma once
+
+#include <csignal>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "tandem/engine/llm_engine.h"
+#include "tandem/router/openai_server.h"
+#include "tandem/tools/args.h"
+
+namespace tandem::tools {
+
+// A flag's integer value within [lo, hi], or an error "COMMAND: --NAME must be in [lo, hi]".
+absl::StatusOr<int64_t> IntFlag(const Args& args, const std::string& name, int64_t fallback,
+                                int64_t lo, int64_t hi);
+
+// --model and the engine's batching, KV and thread flags.
+void DeclareEngineFlags(Args& args);
+// The engine options they give. Without --model: the synthetic 'small' model, written once
+// into ~/.cache/tandem/models/small-llama.
+absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args);
+
+// The HTTP API flags (--host, --port, --api-key, limits) and --served-model-name.
+void DeclareApiFlags(Args& args);
+absl::StatusOr<router::ApiServerOptions> ApiFlags(const Args& args, const std::string& model_dir);
+
+// Blocks SIGINT and SIGTERM in this thread (call before starting any thread, so every thread
+// inherits the mask) and returns the set for WaitForSignal.
+sigset_t BlockStopSignals();
+// Waits for one of `signals` and says on stderr that `what` is shutting down.
+void WaitForSignal(const sigset_t& signals, const std::string& what);
+
+// Raises the open-file limit to the hard limit: every stream and connection is a descriptor.
+void RaiseFileLimit();
+
+}  // namespace tandem::tools
