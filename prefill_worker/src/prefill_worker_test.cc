@@ -1,0 +1,685 @@
+// The prefill worker over real gRPC, with the test playing the decode side: a decode-role engine
+// whose cache is registered with a kvtransfer agent, reservations built by hand, and the
+// requests continued on it from the Submit responses. The output must equal a colocated
+// engine's token for token, and no KV block may be left allocated on any path.
+#include "tandem/prefill_worker/prefill_worker.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <map>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tandem/engine/llm_engine.h"
+#include "tandem/kvtransfer/agent.h"
+#include "tandem/proto/convert.h"
+#include "tandem/v1/prefill.grpc.pb.h"
+#include "test_models.h"
+
+namespace tandem::prefill_worker {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kTinyKvBytes = 8ll << 20;
+// The small preset is slow enough on the CPU (tens of ms per chunk) for a request to be caught
+// in the middle of its prefill.
+constexpr int64_t kSmallKvBytes = 40ll << 20;
+constexpr int kSlowPromptLen = 1200;
+
+engine::EngineOptions EngineOptionsFor(const std::string& model, int64_t kv_bytes,
+                                       engine::EngineRole role) {
+  engine::EngineOptions options;
+  options.model_dir = model;
+  options.num_threads = 2;
+  options.kv_cache_bytes = kv_bytes;
+  options.max_num_batched_tokens = 64;  // prompts span several prefill chunks
+  options.role = role;
+  return options;
+}
+
+std::string TinyQwen3() { return testing::TinyModel("qwen3", DType::kBF16); }
+std::string SmallQwen3() { return testing::TinyModel("qwen3", DType::kBF16, "small"); }
+
+// The decode worker's side, played by the test: a decode-role engine whose KV cache is
+// registered (region 0) with an agent, reservations made with ReserveBlocks, and requests
+// continued with AddPrefilled. Thread-safe.
+class DecodeSide {
+ public:
+  DecodeSide(const std::string& backend, const std::string& model, int64_t kv_bytes)
+      : backend_(backend) {
+    auto engine =
+        engine::LlmEngine::Create(EngineOptionsFor(model, kv_bytes, engine::EngineRole::kDecode));
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    engine_ = std::move(engine).value();
+    auto agent = kvtransfer::Agent::Create({.backend = backend, .name = "decode"});
+    EXPECT_TRUE(agent.ok()) << agent.status();
+    agent_ = std::move(agent).value();
+    auto descriptor = agent_->RegisterMemory(0, engine_->kv_cache(), engine_->kv_cache_bytes());
+    EXPECT_TRUE(descriptor.ok()) << descriptor.status();
+    descriptor_ = *descriptor;
+    address_ = agent_->address();
+  }
+
+  // Blocks for n samples of a prompt, as a decode worker's Reserve would answer.
+  tandem::v1::KvReservation Reserve(const std::string& id, int prompt_len, int n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    tandem::v1::KvReservation reservation;
+    reservation.set_reservation_id("res-" + id);
+    const int bs = engine_->kv_layout().block_size;
+    reservation.set_blocks_per_choice((prompt_len + bs - 1) / bs);
+    for (int c = 0; c < n; ++c) {
+      auto table = engine_->ReserveBlocks(prompt_len);
+      EXPECT_TRUE(table.ok()) << table.status();
+      for (int32_t b : *table) reservation.add_block_ids(b);
+      reserved_[id].push_back(std::move(table).value());
+    }
+    tandem::v1::TransferEndpoint* endpoint = reservation.mutable_endpoint();
+    endpoint->set_backend(backend_);
+    endpoint->set_address(address_);
+    endpoint->add_region_descriptors(descriptor_);
+    endpoint->set_num_blocks(engine_->kv_layout().num_blocks);
+    *endpoint->mutable_layout() = proto::EngineKvLayout(engine_->config(), engine_->kv_layout());
+    reservation.set_expires_unix_ms(absl::ToUnixMillis(absl::Now() + absl::Seconds(120)));
+    return reservation;
+  }
+
+  void Release(const std::string& id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (engine::BlockTable& table : reserved_[id]) engine_->FreeReservation(table);
+    reserved_.erase(id);
+  }
+
+  // Continues a request from its Submit response (the reservation's blocks now hold its KV).
+  absl::Status Continue(const engine::GenerateRequest& request,
+                        const tandem::v1::SubmitResponse& response) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<engine::PrefilledChoice> choices(response.choices_size());
+    for (const tandem::v1::PrefilledChoice& wire : response.choices()) {
+      auto choice = proto::FromProto(wire);
+      if (!choice.ok()) return choice.status();
+      choice->blocks = reserved_.at(request.request_id).at(wire.index());
+      choices.at(wire.index()) = std::move(choice).value();
+    }
+    reserved_.erase(request.request_id);
+    return engine_->AddPrefilled(request, std::move(choices));
+  }
+
+  // Runs every continued request to the end; the final output of each choice by request id.
+  std::map<std::string, engine::RequestOutput> RunAll() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::map<std::string, engine::RequestOutput> got;
+    while (engine_->has_unfinished()) {
+      auto outputs = engine_->Step();
+      EXPECT_TRUE(outputs.ok()) << outputs.status();
+      if (!outputs.ok()) break;
+      for (engine::RequestOutput& out : *outputs) {
+        engine::RequestOutput& total = got[out.request_id];
+        for (engine::ChoiceDelta& d : out.choices) {
+          if (static_cast<int>(total.choices.size()) <= d.index) total.choices.resize(d.index + 1);
+          engine::AccumulateDelta(total.choices[d.index], d);
+        }
+      }
+    }
+    return got;
+  }
+
+  int blocks_used() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return engine_->stats().kv_blocks_used;
+  }
+  // The decode worker's agent goes away (its process died); the cache stays allocated.
+  void DestroyAgent() {
+    std::lock_guard<std::mutex> lock(mu_);
+    agent_.reset();
+  }
+  const engine::LlmEngine& engine() const { return *engine_; }
+
+ private:
+  std::string backend_;
+  std::mutex mu_;
+  std::unique_ptr<engine::LlmEngine> engine_;
+  std::unique_ptr<kvtransfer::Agent> agent_;
+  std::string descriptor_;
+  std::string address_;
+  std::map<std::string, std::vector<engine::BlockTable>> reserved_;
+};
+
+std::unique_ptr<PrefillWorker> MakeWorker(const std::string& backend, const std::string& model,
+                                          int64_t kv_bytes) {
+  PrefillWorkerOptions options;
+  options.engine = EngineOptionsFor(model, kv_bytes, engine::EngineRole::kColocated);
+  options.worker_id = "prefill-test";
+  options.metrics_address = "127.0.0.1:0";
+  options.kv_backend = backend;
+  auto worker = PrefillWorker::Create(options);
+  EXPECT_TRUE(worker.ok()) << worker.status();
+  return worker.ok() ? std::move(worker).value() : nullptr;
+}
+
+std::unique_ptr<tandem::v1::PrefillWorker::Stub> Connect(const PrefillWorker& worker) {
+  return tandem::v1::PrefillWorker::NewStub(
+      grpc::CreateChannel(worker.grpc_address(), grpc::InsecureChannelCredentials()));
+}
+
+tandem::v1::SubmitRequest MakeSubmit(const engine::GenerateRequest& request,
+                                     const tandem::v1::KvReservation& reservation,
+                                     absl::Duration deadline = absl::Seconds(60)) {
+  tandem::v1::SubmitRequest submit;
+  submit.set_request_id(request.request_id);
+  submit.mutable_prompt_token_ids()->Add(request.prompt_tokens.begin(),
+                                         request.prompt_tokens.end());
+  *submit.mutable_sampling() = proto::ToProto(request.params);
+  *submit.mutable_reservation() = reservation;
+  submit.set_deadline_unix_ms(absl::ToUnixMillis(absl::Now() + deadline));
+  return submit;
+}
+
+struct SubmitResult {
+  grpc::Status status;
+  tandem::v1::SubmitResponse response;
+};
+
+SubmitResult CallSubmit(tandem::v1::PrefillWorker::Stub& stub,
+                        const tandem::v1::SubmitRequest& submit,
+                        grpc::ClientContext* context = nullptr) {
+  grpc::ClientContext own;
+  if (context == nullptr) {
+    context = &own;
+    context->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(120));
+  }
+  SubmitResult result;
+  result.status = stub.Submit(context, submit, &result.response);
+  return result;
+}
+
+tandem::v1::WorkerStats CallStats(tandem::v1::PrefillWorker::Stub& stub) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  tandem::v1::WorkerStats stats;
+  grpc::Status status = stub.Stats(&context, tandem::v1::StatsRequest(), &stats);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return stats;
+}
+
+tandem::v1::CancelResponse CallCancel(tandem::v1::PrefillWorker::Stub& stub,
+                                      const std::string& id) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  tandem::v1::CancelRequest request;
+  request.set_request_id(id);
+  request.set_reason("test");
+  tandem::v1::CancelResponse response;
+  grpc::Status status = stub.Cancel(&context, request, &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return response;
+}
+
+// Waits (up to 30 s) until the worker is computing something.
+void WaitUntilRunning(tandem::v1::PrefillWorker::Stub& stub) {
+  const absl::Time until = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < until) {
+    if (CallStats(stub).running > 0) return;
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  ADD_FAILURE() << "the worker never started the request";
+}
+
+// Waits (up to 10 s) until the worker holds no KV block and nothing runs.
+void ExpectDrained(tandem::v1::PrefillWorker::Stub& stub) {
+  tandem::v1::WorkerStats stats;
+  const absl::Time until = absl::Now() + absl::Seconds(10);
+  do {
+    stats = CallStats(stub);
+    if (stats.kv_blocks_used() == 0 && stats.running() == 0 && stats.waiting() == 0) break;
+    absl::SleepFor(absl::Milliseconds(10));
+  } while (absl::Now() < until);
+  EXPECT_EQ(stats.kv_blocks_used(), 0);
+  EXPECT_EQ(stats.running(), 0);
+  EXPECT_EQ(stats.waiting(), 0);
+  EXPECT_EQ(stats.queued_prefill_tokens(), 0);
+}
+
+std::vector<int32_t> RandomPrompt(int len, int vocab, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> prompt(len);
+  for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % vocab);
+  return prompt;
+}
+
+// Bytes of KV of `tokens` prompt tokens of one sample, every layer, K and V.
+uint64_t PromptKvBytes(const engine::LlmEngine& engine, int tokens) {
+  const kernels::KvLayout& layout = engine.kv_layout();
+  return static_cast<uint64_t>(tokens) * engine.config().num_layers * 2 * layout.num_kv_heads *
+         layout.head_dim * sizeof(float);
+}
+
+// GET http://127.0.0.1:port/path; the whole response (status line, headers, body).
+std::string HttpGet(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return "";
+  }
+  std::string request = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  (void)!write(fd, request.data(), request.size());
+  std::string response;
+  char buf[4096];
+  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) response.append(buf, n);
+  close(fd);
+  return response;
+}
+
+class PrefillWorkerTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PrefillWorkerTest, ConcurrentSubmitsEqualColocatedTokenForToken) {
+  const std::string backend = GetParam();
+  auto worker = MakeWorker(backend, TinyQwen3(), kTinyKvBytes);
+  ASSERT_NE(worker, nullptr);
+  DecodeSide decode(backend, TinyQwen3(), kTinyKvBytes);
+  auto colocated = engine::LlmEngine::Create(
+      EngineOptionsFor(TinyQwen3(), kTinyKvBytes, engine::EngineRole::kColocated));
+  ASSERT_TRUE(colocated.ok()) << colocated.status();
+  const int vocab = (*colocated)->config().vocab_size;
+
+  // Greedy and seeded (n = 2) requests over 1 to 4 prefill chunks.
+  std::vector<engine::GenerateRequest> requests;
+  for (int i = 0; i < 6; ++i) {
+    engine::SamplingParams p;
+    p.max_tokens = 10 + i;
+    p.ignore_eos = true;
+    p.logprobs = 1;
+    if (i % 2 == 1) {
+      p.temperature = 0.8f;
+      p.seed = 40 + i;
+      p.n = 2;
+    } else {
+      p.temperature = 0;
+    }
+    requests.push_back({absl::StrCat("req", i), RandomPrompt(30 + 35 * i, vocab, i), p});
+  }
+  auto expected = engine::GenerateAll(**colocated, requests);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+
+  auto stub = Connect(*worker);
+  std::vector<SubmitResult> results(requests.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    threads.emplace_back([&, i] {
+      const engine::GenerateRequest& r = requests[i];
+      tandem::v1::KvReservation reservation =
+          decode.Reserve(r.request_id, static_cast<int>(r.prompt_tokens.size()), r.params.n);
+      results[i] = CallSubmit(*stub, MakeSubmit(r, reservation));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const engine::GenerateRequest& r = requests[i];
+    const SubmitResult& result = results[i];
+    ASSERT_TRUE(result.status.ok()) << i << ": " << result.status.error_message();
+    const int prompt_len = static_cast<int>(r.prompt_tokens.size());
+    EXPECT_EQ(result.response.num_prompt_tokens(), prompt_len);
+    ASSERT_EQ(result.response.choices_size(), r.params.n);
+    // Every sample's prompt KV, exactly once (nothing was preempted).
+    EXPECT_EQ(result.response.kv_transfer_bytes(),
+              r.params.n * PromptKvBytes(decode.engine(), prompt_len))
+        << i;
+    EXPECT_GT(result.response.kv_transfer_seconds(), 0.0) << i;
+    EXPECT_GE(result.response.kv_transfer_exposed_seconds(), 0.0) << i;
+    EXPECT_GE(result.response.queue_seconds(), 0.0) << i;
+    EXPECT_GT(result.response.prefill_seconds(), 0.0) << i;
+    if (prompt_len > 64) {
+      // Pushed layer by layer while the later chunks were computed: most of the transfer is
+      // hidden behind compute.
+      EXPECT_LT(result.response.kv_transfer_exposed_seconds(),
+                result.response.kv_transfer_seconds())
+          << i;
+    }
+    ASSERT_TRUE(decode.Continue(r, result.response).ok()) << i;
+  }
+  std::map<std::string, engine::RequestOutput> got = decode.RunAll();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    const engine::RequestOutput& want = (*expected)[i];
+    const engine::RequestOutput& have = got[requests[i].request_id];
+    ASSERT_EQ(have.choices.size(), want.choices.size()) << i;
+    for (size_t c = 0; c < want.choices.size(); ++c) {
+      EXPECT_EQ(have.choices[c].token_ids, want.choices[c].token_ids) << i << "/" << c;
+      EXPECT_EQ(have.choices[c].logprobs, want.choices[c].logprobs) << i << "/" << c;
+      EXPECT_EQ(have.choices[c].text, want.choices[c].text) << i << "/" << c;
+      EXPECT_EQ(have.choices[c].finish_reason, engine::FinishReason::kLength) << i << "/" << c;
+    }
+  }
+  EXPECT_EQ(decode.blocks_used(), 0);
+  ExpectDrained(*stub);
+
+  tandem::v1::WorkerStats stats = CallStats(*stub);
+  EXPECT_EQ(stats.role(), tandem::v1::WORKER_ROLE_PREFILL);
+  EXPECT_EQ(stats.worker_id(), "prefill-test");
+  EXPECT_GT(stats.kv_blocks_total(), 0);
+
+  const std::string metrics = HttpGet(worker->metrics_port(), "/metrics");
+  EXPECT_THAT(metrics, HasSubstr("200 OK"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_kv_cache_blocks_used 0\n"));
+  EXPECT_THAT(metrics, HasSubstr(absl::StrCat("\ntandem_kv_cache_blocks_capacity ",
+                                              stats.kv_blocks_total(), "\n")));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_prefill_requests_total{code=\"OK\"} 6\n"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_prefill_seconds_count 6\n"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_prefill_queued_tokens 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_kv_transfer_bytes_total "));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_kv_transfer_exposed_seconds_total "));
+  EXPECT_THAT(HttpGet(worker->metrics_port(), "/health"), HasSubstr("200 OK"));
+  worker->Shutdown(absl::Seconds(5));
+  worker->Shutdown(absl::Seconds(5));  // idempotent
+}
+
+TEST_P(PrefillWorkerTest, BadReservationsAreRefusedAndLeakNothing) {
+  const std::string backend = GetParam();
+  auto worker = MakeWorker(backend, TinyQwen3(), kTinyKvBytes);
+  ASSERT_NE(worker, nullptr);
+  DecodeSide decode(backend, TinyQwen3(), kTinyKvBytes);
+  auto stub = Connect(*worker);
+  engine::GenerateRequest request{"bad", RandomPrompt(100, 200, 1), {}};
+  request.params.n = 2;
+  request.params.temperature = 0;
+  const tandem::v1::KvReservation good = decode.Reserve("bad", 100, 2);  // 2 x 7 blocks
+
+  {  // The decode worker's cache has another head size.
+    tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
+    auto* layout = submit.mutable_reservation()->mutable_endpoint()->mutable_layout();
+    layout->set_head_dim(layout->head_dim() * 2);
+    SubmitResult result = CallSubmit(*stub, submit);
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(result.status.error_message(), HasSubstr("head_dim"));
+  }
+  {  // Another dtype and block size: both named.
+    tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
+    auto* layout = submit.mutable_reservation()->mutable_endpoint()->mutable_layout();
+    layout->set_dtype(tandem::v1::KV_DTYPE_BF16);
+    layout->set_block_size(32);
+    SubmitResult result = CallSubmit(*stub, submit);
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(result.status.error_message(), HasSubstr("dtype F32 vs BF16"));
+    EXPECT_THAT(result.status.error_message(), HasSubstr("block_size 16 vs 32"));
+  }
+  {  // No layout at all.
+    tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
+    submit.mutable_reservation()->mutable_endpoint()->clear_layout();
+    EXPECT_EQ(CallSubmit(*stub, submit).status.error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {  // Another kvtransfer backend.
+    tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
+    submit.mutable_reservation()->mutable_endpoint()->set_backend(
+        backend == "ucx" ? "local" : "ucx");
+    SubmitResult result = CallSubmit(*stub, submit);
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(result.status.error_message(), HasSubstr("backend"));
+  }
+  {  // A block id past the decode worker's cache.
+    tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
+    const int bad_id = good.endpoint().num_blocks() + 3;
+    submit.mutable_reservation()->set_block_ids(9, bad_id);
+    SubmitResult result = CallSubmit(*stub, submit);
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(result.status.error_message(), HasSubstr(absl::StrCat("block id ", bad_id)));
+  }
+  {  // A negative one.
+    tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
+    submit.mutable_reservation()->set_block_ids(0, -1);
+    SubmitResult result = CallSubmit(*stub, submit);
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(result.status.error_message(), HasSubstr("block id -1"));
+  }
+  {  // One block short.
+    tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
+    submit.mutable_reservation()->mutable_block_ids()->RemoveLast();
+    SubmitResult result = CallSubmit(*stub, submit);
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(result.status.error_message(), HasSubstr("13 block ids"));
+  }
+  {  // Blocks for one sample of n = 2.
+    tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
+    submit.mutable_sampling()->set_n(1);
+    EXPECT_EQ(CallSubmit(*stub, submit).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {  // blocks_per_choice that does not fit the prompt.
+    tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
+    submit.mutable_reservation()->set_blocks_per_choice(8);
+    EXPECT_EQ(CallSubmit(*stub, submit).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {  // A block id twice.
+    tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
+    submit.mutable_reservation()->set_block_ids(1, good.block_ids(0));
+    EXPECT_EQ(CallSubmit(*stub, submit).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {  // A token outside the vocabulary (the engine's own validation).
+    tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
+    submit.set_prompt_token_ids(5, 1 << 30);
+    SubmitResult result = CallSubmit(*stub, submit);
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(result.status.error_message(), HasSubstr("vocabulary"));
+  }
+  {  // A deadline already passed.
+    tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
+    submit.set_deadline_unix_ms(absl::ToUnixMillis(absl::Now() - absl::Seconds(1)));
+    EXPECT_EQ(CallSubmit(*stub, submit).status.error_code(),
+              grpc::StatusCode::DEADLINE_EXCEEDED);
+  }
+  ExpectDrained(*stub);
+
+  // The handshake applies the same rule.
+  {
+    grpc::ClientContext context;
+    tandem::v1::HandshakeRequest hello;
+    hello.set_worker_id("decode-test");
+    *hello.mutable_layout() = good.endpoint().layout();
+    tandem::v1::HandshakeResponse response;
+    grpc::Status status = stub->Handshake(&context, hello, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    EXPECT_EQ(response.worker_id(), "prefill-test");
+    EXPECT_EQ(response.layout().SerializeAsString(), good.endpoint().layout().SerializeAsString());
+  }
+  {
+    grpc::ClientContext context;
+    tandem::v1::HandshakeRequest hello;
+    *hello.mutable_layout() = good.endpoint().layout();
+    hello.mutable_layout()->set_num_layers(99);
+    tandem::v1::HandshakeResponse response;
+    grpc::Status status = stub->Handshake(&context, hello, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_THAT(status.error_message(), HasSubstr("num_layers"));
+  }
+
+  // The good reservation still works after all that.
+  SubmitResult result = CallSubmit(*stub, MakeSubmit(request, good));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.response.choices_size(), 2);
+  EXPECT_EQ(result.response.kv_transfer_bytes(), 2 * PromptKvBytes(decode.engine(), 100));
+  decode.Release("bad");
+  EXPECT_EQ(decode.blocks_used(), 0);
+  ExpectDrained(*stub);
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, PrefillWorkerTest, ::testing::Values("local", "ucx"));
+
+// Requests caught in the middle of a long prefill (the small preset, 1200-token prompts).
+class SlowPrefillTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    worker_ = MakeWorker(GetParam(), SmallQwen3(), kSmallKvBytes);
+    ASSERT_NE(worker_, nullptr);
+    decode_ = std::make_unique<DecodeSide>(GetParam(), SmallQwen3(), kSmallKvBytes);
+    stub_ = Connect(*worker_);
+  }
+
+  engine::GenerateRequest LongRequest(const std::string& id) {
+    engine::GenerateRequest request{id, RandomPrompt(kSlowPromptLen, 1000, 3), {}};
+    request.params.temperature = 0;
+    request.params.max_tokens = 4;
+    return request;
+  }
+
+  std::unique_ptr<PrefillWorker> worker_;
+  std::unique_ptr<DecodeSide> decode_;
+  std::unique_ptr<tandem::v1::PrefillWorker::Stub> stub_;
+};
+
+TEST_P(SlowPrefillTest, DeadlinePassingMidPrefillFailsAndFreesBlocks) {
+  engine::GenerateRequest request = LongRequest("late");
+  tandem::v1::KvReservation reservation = decode_->Reserve("late", kSlowPromptLen, 1);
+  const absl::Time start = absl::Now();
+  SubmitResult result =
+      CallSubmit(*stub_, MakeSubmit(request, reservation, absl::Milliseconds(200)));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+      << result.status.error_message();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+  ExpectDrained(*stub_);
+  decode_->Release("late");
+
+  // The reservation's expiry bounds the request the same way.
+  reservation = decode_->Reserve("late", kSlowPromptLen, 1);
+  reservation.set_expires_unix_ms(absl::ToUnixMillis(absl::Now() + absl::Milliseconds(200)));
+  result = CallSubmit(*stub_, MakeSubmit(request, reservation));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+      << result.status.error_message();
+  ExpectDrained(*stub_);
+  decode_->Release("late");
+}
+
+TEST_P(SlowPrefillTest, CancelRpcEndsSubmitWithCancelled) {
+  engine::GenerateRequest request = LongRequest("doomed");
+  tandem::v1::KvReservation reservation = decode_->Reserve("doomed", kSlowPromptLen, 1);
+  SubmitResult result;
+  std::thread submit([&] { result = CallSubmit(*stub_, MakeSubmit(request, reservation)); });
+  WaitUntilRunning(*stub_);
+  // The same id twice in flight is refused.
+  EXPECT_EQ(CallSubmit(*stub_, MakeSubmit(request, reservation)).status.error_code(),
+            grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_TRUE(CallCancel(*stub_, "doomed").found());
+  submit.join();
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::CANCELLED)
+      << result.status.error_message();
+  ExpectDrained(*stub_);
+  EXPECT_FALSE(CallCancel(*stub_, "doomed").found());  // idempotent
+  EXPECT_FALSE(CallCancel(*stub_, "never-seen").found());
+  decode_->Release("doomed");
+}
+
+TEST_P(SlowPrefillTest, ClientCancellingTheCallCancelsTheRequest) {
+  engine::GenerateRequest request = LongRequest("gone");
+  tandem::v1::KvReservation reservation = decode_->Reserve("gone", kSlowPromptLen, 1);
+  grpc::ClientContext context;
+  SubmitResult result;
+  std::thread submit(
+      [&] { result = CallSubmit(*stub_, MakeSubmit(request, reservation), &context); });
+  WaitUntilRunning(*stub_);
+  context.TryCancel();
+  submit.join();
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::CANCELLED);
+  ExpectDrained(*stub_);
+  decode_->Release("gone");
+
+  // The worker goes on serving.
+  engine::GenerateRequest next{"next", RandomPrompt(100, 1000, 4), {}};
+  next.params.temperature = 0;
+  reservation = decode_->Reserve("next", 100, 1);
+  result = CallSubmit(*stub_, MakeSubmit(next, reservation));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  EXPECT_EQ(result.response.kv_transfer_bytes(), PromptKvBytes(decode_->engine(), 100));
+  decode_->Release("next");
+  ExpectDrained(*stub_);
+}
+
+TEST_P(SlowPrefillTest, ShutdownCancelsWhatIsLeftWithUnavailable) {
+  engine::GenerateRequest request = LongRequest("cut");
+  tandem::v1::KvReservation reservation = decode_->Reserve("cut", kSlowPromptLen, 1);
+  SubmitResult result;
+  std::thread submit([&] { result = CallSubmit(*stub_, MakeSubmit(request, reservation)); });
+  WaitUntilRunning(*stub_);
+  const absl::Time start = absl::Now();
+  worker_->Shutdown(absl::Milliseconds(50));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  submit.join();
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << result.status.error_message();
+  EXPECT_EQ(worker_->Stats().kv_blocks_used(), 0);
+  EXPECT_EQ(worker_->Stats().running(), 0);
+  decode_->Release("cut");
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, SlowPrefillTest, ::testing::Values("local", "ucx"));
+
+// The decode worker's process dies: its agent goes away before or during a Submit.
+TEST(PrefillWorkerPeerTest, DecodeAgentGoneFailsWithUnavailableAndLeaksNothing) {
+  auto worker = MakeWorker("ucx", SmallQwen3(), kSmallKvBytes);
+  ASSERT_NE(worker, nullptr);
+  auto stub = Connect(*worker);
+  engine::GenerateRequest request{"lost", RandomPrompt(kSlowPromptLen, 1000, 5), {}};
+  request.params.temperature = 0;
+
+  {  // Gone before the Submit.
+    DecodeSide decode("ucx", SmallQwen3(), kSmallKvBytes);
+    tandem::v1::KvReservation reservation = decode.Reserve("lost", kSlowPromptLen, 1);
+    decode.DestroyAgent();
+    SubmitResult result = CallSubmit(*stub, MakeSubmit(request, reservation));
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << result.status.error_message();
+    ExpectDrained(*stub);
+    decode.Release("lost");
+  }
+  {  // Gone in the middle of it.
+    DecodeSide decode("ucx", SmallQwen3(), kSmallKvBytes);
+    tandem::v1::KvReservation reservation = decode.Reserve("lost", kSlowPromptLen, 1);
+    SubmitResult result;
+    std::thread submit([&] { result = CallSubmit(*stub, MakeSubmit(request, reservation)); });
+    WaitUntilRunning(*stub);
+    absl::SleepFor(absl::Milliseconds(50));  // some pages are already there
+    decode.DestroyAgent();
+    submit.join();
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << result.status.error_message();
+    ExpectDrained(*stub);
+    decode.Release("lost");
+  }
+  {  // A healthy decode worker is served as before, with the same output as colocated.
+    DecodeSide decode("ucx", SmallQwen3(), kSmallKvBytes);
+    engine::GenerateRequest ok{"fine", RandomPrompt(150, 1000, 6), {}};
+    ok.params.temperature = 0.7f;
+    ok.params.seed = 11;
+    ok.params.n = 2;
+    ok.params.max_tokens = 6;
+    ok.params.ignore_eos = true;
+    tandem::v1::KvReservation reservation = decode.Reserve("fine", 150, 2);
+    SubmitResult result = CallSubmit(*stub, MakeSubmit(ok, reservation));
+    ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+    ASSERT_TRUE(decode.Continue(ok, result.response).ok());
+    auto got = decode.RunAll();
+    auto colocated = engine::LlmEngine::Create(
+        EngineOptionsFor(SmallQwen3(), kSmallKvBytes, engine::EngineRole::kColocated));
+    ASSERT_TRUE(colocated.ok());
+    auto expected = engine::GenerateAll(**colocated, {ok});
+    ASSERT_TRUE(expected.ok());
+    for (int c = 0; c < 2; ++c) {
+      EXPECT_EQ(got["fine"].choices.at(c).token_ids, (*expected)[0].choices[c].token_ids) << c;
+    }
+    EXPECT_EQ(decode.blocks_used(), 0);
+    ExpectDrained(*stub);
+  }
+}
+
+}  // namespace
+}  // namespace tandem::prefill_worker
