@@ -1,0 +1,314 @@
+#!/usr/bin/env python3
+"""Disaggregated serving end to end: `tandem prefill`, `tandem decode` and `tandem router` as
+separate processes, KV pages over UCX, driven through the OpenAI API.
+
+- Output equals `tandem serve --colocated` token for token (greedy and seeded sampling, n=2,
+  1..32 concurrent requests, prompts longer than one prefill chunk).
+- Abort storm: 300 concurrent streams with long prompts, cut mid-prefill and mid-decode, four
+  times; afterwards a request succeeds and every worker's /metrics shows 0 KV blocks in use.
+- Prefill and decode in two network namespaces joined by a veth pair, so the KV crosses a real
+  TCP link (needs CAP_NET_ADMIN; skipped, and said so, without it).
+
+usage: disagg_e2e_test.py TANDEM_BINARY [unittest args]
+"""
+import ctypes
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+import urllib.request
+
+TANDEM = None
+MODEL = None
+# Prompts span several prefill chunks of this many tokens.
+CHUNK = 64
+ENGINE_FLAGS = ["--threads", "1", "--max-num-batched-tokens", str(CHUNK),
+                "--kv-cache-bytes", str(32 << 20)]
+
+
+class Process:
+    """A `tandem` subcommand whose stdout announces where it listens."""
+
+    def __init__(self, args, pattern, netns=None, env=None):
+        command = ([] if netns is None else ["ip", "netns", "exec", netns]) + [TANDEM] + args
+        full_env = dict(os.environ, UCX_LOG_LEVEL="error")
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=full_env)
+        self.match = None
+        deadline = time.time() + 120
+        lines = []
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            self.match = re.search(pattern, line)
+            if self.match:
+                break
+        if self.match is None:
+            self.stop()
+            raise RuntimeError(f"{args[0]} did not start: {''.join(lines)}"
+                               f"{self.proc.stderr.read()}")
+        # Keep draining stderr so a chatty process never blocks on a full pipe.
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_worker(role, netns=None, host="127.0.0.1"):
+    p = Process([role, "--model", MODEL, "--listen", f"{host}:0", "--kv-host", host,
+                 "--metrics-listen", f"{host}:0"] + ENGINE_FLAGS,
+                r"listening on (\S+) \(metrics on port (\d+)\)", netns=netns)
+    p.address = p.match.group(1)
+    p.metrics_url = f"http://{host}:{p.match.group(2)}/metrics"
+    return p
+
+
+def start_router(prefill, decode, netns=None, host="127.0.0.1"):
+    p = Process(["router", "--model", MODEL, "--prefill", prefill, "--decode", decode,
+                 "--host", host, "--port", "0"], r"on (http://\S+:\d+)", netns=netns)
+    p.url = p.match.group(1)
+    return p
+
+
+def start_colocated():
+    p = Process(["serve", "--colocated", "--model", MODEL, "--port", "0"] + ENGINE_FLAGS,
+                r"on (http://127\.0\.0\.1:\d+)")
+    p.url = p.match.group(1)
+    return p
+
+
+def post(url, body, timeout=300):
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as r:
+        return json.load(r)
+
+
+def metric(url, name):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        text = r.read().decode()
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    return None if m is None else float(m.group(1))
+
+
+def requests_for(count):
+    """Long prompts (several chunks each), half greedy, half seeded with n=2."""
+    rng = random.Random(count)
+    words = ["alpha", "river", "stone", "quiet", "lamp", "orbit", "maple", "cinder", "harbor"]
+    out = []
+    for i in range(count):
+        body = {"model": "tiny", "prompt": " ".join(rng.choice(words) for _ in range(90 + i % 7)),
+                "max_tokens": 10 + i % 5, "ignore_eos": True, "logprobs": 1}
+        if i % 2:
+            body.update(temperature=0.8, seed=1000 + i, n=2)
+        else:
+            body["temperature"] = 0
+        out.append(body)
+    return out
+
+
+def run_all(url, bodies):
+    results = [None] * len(bodies)
+
+    def one(i):
+        results[i] = post(url, bodies[i])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def comparable(response):
+    return [(c["index"], c["text"], c["logprobs"]["tokens"], c["logprobs"]["token_logprobs"],
+             c["finish_reason"]) for c in sorted(response["choices"], key=lambda c: c["index"])]
+
+
+def wait_for_zero(url, name, timeout=20):
+    deadline = time.time() + timeout
+    value = None
+    while time.time() < deadline:
+        value = metric(url, name)
+        if value == 0:
+            return 0
+        time.sleep(0.2)
+    return value
+
+
+class DisaggregatedServing(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.decode = start_worker("decode")
+        cls.prefill = start_worker("prefill")
+        cls.router = start_router(cls.prefill.address, cls.decode.address)
+        cls.colocated = start_colocated()
+
+    @classmethod
+    def tearDownClass(cls):
+        codes = [p.stop() for p in (cls.router, cls.colocated, cls.prefill, cls.decode)]
+        assert codes == [0, 0, 0, 0], f"exit codes {codes}"
+
+    def test_output_equals_colocated_token_for_token(self):
+        for concurrency in (1, 8, 32):
+            bodies = requests_for(concurrency)
+            want = run_all(self.colocated.url, bodies)
+            got = run_all(self.router.url, bodies)
+            for i, (w, g) in enumerate(zip(want, got)):
+                self.assertEqual(comparable(g), comparable(w), f"request {i} of {concurrency}")
+                self.assertEqual(g["usage"], w["usage"])
+        for worker in (self.prefill, self.decode):
+            self.assertEqual(wait_for_zero(worker.metrics_url, "tandem_kv_cache_blocks_used"), 0)
+
+    def test_abort_storm_leaks_no_kv_block(self):
+        host, port = re.match(r"http://([^:]+):(\d+)", self.router.url).groups()
+        prompt = " ".join(["storm"] * 300)
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 200, "stream": True,
+                           "ignore_eos": True}).encode()
+        raw = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+               ).encode() + body
+        outcomes = {"mid_prefill": 0, "mid_decode": 0}
+        lock = threading.Lock()
+
+        def client(i):
+            s = socket.create_connection((host, int(port)), timeout=120)
+            try:
+                s.sendall(raw)
+                if i % 2 == 0:
+                    time.sleep(random.uniform(0, 0.05))  # cut during queueing / prefill
+                    with lock:
+                        outcomes["mid_prefill"] += 1
+                    return
+                data = b""
+                while data.count(b"data: ") < 3:  # cut after a few decoded tokens
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                if data.count(b"data: ") >= 3:
+                    with lock:
+                        outcomes["mid_decode"] += 1
+            finally:
+                s.close()
+
+        for _ in range(4):
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(300)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        self.assertEqual(outcomes["mid_decode"], 600)
+        # The next request is served in full.
+        r = post(self.router.url, {"model": "tiny", "prompt": "after the storm", "max_tokens": 8,
+                                   "ignore_eos": True, "temperature": 0})
+        self.assertEqual(r["usage"]["completion_tokens"], 8)
+        for worker in (self.prefill, self.decode):
+            self.assertEqual(wait_for_zero(worker.metrics_url, "tandem_kv_cache_blocks_used"), 0,
+                             worker.metrics_url)
+            self.assertEqual(worker.proc.poll(), None, "a worker died in the storm")
+        self.assertEqual(wait_for_zero(self.decode.metrics_url, "tandem_kv_cache_blocks_reserved"),
+                         0)
+
+
+CLONE_NEWNET = 0x40000000
+
+
+class AcrossNetworkNamespaces(unittest.TestCase):
+    """Prefill (with the router) in one namespace, decode in another, joined by veth."""
+
+    def setUp(self):
+        suffix = str(os.getpid())
+        self.ns_p, self.ns_d = f"tandem-p-{suffix}", f"tandem-d-{suffix}"
+        self.made = []
+        add = subprocess.run(["ip", "netns", "add", self.ns_p], capture_output=True, text=True)
+        if add.returncode != 0:
+            self.skipTest(f"cannot create network namespaces here: {add.stderr.strip()}")
+        self.made.append(self.ns_p)
+        commands = [
+            ["ip", "netns", "add", self.ns_d],
+            ["ip", "link", "add", f"tp{suffix}", "type", "veth", "peer", "name", f"td{suffix}"],
+            ["ip", "link", "set", f"tp{suffix}", "netns", self.ns_p],
+            ["ip", "link", "set", f"td{suffix}", "netns", self.ns_d],
+            ["ip", "-n", self.ns_p, "addr", "add", "10.77.0.1/24", "dev", f"tp{suffix}"],
+            ["ip", "-n", self.ns_d, "addr", "add", "10.77.0.2/24", "dev", f"td{suffix}"],
+            ["ip", "-n", self.ns_p, "link", "set", f"tp{suffix}", "up"],
+            ["ip", "-n", self.ns_d, "link", "set", f"td{suffix}", "up"],
+            ["ip", "-n", self.ns_p, "link", "set", "lo", "up"],
+            ["ip", "-n", self.ns_d, "link", "set", "lo", "up"],
+        ]
+        for c in commands:
+            subprocess.run(c, check=True, capture_output=True)
+            if c[:3] == ["ip", "netns", "add"]:
+                self.made.append(c[3])
+        self.processes = []
+
+    def tearDown(self):
+        for p in reversed(self.processes):
+            p.stop()
+        for ns in self.made:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def test_kv_crosses_a_veth_link(self):
+        decode = start_worker("decode", netns=self.ns_d, host="10.77.0.2")
+        self.processes.append(decode)
+        prefill = start_worker("prefill", netns=self.ns_p, host="10.77.0.1")
+        self.processes.append(prefill)
+        router = start_router(prefill.address, decode.address, netns=self.ns_p, host="10.77.0.1")
+        self.processes.append(router)
+        colocated = start_colocated()
+        self.processes.append(colocated)
+        bodies = requests_for(4)
+        want = run_all(colocated.url, bodies)
+        # This thread joins the prefill namespace to reach the router; the root namespace
+        # cannot route to 10.77.0.0/24.
+        libc = ctypes.CDLL(None, use_errno=True)
+        own = os.open("/proc/self/ns/net", os.O_RDONLY)
+        target = os.open(f"/run/netns/{self.ns_p}", os.O_RDONLY)
+        try:
+            self.assertEqual(libc.setns(target, CLONE_NEWNET), 0, os.strerror(ctypes.get_errno()))
+            got = run_all(router.url, bodies)
+            transferred = metric(prefill.metrics_url, "tandem_kv_transfer_bytes_total")
+            decode_used = wait_for_zero(decode.metrics_url, "tandem_kv_cache_blocks_used")
+        finally:
+            libc.setns(own, CLONE_NEWNET)
+            os.close(own)
+            os.close(target)
+        for w, g in zip(want, got):
+            self.assertEqual(comparable(g), comparable(w))
+        self.assertGreater(transferred, 0)
+        self.assertEqual(decode_used, 0)
+
+
+def main():
+    global TANDEM, MODEL
+    TANDEM = sys.argv[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        MODEL = os.path.join(tmp, "tiny")
+        subprocess.run([TANDEM, "synth-model", "--preset", "tiny", "--out", MODEL], check=True,
+                       stdout=subprocess.DEVNULL)
+        unittest.main(argv=[sys.argv[0]] + sys.argv[2:], verbosity=2)
+
+
+if __name__ == "__main__":
+    main()
