@@ -1,0 +1,853 @@
+#include "tandem/decode_worker/decode_worker.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
+#include "tandem/base/status_macros.h"
+#include "tandem/kvtransfer/agent.h"
+#include "tandem/proto/convert.h"
+#include "tandem/proto/kv_layout_check.h"
+#include "tandem/router/http_server.h"
+#include "tandem/router/metrics.h"
+#include "tandem/v1/decode.grpc.pb.h"
+
+namespace tandem::decode_worker {
+namespace {
+
+// The engine loop wakes at least this often, so deadlines are enforced while idle.
+constexpr auto kIdleWake = std::chrono::milliseconds(20);
+// A Start handler checks for a cancelled call at least this often.
+constexpr auto kStreamPoll = std::chrono::milliseconds(50);
+// An expired reservation keeps its blocks this much longer, so that prefill transfers still in
+// flight (prefill workers use expires_unix_ms as their transfer deadline) land in blocks nobody
+// else owns yet.
+constexpr int64_t kExpiryGraceMs = 2000;
+// Upper bound of ReserveRequest.n.
+constexpr int kMaxReserveSamples = 64;
+// The KV cache's region id in the transfer agent.
+constexpr uint64_t kKvRegionId = 0;
+
+absl::Status Stopped() { return absl::UnavailableError("the decode worker has shut down"); }
+
+int64_t NowUnixMs() { return absl::ToUnixMillis(absl::Now()); }
+
+tandem::v1::FinishReason ToWire(engine::FinishReason reason) {
+  switch (reason) {
+    case engine::FinishReason::kStop:
+      return tandem::v1::FINISH_REASON_STOP;
+    case engine::FinishReason::kLength:
+      return tandem::v1::FINISH_REASON_LENGTH;
+    case engine::FinishReason::kAbort:
+      return tandem::v1::FINISH_REASON_ABORT;
+    case engine::FinishReason::kNone:
+    case engine::FinishReason::kPrefilled:
+      break;
+  }
+  return tandem::v1::FINISH_REASON_NONE;
+}
+
+// "host:port" -> (host, port); brackets of an IPv6 host are removed.
+absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon + 1 == address.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("address '", address, "' is not host:port"));
+  }
+  std::string host = address.substr(0, colon);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  int port = 0;
+  for (char c : address.substr(colon + 1)) {
+    if (c < '0' || c > '9' || port > 65535) {
+      return absl::InvalidArgumentError(absl::StrCat("address '", address, "' has a bad port"));
+    }
+    port = port * 10 + (c - '0');
+  }
+  if (port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("address '", address, "' has a bad port"));
+  }
+  return std::make_pair(host, port);
+}
+
+// The events of one Start call, filled by the engine loop and drained by the call's handler.
+struct Stream {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<tandem::v1::TokenEvent> events;  // guarded by mu
+  bool done = false;                          // guarded by mu: the last event is queued
+
+  void Push(std::vector<tandem::v1::TokenEvent> batch, bool last) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      for (tandem::v1::TokenEvent& e : batch) events.push_back(std::move(e));
+      if (last) done = true;
+    }
+    cv.notify_all();
+  }
+};
+
+// Blocks set aside for a request whose prompt KV is being written by a prefill worker.
+struct Reservation {
+  std::string request_id;
+  int num_prompt_tokens = 0;
+  int n = 1;
+  std::vector<engine::BlockTable> blocks;  // one table per sample
+  int64_t expires_unix_ms = 0;
+
+  int num_blocks() const {
+    int total = 0;
+    for (const engine::BlockTable& b : blocks) total += static_cast<int>(b.size());
+    return total;
+  }
+};
+
+// A started request, as the engine loop tracks it.
+struct Running {
+  std::shared_ptr<Stream> stream;
+  std::vector<bool> finished;  // per sample
+  int num_prompt_tokens = 0;
+  int num_generation_tokens = 0;
+};
+
+class DecodeWorkerImpl;
+
+// The gRPC face; every call goes to the worker.
+class Service final : public tandem::v1::DecodeWorker::Service {
+ public:
+  explicit Service(DecodeWorkerImpl* worker) : worker_(worker) {}
+
+  grpc::Status Reserve(grpc::ServerContext*, const tandem::v1::ReserveRequest* request,
+                       tandem::v1::ReserveResponse* response) override;
+  grpc::Status Release(grpc::ServerContext*, const tandem::v1::ReleaseRequest* request,
+                       tandem::v1::ReleaseResponse* response) override;
+  grpc::Status Start(grpc::ServerContext* context, const tandem::v1::StartRequest* request,
+                     grpc::ServerWriter<tandem::v1::TokenEvent>* writer) override;
+  grpc::Status Cancel(grpc::ServerContext*, const tandem::v1::CancelRequest* request,
+                      tandem::v1::CancelResponse* response) override;
+  grpc::Status Stats(grpc::ServerContext*, const tandem::v1::StatsRequest*,
+                     tandem::v1::WorkerStats* stats) override;
+  grpc::Status Handshake(grpc::ServerContext*, const tandem::v1::HandshakeRequest* request,
+                         tandem::v1::HandshakeResponse* response) override;
+
+ private:
+  DecodeWorkerImpl* worker_;
+};
+
+struct Metrics {
+  router::MetricsRegistry registry;
+  router::Gauge* kv_used = nullptr;
+  router::Gauge* kv_capacity = nullptr;
+  router::Gauge* kv_reserved = nullptr;
+  router::Gauge* running = nullptr;
+  router::Gauge* waiting = nullptr;
+  router::Gauge* reservations = nullptr;
+  router::Counter* requests = nullptr;
+  router::Counter* expired = nullptr;
+  router::Counter* preemptions = nullptr;
+  router::Counter* generation_tokens = nullptr;
+
+  Metrics() {
+    kv_used = registry.AddGauge("tandem_kv_cache_blocks_used",
+                                "KV cache blocks in use, reserved ones included.");
+    kv_capacity = registry.AddGauge("tandem_kv_cache_blocks_capacity", "KV cache blocks in all.");
+    kv_reserved = registry.AddGauge("tandem_kv_cache_blocks_reserved",
+                                    "KV cache blocks held by reservations not yet started.");
+    running = registry.AddGauge("tandem_num_requests_running",
+                                "Sequences in the running batch.");
+    waiting = registry.AddGauge("tandem_num_requests_waiting",
+                                "Sequences waiting for admission to the running batch.");
+    reservations = registry.AddGauge("tandem_decode_reservations", "Live KV reservations.");
+    requests = registry.AddCounter("tandem_decode_requests_total", "Requests started (Start).");
+    expired = registry.AddCounter("tandem_decode_reservations_expired_total",
+                                  "Reservations released because nobody started them in time.");
+    preemptions = registry.AddCounter("tandem_preemptions_total",
+                                      "Sequences preempted (KV dropped and recomputed).");
+    generation_tokens =
+        registry.AddCounter("tandem_generation_tokens_total", "Tokens generated, all samples.");
+  }
+};
+
+class DecodeWorkerImpl final : public DecodeWorker {
+ public:
+  ~DecodeWorkerImpl() override { Shutdown(absl::ZeroDuration()); }
+
+  absl::Status Init(DecodeWorkerOptions options);
+
+  std::string grpc_address() const override { return grpc_address_; }
+  int metrics_port() const override { return metrics_server_ ? metrics_server_->port() : 0; }
+  tandem::v1::WorkerStats Stats() const override;
+  void Shutdown(absl::Duration grace) override;
+
+  // RPC bodies, called on gRPC threads.
+  absl::StatusOr<tandem::v1::KvReservation> Reserve(const tandem::v1::ReserveRequest& request);
+  absl::StatusOr<bool> Release(const std::string& reservation_id);
+  absl::Status Start(const tandem::v1::StartRequest& request, std::shared_ptr<Stream> stream);
+  // The Start call of `request_id` has gone (cancelled or unwritable): abort it if it still
+  // runs with `stream`.
+  void AbandonStream(const std::string& request_id, const std::shared_ptr<Stream>& stream);
+  absl::StatusOr<bool> Cancel(const std::string& request_id, const std::string& reason);
+  absl::StatusOr<tandem::v1::HandshakeResponse> Handshake(
+      const tandem::v1::HandshakeRequest& request) const;
+
+ private:
+  // Runs `fn` on the engine loop thread and returns its result, or `if_stopped` once the loop
+  // has stopped. Never called on the loop thread itself.
+  template <typename T>
+  T RunOnEngine(std::function<T()> fn, T if_stopped) const {
+    auto promise = std::make_shared<std::promise<T>>();
+    std::future<T> future = promise->get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (loop_exited_) return if_stopped;
+      tasks_.push_back([promise, fn = std::move(fn)] { promise->set_value(fn()); });
+    }
+    cv_.notify_all();
+    return future.get();
+  }
+
+  void Loop();
+  void ExpireReservations();
+  void StepEngine();
+  // Ends a running request: aborts it in the engine (freeing its blocks) and closes its stream
+  // with an ABORT finish for every unfinished sample, carrying `error` when not OK.
+  void EndRunning(const std::string& request_id, const absl::Status& error);
+  void FreeReservation(Reservation& reservation);
+  // Engine-thread view of the worker's state.
+  tandem::v1::WorkerStats ComputeStats() const;
+  void PublishStats();
+  void HandleHttp(std::shared_ptr<router::HttpExchange> exchange);
+
+  DecodeWorkerOptions options_;
+  std::string grpc_address_;
+
+  // Owned by the engine loop thread once it runs (created and destroyed outside it).
+  std::unique_ptr<engine::LlmEngine> engine_;
+  std::map<std::string, Reservation> reservations_;      // by reservation id
+  std::map<std::string, std::string> reserved_request_;  // request id -> reservation id
+  std::map<std::string, Running> running_;               // by request id
+  int64_t next_reservation_ = 0;
+
+  std::unique_ptr<kvtransfer::Agent> agent_;
+  std::string region_descriptor_;
+  tandem::v1::KvLayout layout_;
+  bool memory_registered_ = false;
+
+  std::unique_ptr<Service> service_;
+  std::unique_ptr<grpc::Server> server_;
+  Metrics metrics_;
+  std::unique_ptr<router::HttpServer> metrics_server_;
+
+  // Refuses Reserve and Start once false. Set by Shutdown, read on the engine thread.
+  std::atomic<bool> accepting_{true};
+  std::atomic<int> num_running_{0};
+
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;
+  mutable std::deque<std::function<void()>> tasks_;  // guarded by mu_
+  bool stop_ = false;                                // guarded by mu_
+  bool loop_exited_ = false;                         // guarded by mu_
+  tandem::v1::WorkerStats snapshot_;                 // guarded by mu_
+  std::thread loop_;
+
+  std::once_flag shutdown_once_;
+};
+
+absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
+  options_ = std::move(options);
+  if (options_.worker_id.empty()) options_.worker_id = absl::StrCat("decode-", getpid());
+  if (options_.max_reservation_ttl <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("max_reservation_ttl must be positive");
+  }
+  options_.engine.role = engine::EngineRole::kDecode;
+  TANDEM_ASSIGN_OR_RETURN(engine_, engine::LlmEngine::Create(options_.engine));
+  layout_ = proto::EngineKvLayout(engine_->config(), engine_->kv_layout());
+
+  kvtransfer::AgentOptions agent_options;
+  agent_options.backend = options_.kv_backend;
+  agent_options.name = options_.worker_id;
+  agent_options.listen_host = options_.kv_listen_host;
+  TANDEM_ASSIGN_OR_RETURN(agent_, kvtransfer::Agent::Create(agent_options));
+  TANDEM_ASSIGN_OR_RETURN(region_descriptor_,
+                          agent_->RegisterMemory(kKvRegionId, engine_->kv_cache(),
+                                                 engine_->kv_cache_bytes()));
+  memory_registered_ = true;
+  snapshot_ = ComputeStats();
+
+  TANDEM_ASSIGN_OR_RETURN(auto grpc_host_port, SplitHostPort(options_.grpc_address));
+  service_ = std::make_unique<Service>(this);
+  grpc::ServerBuilder builder;
+  int selected_port = 0;
+  builder.AddListeningPort(options_.grpc_address, grpc::InsecureServerCredentials(),
+                           &selected_port);
+  builder.RegisterService(service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || selected_port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve gRPC on ", options_.grpc_address));
+  }
+  const std::string& host = grpc_host_port.first;
+  grpc_address_ = host.find(':') != std::string::npos
+                      ? absl::StrCat("[", host, "]:", selected_port)
+                      : absl::StrCat(host, ":", selected_port);
+
+  if (!options_.metrics_address.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(auto metrics_host_port, SplitHostPort(options_.metrics_address));
+    router::HttpServerOptions http;
+    http.host = metrics_host_port.first;
+    http.port = metrics_host_port.second;
+    http.num_threads = 1;
+    TANDEM_ASSIGN_OR_RETURN(
+        metrics_server_,
+        router::HttpServer::Create(http, [this](std::shared_ptr<router::HttpExchange> ex) {
+          HandleHttp(std::move(ex));
+        }));
+  }
+  loop_ = std::thread([this] { Loop(); });
+  return absl::OkStatus();
+}
+
+void DecodeWorkerImpl::HandleHttp(std::shared_ptr<router::HttpExchange> exchange) {
+  const router::HttpRequest& request = exchange->request();
+  if (request.method != "GET") {
+    exchange->Reply({405, "text/plain", "only GET\n", {}});
+    return;
+  }
+  if (request.path == "/health") {
+    exchange->Reply({200, "application/json", R"({"status":"ok"})", {}});
+    return;
+  }
+  if (request.path != "/metrics") {
+    exchange->Reply({404, "text/plain", "not found\n", {}});
+    return;
+  }
+  const tandem::v1::WorkerStats stats = Stats();
+  metrics_.kv_used->Set(stats.kv_blocks_used());
+  metrics_.kv_capacity->Set(stats.kv_blocks_total());
+  metrics_.kv_reserved->Set(stats.kv_blocks_reserved());
+  metrics_.running->Set(stats.running());
+  metrics_.waiting->Set(stats.waiting());
+  metrics_.reservations->Set(stats.reservations());
+  metrics_.preemptions->AdvanceTo(static_cast<double>(stats.preemptions_total()));
+  exchange->Reply({200, router::MetricsRegistry::kContentType, metrics_.registry.Render(), {}});
+}
+
+// --- the engine loop --------------------------------------------------------------------------
+
+void DecodeWorkerImpl::Loop() {
+  while (true) {
+    std::deque<std::function<void()>> tasks;
+    bool stop = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (tasks_.empty() && !stop_ && !engine_->has_unfinished()) cv_.wait_for(lock, kIdleWake);
+      tasks.swap(tasks_);
+      stop = stop_;
+    }
+    for (std::function<void()>& task : tasks) task();
+    ExpireReservations();
+    if (engine_->has_unfinished()) StepEngine();
+    PublishStats();
+    if (stop) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (tasks_.empty()) {
+        loop_exited_ = true;
+        break;
+      }
+    }
+  }
+  // Nothing outlives the loop: requests still running (none after a normal Shutdown) end with
+  // an error, reservations are freed.
+  std::vector<std::string> ids;
+  for (const auto& [id, running] : running_) ids.push_back(id);
+  for (const std::string& id : ids) {
+    EndRunning(id, absl::UnavailableError("the decode worker shut down"));
+  }
+  for (auto& [id, reservation] : reservations_) FreeReservation(reservation);
+  reservations_.clear();
+  reserved_request_.clear();
+  PublishStats();
+}
+
+void DecodeWorkerImpl::ExpireReservations() {
+  const int64_t now = NowUnixMs();
+  for (auto it = reservations_.begin(); it != reservations_.end();) {
+    if (now > it->second.expires_unix_ms + kExpiryGraceMs) {
+      FreeReservation(it->second);
+      reserved_request_.erase(it->second.request_id);
+      it = reservations_.erase(it);
+      metrics_.expired->Increment();
+    } else {
+      ++it;
+    }
+  }
+}
+
+void DecodeWorkerImpl::FreeReservation(Reservation& reservation) {
+  for (engine::BlockTable& blocks : reservation.blocks) engine_->FreeReservation(blocks);
+  reservation.blocks.clear();
+}
+
+void DecodeWorkerImpl::StepEngine() {
+  absl::StatusOr<std::vector<engine::RequestOutput>> outputs = engine_->Step();
+  if (!outputs.ok()) {
+    // The step failed as a whole: every running request ends with the error, so its stream
+    // reports it and its blocks are freed.
+    std::vector<std::string> ids;
+    for (const auto& [id, running] : running_) ids.push_back(id);
+    for (const std::string& id : ids) EndRunning(id, outputs.status());
+    return;
+  }
+  for (engine::RequestOutput& out : *outputs) {
+    auto it = running_.find(out.request_id);
+    if (it == running_.end()) continue;  // aborted since (first tokens of an ended request)
+    Running& running = it->second;
+    std::vector<tandem::v1::TokenEvent> events;
+    for (engine::ChoiceDelta& delta : out.choices) {
+      tandem::v1::TokenEvent& event = events.emplace_back();
+      event.set_request_id(out.request_id);
+      event.set_index(delta.index);
+      for (int32_t t : delta.token_ids) event.add_token_ids(t);
+      event.set_text(std::move(delta.text));
+      for (float lp : delta.logprobs) event.add_logprobs(lp);
+      for (const std::vector<engine::TokenLogprob>& top : delta.top_logprobs) {
+        tandem::v1::TopLogprobs* entries = event.add_top_logprobs();
+        for (const engine::TokenLogprob& t : top) {
+          tandem::v1::TokenLogprob* entry = entries->add_entries();
+          entry->set_token_id(t.token);
+          entry->set_logprob(t.logprob);
+        }
+      }
+      event.set_finish_reason(ToWire(delta.finish_reason));
+      if (delta.finish_reason != engine::FinishReason::kNone && delta.index >= 0 &&
+          delta.index < static_cast<int>(running.finished.size())) {
+        running.finished[delta.index] = true;
+      }
+      metrics_.generation_tokens->Increment(static_cast<double>(delta.token_ids.size()));
+    }
+    running.num_generation_tokens = out.num_generation_tokens;
+    if (out.finished && !events.empty()) {
+      tandem::v1::Usage* usage = events.back().mutable_usage();
+      usage->set_prompt_tokens(running.num_prompt_tokens);
+      usage->set_completion_tokens(running.num_generation_tokens);
+    }
+    std::shared_ptr<Stream> stream = running.stream;
+    if (out.finished) {
+      running_.erase(it);
+      num_running_.store(static_cast<int>(running_.size()));
+      // The engine has freed the request's blocks: Stats must say so before the client reads
+      // the last event.
+      PublishStats();
+    }
+    stream->Push(std::move(events), out.finished);
+  }
+}
+
+void DecodeWorkerImpl::EndRunning(const std::string& request_id, const absl::Status& error) {
+  auto it = running_.find(request_id);
+  if (it == running_.end()) return;
+  engine_->Abort(request_id);
+  Running running = std::move(it->second);
+  running_.erase(it);
+  num_running_.store(static_cast<int>(running_.size()));
+  std::vector<tandem::v1::TokenEvent> events;
+  for (size_t i = 0; i < running.finished.size(); ++i) {
+    if (running.finished[i]) continue;
+    tandem::v1::TokenEvent& event = events.emplace_back();
+    event.set_request_id(request_id);
+    event.set_index(static_cast<int>(i));
+    event.set_finish_reason(tandem::v1::FINISH_REASON_ABORT);
+  }
+  if (events.empty()) {  // every sample had finished; the request's last event is still owed
+    tandem::v1::TokenEvent& event = events.emplace_back();
+    event.set_request_id(request_id);
+  }
+  tandem::v1::TokenEvent& last = events.back();
+  last.mutable_usage()->set_prompt_tokens(running.num_prompt_tokens);
+  last.mutable_usage()->set_completion_tokens(running.num_generation_tokens);
+  if (!error.ok()) *last.mutable_error() = proto::ToProto(error);
+  PublishStats();
+  running.stream->Push(std::move(events), /*last=*/true);
+}
+
+tandem::v1::WorkerStats DecodeWorkerImpl::ComputeStats() const {
+  const engine::EngineStats engine_stats = engine_->stats();
+  tandem::v1::WorkerStats stats;
+  stats.set_role(tandem::v1::WORKER_ROLE_DECODE);
+  stats.set_worker_id(options_.worker_id);
+  stats.set_running(engine_stats.running);
+  stats.set_waiting(engine_stats.waiting);
+  stats.set_kv_blocks_used(engine_stats.kv_blocks_used);
+  stats.set_kv_blocks_total(engine_stats.kv_blocks_total);
+  int reserved = 0;
+  for (const auto& [id, reservation] : reservations_) reserved += reservation.num_blocks();
+  stats.set_kv_blocks_reserved(reserved);
+  stats.set_reservations(static_cast<int>(reservations_.size()));
+  stats.set_preemptions_total(engine_stats.preemptions);
+  return stats;
+}
+
+void DecodeWorkerImpl::PublishStats() {
+  tandem::v1::WorkerStats stats = ComputeStats();
+  std::lock_guard<std::mutex> lock(mu_);
+  snapshot_ = std::move(stats);
+}
+
+tandem::v1::WorkerStats DecodeWorkerImpl::Stats() const {
+  // The snapshot is published after every change the engine loop makes (before any RPC that
+  // made it returns, and before a stream's last event is queued).
+  std::lock_guard<std::mutex> lock(mu_);
+  return snapshot_;
+}
+
+// --- RPC bodies -------------------------------------------------------------------------------
+
+absl::StatusOr<tandem::v1::KvReservation> DecodeWorkerImpl::Reserve(
+    const tandem::v1::ReserveRequest& request) {
+  if (request.request_id().empty()) return absl::InvalidArgumentError("request_id is empty");
+  if (request.num_prompt_tokens() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("num_prompt_tokens must be positive, got ",
+                                                   request.num_prompt_tokens()));
+  }
+  if (request.n() < 0 || request.n() > kMaxReserveSamples) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("n must be in [0, ", kMaxReserveSamples, "], got ", request.n()));
+  }
+  if (request.max_tokens() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_tokens must not be negative, got ", request.max_tokens()));
+  }
+  const int64_t now = NowUnixMs();
+  if (request.deadline_unix_ms() > 0 && request.deadline_unix_ms() <= now) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "the reservation deadline passed ", now - request.deadline_unix_ms(), " ms ago"));
+  }
+  int64_t expires = now + absl::ToInt64Milliseconds(options_.max_reservation_ttl);
+  if (request.deadline_unix_ms() > 0) expires = std::min(expires, request.deadline_unix_ms());
+
+  return RunOnEngine<absl::StatusOr<tandem::v1::KvReservation>>(
+             [&]() -> absl::StatusOr<tandem::v1::KvReservation> {
+               if (!accepting_.load()) {
+                 return absl::UnavailableError("the decode worker is shutting down");
+               }
+               const int64_t total =
+                   static_cast<int64_t>(request.num_prompt_tokens()) + request.max_tokens();
+               if (total > engine_->max_model_len()) {
+                 return absl::InvalidArgumentError(absl::StrCat(
+                     "num_prompt_tokens + max_tokens = ", total,
+                     " exceeds the model's context length ", engine_->max_model_len()));
+               }
+               if (reserved_request_.count(request.request_id()) > 0 ||
+                   running_.count(request.request_id()) > 0) {
+                 return absl::AlreadyExistsError(
+                     absl::StrCat("request ", request.request_id(), " already exists here"));
+               }
+               Reservation reservation;
+               reservation.request_id = request.request_id();
+               reservation.num_prompt_tokens = request.num_prompt_tokens();
+               reservation.n = std::max(1, request.n());
+               reservation.expires_unix_ms = expires;
+               for (int i = 0; i < reservation.n; ++i) {
+                 absl::StatusOr<engine::BlockTable> blocks =
+                     engine_->ReserveBlocks(request.num_prompt_tokens());
+                 if (!blocks.ok()) {
+                   FreeReservation(reservation);
+                   return absl::ResourceExhaustedError(absl::StrCat(
+                       "not enough free KV blocks for ", reservation.n, " x ",
+                       request.num_prompt_tokens(), " prompt tokens: ", blocks.status().message()));
+                 }
+                 reservation.blocks.push_back(std::move(*blocks));
+               }
+               const std::string id =
+                   absl::StrCat(options_.worker_id, "-", next_reservation_++);
+               tandem::v1::KvReservation out;
+               out.set_reservation_id(id);
+               for (const engine::BlockTable& blocks : reservation.blocks) {
+                 for (int32_t b : blocks) out.add_block_ids(b);
+               }
+               out.set_blocks_per_choice(static_cast<int>(reservation.blocks.front().size()));
+               tandem::v1::TransferEndpoint* endpoint = out.mutable_endpoint();
+               endpoint->set_backend(options_.kv_backend);
+               endpoint->set_address(agent_->address());
+               endpoint->add_region_descriptors(region_descriptor_);
+               endpoint->set_num_blocks(engine_->kv_layout().num_blocks);
+               *endpoint->mutable_layout() = layout_;
+               out.set_expires_unix_ms(expires);
+               reserved_request_[reservation.request_id] = id;
+               reservations_[id] = std::move(reservation);
+               PublishStats();
+               return out;
+             },
+             Stopped());
+}
+
+absl::StatusOr<bool> DecodeWorkerImpl::Release(const std::string& reservation_id) {
+  return RunOnEngine<absl::StatusOr<bool>>([&]() -> absl::StatusOr<bool> {
+    auto it = reservations_.find(reservation_id);
+    // An expired reservation is left to the expiry sweep: a late transfer may still land in it.
+    if (it == reservations_.end() || NowUnixMs() > it->second.expires_unix_ms) return false;
+    FreeReservation(it->second);
+    reserved_request_.erase(it->second.request_id);
+    reservations_.erase(it);
+    PublishStats();
+    return true;
+  }, Stopped());
+}
+
+absl::Status DecodeWorkerImpl::Start(const tandem::v1::StartRequest& request,
+                                     std::shared_ptr<Stream> stream) {
+  if (request.request_id().empty()) return absl::InvalidArgumentError("request_id is empty");
+  return RunOnEngine<absl::Status>([&]() -> absl::Status {
+           if (!accepting_.load()) {
+             return absl::UnavailableError("the decode worker is shutting down");
+           }
+           auto it = reservations_.find(request.reservation_id());
+           if (it == reservations_.end() || NowUnixMs() > it->second.expires_unix_ms) {
+             return absl::NotFoundError(absl::StrCat("reservation '", request.reservation_id(),
+                                                     "' is unknown, released or expired"));
+           }
+           Reservation& reservation = it->second;
+           if (request.choices_size() != reservation.n) {
+             return absl::InvalidArgumentError(
+                 absl::StrCat("the reservation is for ", reservation.n, " samples but ",
+                              request.choices_size(), " choices were sent"));
+           }
+           if (request.prompt_token_ids_size() != reservation.num_prompt_tokens) {
+             return absl::InvalidArgumentError(absl::StrCat(
+                 "the prompt has ", request.prompt_token_ids_size(),
+                 " tokens but the reservation is for ", reservation.num_prompt_tokens));
+           }
+           if (running_.count(request.request_id()) > 0) {
+             return absl::AlreadyExistsError(
+                 absl::StrCat("request ", request.request_id(), " is already running"));
+           }
+           engine::GenerateRequest generate;
+           generate.request_id = request.request_id();
+           generate.prompt_tokens.assign(request.prompt_token_ids().begin(),
+                                         request.prompt_token_ids().end());
+           generate.params = proto::FromProto(request.sampling());
+           if (!request.sampling().has_n()) generate.params.n = reservation.n;
+           std::vector<engine::PrefilledChoice> choices(reservation.n);
+           std::vector<bool> seen(reservation.n, false);
+           for (const tandem::v1::PrefilledChoice& wire : request.choices()) {
+             if (wire.index() < 0 || wire.index() >= reservation.n || seen[wire.index()]) {
+               return absl::InvalidArgumentError(absl::StrCat(
+                   "choice index ", wire.index(), " is out of range or repeated (n = ",
+                   reservation.n, ")"));
+             }
+             seen[wire.index()] = true;
+             absl::StatusOr<engine::PrefilledChoice> choice;
+             if (wire.sampler_state().empty() && generate.params.greedy()) {
+               // Greedy sampling draws no random numbers, so the state may be left out.
+               tandem::v1::PrefilledChoice filled = wire;
+               filled.set_sampler_state(std::string(32, '\0'));
+               choice = proto::FromProto(filled);
+             } else {
+               choice = proto::FromProto(wire);
+             }
+             if (!choice.ok()) return choice.status();
+             choice->blocks = reservation.blocks[wire.index()];
+             choices[wire.index()] = std::move(*choice);
+           }
+           // On refusal the reservation stays as it was (Release or expiry frees it).
+           TANDEM_RETURN_IF_ERROR(engine_->AddPrefilled(std::move(generate), std::move(choices)));
+           // The engine owns the blocks now.
+           Running running;
+           running.stream = std::move(stream);
+           running.finished.assign(reservation.n, false);
+           running.num_prompt_tokens = reservation.num_prompt_tokens;
+           reserved_request_.erase(reservation.request_id);
+           reservations_.erase(it);
+           running_[request.request_id()] = std::move(running);
+           num_running_.store(static_cast<int>(running_.size()));
+           metrics_.requests->Increment();
+           PublishStats();
+           return absl::OkStatus();
+         },
+         Stopped());
+}
+
+void DecodeWorkerImpl::AbandonStream(const std::string& request_id,
+                                     const std::shared_ptr<Stream>& stream) {
+  // Fails only once the loop has stopped, which has ended every request already.
+  RunOnEngine<bool>([&] {
+    auto it = running_.find(request_id);
+    if (it == running_.end() || it->second.stream != stream) return false;
+    EndRunning(request_id, absl::CancelledError("the Start call was cancelled"));
+    return true;
+  }, false);
+}
+
+absl::StatusOr<bool> DecodeWorkerImpl::Cancel(const std::string& request_id,
+                                              const std::string& reason) {
+  return RunOnEngine<absl::StatusOr<bool>>([&]() -> absl::StatusOr<bool> {
+    bool found = false;
+    if (running_.count(request_id) > 0) {
+      EndRunning(request_id, absl::OkStatus());
+      found = true;
+    }
+    auto it = reserved_request_.find(request_id);
+    if (it != reserved_request_.end()) {
+      auto r = reservations_.find(it->second);
+      if (r != reservations_.end() && NowUnixMs() <= r->second.expires_unix_ms) {
+        FreeReservation(r->second);
+        reservations_.erase(r);
+        reserved_request_.erase(it);
+        found = true;
+      }
+    }
+    PublishStats();
+    return found;
+  }, Stopped());
+}
+
+absl::StatusOr<tandem::v1::HandshakeResponse> DecodeWorkerImpl::Handshake(
+    const tandem::v1::HandshakeRequest& request) const {
+  absl::Status compatible = proto::CheckLayoutCompatible(request.layout(), layout_);
+  if (!compatible.ok()) {
+    return absl::Status(compatible.code(),
+                        absl::StrCat(std::string(compatible.message()), " (worker ",
+                                     request.worker_id(), " -> ", options_.worker_id, ")"));
+  }
+  tandem::v1::HandshakeResponse response;
+  response.set_worker_id(options_.worker_id);
+  *response.mutable_layout() = layout_;
+  return response;
+}
+
+void DecodeWorkerImpl::Shutdown(absl::Duration grace) {
+  std::call_once(shutdown_once_, [&] {
+    accepting_.store(false);
+    const absl::Time deadline = absl::Now() + grace;
+    if (loop_.joinable()) {
+      while (num_running_.load() > 0 && absl::Now() < deadline) {
+        absl::SleepFor(absl::Milliseconds(10));
+      }
+      // Whatever still runs ends with an error event; unstarted reservations are freed.
+      RunOnEngine<bool>([this] {
+        std::vector<std::string> ids;
+        for (const auto& [id, running] : running_) ids.push_back(id);
+        for (const std::string& id : ids) {
+          EndRunning(id, absl::UnavailableError("the decode worker is shutting down"));
+        }
+        for (auto& [id, reservation] : reservations_) FreeReservation(reservation);
+        reservations_.clear();
+        reserved_request_.clear();
+        PublishStats();
+        return true;
+      }, false);
+    }
+    // Start handlers now hold their stream's last event; a client that does not read it in a
+    // second has its call cancelled.
+    if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() +
+                                              std::chrono::seconds(1));
+    if (loop_.joinable()) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        stop_ = true;
+      }
+      cv_.notify_all();
+      loop_.join();
+    }
+    if (metrics_server_ != nullptr) metrics_server_->Stop();
+    if (memory_registered_) {
+      (void)agent_->DeregisterMemory(kKvRegionId);
+      memory_registered_ = false;
+    }
+    agent_.reset();
+  });
+}
+
+// --- gRPC -------------------------------------------------------------------------------------
+
+grpc::Status Service::Reserve(grpc::ServerContext*, const tandem::v1::ReserveRequest* request,
+                              tandem::v1::ReserveResponse* response) {
+  absl::StatusOr<tandem::v1::KvReservation> reservation = worker_->Reserve(*request);
+  if (!reservation.ok()) return proto::ToGrpcStatus(reservation.status());
+  *response->mutable_reservation() = std::move(*reservation);
+  return grpc::Status::OK;
+}
+
+grpc::Status Service::Release(grpc::ServerContext*, const tandem::v1::ReleaseRequest* request,
+                              tandem::v1::ReleaseResponse* response) {
+  absl::StatusOr<bool> released = worker_->Release(request->reservation_id());
+  if (!released.ok()) return proto::ToGrpcStatus(released.status());
+  response->set_released(*released);
+  return grpc::Status::OK;
+}
+
+grpc::Status Service::Start(grpc::ServerContext* context, const tandem::v1::StartRequest* request,
+                            grpc::ServerWriter<tandem::v1::TokenEvent>* writer) {
+  auto stream = std::make_shared<Stream>();
+  absl::Status started = worker_->Start(*request, stream);
+  if (!started.ok()) return proto::ToGrpcStatus(started);
+  while (true) {
+    std::deque<tandem::v1::TokenEvent> events;
+    bool done = false;
+    {
+      std::unique_lock<std::mutex> lock(stream->mu);
+      stream->cv.wait_for(lock, kStreamPoll,
+                          [&] { return !stream->events.empty() || stream->done; });
+      events.swap(stream->events);
+      done = stream->done;
+    }
+    for (const tandem::v1::TokenEvent& event : events) {
+      if (!writer->Write(event)) {
+        worker_->AbandonStream(request->request_id(), stream);
+        return grpc::Status(grpc::StatusCode::CANCELLED, "the client stopped reading");
+      }
+    }
+    if (done) return grpc::Status::OK;
+    if (context->IsCancelled()) {
+      worker_->AbandonStream(request->request_id(), stream);
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the call was cancelled");
+    }
+  }
+}
+
+grpc::Status Service::Cancel(grpc::ServerContext*, const tandem::v1::CancelRequest* request,
+                             tandem::v1::CancelResponse* response) {
+  absl::StatusOr<bool> found = worker_->Cancel(request->request_id(), request->reason());
+  if (!found.ok()) return proto::ToGrpcStatus(found.status());
+  response->set_found(*found);
+  return grpc::Status::OK;
+}
+
+grpc::Status Service::Stats(grpc::ServerContext*, const tandem::v1::StatsRequest*,
+                            tandem::v1::WorkerStats* stats) {
+  *stats = worker_->Stats();
+  return grpc::Status::OK;
+}
+
+grpc::Status Service::Handshake(grpc::ServerContext*, const tandem::v1::HandshakeRequest* request,
+                                tandem::v1::HandshakeResponse* response) {
+  absl::StatusOr<tandem::v1::HandshakeResponse> result = worker_->Handshake(*request);
+  if (!result.ok()) return proto::ToGrpcStatus(result.status());
+  *response = std::move(*result);
+  return grpc::Status::OK;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DecodeWorker>> DecodeWorker::Create(DecodeWorkerOptions options) {
+  auto worker = std::make_unique<DecodeWorkerImpl>();
+  TANDEM_RETURN_IF_ERROR(worker->Init(std::move(options)));
+  return std::unique_ptr<DecodeWorker>(std::move(worker));
+}
+
+}  // namespace tandem::decode_worker

@@ -1,0 +1,612 @@
+// The decode worker over real gRPC: a prefill-role engine in the test plays the prefill worker
+// (computes the prompt, pushes its KV into the reserved blocks through a kvtransfer agent), and
+// the worker's streamed output must equal a colocated engine's, with no KV block left behind.
+#include "tandem/decode_worker/decode_worker.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "tandem/engine/llm_engine.h"
+#include "tandem/engine/model_runner.h"
+#include "tandem/kvtransfer/agent.h"
+#include "tandem/proto/convert.h"
+#include "tandem/v1/decode.grpc.pb.h"
+#include "test_models.h"
+
+namespace tandem::decode_worker {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kKvBytes = 8ll << 20;
+
+engine::EngineOptions EngineOptionsFor(engine::EngineRole role) {
+  engine::EngineOptions options;
+  options.model_dir = testing::TinyModel("qwen3", DType::kBF16);
+  options.num_threads = 2;
+  options.kv_cache_bytes = kKvBytes;
+  options.max_num_batched_tokens = 64;  // prompts span several prefill chunks
+  options.role = role;
+  return options;
+}
+
+std::unique_ptr<engine::LlmEngine> MakeEngine(engine::EngineRole role) {
+  auto engine = engine::LlmEngine::Create(EngineOptionsFor(role));
+  EXPECT_TRUE(engine.ok()) << engine.status();
+  return engine.ok() ? std::move(engine).value() : nullptr;
+}
+
+std::vector<int32_t> RandomPrompt(int length, int vocab, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<int32_t> prompt(length);
+  for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % vocab);
+  return prompt;
+}
+
+std::unique_ptr<grpc::ClientContext> Context(absl::Duration timeout = absl::Seconds(60)) {
+  auto context = std::make_unique<grpc::ClientContext>();
+  context->set_deadline(std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout)));
+  return context;
+}
+
+// What one Start call streamed.
+struct StartResult {
+  std::vector<tandem::v1::TokenEvent> events;
+  grpc::Status status;
+};
+
+// Each sample's tokens, text, logprobs and finish reason, in sample order.
+struct SampleOutput {
+  std::vector<int32_t> token_ids;
+  std::string text;
+  std::vector<float> logprobs;
+  tandem::v1::FinishReason finish_reason = tandem::v1::FINISH_REASON_NONE;
+};
+
+std::vector<SampleOutput> Collect(const std::vector<tandem::v1::TokenEvent>& events, int n) {
+  std::vector<SampleOutput> out(n);
+  for (const tandem::v1::TokenEvent& e : events) {
+    if (e.index() < 0 || e.index() >= n) {
+      ADD_FAILURE() << "event for sample " << e.index();
+      continue;
+    }
+    SampleOutput& s = out[e.index()];
+    EXPECT_EQ(s.finish_reason, tandem::v1::FINISH_REASON_NONE) << "event after the finish";
+    s.token_ids.insert(s.token_ids.end(), e.token_ids().begin(), e.token_ids().end());
+    s.text += e.text();
+    s.logprobs.insert(s.logprobs.end(), e.logprobs().begin(), e.logprobs().end());
+    if (e.finish_reason() != tandem::v1::FINISH_REASON_NONE) s.finish_reason = e.finish_reason();
+  }
+  return out;
+}
+
+// A GET over a plain socket; returns the whole response (status line, headers, body).
+std::string HttpGet(int port, const std::string& path) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return "";
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string response;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string request =
+        absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    if (write(fd, request.data(), request.size()) == static_cast<ssize_t>(request.size())) {
+      char buf[4096];
+      ssize_t got;
+      while ((got = read(fd, buf, sizeof(buf))) > 0) response.append(buf, got);
+    }
+  }
+  close(fd);
+  return response;
+}
+
+class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    DecodeWorkerOptions options;
+    options.engine = EngineOptionsFor(engine::EngineRole::kColocated);  // the worker sets decode
+    options.worker_id = "decode-test";
+    options.kv_backend = GetParam();
+    options.metrics_address = "127.0.0.1:0";
+    auto worker = DecodeWorker::Create(options);
+    ASSERT_TRUE(worker.ok()) << worker.status();
+    worker_ = std::move(worker).value();
+    ASSERT_GT(worker_->metrics_port(), 0);
+    stub_ = tandem::v1::DecodeWorker::NewStub(
+        grpc::CreateChannel(worker_->grpc_address(), grpc::InsecureChannelCredentials()));
+  }
+
+  void TearDown() override {
+    if (worker_ == nullptr) return;
+    // Nothing leaks, whatever the test did.
+    EXPECT_TRUE(WaitForStats([](const tandem::v1::WorkerStats& s) {
+      return s.kv_blocks_used() == 0 && s.reservations() == 0 && s.running() == 0;
+    })) << RpcStats().DebugString();
+    worker_.reset();
+  }
+
+  tandem::v1::WorkerStats RpcStats() {
+    tandem::v1::WorkerStats stats;
+    grpc::Status status = stub_->Stats(Context().get(), {}, &stats);
+    EXPECT_TRUE(status.ok()) << status.error_message();
+    return stats;
+  }
+
+  // Polls the Stats RPC until `done` holds, for up to `timeout`.
+  bool WaitForStats(const std::function<bool(const tandem::v1::WorkerStats&)>& done,
+                    absl::Duration timeout = absl::Seconds(3)) {
+    const absl::Time deadline = absl::Now() + timeout;
+    while (true) {
+      if (done(RpcStats())) return true;
+      if (absl::Now() > deadline) return false;
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+  }
+
+  grpc::Status Reserve(const std::string& request_id, int num_prompt_tokens, int max_tokens, int n,
+                       tandem::v1::KvReservation* reservation, int64_t deadline_unix_ms = 0) {
+    tandem::v1::ReserveRequest request;
+    request.set_request_id(request_id);
+    request.set_num_prompt_tokens(num_prompt_tokens);
+    request.set_max_tokens(max_tokens);
+    request.set_n(n);
+    request.set_deadline_unix_ms(deadline_unix_ms);
+    tandem::v1::ReserveResponse response;
+    grpc::Status status = stub_->Reserve(Context().get(), request, &response);
+    *reservation = response.reservation();
+    return status;
+  }
+
+  // Plays the prefill worker: computes `request` on a prefill-role engine, pushes each sample's
+  // prompt KV into its slice of the reservation, and returns the prefilled choices for Start.
+  std::vector<tandem::v1::PrefilledChoice> Prefill(const engine::GenerateRequest& request,
+                                                   const tandem::v1::KvReservation& reservation) {
+    std::vector<tandem::v1::PrefilledChoice> choices;
+    if (prefill_ == nullptr) prefill_ = MakeEngine(engine::EngineRole::kPrefill);
+    if (sender_ == nullptr) {
+      auto sender = kvtransfer::Agent::Create({.backend = GetParam(), .name = "prefill-test"});
+      EXPECT_TRUE(sender.ok()) << sender.status();
+      if (!sender.ok()) return choices;
+      sender_ = std::move(sender).value();
+      EXPECT_TRUE(sender_->RegisterMemory(1, prefill_->kv_cache(), prefill_->kv_cache_bytes()).ok());
+    }
+    const tandem::v1::TransferEndpoint& endpoint = reservation.endpoint();
+    EXPECT_EQ(endpoint.backend(), GetParam());
+    EXPECT_EQ(endpoint.region_descriptors_size(), 1);
+    const absl::Time deadline = absl::FromUnixMillis(reservation.expires_unix_ms());
+    auto peer = sender_->Connect(endpoint.address(), deadline);
+    EXPECT_TRUE(peer.ok()) << peer.status();
+    if (!peer.ok()) return choices;
+
+    EXPECT_TRUE(prefill_->AddRequest(request).ok());
+    std::vector<engine::PrefillHandoff> handoffs;
+    while (static_cast<int>(handoffs.size()) < request.params.n && prefill_->has_unfinished()) {
+      EXPECT_TRUE(prefill_->Step().ok());
+      for (engine::PrefillHandoff& h : prefill_->TakeHandoffs()) handoffs.push_back(h);
+    }
+    EXPECT_EQ(static_cast<int>(handoffs.size()), request.params.n);
+    const kernels::KvLayout dst{.num_blocks = endpoint.num_blocks(),
+                                .block_size = endpoint.layout().block_size(),
+                                .num_kv_heads = endpoint.layout().num_kv_heads(),
+                                .head_dim = endpoint.layout().head_dim()};
+    const int per_choice = reservation.blocks_per_choice();
+    for (const engine::PrefillHandoff& h : handoffs) {
+      engine::BlockTable dst_blocks(
+          reservation.block_ids().begin() + h.choice_index * per_choice,
+          reservation.block_ids().begin() + (h.choice_index + 1) * per_choice);
+      auto ranges = engine::KvBlockCopyRanges(prefill_->kv_layout(), dst,
+                                              prefill_->config().num_layers, h.blocks, dst_blocks);
+      EXPECT_TRUE(ranges.ok()) << ranges.status();
+      if (ranges.ok()) {
+        std::vector<kvtransfer::Range> wire;
+        for (const engine::KvCopyRange& r : *ranges) {
+          wire.push_back({r.src_offset, r.dst_offset, r.bytes});
+        }
+        auto handle =
+            sender_->Submit(*peer, 1, endpoint.region_descriptors(0), std::move(wire), deadline);
+        EXPECT_TRUE(handle.ok()) << handle.status();
+        if (handle.ok()) EXPECT_TRUE((*handle)->Wait().ok());
+      }
+      prefill_->ReleaseHandoff(h);
+      choices.push_back(proto::ToProto(h.choice_index, h));
+    }
+    EXPECT_EQ(prefill_->stats().kv_blocks_used, 0);
+    return choices;
+  }
+
+  tandem::v1::StartRequest StartRequestFor(const engine::GenerateRequest& request,
+                                           const tandem::v1::KvReservation& reservation,
+                                           std::vector<tandem::v1::PrefilledChoice> choices) {
+    tandem::v1::StartRequest start;
+    start.set_request_id(request.request_id);
+    start.set_reservation_id(reservation.reservation_id());
+    for (int32_t t : request.prompt_tokens) start.add_prompt_token_ids(t);
+    *start.mutable_sampling() = proto::ToProto(request.params);
+    for (tandem::v1::PrefilledChoice& c : choices) *start.add_choices() = std::move(c);
+    return start;
+  }
+
+  StartResult RunStart(const tandem::v1::StartRequest& start) {
+    StartResult result;
+    auto context = Context();
+    auto reader = stub_->Start(context.get(), start);
+    tandem::v1::TokenEvent event;
+    while (reader->Read(&event)) result.events.push_back(event);
+    result.status = reader->Finish();
+    return result;
+  }
+
+  // Reserve, prefill and push, then Start with a long generation; returns once the first event
+  // arrived, with the call still open.
+  struct OpenStream {
+    std::unique_ptr<grpc::ClientContext> context;
+    std::unique_ptr<grpc::ClientReader<tandem::v1::TokenEvent>> reader;
+    std::vector<tandem::v1::TokenEvent> events;
+  };
+  OpenStream StartLong(const std::string& request_id, int n) {
+    OpenStream open;
+    auto colocated_vocab = 512;
+    engine::GenerateRequest request{request_id, RandomPrompt(40, colocated_vocab, 3), {}};
+    request.params.max_tokens = 2000;
+    request.params.ignore_eos = true;
+    request.params.temperature = 0;
+    request.params.n = n;
+    tandem::v1::KvReservation reservation;
+    grpc::Status reserved = Reserve(request_id, 40, 2000, n, &reservation);
+    EXPECT_TRUE(reserved.ok()) << reserved.error_message();
+    if (!reserved.ok()) return open;
+    tandem::v1::StartRequest start =
+        StartRequestFor(request, reservation, Prefill(request, reservation));
+    open.context = Context();
+    open.reader = stub_->Start(open.context.get(), start);
+    tandem::v1::TokenEvent event;
+    EXPECT_TRUE(open.reader->Read(&event));
+    open.events.push_back(event);
+    return open;
+  }
+
+  std::unique_ptr<DecodeWorker> worker_;
+  std::unique_ptr<tandem::v1::DecodeWorker::Stub> stub_;
+  std::unique_ptr<engine::LlmEngine> prefill_;
+  std::unique_ptr<kvtransfer::Agent> sender_;
+};
+
+TEST_P(DecodeWorkerTest, StreamEqualsColocatedOutput) {
+  auto colocated = MakeEngine(engine::EngineRole::kColocated);
+  ASSERT_NE(colocated, nullptr);
+  const int vocab = colocated->config().vocab_size;
+  std::vector<engine::GenerateRequest> requests;
+  {
+    engine::GenerateRequest greedy{"greedy", RandomPrompt(150, vocab, 1), {}};
+    greedy.params.temperature = 0;
+    greedy.params.max_tokens = 12;
+    greedy.params.ignore_eos = true;
+    greedy.params.logprobs = 1;
+    requests.push_back(greedy);
+    engine::GenerateRequest seeded{"seeded", RandomPrompt(77, vocab, 2), {}};
+    seeded.params.temperature = 0.8f;
+    seeded.params.seed = 1234;
+    seeded.params.n = 2;
+    seeded.params.max_tokens = 10;
+    seeded.params.ignore_eos = true;
+    seeded.params.logprobs = 0;
+    requests.push_back(seeded);
+  }
+  auto expected = engine::GenerateAll(*colocated, requests);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+
+  for (size_t r = 0; r < requests.size(); ++r) {
+    const engine::GenerateRequest& request = requests[r];
+    SCOPED_TRACE(request.request_id);
+    const int prompt_len = static_cast<int>(request.prompt_tokens.size());
+    tandem::v1::KvReservation reservation;
+    grpc::Status reserved = Reserve(request.request_id, prompt_len, request.params.max_tokens,
+                                    request.params.n, &reservation);
+    ASSERT_TRUE(reserved.ok()) << reserved.error_message();
+    const int per_choice = (prompt_len + 15) / 16;
+    EXPECT_EQ(reservation.blocks_per_choice(), per_choice);
+    EXPECT_EQ(reservation.block_ids_size(), per_choice * request.params.n);
+    EXPECT_EQ(RpcStats().kv_blocks_reserved(), per_choice * request.params.n);
+    EXPECT_EQ(RpcStats().reservations(), 1);
+
+    StartResult result =
+        RunStart(StartRequestFor(request, reservation, Prefill(request, reservation)));
+    ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+    ASSERT_FALSE(result.events.empty());
+    for (const tandem::v1::TokenEvent& e : result.events) {
+      EXPECT_EQ(e.request_id(), request.request_id);
+      EXPECT_EQ(e.error().code(), 0);
+    }
+    const std::vector<SampleOutput> got = Collect(result.events, request.params.n);
+    const engine::RequestOutput& want = (*expected)[r];
+    int completion_tokens = 0;
+    for (int c = 0; c < request.params.n; ++c) {
+      EXPECT_EQ(got[c].token_ids, want.choices[c].token_ids) << "sample " << c;
+      EXPECT_EQ(got[c].text, want.choices[c].text) << "sample " << c;
+      EXPECT_EQ(got[c].logprobs, want.choices[c].logprobs) << "sample " << c;
+      EXPECT_EQ(got[c].finish_reason, tandem::v1::FINISH_REASON_LENGTH) << "sample " << c;
+      completion_tokens += static_cast<int>(got[c].token_ids.size());
+    }
+    if (request.params.n == 2) EXPECT_NE(got[0].token_ids, got[1].token_ids);
+    // Usage comes once, on the last event.
+    for (size_t i = 0; i + 1 < result.events.size(); ++i) {
+      EXPECT_FALSE(result.events[i].has_usage()) << "event " << i;
+    }
+    ASSERT_TRUE(result.events.back().has_usage());
+    EXPECT_EQ(result.events.back().usage().prompt_tokens(), prompt_len);
+    EXPECT_EQ(result.events.back().usage().completion_tokens(), completion_tokens);
+
+    const tandem::v1::WorkerStats stats = RpcStats();
+    EXPECT_EQ(stats.kv_blocks_used(), 0);
+    EXPECT_EQ(stats.kv_blocks_reserved(), 0);
+    EXPECT_EQ(stats.reservations(), 0);
+    EXPECT_EQ(stats.role(), tandem::v1::WORKER_ROLE_DECODE);
+    EXPECT_EQ(stats.worker_id(), "decode-test");
+    EXPECT_EQ(stats.kv_blocks_total(), reservation.endpoint().num_blocks());
+  }
+}
+
+TEST_P(DecodeWorkerTest, UnstartedReservationExpires) {
+  tandem::v1::KvReservation reservation;
+  const int64_t deadline = absl::ToUnixMillis(absl::Now() + absl::Milliseconds(200));
+  grpc::Status reserved = Reserve("late", 100, 10, 1, &reservation, deadline);
+  ASSERT_TRUE(reserved.ok()) << reserved.error_message();
+  EXPECT_EQ(reservation.expires_unix_ms(), deadline);  // never later than asked
+  EXPECT_EQ(RpcStats().kv_blocks_used(), 7);
+
+  // Past its deadline a reservation cannot be started, even while its blocks are still held
+  // for transfers that may be landing.
+  absl::SleepFor(absl::Milliseconds(300));
+  tandem::v1::StartRequest start;
+  start.set_request_id("late");
+  start.set_reservation_id(reservation.reservation_id());
+  for (int i = 0; i < 100; ++i) start.add_prompt_token_ids(1);
+  start.add_choices()->mutable_first_token()->set_token_id(1);
+  StartResult result = RunStart(start);
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(result.events.empty());
+
+  // The blocks come back by themselves, within the grace period, with nobody calling.
+  EXPECT_TRUE(WaitForStats(
+      [](const tandem::v1::WorkerStats& s) {
+        return s.kv_blocks_used() == 0 && s.kv_blocks_reserved() == 0 && s.reservations() == 0;
+      },
+      absl::Seconds(3)))
+      << RpcStats().DebugString();
+  EXPECT_EQ(RunStart(start).status.error_code(), grpc::StatusCode::NOT_FOUND);
+
+  tandem::v1::ReleaseRequest release;
+  release.set_reservation_id(reservation.reservation_id());
+  tandem::v1::ReleaseResponse released;
+  ASSERT_TRUE(stub_->Release(Context().get(), release, &released).ok());
+  EXPECT_FALSE(released.released());
+  const std::string metrics = HttpGet(worker_->metrics_port(), "/metrics");
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_decode_reservations_expired_total 1\n"));
+}
+
+TEST_P(DecodeWorkerTest, ReleaseAndCancelAreIdempotent) {
+  tandem::v1::KvReservation reservation;
+  ASSERT_TRUE(Reserve("r1", 33, 10, 2, &reservation).ok());
+  EXPECT_EQ(RpcStats().kv_blocks_used(), 6);
+  tandem::v1::ReleaseRequest release;
+  release.set_reservation_id(reservation.reservation_id());
+  for (bool want : {true, false, false}) {
+    tandem::v1::ReleaseResponse response;
+    ASSERT_TRUE(stub_->Release(Context().get(), release, &response).ok());
+    EXPECT_EQ(response.released(), want);
+    EXPECT_EQ(RpcStats().kv_blocks_used(), 0);
+  }
+
+  ASSERT_TRUE(Reserve("r2", 33, 10, 1, &reservation).ok());
+  EXPECT_EQ(RpcStats().kv_blocks_used(), 3);
+  tandem::v1::CancelRequest cancel;
+  cancel.set_request_id("r2");
+  cancel.set_reason("client disconnected");
+  for (bool want : {true, false}) {
+    tandem::v1::CancelResponse response;
+    ASSERT_TRUE(stub_->Cancel(Context().get(), cancel, &response).ok());
+    EXPECT_EQ(response.found(), want);
+    EXPECT_EQ(RpcStats().kv_blocks_used(), 0);
+  }
+  // The cancelled reservation cannot be started.
+  tandem::v1::StartRequest start;
+  start.set_request_id("r2");
+  start.set_reservation_id(reservation.reservation_id());
+  EXPECT_EQ(RunStart(start).status.error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_P(DecodeWorkerTest, CancelEndsARunningStream) {
+  OpenStream open = StartLong("long", 2);
+  ASSERT_NE(open.reader, nullptr);
+  EXPECT_GT(RpcStats().kv_blocks_used(), 0);
+  tandem::v1::CancelRequest cancel;
+  cancel.set_request_id("long");
+  tandem::v1::CancelResponse response;
+  ASSERT_TRUE(stub_->Cancel(Context().get(), cancel, &response).ok());
+  EXPECT_TRUE(response.found());
+  // Blocks are free as soon as Cancel returns.
+  EXPECT_EQ(RpcStats().kv_blocks_used(), 0);
+
+  tandem::v1::TokenEvent event;
+  while (open.reader->Read(&event)) open.events.push_back(event);
+  grpc::Status status = open.reader->Finish();
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  const std::vector<SampleOutput> got = Collect(open.events, 2);
+  for (const SampleOutput& s : got) {
+    EXPECT_EQ(s.finish_reason, tandem::v1::FINISH_REASON_ABORT);
+    EXPECT_LT(s.token_ids.size(), 2000u);
+  }
+  ASSERT_TRUE(open.events.back().has_usage());
+  EXPECT_EQ(open.events.back().usage().prompt_tokens(), 40);
+
+  tandem::v1::CancelResponse again;
+  ASSERT_TRUE(stub_->Cancel(Context().get(), cancel, &again).ok());
+  EXPECT_FALSE(again.found());
+}
+
+TEST_P(DecodeWorkerTest, ClientCancellingTheCallFreesBlocks) {
+  OpenStream open = StartLong("gone", 1);
+  ASSERT_NE(open.reader, nullptr);
+  EXPECT_EQ(RpcStats().running(), 1);
+  open.context->TryCancel();
+  EXPECT_EQ(open.reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  // The handler notices within its poll interval, long before 2000 tokens could be generated.
+  EXPECT_TRUE(WaitForStats(
+      [](const tandem::v1::WorkerStats& s) {
+        return s.kv_blocks_used() == 0 && s.running() == 0;
+      },
+      absl::Seconds(1)))
+      << RpcStats().DebugString();
+  tandem::v1::CancelRequest cancel;
+  cancel.set_request_id("gone");
+  tandem::v1::CancelResponse response;
+  ASSERT_TRUE(stub_->Cancel(Context().get(), cancel, &response).ok());
+  EXPECT_FALSE(response.found());
+}
+
+TEST_P(DecodeWorkerTest, RefusesBadInput) {
+  tandem::v1::KvReservation reservation;
+  EXPECT_EQ(Reserve("a", 0, 10, 1, &reservation).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Reserve("a", 10, 10, -1, &reservation).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Reserve("a", 10, 10, 65, &reservation).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  grpc::Status too_long = Reserve("a", 2000, 100, 1, &reservation);  // context is 2048
+  EXPECT_EQ(too_long.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(too_long.error_message(), HasSubstr("context length"));
+  // 10 samples x 63 blocks do not fit in 512 blocks; the samples reserved first are given back.
+  grpc::Status full = Reserve("a", 1000, 10, 10, &reservation);
+  EXPECT_EQ(full.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  tandem::v1::WorkerStats stats = RpcStats();
+  EXPECT_EQ(stats.kv_blocks_used(), 0);
+  EXPECT_EQ(stats.reservations(), 0);
+
+  ASSERT_TRUE(Reserve("b", 20, 10, 2, &reservation).ok());
+  tandem::v1::KvReservation duplicate;
+  EXPECT_EQ(Reserve("b", 20, 10, 1, &duplicate).error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  tandem::v1::StartRequest start;
+  start.set_request_id("b");
+  start.set_reservation_id(reservation.reservation_id());
+  for (int i = 0; i < 20; ++i) start.add_prompt_token_ids(i);
+  start.mutable_sampling()->set_n(2);
+  start.add_choices()->mutable_first_token()->set_token_id(1);  // one of two
+  StartResult wrong_choices = RunStart(start);
+  EXPECT_EQ(wrong_choices.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(wrong_choices.status.error_message(), HasSubstr("2 samples"));
+  // An out-of-range choice index, and a prompt of the wrong length.
+  tandem::v1::PrefilledChoice* second = start.add_choices();
+  second->set_index(5);
+  EXPECT_EQ(RunStart(start).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  second->set_index(1);
+  start.add_prompt_token_ids(0);
+  EXPECT_EQ(RunStart(start).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // A refused Start leaves the reservation to Release.
+  EXPECT_EQ(RpcStats().reservations(), 1);
+  tandem::v1::StartRequest unknown = start;
+  unknown.set_reservation_id("no-such-reservation");
+  EXPECT_EQ(RunStart(unknown).status.error_code(), grpc::StatusCode::NOT_FOUND);
+  tandem::v1::ReleaseRequest release;
+  release.set_reservation_id(reservation.reservation_id());
+  tandem::v1::ReleaseResponse released;
+  ASSERT_TRUE(stub_->Release(Context().get(), release, &released).ok());
+  EXPECT_TRUE(released.released());
+
+  // Handshake: the worker's own layout passes, a different head_dim is refused by name.
+  tandem::v1::HandshakeRequest handshake;
+  handshake.set_worker_id("prefill-test");
+  *handshake.mutable_layout() = reservation.endpoint().layout();
+  tandem::v1::HandshakeResponse response;
+  grpc::Status ok = stub_->Handshake(Context().get(), handshake, &response);
+  ASSERT_TRUE(ok.ok()) << ok.error_message();
+  EXPECT_EQ(response.worker_id(), "decode-test");
+  EXPECT_EQ(response.layout().SerializeAsString(),
+            reservation.endpoint().layout().SerializeAsString());
+  handshake.mutable_layout()->set_head_dim(response.layout().head_dim() * 2);
+  grpc::Status mismatch = stub_->Handshake(Context().get(), handshake, &response);
+  EXPECT_EQ(mismatch.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(mismatch.error_message(), HasSubstr("head_dim"));
+}
+
+TEST_P(DecodeWorkerTest, ServesMetricsAndHealth) {
+  auto colocated_vocab = 512;
+  engine::GenerateRequest request{"m", RandomPrompt(20, colocated_vocab, 4), {}};
+  request.params.max_tokens = 5;
+  request.params.ignore_eos = true;
+  tandem::v1::KvReservation reservation;
+  ASSERT_TRUE(Reserve("m", 20, 5, 1, &reservation).ok());
+  const std::string during = HttpGet(worker_->metrics_port(), "/metrics");
+  EXPECT_THAT(during, HasSubstr("\ntandem_kv_cache_blocks_used 2\n"));
+  EXPECT_THAT(during, HasSubstr("\ntandem_kv_cache_blocks_reserved 2\n"));
+  EXPECT_THAT(during, HasSubstr("\ntandem_decode_reservations 1\n"));
+  StartResult result =
+      RunStart(StartRequestFor(request, reservation, Prefill(request, reservation)));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+
+  const std::string metrics = HttpGet(worker_->metrics_port(), "/metrics");
+  EXPECT_THAT(metrics, HasSubstr("HTTP/1.1 200"));
+  EXPECT_THAT(metrics, HasSubstr("# TYPE tandem_kv_cache_blocks_used gauge"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_kv_cache_blocks_used 0\n"));
+  EXPECT_THAT(metrics, HasSubstr(absl::StrCat("\ntandem_kv_cache_blocks_capacity ",
+                                              reservation.endpoint().num_blocks(), "\n")));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_kv_cache_blocks_reserved 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_num_requests_running 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_num_requests_waiting 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_decode_reservations 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("# TYPE tandem_decode_requests_total counter"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_decode_requests_total 1\n"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_generation_tokens_total 5\n"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_preemptions_total 0\n"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_decode_reservations_expired_total 0\n"));
+  EXPECT_THAT(HttpGet(worker_->metrics_port(), "/health"), HasSubstr("HTTP/1.1 200"));
+  EXPECT_THAT(HttpGet(worker_->metrics_port(), "/nope"), HasSubstr("HTTP/1.1 404"));
+}
+
+TEST_P(DecodeWorkerTest, ShutdownEndsStreamsWithAnError) {
+  OpenStream open = StartLong("cut", 1);
+  ASSERT_NE(open.reader, nullptr);
+  tandem::v1::KvReservation reservation;
+  ASSERT_TRUE(Reserve("unstarted", 50, 10, 1, &reservation).ok());
+  const absl::Time begin = absl::Now();
+  worker_->Shutdown(absl::Milliseconds(100));
+  EXPECT_LT(absl::Now() - begin, absl::Seconds(5));
+  tandem::v1::TokenEvent event;
+  while (open.reader->Read(&event)) open.events.push_back(event);
+  open.reader->Finish();
+  ASSERT_GE(open.events.size(), 2u);
+  EXPECT_EQ(open.events.back().error().code(), static_cast<int>(grpc::StatusCode::UNAVAILABLE));
+  EXPECT_EQ(open.events.back().finish_reason(), tandem::v1::FINISH_REASON_ABORT);
+  const tandem::v1::WorkerStats stats = worker_->Stats();
+  EXPECT_EQ(stats.kv_blocks_used(), 0);
+  EXPECT_EQ(stats.reservations(), 0);
+  EXPECT_EQ(stats.running(), 0);
+  // New work is refused (the server is gone), and a second Shutdown returns at once.
+  EXPECT_FALSE(Reserve("after", 10, 10, 1, &reservation).ok());
+  worker_->Shutdown(absl::Seconds(10));
+  worker_.reset();
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, DecodeWorkerTest, ::testing::Values("local", "ucx"),
+                         [](const ::testing::TestParamInfo<std::string>& info) {
+                           return info.param;
+                         });
+
+}  // namespace
+}  // namespace tandem::decode_worker
