@@ -228,7 +228,7 @@ tandem::v1::CancelResponse CallCancel(tandem::v1::PrefillWorker::Stub& stub,
 void WaitUntilRunning(tandem::v1::PrefillWorker::Stub& stub) {
   const absl::Time until = absl::Now() + absl::Seconds(30);
   while (absl::Now() < until) {
-    if (CallStats(stub).running > 0) return;
+    if (CallStats(stub).running() > 0) return;
     absl::SleepFor(absl::Milliseconds(2));
   }
   ADD_FAILURE() << "the worker never started the request";
@@ -540,7 +540,16 @@ class SlowPrefillTest : public ::testing::TestWithParam<std::string> {
 
 TEST_P(SlowPrefillTest, DeadlinePassingMidPrefillFailsAndFreesBlocks) {
   engine::GenerateRequest request = LongRequest("late");
+  // Unhurried, the prefill takes well over the 200 ms deadline below.
   tandem::v1::KvReservation reservation = decode_->Reserve("late", kSlowPromptLen, 1);
+  SubmitResult full = CallSubmit(*stub_, MakeSubmit(request, reservation));
+  ASSERT_TRUE(full.status.ok()) << full.status.error_message();
+  EXPECT_GT(full.response.prefill_seconds(), 0.4);
+  EXPECT_EQ(full.response.kv_transfer_bytes(), PromptKvBytes(decode_->engine(), kSlowPromptLen));
+  EXPECT_LT(full.response.kv_transfer_exposed_seconds(), full.response.kv_transfer_seconds());
+  decode_->Release("late");
+
+  reservation = decode_->Reserve("late", kSlowPromptLen, 1);
   const absl::Time start = absl::Now();
   SubmitResult result =
       CallSubmit(*stub_, MakeSubmit(request, reservation, absl::Milliseconds(200)));
@@ -652,6 +661,7 @@ TEST(PrefillWorkerPeerTest, DecodeAgentGoneFailsWithUnavailableAndLeaksNothing) 
     submit.join();
     EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
         << result.status.error_message();
+    EXPECT_THAT(result.status.error_message(), HasSubstr("KV transfer failed"));
     ExpectDrained(*stub);
     decode.Release("lost");
   }
