@@ -13,6 +13,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -115,6 +116,14 @@ std::string HttpGet(int port, const std::string& path) {
   }
   close(fd);
   return response;
+}
+
+// The value of an unlabelled series in a /metrics response, or -1 when absent.
+double MetricValue(const std::string& response, const std::string& name) {
+  const std::string key = absl::StrCat("\n", name, " ");
+  const size_t at = response.find(key);
+  if (at == std::string::npos) return -1;
+  return std::stod(response.substr(at + key.size()));
 }
 
 class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
@@ -363,6 +372,52 @@ TEST_P(DecodeWorkerTest, StreamEqualsColocatedOutput) {
   }
 }
 
+TEST_P(DecodeWorkerTest, ConcurrentStreamsEachEqualColocatedOutput) {
+  auto colocated = MakeEngine(engine::EngineRole::kColocated);
+  ASSERT_NE(colocated, nullptr);
+  const int vocab = colocated->config().vocab_size;
+  std::vector<engine::GenerateRequest> requests;
+  for (int i = 0; i < 6; ++i) {
+    engine::GenerateRequest request{absl::StrCat("c", i), RandomPrompt(30 + 25 * i, vocab, 10 + i),
+                                    {}};
+    request.params.max_tokens = 8 + 3 * i;
+    request.params.ignore_eos = true;
+    request.params.temperature = i % 2 == 0 ? 0.0f : 0.9f;
+    request.params.seed = 77 + i;
+    request.params.n = 1 + i % 2;
+    requests.push_back(request);
+  }
+  auto expected = engine::GenerateAll(*colocated, requests);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+
+  // All reserved and prefilled first, then started at once so they share decode steps.
+  std::vector<tandem::v1::StartRequest> starts;
+  for (const engine::GenerateRequest& request : requests) {
+    tandem::v1::KvReservation reservation;
+    ASSERT_TRUE(Reserve(request.request_id, static_cast<int>(request.prompt_tokens.size()),
+                        request.params.max_tokens, request.params.n, &reservation)
+                    .ok());
+    starts.push_back(StartRequestFor(request, reservation, Prefill(request, reservation)));
+  }
+  std::vector<StartResult> results(requests.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    threads.emplace_back([&, i] { results[i] = RunStart(starts[i]); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    SCOPED_TRACE(requests[i].request_id);
+    ASSERT_TRUE(results[i].status.ok()) << results[i].status.error_message();
+    const std::vector<SampleOutput> got = Collect(results[i].events, requests[i].params.n);
+    for (int c = 0; c < requests[i].params.n; ++c) {
+      EXPECT_EQ(got[c].token_ids, (*expected)[i].choices[c].token_ids) << "sample " << c;
+      EXPECT_EQ(got[c].text, (*expected)[i].choices[c].text) << "sample " << c;
+    }
+    EXPECT_TRUE(results[i].events.back().has_usage());
+  }
+  EXPECT_EQ(RpcStats().kv_blocks_used(), 0);
+}
+
 TEST_P(DecodeWorkerTest, UnstartedReservationExpires) {
   tandem::v1::KvReservation reservation;
   const int64_t deadline = absl::ToUnixMillis(absl::Now() + absl::Milliseconds(200));
@@ -474,6 +529,11 @@ TEST_P(DecodeWorkerTest, ClientCancellingTheCallFreesBlocks) {
       },
       absl::Seconds(1)))
       << RpcStats().DebugString();
+  // Aborted, not run to its 2000 tokens.
+  const double generated =
+      MetricValue(HttpGet(worker_->metrics_port(), "/metrics"), "tandem_generation_tokens_total");
+  EXPECT_GE(generated, 1);
+  EXPECT_LT(generated, 2000);
   tandem::v1::CancelRequest cancel;
   cancel.set_request_id("gone");
   tandem::v1::CancelResponse response;
