@@ -168,8 +168,7 @@ struct Metrics {
     kv_capacity = registry.AddGauge("tandem_kv_cache_blocks_capacity", "KV cache blocks in all.");
     kv_reserved = registry.AddGauge("tandem_kv_cache_blocks_reserved",
                                     "KV cache blocks held by reservations not yet started.");
-    running = registry.AddGauge("tandem_num_requests_running",
-                                "Sequences in the running batch.");
+    running = registry.AddGauge("tandem_num_requests_running", "Sequences in the running batch.");
     waiting = registry.AddGauge("tandem_num_requests_waiting",
                                 "Sequences waiting for admission to the running batch.");
     reservations = registry.AddGauge("tandem_decode_reservations", "Live KV reservations.");
@@ -221,6 +220,10 @@ class DecodeWorkerImpl final : public DecodeWorker {
     return future.get();
   }
 
+  // The bodies of Reserve and Start, on the loop thread.
+  absl::StatusOr<tandem::v1::KvReservation> ReserveOnLoop(const tandem::v1::ReserveRequest& request,
+                                                          int64_t expires_unix_ms);
+  absl::Status StartOnLoop(const tandem::v1::StartRequest& request, std::shared_ptr<Stream> stream);
   void Loop();
   void ExpireReservations();
   void StepEngine();
@@ -283,9 +286,9 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
   agent_options.name = options_.worker_id;
   agent_options.listen_host = options_.kv_listen_host;
   TANDEM_ASSIGN_OR_RETURN(agent_, kvtransfer::Agent::Create(agent_options));
-  TANDEM_ASSIGN_OR_RETURN(region_descriptor_,
-                          agent_->RegisterMemory(kKvRegionId, engine_->kv_cache(),
-                                                 engine_->kv_cache_bytes()));
+  TANDEM_ASSIGN_OR_RETURN(
+      region_descriptor_,
+      agent_->RegisterMemory(kKvRegionId, engine_->kv_cache(), engine_->kv_cache_bytes()));
   memory_registered_ = true;
   snapshot_ = ComputeStats();
 
@@ -298,13 +301,11 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || selected_port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve gRPC on ", options_.grpc_address));
+    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options_.grpc_address));
   }
   const std::string& host = grpc_host_port.first;
-  grpc_address_ = host.find(':') != std::string::npos
-                      ? absl::StrCat("[", host, "]:", selected_port)
-                      : absl::StrCat(host, ":", selected_port);
+  grpc_address_ = host.find(':') != std::string::npos ? absl::StrCat("[", host, "]:", selected_port)
+                                                      : absl::StrCat(host, ":", selected_port);
 
   if (!options_.metrics_address.empty()) {
     TANDEM_ASSIGN_OR_RETURN(auto metrics_host_port, SplitHostPort(options_.metrics_address));
@@ -314,9 +315,8 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
     http.num_threads = 1;
     TANDEM_ASSIGN_OR_RETURN(
         metrics_server_,
-        router::HttpServer::Create(http, [this](std::shared_ptr<router::HttpExchange> ex) {
-          HandleHttp(std::move(ex));
-        }));
+        router::HttpServer::Create(
+            http, [this](std::shared_ptr<router::HttpExchange> ex) { HandleHttp(std::move(ex)); }));
   }
   loop_ = std::thread([this] { Loop(); });
   return absl::OkStatus();
@@ -521,8 +521,8 @@ absl::StatusOr<tandem::v1::KvReservation> DecodeWorkerImpl::Reserve(
     const tandem::v1::ReserveRequest& request) {
   if (request.request_id().empty()) return absl::InvalidArgumentError("request_id is empty");
   if (request.num_prompt_tokens() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("num_prompt_tokens must be positive, got ",
-                                                   request.num_prompt_tokens()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_prompt_tokens must be positive, got ", request.num_prompt_tokens()));
   }
   if (request.n() < 0 || request.n() > kMaxReserveSamples) {
     return absl::InvalidArgumentError(
@@ -534,186 +534,193 @@ absl::StatusOr<tandem::v1::KvReservation> DecodeWorkerImpl::Reserve(
   }
   const int64_t now = NowUnixMs();
   if (request.deadline_unix_ms() > 0 && request.deadline_unix_ms() <= now) {
-    return absl::DeadlineExceededError(absl::StrCat(
-        "the reservation deadline passed ", now - request.deadline_unix_ms(), " ms ago"));
+    return absl::DeadlineExceededError(absl::StrCat("the reservation deadline passed ",
+                                                    now - request.deadline_unix_ms(), " ms ago"));
   }
   int64_t expires = now + absl::ToInt64Milliseconds(options_.max_reservation_ttl);
   if (request.deadline_unix_ms() > 0) expires = std::min(expires, request.deadline_unix_ms());
 
   return RunOnEngine<absl::StatusOr<tandem::v1::KvReservation>>(
-             [&]() -> absl::StatusOr<tandem::v1::KvReservation> {
-               if (!accepting_.load()) {
-                 return absl::UnavailableError("the decode worker is shutting down");
-               }
-               const int64_t total =
-                   static_cast<int64_t>(request.num_prompt_tokens()) + request.max_tokens();
-               if (total > engine_->max_model_len()) {
-                 return absl::InvalidArgumentError(absl::StrCat(
-                     "num_prompt_tokens + max_tokens = ", total,
-                     " exceeds the model's context length ", engine_->max_model_len()));
-               }
-               if (reserved_request_.count(request.request_id()) > 0 ||
-                   running_.count(request.request_id()) > 0) {
-                 return absl::AlreadyExistsError(
-                     absl::StrCat("request ", request.request_id(), " already exists here"));
-               }
-               Reservation reservation;
-               reservation.request_id = request.request_id();
-               reservation.num_prompt_tokens = request.num_prompt_tokens();
-               reservation.n = std::max(1, request.n());
-               reservation.expires_unix_ms = expires;
-               for (int i = 0; i < reservation.n; ++i) {
-                 absl::StatusOr<engine::BlockTable> blocks =
-                     engine_->ReserveBlocks(request.num_prompt_tokens());
-                 if (!blocks.ok()) {
-                   FreeReservation(reservation);
-                   return absl::ResourceExhaustedError(absl::StrCat(
-                       "not enough free KV blocks for ", reservation.n, " x ",
+      [&] { return ReserveOnLoop(request, expires); }, Stopped());
+}
+
+absl::StatusOr<tandem::v1::KvReservation> DecodeWorkerImpl::ReserveOnLoop(
+    const tandem::v1::ReserveRequest& request, int64_t expires) {
+  if (!accepting_.load()) {
+    return absl::UnavailableError("the decode worker is shutting down");
+  }
+  const int64_t total = static_cast<int64_t>(request.num_prompt_tokens()) + request.max_tokens();
+  if (total > engine_->max_model_len()) {
+    return absl::InvalidArgumentError(absl::StrCat("num_prompt_tokens + max_tokens = ", total,
+                                                   " exceeds the model's context length ",
+                                                   engine_->max_model_len()));
+  }
+  if (reserved_request_.count(request.request_id()) > 0 ||
+      running_.count(request.request_id()) > 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("request ", request.request_id(), " already exists here"));
+  }
+  Reservation reservation;
+  reservation.request_id = request.request_id();
+  reservation.num_prompt_tokens = request.num_prompt_tokens();
+  reservation.n = std::max(1, request.n());
+  reservation.expires_unix_ms = expires;
+  for (int i = 0; i < reservation.n; ++i) {
+    absl::StatusOr<engine::BlockTable> blocks = engine_->ReserveBlocks(request.num_prompt_tokens());
+    if (!blocks.ok()) {
+      FreeReservation(reservation);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("not enough free KV blocks for ", reservation.n, " x ",
                        request.num_prompt_tokens(), " prompt tokens: ", blocks.status().message()));
-                 }
-                 reservation.blocks.push_back(std::move(*blocks));
-               }
-               const std::string id =
-                   absl::StrCat(options_.worker_id, "-", next_reservation_++);
-               tandem::v1::KvReservation out;
-               out.set_reservation_id(id);
-               for (const engine::BlockTable& blocks : reservation.blocks) {
-                 for (int32_t b : blocks) out.add_block_ids(b);
-               }
-               out.set_blocks_per_choice(static_cast<int>(reservation.blocks.front().size()));
-               tandem::v1::TransferEndpoint* endpoint = out.mutable_endpoint();
-               endpoint->set_backend(options_.kv_backend);
-               endpoint->set_address(agent_->address());
-               endpoint->add_region_descriptors(region_descriptor_);
-               endpoint->set_num_blocks(engine_->kv_layout().num_blocks);
-               *endpoint->mutable_layout() = layout_;
-               out.set_expires_unix_ms(expires);
-               reserved_request_[reservation.request_id] = id;
-               reservations_[id] = std::move(reservation);
-               PublishStats();
-               return out;
-             },
-             Stopped());
+    }
+    reservation.blocks.push_back(std::move(*blocks));
+  }
+  const std::string id = absl::StrCat(options_.worker_id, "-", next_reservation_++);
+  tandem::v1::KvReservation out;
+  out.set_reservation_id(id);
+  for (const engine::BlockTable& blocks : reservation.blocks) {
+    for (int32_t b : blocks) out.add_block_ids(b);
+  }
+  out.set_blocks_per_choice(static_cast<int>(reservation.blocks.front().size()));
+  tandem::v1::TransferEndpoint* endpoint = out.mutable_endpoint();
+  endpoint->set_backend(options_.kv_backend);
+  endpoint->set_address(agent_->address());
+  endpoint->add_region_descriptors(region_descriptor_);
+  endpoint->set_num_blocks(engine_->kv_layout().num_blocks);
+  *endpoint->mutable_layout() = layout_;
+  out.set_expires_unix_ms(expires);
+  reserved_request_[reservation.request_id] = id;
+  reservations_[id] = std::move(reservation);
+  PublishStats();
+  return out;
 }
 
 absl::StatusOr<bool> DecodeWorkerImpl::Release(const std::string& reservation_id) {
-  return RunOnEngine<absl::StatusOr<bool>>([&]() -> absl::StatusOr<bool> {
-    auto it = reservations_.find(reservation_id);
-    // An expired reservation is left to the expiry sweep: a late transfer may still land in it.
-    if (it == reservations_.end() || NowUnixMs() > it->second.expires_unix_ms) return false;
-    FreeReservation(it->second);
-    reserved_request_.erase(it->second.request_id);
-    reservations_.erase(it);
-    PublishStats();
-    return true;
-  }, Stopped());
+  return RunOnEngine<absl::StatusOr<bool>>(
+      [&]() -> absl::StatusOr<bool> {
+        auto it = reservations_.find(reservation_id);
+        // An expired reservation is left to the expiry sweep: a late transfer may land in it.
+        if (it == reservations_.end() || NowUnixMs() > it->second.expires_unix_ms) return false;
+        FreeReservation(it->second);
+        reserved_request_.erase(it->second.request_id);
+        reservations_.erase(it);
+        PublishStats();
+        return true;
+      },
+      Stopped());
 }
 
 absl::Status DecodeWorkerImpl::Start(const tandem::v1::StartRequest& request,
                                      std::shared_ptr<Stream> stream) {
   if (request.request_id().empty()) return absl::InvalidArgumentError("request_id is empty");
-  return RunOnEngine<absl::Status>([&]() -> absl::Status {
-           if (!accepting_.load()) {
-             return absl::UnavailableError("the decode worker is shutting down");
-           }
-           auto it = reservations_.find(request.reservation_id());
-           if (it == reservations_.end() || NowUnixMs() > it->second.expires_unix_ms) {
-             return absl::NotFoundError(absl::StrCat("reservation '", request.reservation_id(),
-                                                     "' is unknown, released or expired"));
-           }
-           Reservation& reservation = it->second;
-           if (request.choices_size() != reservation.n) {
-             return absl::InvalidArgumentError(
-                 absl::StrCat("the reservation is for ", reservation.n, " samples but ",
-                              request.choices_size(), " choices were sent"));
-           }
-           if (request.prompt_token_ids_size() != reservation.num_prompt_tokens) {
-             return absl::InvalidArgumentError(absl::StrCat(
-                 "the prompt has ", request.prompt_token_ids_size(),
-                 " tokens but the reservation is for ", reservation.num_prompt_tokens));
-           }
-           if (running_.count(request.request_id()) > 0) {
-             return absl::AlreadyExistsError(
-                 absl::StrCat("request ", request.request_id(), " is already running"));
-           }
-           engine::GenerateRequest generate;
-           generate.request_id = request.request_id();
-           generate.prompt_tokens.assign(request.prompt_token_ids().begin(),
-                                         request.prompt_token_ids().end());
-           generate.params = proto::FromProto(request.sampling());
-           if (!request.sampling().has_n()) generate.params.n = reservation.n;
-           std::vector<engine::PrefilledChoice> choices(reservation.n);
-           std::vector<bool> seen(reservation.n, false);
-           for (const tandem::v1::PrefilledChoice& wire : request.choices()) {
-             if (wire.index() < 0 || wire.index() >= reservation.n || seen[wire.index()]) {
-               return absl::InvalidArgumentError(absl::StrCat(
-                   "choice index ", wire.index(), " is out of range or repeated (n = ",
-                   reservation.n, ")"));
-             }
-             seen[wire.index()] = true;
-             absl::StatusOr<engine::PrefilledChoice> choice;
-             if (wire.sampler_state().empty() && generate.params.greedy()) {
-               // Greedy sampling draws no random numbers, so the state may be left out.
-               tandem::v1::PrefilledChoice filled = wire;
-               filled.set_sampler_state(std::string(32, '\0'));
-               choice = proto::FromProto(filled);
-             } else {
-               choice = proto::FromProto(wire);
-             }
-             if (!choice.ok()) return choice.status();
-             choice->blocks = reservation.blocks[wire.index()];
-             choices[wire.index()] = std::move(*choice);
-           }
-           // On refusal the reservation stays as it was (Release or expiry frees it).
-           TANDEM_RETURN_IF_ERROR(engine_->AddPrefilled(std::move(generate), std::move(choices)));
-           // The engine owns the blocks now.
-           Running running;
-           running.stream = std::move(stream);
-           running.finished.assign(reservation.n, false);
-           running.num_prompt_tokens = reservation.num_prompt_tokens;
-           reserved_request_.erase(reservation.request_id);
-           reservations_.erase(it);
-           running_[request.request_id()] = std::move(running);
-           num_running_.store(static_cast<int>(running_.size()));
-           metrics_.requests->Increment();
-           PublishStats();
-           return absl::OkStatus();
-         },
-         Stopped());
+  return RunOnEngine<absl::Status>([&] { return StartOnLoop(request, std::move(stream)); },
+                                   Stopped());
+}
+
+absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& request,
+                                           std::shared_ptr<Stream> stream) {
+  if (!accepting_.load()) {
+    return absl::UnavailableError("the decode worker is shutting down");
+  }
+  auto it = reservations_.find(request.reservation_id());
+  if (it == reservations_.end() || NowUnixMs() > it->second.expires_unix_ms) {
+    return absl::NotFoundError(absl::StrCat("reservation '", request.reservation_id(),
+                                            "' is unknown, released or expired"));
+  }
+  Reservation& reservation = it->second;
+  if (request.choices_size() != reservation.n) {
+    return absl::InvalidArgumentError(absl::StrCat("the reservation is for ", reservation.n,
+                                                   " samples but ", request.choices_size(),
+                                                   " choices were sent"));
+  }
+  if (request.prompt_token_ids_size() != reservation.num_prompt_tokens) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the prompt has ", request.prompt_token_ids_size(),
+                     " tokens but the reservation is for ", reservation.num_prompt_tokens));
+  }
+  if (running_.count(request.request_id()) > 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("request ", request.request_id(), " is already running"));
+  }
+  engine::GenerateRequest generate;
+  generate.request_id = request.request_id();
+  generate.prompt_tokens.assign(request.prompt_token_ids().begin(),
+                                request.prompt_token_ids().end());
+  generate.params = proto::FromProto(request.sampling());
+  if (!request.sampling().has_n()) generate.params.n = reservation.n;
+  std::vector<engine::PrefilledChoice> choices(reservation.n);
+  std::vector<bool> seen(reservation.n, false);
+  for (const tandem::v1::PrefilledChoice& wire : request.choices()) {
+    if (wire.index() < 0 || wire.index() >= reservation.n || seen[wire.index()]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "choice index ", wire.index(), " is out of range or repeated (n = ", reservation.n, ")"));
+    }
+    seen[wire.index()] = true;
+    absl::StatusOr<engine::PrefilledChoice> choice;
+    if (wire.sampler_state().empty() && generate.params.greedy()) {
+      // Greedy sampling draws no random numbers, so the state may be left out.
+      tandem::v1::PrefilledChoice filled = wire;
+      filled.set_sampler_state(std::string(32, '\0'));
+      choice = proto::FromProto(filled);
+    } else {
+      choice = proto::FromProto(wire);
+    }
+    if (!choice.ok()) return choice.status();
+    choice->blocks = reservation.blocks[wire.index()];
+    choices[wire.index()] = std::move(*choice);
+  }
+  // On refusal the reservation stays as it was (Release or expiry frees it).
+  TANDEM_RETURN_IF_ERROR(engine_->AddPrefilled(std::move(generate), std::move(choices)));
+  // The engine owns the blocks now.
+  Running running;
+  running.stream = std::move(stream);
+  running.finished.assign(reservation.n, false);
+  running.num_prompt_tokens = reservation.num_prompt_tokens;
+  reserved_request_.erase(reservation.request_id);
+  reservations_.erase(it);
+  running_[request.request_id()] = std::move(running);
+  num_running_.store(static_cast<int>(running_.size()));
+  metrics_.requests->Increment();
+  PublishStats();
+  return absl::OkStatus();
 }
 
 void DecodeWorkerImpl::AbandonStream(const std::string& request_id,
                                      const std::shared_ptr<Stream>& stream) {
   // Fails only once the loop has stopped, which has ended every request already.
-  RunOnEngine<bool>([&] {
-    auto it = running_.find(request_id);
-    if (it == running_.end() || it->second.stream != stream) return false;
-    EndRunning(request_id, absl::CancelledError("the Start call was cancelled"));
-    return true;
-  }, false);
+  RunOnEngine<bool>(
+      [&] {
+        auto it = running_.find(request_id);
+        if (it == running_.end() || it->second.stream != stream) return false;
+        EndRunning(request_id, absl::CancelledError("the Start call was cancelled"));
+        return true;
+      },
+      false);
 }
 
 absl::StatusOr<bool> DecodeWorkerImpl::Cancel(const std::string& request_id,
                                               const std::string& reason) {
-  return RunOnEngine<absl::StatusOr<bool>>([&]() -> absl::StatusOr<bool> {
-    bool found = false;
-    if (running_.count(request_id) > 0) {
-      EndRunning(request_id, absl::OkStatus());
-      found = true;
-    }
-    auto it = reserved_request_.find(request_id);
-    if (it != reserved_request_.end()) {
-      auto r = reservations_.find(it->second);
-      if (r != reservations_.end() && NowUnixMs() <= r->second.expires_unix_ms) {
-        FreeReservation(r->second);
-        reservations_.erase(r);
-        reserved_request_.erase(it);
-        found = true;
-      }
-    }
-    PublishStats();
-    return found;
-  }, Stopped());
+  return RunOnEngine<absl::StatusOr<bool>>(
+      [&]() -> absl::StatusOr<bool> {
+        bool found = false;
+        if (running_.count(request_id) > 0) {
+          EndRunning(request_id, absl::OkStatus());
+          found = true;
+        }
+        auto it = reserved_request_.find(request_id);
+        if (it != reserved_request_.end()) {
+          auto r = reservations_.find(it->second);
+          if (r != reservations_.end() && NowUnixMs() <= r->second.expires_unix_ms) {
+            FreeReservation(r->second);
+            reservations_.erase(r);
+            reserved_request_.erase(it);
+            found = true;
+          }
+        }
+        PublishStats();
+        return found;
+      },
+      Stopped());
 }
 
 absl::StatusOr<tandem::v1::HandshakeResponse> DecodeWorkerImpl::Handshake(
@@ -739,23 +746,25 @@ void DecodeWorkerImpl::Shutdown(absl::Duration grace) {
         absl::SleepFor(absl::Milliseconds(10));
       }
       // Whatever still runs ends with an error event; unstarted reservations are freed.
-      RunOnEngine<bool>([this] {
-        std::vector<std::string> ids;
-        for (const auto& [id, running] : running_) ids.push_back(id);
-        for (const std::string& id : ids) {
-          EndRunning(id, absl::UnavailableError("the decode worker is shutting down"));
-        }
-        for (auto& [id, reservation] : reservations_) FreeReservation(reservation);
-        reservations_.clear();
-        reserved_request_.clear();
-        PublishStats();
-        return true;
-      }, false);
+      RunOnEngine<bool>(
+          [this] {
+            std::vector<std::string> ids;
+            for (const auto& [id, running] : running_) ids.push_back(id);
+            for (const std::string& id : ids) {
+              EndRunning(id, absl::UnavailableError("the decode worker is shutting down"));
+            }
+            for (auto& [id, reservation] : reservations_) FreeReservation(reservation);
+            reservations_.clear();
+            reserved_request_.clear();
+            PublishStats();
+            return true;
+          },
+          false);
     }
     // Start handlers now hold their stream's last event; a client that does not read it in a
     // second has its call cancelled.
-    if (server_ != nullptr) server_->Shutdown(std::chrono::system_clock::now() +
-                                              std::chrono::seconds(1));
+    if (server_ != nullptr)
+      server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
     if (loop_.joinable()) {
       {
         std::lock_guard<std::mutex> lock(mu_);

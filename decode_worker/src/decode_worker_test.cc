@@ -194,7 +194,8 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
       EXPECT_TRUE(sender.ok()) << sender.status();
       if (!sender.ok()) return choices;
       sender_ = std::move(sender).value();
-      EXPECT_TRUE(sender_->RegisterMemory(1, prefill_->kv_cache(), prefill_->kv_cache_bytes()).ok());
+      EXPECT_TRUE(
+          sender_->RegisterMemory(1, prefill_->kv_cache(), prefill_->kv_cache_bytes()).ok());
     }
     const tandem::v1::TransferEndpoint& endpoint = reservation.endpoint();
     EXPECT_EQ(endpoint.backend(), GetParam());
@@ -378,8 +379,8 @@ TEST_P(DecodeWorkerTest, ConcurrentStreamsEachEqualColocatedOutput) {
   const int vocab = colocated->config().vocab_size;
   std::vector<engine::GenerateRequest> requests;
   for (int i = 0; i < 6; ++i) {
-    engine::GenerateRequest request{absl::StrCat("c", i), RandomPrompt(30 + 25 * i, vocab, 10 + i),
-                                    {}};
+    engine::GenerateRequest request{
+        absl::StrCat("c", i), RandomPrompt(30 + 25 * i, vocab, 10 + i), {}};
     request.params.max_tokens = 8 + 3 * i;
     request.params.ignore_eos = true;
     request.params.temperature = i % 2 == 0 ? 0.0f : 0.9f;
@@ -524,9 +525,7 @@ TEST_P(DecodeWorkerTest, ClientCancellingTheCallFreesBlocks) {
   EXPECT_EQ(open.reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
   // The handler notices within its poll interval, long before 2000 tokens could be generated.
   EXPECT_TRUE(WaitForStats(
-      [](const tandem::v1::WorkerStats& s) {
-        return s.kv_blocks_used() == 0 && s.running() == 0;
-      },
+      [](const tandem::v1::WorkerStats& s) { return s.kv_blocks_used() == 0 && s.running() == 0; },
       absl::Seconds(1)))
       << RpcStats().DebugString();
   // Aborted, not run to its 2000 tokens.
@@ -543,8 +542,7 @@ TEST_P(DecodeWorkerTest, ClientCancellingTheCallFreesBlocks) {
 
 TEST_P(DecodeWorkerTest, RefusesBadInput) {
   tandem::v1::KvReservation reservation;
-  EXPECT_EQ(Reserve("a", 0, 10, 1, &reservation).error_code(),
-            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(Reserve("a", 0, 10, 1, &reservation).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(Reserve("a", 10, 10, -1, &reservation).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_EQ(Reserve("a", 10, 10, 65, &reservation).error_code(),
