@@ -64,8 +64,7 @@ absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& add
   int port = 0;
   if (colon == std::string::npos || colon == 0 ||
       !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("address '", address, "' is not host:port"));
+    return absl::InvalidArgumentError(absl::StrCat("address '", address, "' is not host:port"));
   }
   std::string host = address.substr(0, colon);
   if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
@@ -79,8 +78,8 @@ absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& add
 absl::Status TransferFailure(const std::string& request_id, const absl::Status& status) {
   absl::StatusCode code = status.code();
   if (code == absl::StatusCode::kCancelled) code = absl::StatusCode::kUnavailable;
-  return absl::Status(code, absl::StrCat("request ", request_id, ": KV transfer failed: ",
-                                         std::string(status.message())));
+  return absl::Status(code, absl::StrCat("request ", request_id,
+                                         ": KV transfer failed: ", std::string(status.message())));
 }
 
 // A Submit call as its handler thread and the engine loop share it: the loop fills the result
@@ -107,13 +106,16 @@ struct Job {
   std::vector<int32_t> dst_blocks;       // n x blocks_per_choice
   int blocks_per_choice = 0;
   int64_t dst_num_blocks = 0;
+  // The request fails past `deadline`; its transfers may finish until `transfer_deadline`, the
+  // reservation's expiry (after it the decode worker may reuse the blocks).
   absl::Time deadline;
+  absl::Time transfer_deadline;
 
   // Progress.
   bool admitted = false;
   std::vector<int> computed;  // per sample: prompt tokens whose KV is written (all layers)
   std::deque<std::unique_ptr<kvtransfer::TransferHandle>> handles;  // oldest first
-  std::vector<PrefillHandoff> handoffs;                              // samples done
+  std::vector<PrefillHandoff> handoffs;                             // samples done
   std::vector<bool> sample_done;
   uint64_t bytes = 0;
   absl::Status failure;  // not OK: the request is failing (cancel, deadline, transfer error)
@@ -146,8 +148,8 @@ struct Metrics {
       registry.AddGauge("tandem_num_requests_running", "Sequences in the running batch.");
   router::Gauge* waiting =
       registry.AddGauge("tandem_num_requests_waiting", "Sequences waiting for admission.");
-  router::Gauge* queued_tokens = registry.AddGauge(
-      "tandem_prefill_queued_tokens", "Prompt tokens accepted and not yet computed.");
+  router::Gauge* queued_tokens = registry.AddGauge("tandem_prefill_queued_tokens",
+                                                   "Prompt tokens accepted and not yet computed.");
   router::Counter* prompt_tokens = registry.AddCounter(
       "tandem_prompt_tokens_total", "Prompt tokens of the requests prefilled successfully.");
   router::Counter* transfer_bytes =
@@ -160,9 +162,10 @@ struct Metrics {
       "Of tandem_kv_transfer_seconds_total, the seconds after prefill compute ended.");
   router::Counter* preemptions =
       registry.AddCounter("tandem_preemptions_total", "Sequences preempted (KV recomputed).");
-  router::Histogram* prefill_seconds = registry.AddHistogram(
-      "tandem_prefill_seconds", "Seconds from a request's first chunk scheduled to its first token.",
-      router::LatencyBuckets());
+  router::Histogram* prefill_seconds =
+      registry.AddHistogram("tandem_prefill_seconds",
+                            "Seconds from a request's first chunk scheduled to its first token.",
+                            router::LatencyBuckets());
 
   router::Counter* Requests(absl::StatusCode code) {
     return registry.AddCounter("tandem_prefill_requests_total",
@@ -182,8 +185,7 @@ class Service final : public tandem::v1::PrefillWorker::Service {
                       tandem::v1::CancelResponse* response) override;
   grpc::Status Stats(grpc::ServerContext* context, const tandem::v1::StatsRequest* request,
                      tandem::v1::WorkerStats* response) override;
-  grpc::Status Handshake(grpc::ServerContext* context,
-                         const tandem::v1::HandshakeRequest* request,
+  grpc::Status Handshake(grpc::ServerContext* context, const tandem::v1::HandshakeRequest* request,
                          tandem::v1::HandshakeResponse* response) override;
 
  private:
@@ -236,6 +238,14 @@ class PrefillWorkerImpl final : public PrefillWorker {
   // With `all`, polls past unfinished ones too (a failing job waits for every handle).
   void PollHandles(Job& job, bool all);
   void Fail(Job& job, absl::Status status);
+  // Frees the blocks of the job's handed-off samples once no transfer of the job is in flight
+  // (the response needs only their first tokens).
+  void ReleaseIdleHandoffs(Job& job);
+  // Waits for the transfers of every job holding handed-off blocks and frees those blocks.
+  // Returns whether there were any.
+  bool WaitForHeldBlocks();
+  // A transfer of the job failed.
+  void HandleFailed(Job& job, const absl::Status& status);
   void AfterStep(const std::vector<engine::RequestOutput>& outputs);
   // Answers every job that is done (or has failed and has nothing in flight any more). Returns
   // the calls to notify once the stats reflect the freed blocks.
@@ -261,8 +271,8 @@ class PrefillWorkerImpl final : public PrefillWorker {
   std::map<std::string, kvtransfer::PeerId> peers_;  // guarded by peers_mu_
 
   mutable std::mutex mu_;
-  std::condition_variable wake_;  // the loop: commands or stop
-  std::condition_variable idle_;  // Shutdown: a call finished
+  std::condition_variable wake_;                            // the loop: commands or stop
+  std::condition_variable idle_;                            // Shutdown: a call finished
   std::vector<Command> commands_;                           // guarded by mu_
   std::map<std::string, std::shared_ptr<Call>> in_flight_;  // guarded by mu_; by request id
   bool accepting_ = true;                                   // guarded by mu_
@@ -275,7 +285,7 @@ class PrefillWorkerImpl final : public PrefillWorker {
 
   // Loop thread only.
   std::map<std::string, std::unique_ptr<Job>, std::less<>> jobs_;
-  absl::Time step_start_;  // of the step running
+  absl::Time step_start_;                                               // of the step running
   std::vector<std::unique_ptr<kvtransfer::TransferHandle>> abandoned_;  // outlive the agent
 };
 
@@ -295,9 +305,11 @@ absl::Status PrefillWorkerImpl::Start() {
   row_bytes_ = static_cast<uint64_t>(kv_layout_.num_kv_heads) * kv_layout_.head_dim * sizeof(float);
   block_bytes_ = row_bytes_ * kv_layout_.block_size;
 
-  TANDEM_ASSIGN_OR_RETURN(agent_, kvtransfer::Agent::Create({.backend = options_.kv_backend,
-                                                             .name = options_.worker_id,
-                                                             .listen_host = options_.kv_listen_host}));
+  kvtransfer::AgentOptions agent_options;
+  agent_options.backend = options_.kv_backend;
+  agent_options.name = options_.worker_id;
+  agent_options.listen_host = options_.kv_listen_host;
+  TANDEM_ASSIGN_OR_RETURN(agent_, kvtransfer::Agent::Create(agent_options));
   TANDEM_RETURN_IF_ERROR(
       agent_->RegisterMemory(kCacheRegion, engine_->kv_cache(), engine_->kv_cache_bytes())
           .status());
@@ -342,8 +354,7 @@ absl::Status PrefillWorkerImpl::Start() {
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || selected_port == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot serve gRPC on ", options_.grpc_address));
+    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options_.grpc_address));
   }
   TANDEM_ASSIGN_OR_RETURN(auto grpc_host_port, SplitHostPort(options_.grpc_address));
   grpc_address_ = grpc_host_port.first.find(':') != std::string::npos
@@ -442,9 +453,9 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
   }
   const int num_descriptors = endpoint.region_descriptors_size();
   if (num_descriptors != 1 && num_descriptors != num_layers_) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "reservation.endpoint has ", num_descriptors,
-        " region descriptors; want 1 (all layers) or ", num_layers_, " (one per layer)"));
+    return absl::InvalidArgumentError(absl::StrCat("reservation.endpoint has ", num_descriptors,
+                                                   " region descriptors; want 1 (all layers) or ",
+                                                   num_layers_, " (one per layer)"));
   }
 
   auto job = std::make_unique<Job>();
@@ -474,8 +485,8 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
   std::set<int32_t> seen;
   for (int32_t id : reservation.block_ids()) {
     if (id < 0 || id >= endpoint.num_blocks()) {
-      return absl::InvalidArgumentError(absl::StrCat("reservation block id ", id, " is outside [0, ",
-                                                     endpoint.num_blocks(), ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "reservation block id ", id, " is outside [0, ", endpoint.num_blocks(), ")"));
     }
     if (!seen.insert(id).second) {
       return absl::InvalidArgumentError(
@@ -490,15 +501,17 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
   job->peer_address = endpoint.address();
 
   // The deadline: the Submit's, the reservation's expiry, the call's, and this worker's cap.
-  absl::Time deadline = std::min({FromUnixMillisOrInfinite(request.deadline_unix_ms()),
-                                  FromUnixMillisOrInfinite(reservation.expires_unix_ms()),
-                                  absl::FromChrono(context.deadline()),
-                                  job->received + kMaxRequestTime});
+  absl::Time deadline =
+      std::min({FromUnixMillisOrInfinite(request.deadline_unix_ms()),
+                FromUnixMillisOrInfinite(reservation.expires_unix_ms()),
+                absl::FromChrono(context.deadline()), job->received + kMaxRequestTime});
   if (deadline <= job->received) {
     return absl::DeadlineExceededError(
         absl::StrCat("request ", job->id, " arrived after its deadline"));
   }
   job->deadline = deadline;
+  job->transfer_deadline = std::min(FromUnixMillisOrInfinite(reservation.expires_unix_ms()),
+                                    job->received + kMaxRequestTime);
   job->computed.assign(job->n, 0);
   job->sample_done.assign(job->n, false);
 
@@ -550,8 +563,9 @@ absl::StatusOr<tandem::v1::SubmitResponse> PrefillWorkerImpl::Submit(
   bool cancel_sent = false;
   while (!call->done.WaitForNotificationWithTimeout(kCancelPoll)) {
     if (!cancel_sent && context.IsCancelled()) {
-      Enqueue({Command::Kind::kCancel, nullptr, id,
-               absl::CancelledError(absl::StrCat("request ", id, ": the Submit call was cancelled"))});
+      Enqueue(
+          {Command::Kind::kCancel, nullptr, id,
+           absl::CancelledError(absl::StrCat("request ", id, ": the Submit call was cancelled"))});
       cancel_sent = true;
     }
   }
@@ -589,8 +603,7 @@ absl::StatusOr<tandem::v1::HandshakeResponse> PrefillWorkerImpl::Handshake(
   return response;
 }
 
-grpc::Status Service::Submit(grpc::ServerContext* context,
-                             const tandem::v1::SubmitRequest* request,
+grpc::Status Service::Submit(grpc::ServerContext* context, const tandem::v1::SubmitRequest* request,
                              tandem::v1::SubmitResponse* response) {
   auto result = worker_->Submit(*context, *request);
   if (!result.ok()) return proto::ToGrpcStatus(result.status());
@@ -598,8 +611,7 @@ grpc::Status Service::Submit(grpc::ServerContext* context,
   return grpc::Status::OK;
 }
 
-grpc::Status Service::Cancel(grpc::ServerContext* context,
-                             const tandem::v1::CancelRequest* request,
+grpc::Status Service::Cancel(grpc::ServerContext* context, const tandem::v1::CancelRequest* request,
                              tandem::v1::CancelResponse* response) {
   auto found = worker_->Cancel(*context, request->request_id(), request->reason());
   if (!found.ok()) return proto::ToGrpcStatus(found.status());
@@ -647,16 +659,19 @@ void PrefillWorkerImpl::Loop() {
         Fail(*job, absl::UnavailableError(
                        absl::StrCat("request ", id, ": the prefill worker is shutting down")));
       } else if (!job->failing() && now >= job->deadline) {
-        Fail(*job, absl::DeadlineExceededError(
-                       absl::StrCat("request ", id, " passed its deadline (",
-                                    absl::FormatTime(job->deadline), ")")));
+        Fail(*job,
+             absl::DeadlineExceededError(absl::StrCat("request ", id, " passed its deadline (",
+                                                      absl::FormatTime(job->deadline), ")")));
       }
     }
 
     if (engine_->has_unfinished() && !stop_since.has_value()) {
       step_start_ = absl::Now();
       auto outputs = engine_->Step();
-      if (!outputs.ok()) {
+      if (!outputs.ok() && WaitForHeldBlocks()) {
+        // The scheduler found no room because handed-off samples still hold blocks while their
+        // pages are in flight; those are free now, so the next step goes on.
+      } else if (!outputs.ok()) {
         for (auto& [id, job] : jobs_) {
           Fail(*job, absl::InternalError(absl::StrCat("request ", id, ": engine step failed: ",
                                                       std::string(outputs.status().message()))));
@@ -666,9 +681,11 @@ void PrefillWorkerImpl::Loop() {
       }
     }
 
-    for (auto& [id, job] : jobs_) PollHandles(*job, job->failing());
-    const bool force =
-        stop_since.has_value() && absl::Now() - *stop_since > kShutdownDrain;
+    for (auto& [id, job] : jobs_) {
+      PollHandles(*job, job->failing());
+      ReleaseIdleHandoffs(*job);
+    }
+    const bool force = stop_since.has_value() && absl::Now() - *stop_since > kShutdownDrain;
     std::vector<std::shared_ptr<Call>> notify = FinishJobs(force);
     UpdateStats();
     if (!notify.empty()) {
@@ -737,7 +754,7 @@ void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> wri
         // what it posted before, so let the earlier transfers finish first.
         for (auto& handle : job.handles) {
           absl::Status status = handle->Wait();
-          if (!status.ok()) Fail(job, TransferFailure(job.id, status));
+          if (!status.ok()) HandleFailed(job, status);
         }
         job.handles.clear();
         job.last_done = absl::Now();
@@ -781,7 +798,7 @@ void PrefillWorkerImpl::Post(Job& job, int layer, std::vector<kvtransfer::Range>
   uint64_t bytes = 0;
   for (const kvtransfer::Range& r : ranges) bytes += r.bytes;
   const absl::Time posted = absl::Now();
-  auto handle = agent_->Submit(job.peer, kCacheRegion, descriptor, ranges, job.deadline);
+  auto handle = agent_->Submit(job.peer, kCacheRegion, descriptor, ranges, job.transfer_deadline);
   if (!handle.ok() && handle.status().code() == absl::StatusCode::kUnavailable &&
       !job.reconnected) {
     // The cached connection is gone (e.g. closed after an earlier failure): connect once more.
@@ -793,7 +810,8 @@ void PrefillWorkerImpl::Post(Job& job, int layer, std::vector<kvtransfer::Range>
       return;
     }
     job.peer = *peer;
-    handle = agent_->Submit(job.peer, kCacheRegion, descriptor, std::move(ranges), job.deadline);
+    handle = agent_->Submit(job.peer, kCacheRegion, descriptor, std::move(ranges),
+                            job.transfer_deadline);
   }
   if (!handle.ok()) {
     if (handle.status().code() == absl::StatusCode::kUnavailable) {
@@ -819,14 +837,52 @@ void PrefillWorkerImpl::PollHandles(Job& job, bool all) {
     if (status->ok()) {
       job.last_done = absl::Now();
     } else {
-      if (status->code() == absl::StatusCode::kUnavailable ||
-          status->code() == absl::StatusCode::kCancelled) {
-        DropPeer(job.peer_address, job.peer);
-      }
-      Fail(job, TransferFailure(job.id, *status));
+      HandleFailed(job, *status);
     }
     it = job.handles.erase(it);
   }
+}
+
+void PrefillWorkerImpl::ReleaseIdleHandoffs(Job& job) {
+  if (!job.handles.empty()) return;
+  for (PrefillHandoff& handoff : job.handoffs) {
+    if (handoff.blocks.empty()) continue;
+    engine_->ReleaseHandoff(handoff);
+    handoff.blocks.clear();
+  }
+}
+
+bool PrefillWorkerImpl::WaitForHeldBlocks() {
+  bool held = false;
+  for (auto& [id, job] : jobs_) {
+    const bool holds = std::any_of(job->handoffs.begin(), job->handoffs.end(),
+                                   [](const PrefillHandoff& h) { return !h.blocks.empty(); });
+    if (!holds) continue;
+    held = true;
+    for (auto& handle : job->handles) {
+      absl::Status status = handle->Wait();  // bounded by the transfer deadline
+      if (status.ok()) {
+        job->last_done = absl::Now();
+      } else {
+        HandleFailed(*job, status);
+      }
+    }
+    job->handles.clear();
+    ReleaseIdleHandoffs(*job);
+  }
+  return held;
+}
+
+void PrefillWorkerImpl::HandleFailed(Job& job, const absl::Status& status) {
+  // The connection is gone, or a transfer outlived the reservation and may still be landing in
+  // blocks the decode worker is about to reuse: closing the connection stops it (and a later
+  // request connects again).
+  if (status.code() == absl::StatusCode::kUnavailable ||
+      status.code() == absl::StatusCode::kCancelled ||
+      status.code() == absl::StatusCode::kDeadlineExceeded) {
+    DropPeer(job.peer_address, job.peer);
+  }
+  Fail(job, TransferFailure(job.id, status));
 }
 
 void PrefillWorkerImpl::AfterStep(const std::vector<engine::RequestOutput>& outputs) {
@@ -873,8 +929,8 @@ std::vector<std::shared_ptr<Call>> PrefillWorkerImpl::FinishJobs(bool force) {
   std::vector<std::shared_ptr<Call>> notify;
   for (auto it = jobs_.begin(); it != jobs_.end();) {
     Job& job = *it->second;
-    const bool ready = job.failing() ? job.handles.empty() || force
-                                     : job.all_sampled() && job.handles.empty();
+    const bool ready =
+        job.failing() ? job.handles.empty() || force : job.all_sampled() && job.handles.empty();
     if (!ready) {
       ++it;
       continue;
@@ -910,8 +966,10 @@ void PrefillWorkerImpl::Complete(Job& job, std::vector<std::shared_ptr<Call>>& n
     response.set_kv_transfer_bytes(job.bytes);
     double transfer = 0, exposed = 0;
     if (job.bytes > 0 && job.first_post != absl::InfiniteFuture()) {
-      transfer = absl::ToDoubleSeconds(std::max(job.last_done - job.first_post, absl::ZeroDuration()));
-      exposed = absl::ToDoubleSeconds(std::max(job.last_done - job.compute_done, absl::ZeroDuration()));
+      transfer =
+          absl::ToDoubleSeconds(std::max(job.last_done - job.first_post, absl::ZeroDuration()));
+      exposed =
+          absl::ToDoubleSeconds(std::max(job.last_done - job.compute_done, absl::ZeroDuration()));
     }
     const absl::Time scheduled = std::min(job.scheduled, job.compute_done);
     response.set_kv_transfer_seconds(transfer);

@@ -418,13 +418,12 @@ TEST_P(PrefillWorkerTest, BadReservationsAreRefusedAndLeakNothing) {
   {  // No layout at all.
     tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
     submit.mutable_reservation()->mutable_endpoint()->clear_layout();
-    EXPECT_EQ(CallSubmit(*stub, submit).status.error_code(),
-              grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(CallSubmit(*stub, submit).status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
   }
   {  // Another kvtransfer backend.
     tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
-    submit.mutable_reservation()->mutable_endpoint()->set_backend(
-        backend == "ucx" ? "local" : "ucx");
+    submit.mutable_reservation()->mutable_endpoint()->set_backend(backend == "ucx" ? "local"
+                                                                                   : "ucx");
     SubmitResult result = CallSubmit(*stub, submit);
     EXPECT_EQ(result.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
     EXPECT_THAT(result.status.error_message(), HasSubstr("backend"));
@@ -476,8 +475,7 @@ TEST_P(PrefillWorkerTest, BadReservationsAreRefusedAndLeakNothing) {
   {  // A deadline already passed.
     tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
     submit.set_deadline_unix_ms(absl::ToUnixMillis(absl::Now() - absl::Seconds(1)));
-    EXPECT_EQ(CallSubmit(*stub, submit).status.error_code(),
-              grpc::StatusCode::DEADLINE_EXCEEDED);
+    EXPECT_EQ(CallSubmit(*stub, submit).status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   }
   ExpectDrained(*stub);
 
@@ -510,6 +508,56 @@ TEST_P(PrefillWorkerTest, BadReservationsAreRefusedAndLeakNothing) {
   EXPECT_EQ(result.response.choices_size(), 2);
   EXPECT_EQ(result.response.kv_transfer_bytes(), 2 * PromptKvBytes(decode.engine(), 100));
   decode.Release("bad");
+  EXPECT_EQ(decode.blocks_used(), 0);
+  ExpectDrained(*stub);
+}
+
+TEST_P(PrefillWorkerTest, PreemptedSamplesArePushedAgainAndStillMatch) {
+  // 20 blocks for 6 prompts of 13 blocks each, prefilled one after the other: while a prompt's
+  // last pages are in flight its blocks are held, and the next prompt may have to be preempted
+  // (and its pages pushed again once recomputed). Every request must still succeed and match.
+  const std::string backend = GetParam();
+  const int64_t block_bytes = 16 * 1024;  // tiny: 2 layers x K,V x 16 tokens x 2 heads x 32
+  auto worker = MakeWorker(backend, TinyQwen3(), 20 * block_bytes);
+  ASSERT_NE(worker, nullptr);
+  DecodeSide decode(backend, TinyQwen3(), kTinyKvBytes);
+  auto colocated = engine::LlmEngine::Create(
+      EngineOptionsFor(TinyQwen3(), kTinyKvBytes, engine::EngineRole::kColocated));
+  ASSERT_TRUE(colocated.ok()) << colocated.status();
+  std::vector<engine::GenerateRequest> requests;
+  for (int i = 0; i < 6; ++i) {
+    engine::SamplingParams p;
+    p.max_tokens = 8;
+    p.ignore_eos = true;
+    p.temperature = 0.9f;
+    p.seed = 7 + i;
+    requests.push_back({absl::StrCat("p", i), RandomPrompt(200, 500, 20 + i), p});
+  }
+  auto expected = engine::GenerateAll(**colocated, requests);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+
+  auto stub = Connect(*worker);
+  std::vector<SubmitResult> results(requests.size());
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < requests.size(); ++i) {
+    threads.emplace_back([&, i] {
+      tandem::v1::KvReservation reservation = decode.Reserve(requests[i].request_id, 200, 1);
+      results[i] = CallSubmit(*stub, MakeSubmit(requests[i], reservation));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(results[i].status.ok()) << i << ": " << results[i].status.error_message();
+    EXPECT_GE(results[i].response.kv_transfer_bytes(), PromptKvBytes(decode.engine(), 200));
+    ASSERT_TRUE(decode.Continue(requests[i], results[i].response).ok());
+  }
+  std::printf("preemptions: %ld\n", static_cast<long>(CallStats(*stub).preemptions_total()));
+  std::map<std::string, engine::RequestOutput> got = decode.RunAll();
+  for (size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_EQ(got[requests[i].request_id].choices.at(0).token_ids,
+              (*expected)[i].choices[0].token_ids)
+        << i;
+  }
   EXPECT_EQ(decode.blocks_used(), 0);
   ExpectDrained(*stub);
 }
