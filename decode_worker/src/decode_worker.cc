@@ -208,7 +208,7 @@ class DecodeWorkerImpl final : public DecodeWorker {
   // Runs `fn` on the engine loop thread and returns its result, or `if_stopped` once the loop
   // has stopped. Never called on the loop thread itself.
   template <typename T>
-  T RunOnEngine(std::function<T()> fn, T if_stopped) const {
+  T RunOnEngine(std::function<T()> fn, T if_stopped) {
     auto promise = std::make_shared<std::promise<T>>();
     std::future<T> future = promise->get_future();
     {
@@ -261,11 +261,11 @@ class DecodeWorkerImpl final : public DecodeWorker {
   std::atomic<int> num_running_{0};
 
   mutable std::mutex mu_;
-  mutable std::condition_variable cv_;
-  mutable std::deque<std::function<void()>> tasks_;  // guarded by mu_
-  bool stop_ = false;                                // guarded by mu_
-  bool loop_exited_ = false;                         // guarded by mu_
-  tandem::v1::WorkerStats snapshot_;                 // guarded by mu_
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;  // guarded by mu_
+  bool stop_ = false;                        // guarded by mu_
+  bool loop_exited_ = false;                 // guarded by mu_
+  tandem::v1::WorkerStats snapshot_;         // guarded by mu_
   std::thread loop_;
 
   std::once_flag shutdown_once_;
@@ -291,6 +291,10 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
       agent_->RegisterMemory(kKvRegionId, engine_->kv_cache(), engine_->kv_cache_bytes()));
   memory_registered_ = true;
   snapshot_ = ComputeStats();
+
+  // The loop runs before any RPC can arrive; from here on a failed Init is undone by the
+  // destructor's Shutdown.
+  loop_ = std::thread([this] { Loop(); });
 
   TANDEM_ASSIGN_OR_RETURN(auto grpc_host_port, SplitHostPort(options_.grpc_address));
   service_ = std::make_unique<Service>(this);
@@ -318,7 +322,6 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
         router::HttpServer::Create(
             http, [this](std::shared_ptr<router::HttpExchange> ex) { HandleHttp(std::move(ex)); }));
   }
-  loop_ = std::thread([this] { Loop(); });
   return absl::OkStatus();
 }
 

@@ -661,6 +661,20 @@ TEST_P(DecodeWorkerTest, ShutdownEndsStreamsWithAnError) {
   worker_.reset();
 }
 
+TEST(DecodeWorkerCreateTest, RefusesBadOptionsWithoutHanging) {
+  DecodeWorkerOptions options;
+  options.engine = EngineOptionsFor(engine::EngineRole::kDecode);
+  options.kv_backend = "carrier-pigeon";
+  EXPECT_EQ(DecodeWorker::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+  // Fails after the gRPC server is up: everything started so far is stopped again.
+  options.kv_backend = "local";
+  options.metrics_address = "no-port";
+  EXPECT_EQ(DecodeWorker::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.metrics_address.clear();
+  options.engine.model_dir = "/nonexistent";
+  EXPECT_FALSE(DecodeWorker::Create(options).ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, DecodeWorkerTest, ::testing::Values("local", "ucx"),
                          [](const ::testing::TestParamInfo<std::string>& info) {
                            return info.param;
