@@ -295,9 +295,10 @@ TEST_P(PrefillWorkerTest, ConcurrentSubmitsEqualColocatedTokenForToken) {
   ASSERT_TRUE(colocated.ok()) << colocated.status();
   const int vocab = (*colocated)->config().vocab_size;
 
-  // Greedy and seeded (n = 2) requests over 1 to 4 prefill chunks.
+  // Greedy and seeded (n = 2) requests over 1 to 4 prefill chunks; the last one's first token
+  // is also its last (max_tokens 1), so the engine finishes it instead of handing it off.
   std::vector<engine::GenerateRequest> requests;
-  for (int i = 0; i < 6; ++i) {
+  for (int i = 0; i < 7; ++i) {
     engine::SamplingParams p;
     p.max_tokens = 10 + i;
     p.ignore_eos = true;
@@ -309,6 +310,7 @@ TEST_P(PrefillWorkerTest, ConcurrentSubmitsEqualColocatedTokenForToken) {
     } else {
       p.temperature = 0;
     }
+    if (i == 6) p.max_tokens = 1;
     requests.push_back({absl::StrCat("req", i), RandomPrompt(30 + 35 * i, vocab, i), p});
   }
   auto expected = engine::GenerateAll(**colocated, requests);
@@ -376,8 +378,8 @@ TEST_P(PrefillWorkerTest, ConcurrentSubmitsEqualColocatedTokenForToken) {
   EXPECT_THAT(metrics, HasSubstr("\ntandem_kv_cache_blocks_used 0\n"));
   EXPECT_THAT(metrics, HasSubstr(absl::StrCat("\ntandem_kv_cache_blocks_capacity ",
                                               stats.kv_blocks_total(), "\n")));
-  EXPECT_THAT(metrics, HasSubstr("\ntandem_prefill_requests_total{code=\"OK\"} 6\n"));
-  EXPECT_THAT(metrics, HasSubstr("\ntandem_prefill_seconds_count 6\n"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_prefill_requests_total{code=\"OK\"} 7\n"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_prefill_seconds_count 7\n"));
   EXPECT_THAT(metrics, HasSubstr("\ntandem_prefill_queued_tokens 0\n"));
   EXPECT_THAT(metrics, HasSubstr("\ntandem_kv_transfer_bytes_total "));
   EXPECT_THAT(metrics, HasSubstr("\ntandem_kv_transfer_exposed_seconds_total "));
