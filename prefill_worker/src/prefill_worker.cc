@@ -346,6 +346,9 @@ absl::Status PrefillWorkerImpl::Start() {
         }));
   }
 
+  // The loop runs before the first call can arrive, so every accepted call gets its answer.
+  loop_ = std::thread([this] { Loop(); });
+  TANDEM_ASSIGN_OR_RETURN(auto grpc_host_port, SplitHostPort(options_.grpc_address));
   service_ = std::make_unique<Service>(this);
   grpc::ServerBuilder builder;
   int selected_port = 0;
@@ -356,12 +359,10 @@ absl::Status PrefillWorkerImpl::Start() {
   if (server_ == nullptr || selected_port == 0) {
     return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options_.grpc_address));
   }
-  TANDEM_ASSIGN_OR_RETURN(auto grpc_host_port, SplitHostPort(options_.grpc_address));
   grpc_address_ = grpc_host_port.first.find(':') != std::string::npos
                       ? absl::StrCat("[", grpc_host_port.first, "]:", selected_port)
                       : absl::StrCat(grpc_host_port.first, ":", selected_port);
 
-  loop_ = std::thread([this] { Loop(); });
   return absl::OkStatus();
 }
 

@@ -283,6 +283,28 @@ std::string HttpGet(int port, const std::string& path) {
   return response;
 }
 
+TEST(PrefillWorkerCreateTest, BadOptionsFailWithoutHanging) {
+  PrefillWorkerOptions options;
+  options.engine = EngineOptionsFor(TinyQwen3(), kTinyKvBytes, engine::EngineRole::kColocated);
+  options.kv_backend = "carrier-pigeon";
+  EXPECT_EQ(PrefillWorker::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
+  options.kv_backend = "local";
+  options.grpc_address = "no-port-here";
+  EXPECT_FALSE(PrefillWorker::Create(options).ok());
+  options.grpc_address = "127.0.0.1:0";
+  options.metrics_address = "127.0.0.1:99999";
+  EXPECT_FALSE(PrefillWorker::Create(options).ok());
+  options.metrics_address.clear();
+  options.engine.model_dir = "/nonexistent";
+  EXPECT_FALSE(PrefillWorker::Create(options).ok());
+  options.engine.model_dir = TinyQwen3();
+  auto worker = PrefillWorker::Create(options);
+  ASSERT_TRUE(worker.ok()) << worker.status();
+  EXPECT_EQ((*worker)->metrics_port(), 0);
+  EXPECT_EQ((*worker)->Stats().role(), tandem::v1::WORKER_ROLE_PREFILL);
+  EXPECT_THAT((*worker)->Stats().worker_id(), ::testing::StartsWith("prefill-"));
+}
+
 class PrefillWorkerTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PrefillWorkerTest, ConcurrentSubmitsEqualColocatedTokenForToken) {
