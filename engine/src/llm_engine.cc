@@ -152,6 +152,9 @@ void LlmEngine::Abort(const std::string& request_id) {
     if (!choice.done) scheduler_->Finish(choice.seq.get(), FinishReason::kAbort);
   }
   requests_.erase(it);
+  // First tokens of an AddPrefilled request not yet returned by Step() are dropped with it.
+  std::erase_if(pending_outputs_,
+                [&](const RequestOutput& out) { return out.request_id == request_id; });
 }
 
 void LlmEngine::FinishChoice(Choice& choice, FinishReason reason, ChoiceDelta& delta) {

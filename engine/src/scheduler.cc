@@ -37,7 +37,10 @@ SchedulerStep Scheduler::Schedule() {
   int budget = options_.max_num_batched_tokens;
   bool preempted = false;
 
-  for (size_t i = 0; i < running_.size() && budget > 0;) {
+  // Prefilled sequences join running_ directly (AddPrefilled), so it may hold more than
+  // max_num_seqs: those beyond it wait for a later step, in arrival order.
+  for (size_t i = 0; i < running_.size() && budget > 0 &&
+                     static_cast<int>(step.seqs.size()) < options_.max_num_seqs;) {
     Sequence* seq = running_[i];
     int new_tokens = std::min(seq->num_uncomputed_tokens(), budget);
     if (new_tokens <= 0) {

@@ -153,5 +153,28 @@ TEST(SchedulerTest, DecodeRoleSequencesArriveWithTheirKv) {
   EXPECT_TRUE(step.seqs[0].samples);
 }
 
+TEST(SchedulerTest, MorePrefilledSequencesThanMaxNumSeqsTakeTurns) {
+  BlockManager blocks(64, 4);
+  Scheduler s({.max_num_seqs = 4, .max_num_batched_tokens = 64, .role = EngineRole::kDecode},
+              &blocks);
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  for (int i = 0; i < 10; ++i) {
+    auto seq = MakeSeq(i, 4);
+    ASSERT_TRUE(blocks.Append(seq->block_table, 0, 4).ok());
+    seq->num_computed_tokens = 4;
+    seq->tokens.push_back(9);
+    s.AddPrefilled(seq.get());
+    seqs.push_back(std::move(seq));
+  }
+  // Every step stays within the runner's sequence limit; all ten progress as others finish.
+  for (size_t expected : {4u, 4u, 2u}) {
+    SchedulerStep step = s.Schedule();
+    ASSERT_EQ(step.seqs.size(), expected);
+    RunStep(s, step);
+    for (const auto& ss : step.seqs) s.Finish(ss.seq, FinishReason::kLength);
+  }
+  EXPECT_TRUE(s.Schedule().empty());
+}
+
 }  // namespace
 }  // namespace tandem::engine
