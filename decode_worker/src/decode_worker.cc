@@ -38,29 +38,14 @@ constexpr auto kStreamPoll = std::chrono::milliseconds(50);
 // flight (prefill workers use expires_unix_ms as their transfer deadline) land in blocks nobody
 // else owns yet.
 constexpr int64_t kExpiryGraceMs = 2000;
-// Upper bound of ReserveRequest.n.
-constexpr int kMaxReserveSamples = 64;
+// Upper bound of ReserveRequest.n: what the engine accepts.
+constexpr int kMaxReserveSamples = engine::kMaxSamplesPerRequest;
 // The KV cache's region id in the transfer agent.
 constexpr uint64_t kKvRegionId = 0;
 
 absl::Status Stopped() { return absl::UnavailableError("the decode worker has shut down"); }
 
 int64_t NowUnixMs() { return absl::ToUnixMillis(absl::Now()); }
-
-tandem::v1::FinishReason ToWire(engine::FinishReason reason) {
-  switch (reason) {
-    case engine::FinishReason::kStop:
-      return tandem::v1::FINISH_REASON_STOP;
-    case engine::FinishReason::kLength:
-      return tandem::v1::FINISH_REASON_LENGTH;
-    case engine::FinishReason::kAbort:
-      return tandem::v1::FINISH_REASON_ABORT;
-    case engine::FinishReason::kNone:
-    case engine::FinishReason::kPrefilled:
-      break;
-  }
-  return tandem::v1::FINISH_REASON_NONE;
-}
 
 // "host:port" -> (host, port); brackets of an IPv6 host are removed.
 absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
@@ -436,7 +421,7 @@ void DecodeWorkerImpl::StepEngine() {
           entry->set_logprob(t.logprob);
         }
       }
-      event.set_finish_reason(ToWire(delta.finish_reason));
+      event.set_finish_reason(proto::ToProto(delta.finish_reason));
       if (delta.finish_reason != engine::FinishReason::kNone && delta.index >= 0 &&
           delta.index < static_cast<int>(running.finished.size())) {
         running.finished[delta.index] = true;
@@ -659,15 +644,7 @@ absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& reque
           "choice index ", wire.index(), " is out of range or repeated (n = ", reservation.n, ")"));
     }
     seen[wire.index()] = true;
-    absl::StatusOr<engine::PrefilledChoice> choice;
-    if (wire.sampler_state().empty() && generate.params.greedy()) {
-      // Greedy sampling draws no random numbers, so the state may be left out.
-      tandem::v1::PrefilledChoice filled = wire;
-      filled.set_sampler_state(std::string(32, '\0'));
-      choice = proto::FromProto(filled);
-    } else {
-      choice = proto::FromProto(wire);
-    }
+    absl::StatusOr<engine::PrefilledChoice> choice = proto::FromProto(wire);
     if (!choice.ok()) return choice.status();
     choice->blocks = reservation.blocks[wire.index()];
     choices[wire.index()] = std::move(*choice);

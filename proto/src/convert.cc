@@ -159,7 +159,8 @@ tandem::v1::PrefilledChoice ToProto(int index, const engine::PrefillHandoff& han
 
 absl::StatusOr<engine::PrefilledChoice> FromProto(const tandem::v1::PrefilledChoice& choice) {
   const std::string& state = choice.sampler_state();
-  if (state.size() != 32) {
+  // Empty is allowed (greedy sampling draws no random numbers): the state is then all zeros.
+  if (!state.empty() && state.size() != 32) {
     return absl::InvalidArgumentError(absl::StrCat("sampler_state of choice ", choice.index(),
                                                    " has ", state.size(), " bytes, not 32"));
   }
@@ -169,7 +170,7 @@ absl::StatusOr<engine::PrefilledChoice> FromProto(const tandem::v1::PrefilledCho
   for (const tandem::v1::TokenLogprob& t : choice.first_token().top_logprobs()) {
     out.first_top_logprobs.push_back({t.token_id(), t.logprob()});
   }
-  for (int w = 0; w < 4; ++w) {
+  for (int w = 0; w < 4 && !state.empty(); ++w) {
     uint64_t word = 0;
     for (int b = 0; b < 8; ++b) {
       word |= static_cast<uint64_t>(static_cast<unsigned char>(state[w * 8 + b])) << (8 * b);

@@ -181,6 +181,11 @@ TEST(PrefilledChoiceConvertTest, RoundTripKeepsTheRandomStreamBitForBit) {
   EXPECT_EQ(back->rng_state, h.rng_state);
   wire.mutable_sampler_state()->pop_back();
   EXPECT_EQ(FromProto(wire).status().code(), absl::StatusCode::kInvalidArgument);
+  // Greedy samples may leave the state out: it reads as all zeros.
+  wire.clear_sampler_state();
+  back = FromProto(wire);
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->rng_state, (std::array<uint64_t, 4>{0, 0, 0, 0}));
 }
 
 }  // namespace

@@ -47,7 +47,8 @@ tandem::v1::FinishReason ToProto(engine::FinishReason reason);
 engine::FinishReason FromProto(tandem::v1::FinishReason reason);
 
 // A prefilled sample on the wire: first token, its logprobs, and the sampler's RNG state as 32
-// little-endian bytes. FromProto refuses (InvalidArgument) a state of any other size.
+// little-endian bytes. FromProto reads an empty state as all zeros (greedy sampling draws no
+// random numbers) and refuses (InvalidArgument) any other size.
 tandem::v1::PrefilledChoice ToProto(int index, const engine::PrefillHandoff& handoff);
 absl::StatusOr<engine::PrefilledChoice> FromProto(const tandem::v1::PrefilledChoice& choice);
 absl::Status FromGrpcStatus(const grpc::Status& status);
