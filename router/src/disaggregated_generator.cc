@@ -156,7 +156,9 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   const engine::ChatFormatter& chat_formatter() const override { return *chat_formatter_; }
   int max_model_len() const override { return max_model_len_; }
 
+  // Asks every worker afresh (a scrape of /metrics must not show a value one poll old).
   engine::EngineStats stats() const override {
+    PollOnce(absl::Milliseconds(500));
     std::lock_guard<std::mutex> lock(stats_mu_);
     engine::EngineStats total;
     for (const auto& w : decode_) {
@@ -304,10 +306,14 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
         tandem::v1::ReserveResponse response;
         grpc::ClientContext context;
         context.set_deadline(GrpcDeadline(absl::Now() + absl::Seconds(10)));
-        if (!BeginCall(flight, &context)) return absl::CancelledError("request aborted");
+        // Not cancelled from Abort: a Reserve cut short could still have reserved, unseen. It is
+        // quick; an abort meanwhile is handled by releasing what it returns.
         grpc::Status status = w->stub->Reserve(&context, request, &response);
-        EndCall(flight);
         if (status.ok()) {
+          if (Cancelled(flight)) {
+            Release(w, response.reservation());
+            return absl::CancelledError("request aborted");
+          }
           AddPending(w, response.reservation().block_ids_size(), 1);
           return std::make_pair(w, response.reservation());
         }
@@ -356,8 +362,14 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
 
     // 2. Prefill, the KV landing in the reservation.
     tandem::v1::SubmitResponse prefilled;
-    absl::Status status = Prefill(flight, reservation, prefilled);
+    PrefillWorkerState* prefill = PickPrefill();
+    absl::Status status = prefill == nullptr ? absl::UnavailableError("no prefill worker is up")
+                                             : Prefill(flight, *prefill, reservation, prefilled);
     if (!status.ok()) {
+      // The blocks go back only once the prefill worker has stopped writing into them: its
+      // Cancel answers after the request's transfers have ended (a cancelled or failed Submit
+      // call alone does not say so).
+      if (prefill != nullptr) CancelPrefill(*prefill, r.request_id);
       Release(decode, reservation);
       AddPending(decode, -reserved_blocks, -1);
       if (!absl::IsCancelled(status) || !Cancelled(flight)) Fail(flight, status);
@@ -430,11 +442,21 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
                                                      failed.message())));
   }
 
-  absl::Status Prefill(Flight& flight, const tandem::v1::KvReservation& reservation,
+  void CancelPrefill(PrefillWorkerState& prefill, const std::string& request_id) {
+    tandem::v1::CancelRequest request;
+    request.set_request_id(request_id);
+    request.set_reason("router: request ended before its prefill was used");
+    tandem::v1::CancelResponse response;
+    grpc::ClientContext context;
+    context.set_deadline(GrpcDeadline(absl::Now() + absl::Seconds(10)));
+    prefill.stub->Cancel(&context, request, &response);
+  }
+
+  absl::Status Prefill(Flight& flight, PrefillWorkerState& prefill_worker,
+                       const tandem::v1::KvReservation& reservation,
                        tandem::v1::SubmitResponse& response) {
     const GenerateRequest& r = flight.request;
-    PrefillWorkerState* prefill = PickPrefill();
-    if (prefill == nullptr) return absl::UnavailableError("no prefill worker is up");
+    PrefillWorkerState* prefill = &prefill_worker;
     tandem::v1::SubmitRequest request;
     request.set_request_id(r.request_id);
     request.mutable_prompt_token_ids()->Add(r.prompt_tokens.begin(), r.prompt_tokens.end());
@@ -457,7 +479,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   }
 
   // Polls every worker's Stats once; returns the address of one that did not answer, or "".
-  std::string PollOnce(absl::Duration timeout) {
+  std::string PollOnce(absl::Duration timeout) const {
     std::string missing;
     auto poll = [&](WorkerState& w, auto& stub) {
       tandem::v1::StatsRequest request;

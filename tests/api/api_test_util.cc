@@ -89,6 +89,7 @@ std::unique_ptr<ServerProcess> ServerProcess::Start(const std::vector<std::strin
     size_t eol = at == std::string::npos ? std::string::npos : text.find('\n', at);
     if (eol != std::string::npos) {
       std::string url = text.substr(at + 11, eol - at - 11);
+      url = url.substr(0, url.find(' '));  // "host:port (prefill ..., decode ...)"
       size_t colon = url.rfind(':');
       server->port_ = std::atoi(url.c_str() + colon + 1);
       if (server->port_ > 0) return server;
