@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
+#include "tandem/base/host_port.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/proto/convert.h"
@@ -46,29 +47,6 @@ constexpr uint64_t kKvRegionId = 0;
 absl::Status Stopped() { return absl::UnavailableError("the decode worker has shut down"); }
 
 int64_t NowUnixMs() { return absl::ToUnixMillis(absl::Now()); }
-
-// "host:port" -> (host, port); brackets of an IPv6 host are removed.
-absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos || colon + 1 == address.size()) {
-    return absl::InvalidArgumentError(absl::StrCat("address '", address, "' is not host:port"));
-  }
-  std::string host = address.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  int port = 0;
-  for (char c : address.substr(colon + 1)) {
-    if (c < '0' || c > '9' || port > 65535) {
-      return absl::InvalidArgumentError(absl::StrCat("address '", address, "' has a bad port"));
-    }
-    port = port * 10 + (c - '0');
-  }
-  if (port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("address '", address, "' has a bad port"));
-  }
-  return std::make_pair(host, port);
-}
 
 // The events of one Start call, filled by the engine loop and drained by the call's handler.
 struct Stream {

@@ -71,8 +71,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
   return engine;
 }
 
-absl::Status LlmEngine::Validate(const GenerateRequest& request) const {
-  const ModelConfig& config = checkpoint_->config();
+absl::Status ValidateRequest(const GenerateRequest& request, const ModelConfig& config,
+                             int max_model_len) {
   TANDEM_RETURN_IF_ERROR(request.params.Validate(config.vocab_size));
   const int prompt_len = static_cast<int>(request.prompt_tokens.size());
   if (prompt_len == 0) return absl::InvalidArgumentError("prompt must not be empty");
@@ -83,12 +83,19 @@ absl::Status LlmEngine::Validate(const GenerateRequest& request) const {
     }
   }
   const int64_t total = static_cast<int64_t>(prompt_len) + request.params.max_tokens;
-  if (total > max_model_len_) {
+  if (total > max_model_len) {
     return absl::InvalidArgumentError(
-        absl::StrCat("this model's maximum context length is ", max_model_len_,
+        absl::StrCat("this model's maximum context length is ", max_model_len,
                      " tokens, but the prompt has ", prompt_len, " tokens and max_tokens is ",
                      request.params.max_tokens, " (", total, " in all)"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status LlmEngine::Validate(const GenerateRequest& request) const {
+  TANDEM_RETURN_IF_ERROR(ValidateRequest(request, checkpoint_->config(), max_model_len_));
+  const int prompt_len = static_cast<int>(request.prompt_tokens.size());
+  const int64_t total = static_cast<int64_t>(prompt_len) + request.params.max_tokens;
   if (blocks_->BlocksFor(static_cast<int>(total)) > blocks_->num_blocks()) {
     return absl::InvalidArgumentError(
         absl::StrCat("the prompt (", prompt_len, " tokens) plus max_tokens (",

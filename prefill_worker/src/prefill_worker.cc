@@ -23,6 +23,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
+#include "tandem/base/host_port.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/proto/convert.h"
@@ -56,21 +57,6 @@ constexpr absl::Duration kShutdownDrain = absl::Seconds(5);
 
 absl::Time FromUnixMillisOrInfinite(int64_t ms) {
   return ms > 0 ? absl::FromUnixMillis(ms) : absl::InfiniteFuture();
-}
-
-// Splits "host:port" at its last colon.
-absl::StatusOr<std::pair<std::string, int>> SplitHostPort(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || colon == 0 ||
-      !absl::SimpleAtoi(address.substr(colon + 1), &port) || port < 0 || port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("address '", address, "' is not host:port"));
-  }
-  std::string host = address.substr(0, colon);
-  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  return std::make_pair(host, port);
 }
 
 // How a transfer failure fails its request: a decode worker that is gone (or a connection that

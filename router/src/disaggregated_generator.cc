@@ -183,23 +183,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
  private:
   // The checks a worker would make that need no worker state, so bad input is a 400 at once.
   absl::Status Validate(const GenerateRequest& request) const {
-    TANDEM_RETURN_IF_ERROR(request.params.Validate(config_.vocab_size));
-    const int prompt_len = static_cast<int>(request.prompt_tokens.size());
-    if (prompt_len == 0) return absl::InvalidArgumentError("prompt must not be empty");
-    for (int32_t id : request.prompt_tokens) {
-      if (id < 0 || id >= config_.vocab_size) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "prompt token id ", id, " is outside the vocabulary [0, ", config_.vocab_size, ")"));
-      }
-    }
-    const int64_t total = static_cast<int64_t>(prompt_len) + request.params.max_tokens;
-    if (total > max_model_len_) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("this model's maximum context length is ", max_model_len_,
-                       " tokens, but the prompt has ", prompt_len, " tokens and max_tokens is ",
-                       request.params.max_tokens, " (", total, " in all)"));
-    }
-    return absl::OkStatus();
+    return engine::ValidateRequest(request, config_, max_model_len_);
   }
 
   // Requires mu_.

@@ -7,6 +7,7 @@
 #include "absl/strings/str_split.h"
 #include "commands.h"
 #include "server_flags.h"
+#include "tandem/base/host_port.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/router/disaggregated_generator.h"
 #include "tandem/router/openai_server.h"
@@ -22,8 +23,8 @@ absl::StatusOr<std::vector<std::string>> Addresses(const Args& args, const std::
   std::vector<std::string> out;
   for (absl::string_view part : absl::StrSplit(*args.Get(flag), ',', absl::SkipWhitespace())) {
     std::string address(part);
-    const size_t colon = address.rfind(':');
-    if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
+    absl::StatusOr<std::pair<std::string, int>> host_port = SplitHostPort(address);
+    if (!host_port.ok() || host_port->second == 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("router: --", flag, " entry '", address, "' is not HOST:PORT"));
     }

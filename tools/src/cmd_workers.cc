@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "commands.h"
 #include "server_flags.h"
+#include "tandem/base/host_port.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/decode_worker/decode_worker.h"
 #include "tandem/prefill_worker/prefill_worker.h"
@@ -41,11 +42,14 @@ absl::StatusOr<WorkerFlags> ParseWorkerFlags(const Args& args, int default_port)
   WorkerFlags flags;
   TANDEM_ASSIGN_OR_RETURN(flags.engine, EngineFlags(args));
   flags.listen = args.GetOr("listen", absl::StrCat("127.0.0.1:", default_port));
-  if (flags.listen.rfind(':') == std::string::npos) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(args.command(), ": --listen must be HOST:PORT, got ", flags.listen));
-  }
   flags.metrics_listen = args.GetOr("metrics-listen", "");
+  for (const auto& [flag, value] : {std::pair<std::string, std::string>{"listen", flags.listen},
+                                    {"metrics-listen", flags.metrics_listen}}) {
+    if (!value.empty() && !SplitHostPort(value).ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(args.command(), ": --", flag, " must be HOST:PORT, got ", value));
+    }
+  }
   flags.worker_id = args.GetOr("worker-id", absl::StrCat(args.command(), "-", getpid()));
   flags.kv_backend = args.GetOr("kv-backend", "ucx");
   if (flags.kv_backend != "ucx" && flags.kv_backend != "local") {

@@ -182,6 +182,12 @@ class LlmEngine {
   std::vector<KvWritten> step_writes_;          // of the running step, for on_layer_kv_written
 };
 
+// The checks of a request that need only the model (so a router without an engine makes them
+// too): sampling fields, token ids inside the vocabulary, a non-empty prompt, and prompt plus
+// max_tokens within max_model_len. InvalidArgument naming the field otherwise.
+absl::Status ValidateRequest(const GenerateRequest& request, const ModelConfig& config,
+                             int max_model_len);
+
 // Appends one step's delta of a choice to what that choice produced so far.
 void AccumulateDelta(ChoiceDelta& total, const ChoiceDelta& delta);
 
