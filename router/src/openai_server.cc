@@ -8,6 +8,8 @@
 #include <optional>
 #include <random>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -58,6 +60,13 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
 // A path or name from a request, cut short for an error message.
 std::string Excerpt(const std::string& s) { return s.size() <= 64 ? s : s.substr(0, 64) + "..."; }
 
+// Bucket bounds for time per output token: finer than LatencyBuckets() below 10 ms, where
+// GPU decode steps fall.
+std::vector<double> TpotBuckets() {
+  return {0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03,
+          0.04,   0.05,  0.075, 0.1,   0.15,  0.2,    0.3,  0.5,   0.75, 1.0,   2.5};
+}
+
 struct ApiMetrics {
   MetricsRegistry registry;
   Counter* prompt_tokens;
@@ -65,6 +74,7 @@ struct ApiMetrics {
   Histogram* ttft;
   Histogram* itl;
   Histogram* e2e;
+  Histogram* tpot;
   Gauge* running;
   Gauge* waiting;
   Gauge* kv_used;
@@ -73,12 +83,27 @@ struct ApiMetrics {
   Gauge* in_flight;
   Gauge* connections;
 
+  // SLO accounting (see Classify). A pair is null where that objective is not configured;
+  // "both" exists when any is.
+  struct SloPair {
+    Counter* met = nullptr;
+    Counter* missed = nullptr;
+  };
+  std::optional<double> ttft_slo;
+  std::optional<double> tpot_slo;
+  SloPair slo_ttft, slo_tpot, slo_both;
+  Counter* slo_met;
+
   static constexpr const char* kRequestsHelp =
       "Generation requests finished, by finish reason of their first choice (abort: the client "
       "went away; error: the engine failed).";
   static constexpr const char* kHttpHelp = "HTTP responses sent, by status code.";
+  static constexpr const char* kSloHelp =
+      "Requests that finished normally (stop or length), by service-level objective (ttft, "
+      "tpot, or both: every configured one) and whether they met it.";
 
-  ApiMetrics() {
+  explicit ApiMetrics(const ApiServerOptions& options)
+      : ttft_slo(options.ttft_slo_seconds), tpot_slo(options.tpot_slo_seconds) {
     for (const char* reason : {"stop", "length", "abort", "error"}) Finished(reason);
     prompt_tokens = registry.AddCounter("tandem_prompt_tokens_total", "Prompt tokens processed.");
     generation_tokens =
@@ -102,6 +127,50 @@ struct ApiMetrics {
     in_flight = registry.AddGauge("tandem_api_requests_in_flight",
                                   "Generation requests accepted by the API and not yet finished.");
     connections = registry.AddGauge("tandem_http_connections", "Open HTTP connections.");
+
+    tpot = registry.AddHistogram(
+        "tandem_time_per_output_token_seconds",
+        "Per request that finished normally with at least 2 tokens: (end - first token) / "
+        "(tokens of its longest choice - 1).",
+        TpotBuckets());
+    auto pair = [&](const char* slo) {
+      return SloPair{
+          registry.AddCounter("tandem_requests_slo_total", kSloHelp,
+                              {{"slo", slo}, {"result", "met"}}),
+          registry.AddCounter("tandem_requests_slo_total", kSloHelp,
+                              {{"slo", slo}, {"result", "missed"}}),
+      };
+    };
+    if (ttft_slo) slo_ttft = pair("ttft");
+    if (tpot_slo) slo_tpot = pair("tpot");
+    if (ttft_slo || tpot_slo) slo_both = pair("both");
+    slo_met = registry.AddCounter(
+        "tandem_requests_slo_met_total",
+        "Requests that finished normally (stop or length) meeting every configured service-level "
+        "objective (all of them when none is configured); its rate is the goodput.");
+    if (ttft_slo) {
+      registry.AddGauge("tandem_slo_ttft_seconds", "The time-to-first-token objective.")
+          ->Set(*ttft_slo);
+    }
+    if (tpot_slo) {
+      registry.AddGauge("tandem_slo_tpot_seconds", "The time-per-output-token objective.")
+          ->Set(*tpot_slo);
+    }
+  }
+
+  // Accounts one request that finished normally: its time to first token and, for two tokens
+  // or more, its time per output token (a request with fewer meets any TPOT objective).
+  void Classify(double ttft_seconds, std::optional<double> tpot_seconds) {
+    if (tpot_seconds) tpot->Observe(*tpot_seconds);
+    bool all_met = true;
+    auto count = [&](const SloPair& pair, bool met) {
+      (met ? pair.met : pair.missed)->Increment();
+      all_met = all_met && met;
+    };
+    if (ttft_slo) count(slo_ttft, ttft_seconds <= *ttft_slo);
+    if (tpot_slo) count(slo_tpot, !tpot_seconds || *tpot_seconds <= *tpot_slo);
+    if (ttft_slo || tpot_slo) count(slo_both, all_met);
+    if (all_met) slo_met->Increment();
   }
   Counter* Finished(const std::string& reason) {
     return registry.AddCounter("tandem_requests_total", kRequestsHelp, {{"finish_reason", reason}});
@@ -143,6 +212,7 @@ struct Generation {
     std::string text;
     engine::FinishReason finish = engine::FinishReason::kNone;
     int text_offset = 0;
+    int tokens = 0;           // generated so far
     json logprobs = nullptr;  // the API's logprobs object, grown token by token
   };
 
@@ -158,6 +228,7 @@ struct Generation {
   int prompt_tokens = 0;
   int generation_tokens = 0;
   Clock::time_point start;
+  Clock::time_point first_token;
   Clock::time_point last_token;
   bool seen_token = false;
   bool done = false;
@@ -178,7 +249,10 @@ struct Generation {
 class ApiServerImpl : public ApiServer {
  public:
   ApiServerImpl(ApiServerOptions options, std::unique_ptr<engine::Generator> engine)
-      : options_(std::move(options)), started_(UnixSeconds()), engine_(std::move(engine)) {
+      : options_(std::move(options)),
+        metrics_(options_),
+        started_(UnixSeconds()),
+        engine_(std::move(engine)) {
     vocab_size_ = std::min(engine_->config().vocab_size, engine_->tokenizer().vocab_size());
   }
   ~ApiServerImpl() override { Shutdown(std::chrono::milliseconds(0)); }
@@ -190,6 +264,13 @@ class ApiServerImpl : public ApiServer {
     if (options_.overload_status != 529 && options_.overload_status != 503) {
       return absl::InvalidArgumentError(
           absl::StrCat("overload status must be 529 or 503, got ", options_.overload_status));
+    }
+    for (const auto& [name, slo] : {std::pair{"TTFT", options_.ttft_slo_seconds},
+                                    std::pair{"TPOT", options_.tpot_slo_seconds}}) {
+      if (slo && !(std::isfinite(*slo) && *slo > 0)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the ", name, " SLO must be a finite number of seconds > 0, got ", *slo));
+      }
     }
     HttpServerOptions http = options_.http;
     http.error_response = [this](int status, const std::string& message) {
@@ -725,6 +806,7 @@ void Generation::OnOutput(const engine::RequestOutput& out, const absl::Status& 
   if (new_tokens > 0) {
     if (!seen_token) {
       m.ttft->Observe(Seconds(now - start));
+      first_token = now;
       seen_token = true;
     } else {
       m.itl->Observe(Seconds(now - last_token) / static_cast<double>(new_tokens));
@@ -737,6 +819,7 @@ void Generation::OnOutput(const engine::RequestOutput& out, const absl::Status& 
   for (const engine::ChoiceDelta& d : out.choices) {
     if (d.index < 0 || d.index >= static_cast<int>(choices.size())) continue;
     Choice& c = choices[d.index];
+    c.tokens += static_cast<int>(d.token_ids.size());
     json lp = LogprobsFor(d, c);
     c.text += d.text;
     if (d.finish_reason != engine::FinishReason::kNone) c.finish = d.finish_reason;
@@ -821,10 +904,22 @@ void Generation::OnClientGone() {
 
 void Generation::Finalize(const std::string& reason) {
   done = true;
+  const Clock::time_point now = Clock::now();
   ApiMetrics& m = server->metrics();
   m.Finished(reason)->Increment();
   m.generation_tokens->Increment(generation_tokens);
-  m.e2e->Observe(Seconds(Clock::now() - start));
+  const double e2e = Seconds(now - start);
+  m.e2e->Observe(e2e);
+  // Only requests that ran to their end are held to the SLOs: an abort (client gone) or an
+  // error says nothing about the latency the server would have given.
+  if (reason == "stop" || reason == "length") {
+    const double ttft = seen_token ? Seconds(first_token - start) : e2e;
+    int tokens = 0;
+    for (const Choice& c : choices) tokens = std::max(tokens, c.tokens);
+    std::optional<double> tpot;
+    if (tokens >= 2) tpot = (e2e - ttft) / static_cast<double>(tokens - 1);
+    m.Classify(ttft, tpot);
+  }
   server->RequestFinished();
 }
 

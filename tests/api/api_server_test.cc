@@ -13,8 +13,10 @@
 #include <cstdlib>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "api_test_util.h"
@@ -27,6 +29,7 @@ namespace {
 
 using nlohmann::json;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 std::unique_ptr<ServerProcess> StartServer(const std::vector<std::string>& args = {}) {
   std::string error;
@@ -135,7 +138,72 @@ TEST(ApiServerTest, TwoHundredConcurrentStreamsAllFinishCorrectly) {
   EXPECT_EQ(MetricValue(metrics, "tandem_kv_cache_blocks_used"), 0);
   EXPECT_GE(MetricValue(metrics, "tandem_requests_total{finish_reason=\"length\"}").value_or(0),
             kClients);
+  // No SLO configured: every request that finished counts as meeting all (none) of them, and
+  // there is no per-objective series.
+  const int finished = kClients + static_cast<int>(prompts.size());
+  EXPECT_EQ(MetricValue(metrics, "tandem_requests_slo_met_total"), finished);
+  EXPECT_EQ(MetricValue(metrics, "tandem_time_per_output_token_seconds_count"), finished);
+  EXPECT_THAT(metrics, Not(HasSubstr("tandem_requests_slo_total")));
+  EXPECT_THAT(metrics, Not(HasSubstr("tandem_slo_ttft_seconds")));
   EXPECT_TRUE(server->Alive());
+}
+
+// Each request that finishes normally is classified against the configured TTFT and TPOT
+// objectives; errors are not.
+TEST(ApiServerTest, SloAccountingClassifiesEveryFinishedRequest) {
+  constexpr int kRequests = 4;
+  auto counts = [](const std::string& metrics, const std::string& slo) {
+    auto v = [&](const char* result) {
+      return MetricValue(metrics, "tandem_requests_slo_total{slo=\"" + slo + "\",result=\"" +
+                                      result + "\"}");
+    };
+    return std::pair{v("met"), v("missed")};
+  };
+  auto send = [](int port) {
+    for (int i = 0; i < kRequests; ++i) {
+      HttpResult r = Request(port, "POST", "/v1/completions", CompletionBody("Hi", 8, i % 2 == 0));
+      ASSERT_EQ(r.status, 200) << r.body;
+    }
+    // A refused request is not held to the SLOs.
+    ASSERT_EQ(Request(port, "POST", "/v1/completions", R"({"prompt": 1})").status, 400);
+  };
+  {
+    SCOPED_TRACE("objectives every request meets");
+    auto server = StartServer({"--ttft-slo", "100", "--tpot-slo", "100"});
+    ASSERT_NE(server, nullptr);
+    send(server->port());
+    const std::string metrics = Metrics(server->port());
+    for (const char* slo : {"ttft", "tpot", "both"}) {
+      EXPECT_EQ(counts(metrics, slo), std::pair(std::optional<double>(kRequests),
+                                                std::optional<double>(0)))
+          << slo;
+    }
+    EXPECT_EQ(MetricValue(metrics, "tandem_requests_slo_met_total"), kRequests);
+    EXPECT_EQ(MetricValue(metrics, "tandem_slo_ttft_seconds"), 100);
+    EXPECT_EQ(MetricValue(metrics, "tandem_slo_tpot_seconds"), 100);
+    EXPECT_EQ(MetricValue(metrics, "tandem_time_per_output_token_seconds_count"), kRequests);
+  }
+  {
+    SCOPED_TRACE("a TPOT objective no decode meets, TTFT only");
+    auto server = StartServer({"--ttft-slo", "100", "--tpot-slo", "0.000001"});
+    ASSERT_NE(server, nullptr);
+    send(server->port());
+    // One token: no time per output token, so it meets any TPOT objective.
+    ASSERT_EQ(
+        Request(server->port(), "POST", "/v1/completions", CompletionBody("Hi", 1, false)).status,
+        200);
+    const std::string metrics = Metrics(server->port());
+    using P = std::pair<std::optional<double>, std::optional<double>>;
+    EXPECT_EQ(counts(metrics, "ttft"), P(kRequests + 1, 0));
+    EXPECT_EQ(counts(metrics, "tpot"), P(1, kRequests));
+    EXPECT_EQ(counts(metrics, "both"), P(1, kRequests));
+    EXPECT_EQ(MetricValue(metrics, "tandem_requests_slo_met_total"), 1);
+    EXPECT_EQ(MetricValue(metrics, "tandem_slo_tpot_seconds"), 0.000001);
+    // Met and missed add up to the requests that finished normally.
+    EXPECT_EQ(MetricValue(metrics, "tandem_requests_total{finish_reason=\"length\"}"),
+              kRequests + 1);
+    EXPECT_EQ(MetricValue(metrics, "tandem_time_per_output_token_seconds_count"), kRequests);
+  }
 }
 
 TEST(ApiServerTest, ClientDisconnectMidStreamFreesKvBlocks) {
@@ -176,7 +244,8 @@ TEST(ApiServerTest, ClientDisconnectMidStreamFreesKvBlocks) {
 }
 
 TEST(ApiServerTest, MetricsPassPromtoolOnALiveScrape) {
-  auto server = StartServer();
+  // With both objectives, so that every SLO family is in the scrape.
+  auto server = StartServer({"--ttft-slo", "30", "--tpot-slo", "0.5"});
   ASSERT_NE(server, nullptr);
   const int port = server->port();
   // Exercise every family: successes, a stream, an error.
@@ -191,7 +260,9 @@ TEST(ApiServerTest, MetricsPassPromtoolOnALiveScrape) {
         "tandem_time_to_first_token_seconds", "tandem_inter_token_latency_seconds",
         "tandem_e2e_request_latency_seconds", "tandem_requests_running", "tandem_requests_waiting",
         "tandem_kv_cache_blocks_used", "tandem_kv_cache_blocks_capacity",
-        "tandem_preemptions_total", "tandem_http_responses_total"}) {
+        "tandem_preemptions_total", "tandem_http_responses_total",
+        "tandem_time_per_output_token_seconds", "tandem_requests_slo_total",
+        "tandem_requests_slo_met_total", "tandem_slo_ttft_seconds", "tandem_slo_tpot_seconds"}) {
     EXPECT_THAT(r.body, HasSubstr(std::string("# TYPE ") + family + " ")) << family;
   }
   EXPECT_EQ(MetricValue(r.body, "tandem_generation_tokens_total"), 6);
@@ -341,8 +412,9 @@ TEST(ApiServerTest, SigtermFinishesTheStreamInFlightAndExitsZero) {
 
 TEST(ApiServerTest, BadFlagsExitNonZeroWithOneLineReason) {
   const std::string binary = std::string(std::getenv("TANDEM_BINARY_DIR")) + "/bin/tandem";
-  for (const char* flags : {"--port 70000", "--overload-status 500", "--no-such-flag",
-                            "--max-active-requests 0", "--port abc"}) {
+  for (const char* flags :
+       {"--port 70000", "--overload-status 500", "--no-such-flag", "--max-active-requests 0",
+        "--port abc", "--ttft-slo 0", "--tpot-slo -1", "--tpot-slo abc", "--ttft-slo nan"}) {
     const std::string command =
         binary + " serve --model " + TinyModelDir() + " " + flags + " 2>&1 </dev/null";
     FILE* p = popen(command.c_str(), "r");

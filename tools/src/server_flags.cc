@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
@@ -95,7 +96,28 @@ void DeclareApiFlags(Args& args) {
   args.Declare("request-timeout-ms", "N",
                "time for a client to send a whole request, and to idle between requests "
                "(default 30000)");
+  args.Declare("ttft-slo", "SECONDS",
+               "time-to-first-token objective each finished request is counted against in "
+               "/metrics (default: none)");
+  args.Declare("tpot-slo", "SECONDS",
+               "time-per-output-token objective, (end - first token) / (tokens - 1) (default: "
+               "none)");
 }
+
+namespace {
+
+// An optional SLO flag in seconds: unset, or finite and > 0.
+absl::StatusOr<std::optional<double>> SloFlag(const Args& args, const std::string& name) {
+  if (!args.Has(name)) return std::nullopt;
+  TANDEM_ASSIGN_OR_RETURN(double seconds, args.Double(name, 0));
+  if (!(seconds > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --", name, " must be a number of seconds > 0, got ", *args.Get(name)));
+  }
+  return seconds;
+}
+
+}  // namespace
 
 absl::StatusOr<router::ApiServerOptions> ApiFlags(const Args& args, const std::string& model_dir) {
   router::ApiServerOptions options;
@@ -119,6 +141,8 @@ absl::StatusOr<router::ApiServerOptions> ApiFlags(const Args& args, const std::s
   }
   options.overload_status = static_cast<int>(overload);
   options.metrics_public = args.Switch("metrics-public");
+  TANDEM_ASSIGN_OR_RETURN(options.ttft_slo_seconds, SloFlag(args, "ttft-slo"));
+  TANDEM_ASSIGN_OR_RETURN(options.tpot_slo_seconds, SloFlag(args, "tpot-slo"));
   if (args.Has("api-key")) {
     options.api_key = *args.Get("api-key");
     if (options.api_key.empty()) {

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,6 +30,11 @@ struct ApiServerOptions {
   int overload_status = 529;
   // /ready re-proves the engine path with a one-token generation at most this often.
   std::chrono::milliseconds ready_cache{10000};
+  // Service-level objectives each finished request is classified against (docs/api.md,
+  // "SLO accounting"): time to first token, and time per output token after the first. Unset
+  // means no objective of that kind; a set value must be finite and > 0.
+  std::optional<double> ttft_slo_seconds;
+  std::optional<double> tpot_slo_seconds;
 };
 
 //   TANDEM_ASSIGN_OR_RETURN(auto engine, engine::AsyncEngine::Create(engine_options));
