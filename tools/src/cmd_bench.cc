@@ -1,12 +1,20 @@
 // `tandem bench`: load generator against any OpenAI-compatible endpoint (see load_generator.h).
+// One run, a sweep of request rates, and/or several endpoints (`--url` given more than once, or
+// `--compare`), each sent the same workload one after the other.
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "commands.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/tools/args.h"
@@ -15,41 +23,118 @@
 namespace tandem::tools {
 namespace {
 
-absl::StatusOr<double> ParseRate(const std::string& text) {
+absl::StatusOr<double> ParseRate(const std::string& text, const std::string& flag) {
   if (text == "inf" || text == "INF" || text == "Inf") {
     return std::numeric_limits<double>::infinity();
   }
   try {
     size_t used = 0;
     const double rate = std::stod(text, &used);
-    if (used == text.size() && rate > 0) return rate;
+    if (used == text.size() && rate > 0 && std::isfinite(rate)) return rate;
   } catch (...) {
   }
   return absl::InvalidArgumentError(
-      absl::StrCat("--request-rate must be a positive number or inf (got '", text, "')"));
+      absl::StrCat(flag, " must be a positive number or inf (got '", text, "')"));
+}
+
+// Removes every `--name VALUE` and `--name=VALUE` from `argv` (argv[0] excluded) and returns the
+// values in order: the flags that may be repeated.
+absl::StatusOr<std::vector<std::string>> TakeRepeated(std::vector<std::string>* argv,
+                                                      const std::string& name) {
+  std::vector<std::string> values;
+  std::vector<std::string> rest = {argv->front()};
+  const std::string flag = "--" + name;
+  for (size_t i = 1; i < argv->size(); ++i) {
+    const std::string& arg = (*argv)[i];
+    if (arg == flag) {
+      if (i + 1 >= argv->size()) {
+        return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
+      }
+      values.push_back((*argv)[++i]);
+    } else if (arg.rfind(flag + "=", 0) == 0) {
+      values.push_back(arg.substr(flag.size() + 1));
+    } else {
+      rest.push_back(arg);
+    }
+  }
+  *argv = std::move(rest);
+  return values;
+}
+
+// The length distribution of `--NAME-len`, `--NAME-len-dist`, `--NAME-len-range`,
+// `--NAME-len-std` (NAME is input or output).
+absl::StatusOr<LengthDist> LengthFlags(const Args& args, const std::string& name) {
+  const std::string flag = absl::StrCat("--", name, "-len");
+  LengthDist dist;
+  dist.kind = args.GetOr(name + "-len-dist", "fixed");
+  TANDEM_ASSIGN_OR_RETURN(dist.mean, args.Double(name + "-len", 32));
+  TANDEM_ASSIGN_OR_RETURN(dist.range, args.Int(name + "-len-range", 0));
+  TANDEM_ASSIGN_OR_RETURN(dist.std, args.Double(name + "-len-std", 0));
+  if (args.Has(name + "-len-range") && dist.kind != "uniform") {
+    return absl::InvalidArgumentError(absl::StrCat(flag, "-range goes with ", flag,
+                                                   "-dist uniform"));
+  }
+  if (args.Has(name + "-len-std") && dist.kind != "normal" && dist.kind != "lognormal") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, "-std goes with ", flag, "-dist normal or lognormal"));
+  }
+  if (dist.kind == "fixed" && (dist.mean < 1 || dist.mean != std::floor(dist.mean))) {
+    return absl::InvalidArgumentError("--input-len and --output-len must be positive");
+  }
+  TANDEM_RETURN_IF_ERROR(ValidateLengthDist(dist, flag));
+  return dist;
+}
+
+std::string RateName(double rate) {
+  return std::isinf(rate) ? std::string("all at once") : absl::StrFormat("%g req/s", rate);
 }
 
 absl::Status Run(int argc, char** argv) {
   Args args("bench");
-  args.Declare("url", "URL", "server base URL, e.g. http://127.0.0.1:8000 (required)");
-  args.Declare("model", "NAME", "model name sent in every request (required)");
+  args.Declare("url", "URL",
+               "server base URL, e.g. http://127.0.0.1:8000 (required); give it more than once "
+               "to run the same workload against each in turn");
+  args.Declare("compare", "URL", "another endpoint to run the same workload against");
+  args.Declare("label", "NAME", "name of each --url in the report, in order (default the URL)");
+  args.Declare("model", "NAME",
+               "model name sent in every request (required); once, or once per --url");
   args.Declare("endpoint", "KIND", "completions | chat (default completions)");
-  args.Declare("num-requests", "N", "requests to send (default 100)");
+  args.Declare("num-requests", "N", "requests per run (default 100)");
   args.Declare("request-rate", "R",
                "mean arrivals per second, or inf for all at once (default inf)");
+  args.Declare("request-rate-sweep", "R1,R2,...", "one run at each rate, in turn");
+  args.Declare("sweep", "R1,R2,...", "same as --request-rate-sweep");
   args.Declare("burstiness", "B", "gamma shape of inter-arrival gaps; 1 = Poisson (default 1)");
-  args.Declare("max-concurrency", "C", "most requests in flight (default unbounded)");
-  args.Declare("input-len", "I", "synthetic prompts of I random words (default 32)");
+  args.Declare("max-concurrency", "C",
+               "most requests in flight; the next is sent when one finishes (default unbounded)");
+  args.Declare("input-len", "I", "synthetic prompt length in words, the mean (default 32)");
+  args.Declare("input-len-dist", "KIND", "fixed | uniform | normal | lognormal (default fixed)");
+  args.Declare("input-len-range", "R", "uniform: lengths in [I-R, I+R]");
+  args.Declare("input-len-std", "S", "normal, lognormal: standard deviation");
   args.Declare("output-len", "O", "max_tokens per request, sent with ignore_eos (default 32)");
+  args.Declare("output-len-dist", "KIND", "fixed | uniform | normal | lognormal (default fixed)");
+  args.Declare("output-len-range", "R", "uniform: lengths in [O-R, O+R]");
+  args.Declare("output-len-std", "S", "normal, lognormal: standard deviation");
   args.Declare("dataset", "KIND", "sharegpt: prompts from --dataset-path (default synthetic)");
   args.Declare("dataset-path", "FILE", "ShareGPT-format JSON file");
-  args.Declare("seed", "S", "seed of prompts and arrival times (default 0)");
+  args.Declare("seed", "S", "seed of prompts, lengths and arrival times (default 0)");
   args.Declare("ttft-slo", "SECONDS", "time-to-first-token SLO (with --tpot-slo)");
   args.Declare("tpot-slo", "SECONDS", "time-per-output-token SLO (with --ttft-slo)");
-  args.Declare("json", "FILE", "also write the report and per-request records as JSON");
+  args.Declare("json", "FILE", "also write the report(s) and per-request records as JSON");
+  args.Declare("plot-dir", "DIR", "write latency_cdf.svg and attainment_vs_rate.svg there");
+  args.DeclareSwitch("no-progress", "no progress line (it is drawn only on a terminal anyway)");
   args.Declare("api-key", "KEY", "sent as Authorization: Bearer KEY");
   args.AllowPositional(1);  // the FILE of `--dataset sharegpt FILE`
-  TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
+
+  std::vector<std::string> argv_list(argv, argv + argc);
+  if (argv_list.empty()) argv_list.push_back("bench");
+  TANDEM_ASSIGN_OR_RETURN(std::vector<std::string> urls, TakeRepeated(&argv_list, "url"));
+  TANDEM_ASSIGN_OR_RETURN(std::vector<std::string> compare, TakeRepeated(&argv_list, "compare"));
+  TANDEM_ASSIGN_OR_RETURN(std::vector<std::string> labels, TakeRepeated(&argv_list, "label"));
+  TANDEM_ASSIGN_OR_RETURN(std::vector<std::string> models, TakeRepeated(&argv_list, "model"));
+  std::vector<char*> rest;
+  for (std::string& a : argv_list) rest.push_back(a.data());
+  TANDEM_RETURN_IF_ERROR(args.Parse(static_cast<int>(rest.size()), rest.data()));
   if (args.HandleHelp()) return absl::OkStatus();
   std::optional<std::string> dataset_path = args.Get("dataset-path");
   // Also accept `--dataset sharegpt FILE`.
@@ -59,18 +144,64 @@ absl::Status Run(int argc, char** argv) {
     return absl::InvalidArgumentError(
         absl::StrCat("unexpected argument '", args.positional()[0], "'"));
   }
-  if (!args.Has("url")) return absl::InvalidArgumentError("--url is required");
-  if (!args.Has("model")) return absl::InvalidArgumentError("--model is required");
+  urls.insert(urls.end(), compare.begin(), compare.end());
+  if (urls.empty()) return absl::InvalidArgumentError("--url is required");
+  if (models.empty()) return absl::InvalidArgumentError("--model is required");
+  if (models.size() != 1 && models.size() != urls.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("--model is given ", models.size(),
+                                                   " times for ", urls.size(),
+                                                   " URLs: give it once or once per URL"));
+  }
+  if (!labels.empty() && labels.size() != urls.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--label is given ", labels.size(), " times for ", urls.size(), " URLs"));
+  }
+  if (labels.empty()) {
+    if (urls.size() > 1) labels = urls;
+  } else {
+    for (size_t i = 0; i < labels.size(); ++i) {
+      for (size_t j = 0; j < i; ++j) {
+        if (labels[i] == labels[j]) {
+          return absl::InvalidArgumentError(absl::StrCat("--label '", labels[i], "' repeats"));
+        }
+      }
+    }
+  }
 
   LoadConfig config;
-  config.url = *args.Get("url");
-  config.model = *args.Get("model");
   config.endpoint = args.GetOr("endpoint", "completions");
   config.api_key = args.GetOr("api-key", "");
-  TANDEM_ASSIGN_OR_RETURN(config.request_rate, ParseRate(args.GetOr("request-rate", "inf")));
+  if (config.endpoint != "completions" && config.endpoint != "chat") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--endpoint must be completions or chat (got '", config.endpoint, "')"));
+  }
+
+  std::vector<double> rates;
+  if (args.Has("request-rate-sweep") && args.Has("sweep")) {
+    return absl::InvalidArgumentError("--request-rate-sweep and --sweep are the same flag");
+  }
+  std::optional<std::string> sweep = args.Get("request-rate-sweep");
+  if (!sweep) sweep = args.Get("sweep");
+  if (sweep) {
+    if (args.Has("request-rate")) {
+      return absl::InvalidArgumentError("--request-rate and --request-rate-sweep exclude each other");
+    }
+    for (absl::string_view part : absl::StrSplit(*sweep, ',')) {
+      TANDEM_ASSIGN_OR_RETURN(double rate,
+                              ParseRate(std::string(part), "every --request-rate-sweep rate"));
+      rates.push_back(rate);
+    }
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(double rate,
+                            ParseRate(args.GetOr("request-rate", "inf"), "--request-rate"));
+    rates.push_back(rate);
+  }
   TANDEM_ASSIGN_OR_RETURN(config.burstiness, args.Double("burstiness", 1.0));
   if (!(config.burstiness > 0)) return absl::InvalidArgumentError("--burstiness must be > 0");
   TANDEM_ASSIGN_OR_RETURN(config.max_concurrency, args.Int("max-concurrency", 0));
+  if (args.Has("max-concurrency") && config.max_concurrency <= 0) {
+    return absl::InvalidArgumentError("--max-concurrency must be positive");
+  }
   TANDEM_ASSIGN_OR_RETURN(int64_t seed, args.Int("seed", 0));
   config.seed = static_cast<uint64_t>(seed);
   TANDEM_ASSIGN_OR_RETURN(int64_t n, args.Int("num-requests", 100));
@@ -80,41 +211,109 @@ absl::Status Run(int argc, char** argv) {
   if (args.Has("ttft-slo") != args.Has("tpot-slo")) {
     return absl::InvalidArgumentError("--ttft-slo and --tpot-slo go together");
   }
+  if (args.Has("ttft-slo") && !(ttft_slo > 0 && tpot_slo > 0)) {
+    return absl::InvalidArgumentError("--ttft-slo and --tpot-slo must be positive");
+  }
 
   std::vector<BenchRequest> requests;
   const std::string dataset = args.GetOr("dataset", "synthetic");
   if (dataset == "sharegpt") {
     if (!dataset_path) return absl::InvalidArgumentError("--dataset sharegpt needs a FILE");
+    for (const char* flag : {"input-len", "input-len-dist", "input-len-range", "input-len-std",
+                             "output-len-dist", "output-len-range", "output-len-std"}) {
+      if (args.Has(flag)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", flag, " applies to synthetic prompts, not --dataset sharegpt"));
+      }
+    }
     std::optional<int64_t> output_len;
     if (args.Has("output-len")) {
       TANDEM_ASSIGN_OR_RETURN(output_len, args.Int("output-len", 0));
+      if (*output_len <= 0) return absl::InvalidArgumentError("--output-len must be positive");
     }
     TANDEM_ASSIGN_OR_RETURN(requests, ShareGptRequests(*dataset_path, n, output_len));
   } else if (dataset == "synthetic") {
-    TANDEM_ASSIGN_OR_RETURN(int64_t input_len, args.Int("input-len", 32));
-    TANDEM_ASSIGN_OR_RETURN(int64_t output_len, args.Int("output-len", 32));
-    if (input_len <= 0 || output_len <= 0) {
-      return absl::InvalidArgumentError("--input-len and --output-len must be positive");
-    }
-    requests = SyntheticRequests(input_len, output_len, n, config.seed);
+    TANDEM_ASSIGN_OR_RETURN(LengthDist input, LengthFlags(args, "input"));
+    TANDEM_ASSIGN_OR_RETURN(LengthDist output, LengthFlags(args, "output"));
+    // Lengths from their own streams, so a fixed distribution keeps the prompts of older runs.
+    requests = SyntheticRequests(SampleLengths(input, n, config.seed * 2 + 1),
+                                 SampleLengths(output, n, config.seed * 2 + 2), config.seed);
   } else {
     return absl::InvalidArgumentError(
         absl::StrCat("--dataset must be sharegpt (got '", dataset, "')"));
   }
 
-  TANDEM_ASSIGN_OR_RETURN(BenchResult result, RunLoad(config, requests));
-  const nlohmann::json report = ReportJson(result, ttft_slo, tpot_slo);
+  std::optional<std::string> plot_dir = args.Get("plot-dir");
+  if (plot_dir) {
+    std::error_code ec;
+    std::filesystem::create_directories(*plot_dir, ec);
+    if (ec) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot create --plot-dir ", *plot_dir, ": ", ec.message()));
+    }
+  }
+  config.progress = !args.Switch("no-progress") && ::isatty(STDERR_FILENO);
+
+  // Every endpoint in turn, each at every rate, with the same requests and arrival seed.
+  std::vector<nlohmann::json> reports;
+  std::vector<BenchResult> results;
+  for (size_t e = 0; e < urls.size(); ++e) {
+    for (double rate : rates) {
+      config.url = urls[e];
+      config.model = models.size() == 1 ? models[0] : models[e];
+      config.request_rate = rate;
+      const std::string label = labels.empty() ? "" : labels[e];
+      config.progress_label = label.empty() ? RateName(rate)
+                                            : absl::StrCat(label, " @ ", RateName(rate));
+      TANDEM_ASSIGN_OR_RETURN(BenchResult result, RunLoad(config, requests));
+      nlohmann::json report = ReportJson(result, ttft_slo, tpot_slo);
+      if (!label.empty()) report["label"] = label;
+      report["url"] = config.url;
+      report["model"] = config.model;
+      report["request_rate"] = std::isinf(rate) ? nlohmann::json("inf") : nlohmann::json(rate);
+      report["burstiness"] = config.burstiness;
+      report["max_concurrency"] = config.max_concurrency;
+      report["seed"] = config.seed;
+      reports.push_back(std::move(report));
+      results.push_back(std::move(result));
+    }
+  }
+
+  const bool single = reports.size() == 1;
   if (args.Has("json")) {
+    nlohmann::json doc;
+    if (single) {
+      doc = reports.front();
+    } else {
+      doc = {{"runs", reports}};
+      if (ttft_slo > 0) doc["slo"] = {{"ttft_s", ttft_slo}, {"tpot_s", tpot_slo}};
+    }
     std::ofstream out(*args.Get("json"));
-    out << report.dump(2) << "\n";
+    out << doc.dump(2) << "\n";
     if (!out) return absl::InternalError(absl::StrCat("cannot write ", *args.Get("json")));
   }
-  if (report["requests_succeeded"].get<int64_t>() == 0) {
-    // Nothing to report: say why in one line (the first request's error).
-    return absl::UnavailableError(absl::StrCat(
-        "all ", result.records.size(), " requests failed; first: ", result.records.front().error));
+  // A run where every request failed: say why in one line (its first request's error).
+  std::optional<absl::Status> all_failed;
+  for (size_t i = 0; i < reports.size() && !all_failed; ++i) {
+    if (reports[i]["requests_succeeded"].get<int64_t>() == 0) {
+      all_failed = absl::UnavailableError(absl::StrCat(
+          "all ", results[i].records.size(), " requests ",
+          single ? "" : absl::StrCat("to ", reports[i]["url"].get<std::string>(), " "),
+          "failed; first: ", results[i].records.front().error));
+    }
   }
-  std::fputs(ReportTable(report).c_str(), stdout);
+  if (single && all_failed) return *all_failed;
+  std::fputs((single ? ReportTable(reports.front()) : ComparisonTable(reports)).c_str(), stdout);
+  if (plot_dir) {
+    for (const auto& [name, svg] : BenchPlots(reports)) {
+      const std::string path = (std::filesystem::path(*plot_dir) / name).string();
+      std::ofstream out(path);
+      out << svg;
+      if (!out) return absl::InternalError(absl::StrCat("cannot write ", path));
+      std::printf("wrote %s\n", path.c_str());
+    }
+  }
+  if (all_failed) return *all_failed;
   return absl::OkStatus();
 }
 

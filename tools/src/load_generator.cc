@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -23,6 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "tandem/tools/svg_plot.h"
 
 namespace tandem::tools {
 namespace {
@@ -425,18 +427,70 @@ double Goodput(const std::vector<RequestRecord>& records, double duration, doubl
 
 std::vector<BenchRequest> SyntheticRequests(int64_t input_len, int64_t output_len, int64_t n,
                                             uint64_t seed) {
+  const size_t count = static_cast<size_t>(std::max<int64_t>(n, 0));
+  return SyntheticRequests(std::vector<int64_t>(count, input_len),
+                           std::vector<int64_t>(count, output_len), seed);
+}
+
+std::vector<BenchRequest> SyntheticRequests(const std::vector<int64_t>& input_lens,
+                                            const std::vector<int64_t>& output_lens,
+                                            uint64_t seed) {
   std::mt19937_64 rng(seed);
   constexpr size_t kNumWords = sizeof(kWords) / sizeof(kWords[0]);
   std::uniform_int_distribution<size_t> pick(0, kNumWords - 1);
   std::vector<BenchRequest> out;
-  for (int64_t i = 0; i < n; ++i) {
+  const size_t n = std::min(input_lens.size(), output_lens.size());
+  for (size_t i = 0; i < n; ++i) {
     BenchRequest r;
-    for (int64_t w = 0; w < input_len; ++w) {
+    for (int64_t w = 0; w < input_lens[i]; ++w) {
       if (w > 0) r.prompt += ' ';
       r.prompt += kWords[pick(rng)];
     }
-    r.max_tokens = output_len;
+    r.max_tokens = output_lens[i];
     out.push_back(std::move(r));
+  }
+  return out;
+}
+
+absl::Status ValidateLengthDist(const LengthDist& dist, const std::string& flag) {
+  if (dist.kind != "fixed" && dist.kind != "uniform" && dist.kind != "normal" &&
+      dist.kind != "lognormal") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        flag, "-dist must be fixed, uniform, normal or lognormal (got '", dist.kind, "')"));
+  }
+  if (!(dist.mean >= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, " must be at least 1"));
+  }
+  if (dist.kind == "uniform" && (dist.range < 0 || dist.range >= std::llround(dist.mean))) {
+    return absl::InvalidArgumentError(absl::StrCat(flag, "-range must be in [0, ", flag,
+                                                   ") for a uniform distribution (got ",
+                                                   dist.range, ")"));
+  }
+  if ((dist.kind == "normal" || dist.kind == "lognormal") && !(dist.std > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, "-dist ", dist.kind, " needs ", flag, "-std > 0"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<int64_t> SampleLengths(const LengthDist& dist, int64_t n, uint64_t seed) {
+  std::vector<int64_t> out(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  std::mt19937_64 rng(seed);
+  const int64_t mean = std::max<int64_t>(std::llround(dist.mean), 1);
+  auto clamp = [](double v) { return std::max<int64_t>(std::llround(v), 1); };
+  if (dist.kind == "uniform") {
+    std::uniform_int_distribution<int64_t> d(mean - dist.range, mean + dist.range);
+    for (int64_t& v : out) v = std::max<int64_t>(d(rng), 1);
+  } else if (dist.kind == "normal") {
+    std::normal_distribution<double> d(dist.mean, dist.std);
+    for (int64_t& v : out) v = clamp(d(rng));
+  } else if (dist.kind == "lognormal") {
+    // Parameters of the underlying normal for the requested mean and standard deviation.
+    const double sigma2 = std::log1p((dist.std * dist.std) / (dist.mean * dist.mean));
+    std::lognormal_distribution<double> d(std::log(dist.mean) - sigma2 / 2, std::sqrt(sigma2));
+    for (int64_t& v : out) v = clamp(d(rng));
+  } else {
+    std::fill(out.begin(), out.end(), mean);
   }
   return out;
 }
@@ -497,9 +551,34 @@ absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
   std::mutex mu;
   std::condition_variable cv;
   int64_t in_flight = 0;
+  std::atomic<int64_t> sent{0}, finished{0}, failed{0};
   std::vector<std::thread> threads;
   threads.reserve(requests.size());
   const Clock::time_point run_start = Clock::now();
+  const int64_t total = static_cast<int64_t>(requests.size());
+
+  // Progress: redrawn on one terminal line until every request has finished.
+  std::mutex progress_mu;
+  std::condition_variable progress_cv;
+  bool progress_done = false;
+  std::thread progress_thread;
+  auto draw = [&](const char* end) {
+    const std::string line = ProgressLine(config.progress_label, total, sent.load(),
+                                          finished.load(), failed.load(),
+                                          Seconds(run_start, Clock::now()));
+    std::fprintf(stderr, "\r%s\033[K%s", line.c_str(), end);
+    std::fflush(stderr);
+  };
+  if (config.progress) {
+    progress_thread = std::thread([&] {
+      std::unique_lock<std::mutex> lock(progress_mu);
+      while (!progress_done) {
+        draw("");
+        progress_cv.wait_for(lock, std::chrono::milliseconds(200));
+      }
+    });
+  }
+
   for (size_t i = 0; i < requests.size(); ++i) {
     std::this_thread::sleep_until(run_start + std::chrono::duration_cast<Clock::duration>(
                                                   std::chrono::duration<double>(arrivals[i])));
@@ -509,14 +588,26 @@ absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
               [&] { return config.max_concurrency <= 0 || in_flight < config.max_concurrency; });
       ++in_flight;
     }
+    ++sent;
     threads.emplace_back([&, i] {
       result.records[i] = SendOne(config, *url, requests[i], run_start);
+      if (!result.records[i].success) ++failed;
+      ++finished;
       std::lock_guard<std::mutex> lock(mu);
       --in_flight;
       cv.notify_all();
     });
   }
   for (std::thread& t : threads) t.join();
+  if (progress_thread.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(progress_mu);
+      progress_done = true;
+    }
+    progress_cv.notify_all();
+    progress_thread.join();
+    draw("\n");
+  }
   double end = 0;
   for (const RequestRecord& r : result.records) end = std::max(end, r.start + r.e2e);
   result.duration = end;
@@ -607,6 +698,199 @@ std::string ReportTable(const json& report) {
                           m["p99"].get<double>());
   }
   return out;
+}
+
+std::string ProgressLine(const std::string& label, int64_t total, int64_t sent, int64_t finished,
+                         int64_t failed, double elapsed) {
+  constexpr int kBarWidth = 24;
+  const int filled =
+      total > 0 ? static_cast<int>(kBarWidth * std::clamp<int64_t>(finished, 0, total) / total)
+                : kBarWidth;
+  std::string bar(static_cast<size_t>(filled), '#');
+  bar.resize(kBarWidth, '.');
+  return absl::StrFormat("%s%s[%s] %d/%d finished, %d sent, %d failed, %.1fs", label,
+                         label.empty() ? "" : " ", bar, finished, total, sent, failed, elapsed);
+}
+
+namespace {
+
+// "2 req/s", "inf", or "" when the report has no rate.
+std::string RateText(const json& report) {
+  auto it = report.find("request_rate");
+  if (it == report.end()) return "";
+  if (it->is_number()) return absl::StrFormat("%g req/s", it->get<double>());
+  if (it->is_string()) return it->get<std::string>() == "inf" ? "all at once" : it->get<std::string>();
+  return "";
+}
+
+std::string LabelText(const json& report) {
+  auto it = report.find("label");
+  return it != report.end() && it->is_string() ? it->get<std::string>() : "";
+}
+
+}  // namespace
+
+std::string ComparisonTable(const std::vector<json>& reports) {
+  size_t width = 14;
+  for (const json& r : reports) {
+    width = std::max({width, LabelText(r).size() + 2, RateText(r).size() + 2});
+  }
+  std::string out;
+  auto row = [&](const std::string& name, auto&& cell) {
+    absl::StrAppendFormat(&out, "%-32s", name);
+    for (const json& r : reports) {
+      const std::string text = cell(r);
+      out += std::string(width > text.size() ? width - text.size() : 1, ' ') + text;
+    }
+    out += "\n";
+  };
+  row("", [](const json& r) { return LabelText(r); });
+  row("Request rate", [](const json& r) { return RateText(r); });
+  bool any_concurrency = false;
+  for (const json& r : reports) any_concurrency |= r.value("max_concurrency", int64_t{0}) > 0;
+  if (any_concurrency) {
+    row("Max concurrency", [](const json& r) {
+      const int64_t c = r.value("max_concurrency", int64_t{0});
+      return c > 0 ? std::to_string(c) : std::string("unbounded");
+    });
+  }
+  row("Requests succeeded / sent", [](const json& r) {
+    return absl::StrCat(r["requests_succeeded"].get<int64_t>(), "/",
+                        r["requests_sent"].get<int64_t>());
+  });
+  row("Duration (s)",
+      [](const json& r) { return absl::StrFormat("%.3f", r["duration_s"].get<double>()); });
+  row("Request throughput (req/s)", [](const json& r) {
+    return absl::StrFormat("%.3f", r["request_throughput"].get<double>());
+  });
+  row("Output token throughput (tok/s)", [](const json& r) {
+    return absl::StrFormat("%.2f", r["output_token_throughput"].get<double>());
+  });
+  bool any_slo = false;
+  for (const json& r : reports) any_slo |= r.contains("slo");
+  if (any_slo) {
+    row("SLO attainment", [](const json& r) {
+      return r.contains("slo") ? absl::StrFormat("%.4f", r["slo"]["attainment"].get<double>())
+                               : std::string("-");
+    });
+    row("Goodput (req/s)", [](const json& r) {
+      return r.contains("slo") ? absl::StrFormat("%.3f", r["slo"]["goodput"].get<double>())
+                               : std::string("-");
+    });
+  }
+  for (const char* name : {"ttft", "tpot", "itl", "e2e"}) {
+    std::string upper = name;
+    for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    for (const char* stat : {"mean", "p50", "p90", "p99"}) {
+      row(absl::StrCat(upper, " ", stat, " (ms)"), [&](const json& r) {
+        return absl::StrFormat("%.2f", r[std::string(name) + "_ms"][stat].get<double>());
+      });
+    }
+  }
+  return out;
+}
+
+std::map<std::string, std::string> BenchPlots(const std::vector<json>& reports) {
+  std::map<std::string, std::string> files;
+  // Name each report by what differs between them.
+  std::vector<std::string> labels, rates;
+  for (const json& r : reports) {
+    if (std::find(labels.begin(), labels.end(), LabelText(r)) == labels.end()) {
+      labels.push_back(LabelText(r));
+    }
+    if (std::find(rates.begin(), rates.end(), RateText(r)) == rates.end()) {
+      rates.push_back(RateText(r));
+    }
+  }
+  auto series_name = [&](const json& r) {
+    std::string label = LabelText(r);
+    if (rates.size() > 1 || label.empty()) {
+      label = label.empty() ? RateText(r) : absl::StrCat(label, " @ ", RateText(r));
+    }
+    return label.empty() ? std::string("run") : label;
+  };
+
+  auto panel = [](std::string title, std::string x_label, std::string y_label) {
+    PlotPanel p;
+    p.title = std::move(title);
+    p.x_label = std::move(x_label);
+    p.y_label = std::move(y_label);
+    return p;
+  };
+  std::vector<PlotPanel> cdfs = {
+      panel("TTFT", "time to first token (ms)", "fraction of requests"),
+      panel("TPOT", "time per output token (ms)", "fraction of requests"),
+      panel("E2E", "end-to-end latency (ms)", "fraction of requests")};
+  const char* const keys[] = {"ttft_ms", "tpot_ms", "e2e_ms"};
+  for (size_t k = 0; k < cdfs.size(); ++k) {
+    cdfs[k].x_min = 0;
+    cdfs[k].y_min = 0;
+    cdfs[k].y_max = 1;
+    for (const json& r : reports) {
+      PlotSeries s;
+      s.name = series_name(r);
+      for (const json& rec : r.value("requests", json::array())) {
+        if (!rec.value("success", false) || !rec.contains(keys[k])) continue;
+        if (k == 1 && rec.value("output_tokens", int64_t{0}) < 2) continue;  // no TPOT
+        s.x.push_back(rec[keys[k]].get<double>());
+      }
+      std::sort(s.x.begin(), s.x.end());
+      for (size_t i = 0; i < s.x.size(); ++i) {
+        s.y.push_back(static_cast<double>(i + 1) / static_cast<double>(s.x.size()));
+      }
+      cdfs[k].series.push_back(std::move(s));
+    }
+  }
+  files["latency_cdf.svg"] = RenderSvg("Latency CDFs", cdfs);
+
+  bool rate_plot = !reports.empty();
+  for (const json& r : reports) {
+    rate_plot &= r.contains("slo") && r.contains("request_rate") && r["request_rate"].is_number();
+  }
+  if (rate_plot) {
+    const json& slo = reports.front()["slo"];
+    PlotPanel attainment = panel("SLO attainment", "request rate (req/s)",
+                                 "requests meeting both SLOs (fraction)");
+    attainment.x_min = 0;
+    attainment.y_min = 0;
+    attainment.y_max = 1;
+    PlotPanel goodput =
+        panel("Goodput (solid) and throughput (dashed)", "request rate (req/s)", "requests/s");
+    goodput.x_min = 0;
+    goodput.y_min = 0;
+    for (const std::string& label : labels) {
+      std::vector<const json*> mine;
+      for (const json& r : reports) {
+        if (LabelText(r) == label) mine.push_back(&r);
+      }
+      std::stable_sort(mine.begin(), mine.end(), [](const json* a, const json* b) {
+        return (*a)["request_rate"].get<double>() < (*b)["request_rate"].get<double>();
+      });
+      const std::string name = label.empty() ? "run" : label;
+      PlotSeries att, good, thr;
+      att.name = good.name = name;
+      thr.name = absl::StrCat(name, " throughput");
+      att.markers = good.markers = thr.markers = true;
+      thr.dashed = true;
+      for (const json* r : mine) {
+        const double rate = (*r)["request_rate"].get<double>();
+        att.x.push_back(rate);
+        att.y.push_back((*r)["slo"]["attainment"].get<double>());
+        good.x.push_back(rate);
+        good.y.push_back((*r)["slo"]["goodput"].get<double>());
+        thr.x.push_back(rate);
+        thr.y.push_back((*r)["request_throughput"].get<double>());
+      }
+      attainment.series.push_back(std::move(att));
+      goodput.series.push_back(std::move(good));
+      goodput.series.push_back(std::move(thr));
+    }
+    files["attainment_vs_rate.svg"] = RenderSvg(
+        absl::StrFormat("SLO attainment and goodput vs request rate (TTFT <= %g s, TPOT <= %g s)",
+                        slo["ttft_s"].get<double>(), slo["tpot_s"].get<double>()),
+        {attainment, goodput});
+  }
+  return files;
 }
 
 }  // namespace tandem::tools

@@ -1,13 +1,31 @@
 #include "tandem/tools/load_generator.h"
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <numeric>
+#include <string>
+#include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 
 namespace tandem::tools {
 namespace {
+
+size_t Count(const std::string& haystack, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = haystack.find(needle); at != std::string::npos;
+       at = haystack.find(needle, at + 1)) {
+    ++n;
+  }
+  return n;
+}
 
 TEST(PercentileTest, KnownSamples) {
   const std::vector<double> samples = {5, 1, 4, 2, 3};  // unsorted on purpose
@@ -110,6 +128,211 @@ TEST(RunLoadTest, ConnectionRefusedIsAFailedRequest) {
   }
   config.url = "https://x";
   EXPECT_FALSE(RunLoad(config, {}).ok());
+}
+
+LengthDist Dist(std::string kind, double mean, int64_t range = 0, double std = 0) {
+  LengthDist d;
+  d.kind = std::move(kind);
+  d.mean = mean;
+  d.range = range;
+  d.std = std;
+  return d;
+}
+
+TEST(SampleLengthsTest, Distributions) {
+  LengthDist fixed = Dist("fixed", 12);
+  for (int64_t v : SampleLengths(fixed, 10, 0)) EXPECT_EQ(v, 12);
+
+  LengthDist uniform = Dist("uniform", 100, 20);
+  const std::vector<int64_t> u = SampleLengths(uniform, 20000, 1);
+  EXPECT_EQ(*std::min_element(u.begin(), u.end()), 80);
+  EXPECT_EQ(*std::max_element(u.begin(), u.end()), 120);
+  EXPECT_EQ(u, SampleLengths(uniform, 20000, 1));  // seeded
+  EXPECT_NE(u, SampleLengths(uniform, 20000, 2));
+
+  auto stats = [](const std::vector<int64_t>& v) {
+    double mean = 0, var = 0;
+    for (int64_t x : v) mean += static_cast<double>(x);
+    mean /= static_cast<double>(v.size());
+    for (int64_t x : v) var += (static_cast<double>(x) - mean) * (static_cast<double>(x) - mean);
+    return std::pair<double, double>(mean, std::sqrt(var / static_cast<double>(v.size())));
+  };
+  for (const char* kind : {"normal", "lognormal"}) {
+    LengthDist d = Dist(kind, 200, 0, 50);
+    const std::vector<int64_t> v = SampleLengths(d, 100000, 3);
+    auto [mean, std] = stats(v);
+    EXPECT_NEAR(mean, 200, 2) << kind;
+    EXPECT_NEAR(std, 50, 2) << kind;
+    EXPECT_GE(*std::min_element(v.begin(), v.end()), 1) << kind;
+  }
+  // Clamped to at least one.
+  LengthDist wide = Dist("normal", 2, 0, 50);
+  for (int64_t v : SampleLengths(wide, 1000, 4)) EXPECT_GE(v, 1);
+}
+
+TEST(SampleLengthsTest, Validation) {
+  EXPECT_TRUE(ValidateLengthDist(Dist("fixed", 8), "--input-len").ok());
+  EXPECT_FALSE(ValidateLengthDist(Dist("gauss", 8), "--input-len").ok());
+  EXPECT_FALSE(ValidateLengthDist(Dist("fixed", 0), "--input-len").ok());
+  EXPECT_FALSE(ValidateLengthDist(Dist("uniform", 8, 8), "--input-len").ok());
+  EXPECT_TRUE(ValidateLengthDist(Dist("uniform", 8, 7), "--input-len").ok());
+  EXPECT_FALSE(ValidateLengthDist(Dist("normal", 8, 0, 0), "--input-len").ok());
+  const absl::Status s = ValidateLengthDist(Dist("lognormal", 8, 0, 0), "--output-len");
+  EXPECT_NE(s.message().find("--output-len-std"), std::string::npos) << s;
+}
+
+TEST(SyntheticRequestsTest, PerRequestLengthsMatchFixedOverload) {
+  const std::vector<BenchRequest> a = SyntheticRequests(5, 3, 4, 9);
+  const std::vector<BenchRequest> b = SyntheticRequests({5, 5, 5, 5}, {3, 3, 3, 3}, 9);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].prompt, b[i].prompt);
+  const std::vector<BenchRequest> c = SyntheticRequests({1, 7}, {2, 9}, 9);
+  EXPECT_EQ(std::count(c[0].prompt.begin(), c[0].prompt.end(), ' '), 0);
+  EXPECT_EQ(std::count(c[1].prompt.begin(), c[1].prompt.end(), ' '), 6);
+  EXPECT_EQ(c[1].max_tokens, 9);
+}
+
+TEST(ProgressLineTest, CountsAndBar) {
+  const std::string line = ProgressLine("colocated @ 2 req/s", 8, 6, 4, 1, 3.25);
+  EXPECT_EQ(line, "colocated @ 2 req/s [############............] 4/8 finished, 6 sent, "
+                  "1 failed, 3.2s");
+  EXPECT_EQ(ProgressLine("", 0, 0, 0, 0, 0).rfind("[########################] 0/0", 0), 0u);
+}
+
+// A streaming OpenAI-style server on a loopback port: every request gets `tokens` chunks
+// `gap_ms` apart, then usage and [DONE]. It records the most connections open at once.
+class FakeServer {
+ public:
+  FakeServer(int tokens, int gap_ms) : tokens_(tokens), gap_ms_(gap_ms) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    ::listen(fd_, 64);
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    accept_thread_ = std::thread([this] {
+      while (true) {
+        const int c = ::accept(fd_, nullptr, nullptr);
+        if (c < 0) return;
+        std::thread([this, c] { Serve(c); }).detach();
+      }
+    });
+  }
+  ~FakeServer() {
+    ::shutdown(fd_, SHUT_RDWR);
+    ::close(fd_);
+    accept_thread_.join();
+    while (open_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  std::string url() const { return absl::StrCat("http://127.0.0.1:", port_); }
+  int max_open() const { return max_open_; }
+
+ private:
+  void Serve(int c) {
+    const int now = ++open_;
+    for (int m = max_open_; now > m && !max_open_.compare_exchange_weak(m, now);) {
+    }
+    std::string in;
+    char buf[4096];
+    while (in.find("\r\n\r\n") == std::string::npos) {
+      const ssize_t n = ::recv(c, buf, sizeof(buf), 0);
+      if (n <= 0) break;
+      in.append(buf, static_cast<size_t>(n));
+    }
+    auto send = [&](const std::string& s) { ::send(c, s.data(), s.size(), MSG_NOSIGNAL); };
+    auto chunk = [&](const std::string& data) {
+      const std::string event = absl::StrCat("data: ", data, "\n\n");
+      char size[32];
+      std::snprintf(size, sizeof(size), "%zx\r\n", event.size());
+      send(absl::StrCat(size, event, "\r\n"));
+    };
+    send("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n");
+    for (int i = 0; i < tokens_; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms_));
+      chunk(R"({"choices":[{"index":0,"text":"tok "}]})");
+    }
+    chunk(absl::StrCat(R"({"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":)",
+                       tokens_, "}}"));
+    chunk("[DONE]");
+    send("0\r\n\r\n");
+    --open_;
+    ::close(c);
+  }
+  int tokens_, gap_ms_;
+  int fd_ = -1;
+  int port_ = 0;
+  std::atomic<int> open_{0}, max_open_{0};
+  std::thread accept_thread_;
+};
+
+TEST(RunLoadTest, PerChunkItlsTpotAndMaxConcurrency) {
+  FakeServer server(/*tokens=*/5, /*gap_ms=*/30);
+  LoadConfig config;
+  config.url = server.url();
+  config.model = "m";
+  config.max_concurrency = 2;
+  config.request_rate = 1000;  // arrivals nearly at once: the cap is what limits
+  absl::StatusOr<BenchResult> result = RunLoad(config, SyntheticRequests(4, 5, 6, 0));
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_EQ(server.max_open(), 2);
+  for (const RequestRecord& r : result->records) {
+    ASSERT_TRUE(r.success) << r.error;
+    EXPECT_EQ(r.output_tokens, 5);
+    ASSERT_EQ(r.itls.size(), 4u);  // one gap per chunk after the first
+    for (double g : r.itls) EXPECT_NEAR(g, 0.030, 0.025);
+    EXPECT_DOUBLE_EQ(r.Tpot(), (r.e2e - r.ttft) / 4);
+    EXPECT_NEAR(r.Tpot(), 0.030, 0.025);
+  }
+  // Six requests, two at a time, each about 150 ms: at least three rounds.
+  EXPECT_GE(result->duration, 3 * 0.150 - 0.02);
+}
+
+// Two reports as `tandem bench` labels them, with per-request records.
+std::vector<nlohmann::json> TwoReports() {
+  std::vector<nlohmann::json> reports;
+  for (const char* label : {"colocated", "disaggregated"}) {
+    for (double rate : {1.0, 2.0}) {
+      BenchResult result;
+      for (int i = 0; i < 5; ++i) result.records.push_back(Record(true, 0.1 * (i + 1), 1.0, 11));
+      result.records.push_back(Record(false, 0, 0.1, 0));
+      result.duration = 4;
+      nlohmann::json report = ReportJson(result, 0.35, 0.1);
+      report["label"] = label;
+      report["request_rate"] = rate;
+      reports.push_back(std::move(report));
+    }
+  }
+  return reports;
+}
+
+TEST(ComparisonTableTest, OneColumnPerReport) {
+  const std::string table = ComparisonTable(TwoReports());
+  EXPECT_NE(table.find("colocated"), std::string::npos);
+  EXPECT_NE(table.find("disaggregated"), std::string::npos);
+  EXPECT_NE(table.find("2 req/s"), std::string::npos);
+  EXPECT_NE(table.find("Goodput (req/s)"), std::string::npos);
+  EXPECT_NE(table.find("5/6"), std::string::npos);
+  EXPECT_NE(table.find("TPOT p99 (ms)"), std::string::npos);
+}
+
+TEST(BenchPlotsTest, CdfAndAttainmentFiles) {
+  const std::map<std::string, std::string> files = BenchPlots(TwoReports());
+  ASSERT_EQ(files.size(), 2u);
+  const std::string& cdf = files.at("latency_cdf.svg");
+  const std::string& att = files.at("attainment_vs_rate.svg");
+  // Three panels, four series each (two labels at two rates).
+  EXPECT_EQ(Count(cdf, "<polyline"), 12u);
+  EXPECT_NE(cdf.find("data-series=\"colocated @ 2 req/s\""), std::string::npos);
+  // Attainment: one line per label; goodput and throughput: two per label; a marker per rate.
+  EXPECT_EQ(Count(att, "<polyline"), 6u);
+  EXPECT_EQ(Count(att, "<circle"), 12u);
+  // No SLOs or an infinite rate: no attainment plot.
+  std::vector<nlohmann::json> no_slo = TwoReports();
+  no_slo[0].erase("slo");
+  EXPECT_EQ(BenchPlots(no_slo).count("attainment_vs_rate.svg"), 0u);
 }
 
 }  // namespace

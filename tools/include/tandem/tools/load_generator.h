@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -50,6 +51,10 @@ struct LoadConfig {
   int64_t max_concurrency = 0;  // 0 = unbounded
   bool ignore_eos = true;
   uint64_t seed = 0;
+  // A progress line on stderr, redrawn a few times a second (for a terminal), prefixed with
+  // progress_label.
+  bool progress = false;
+  std::string progress_label;
 };
 
 // Mean and percentiles of one metric, in the unit of the samples.
@@ -82,6 +87,29 @@ double Goodput(const std::vector<RequestRecord>& records, double duration, doubl
 // `n` prompts of `input_len` random words each, asking for `output_len` tokens.
 std::vector<BenchRequest> SyntheticRequests(int64_t input_len, int64_t output_len, int64_t n,
                                             uint64_t seed);
+// One prompt per entry: input_lens[i] random words, asking for output_lens[i] tokens (the two
+// have the same size). With constant lengths, the same prompts as the overload above.
+std::vector<BenchRequest> SyntheticRequests(const std::vector<int64_t>& input_lens,
+                                            const std::vector<int64_t>& output_lens,
+                                            uint64_t seed);
+
+// A distribution of synthetic prompt or output lengths.
+//   fixed:     always `mean`
+//   uniform:   integers in [mean - range, mean + range]
+//   normal:    mean `mean`, standard deviation `std`, rounded
+//   lognormal: a log-normal whose own mean and standard deviation are `mean` and `std`, rounded
+// Every draw is clamped to at least 1.
+struct LengthDist {
+  std::string kind = "fixed";
+  double mean = 32;
+  int64_t range = 0;
+  double std = 0;
+};
+// Checks the parameters: a known kind, mean >= 1, 0 <= range < mean for uniform, std > 0 for
+// normal and lognormal. `flag` names the flag in the message (e.g. "--input-len").
+absl::Status ValidateLengthDist(const LengthDist& dist, const std::string& flag);
+// `n` lengths drawn from `dist`; the same seed gives the same lengths.
+std::vector<int64_t> SampleLengths(const LengthDist& dist, int64_t n, uint64_t seed);
 // Up to `n` requests from a ShareGPT-format file: prompt = first human turn; max_tokens =
 // `output_len` when given, else the word count of the following gpt turn. Entries without a
 // human turn are skipped; they are reused in order when the file has fewer than n.
@@ -98,5 +126,21 @@ absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
 nlohmann::json ReportJson(const BenchResult& result, double ttft_slo, double tpot_slo);
 // The same numbers as a human-readable table.
 std::string ReportTable(const nlohmann::json& report);
+// Several reports side by side, one column each (headed by its "label" and "request_rate"
+// fields when set): counts, throughputs, SLO attainment and goodput, then the mean, p50, p90 and
+// p99 of each metric.
+std::string ComparisonTable(const std::vector<nlohmann::json>& reports);
+
+// The progress line of a run: label, a bar of finished/total, sent, failed and elapsed seconds.
+std::string ProgressLine(const std::string& label, int64_t total, int64_t sent, int64_t finished,
+                         int64_t failed, double elapsed);
+
+// Plots of a set of reports (each with "label" and "request_rate" set, and its per-request
+// records), as SVG documents by file name:
+//   latency_cdf.svg         CDFs of TTFT, TPOT and E2E, one line per report
+//   attainment_vs_rate.svg  SLO attainment, goodput and throughput against the request rate,
+//                           one line per label; only when the reports carry SLO numbers and
+//                           finite rates.
+std::map<std::string, std::string> BenchPlots(const std::vector<nlohmann::json>& reports);
 
 }  // namespace tandem::tools
