@@ -63,7 +63,11 @@ absl::Time FromUnixMillisOrInfinite(int64_t ms) {
 // was closed) is UNAVAILABLE; a passed deadline stays DEADLINE_EXCEEDED; the rest keep their code.
 absl::Status TransferFailure(const std::string& request_id, const absl::Status& status) {
   absl::StatusCode code = status.code();
-  if (code == absl::StatusCode::kCancelled) code = absl::StatusCode::kUnavailable;
+  // A closed connection (Cancelled) or one another request already dropped (NotFound) both
+  // mean the decode worker went away.
+  if (code == absl::StatusCode::kCancelled || code == absl::StatusCode::kNotFound) {
+    code = absl::StatusCode::kUnavailable;
+  }
   return absl::Status(code, absl::StrCat("request ", request_id,
                                          ": KV transfer failed: ", std::string(status.message())));
 }
@@ -786,8 +790,11 @@ void PrefillWorkerImpl::Post(Job& job, int layer, std::vector<kvtransfer::Range>
   for (const kvtransfer::Range& r : ranges) bytes += r.bytes;
   const absl::Time posted = absl::Now();
   auto handle = agent_->Submit(job.peer, kCacheRegion, descriptor, ranges, job.transfer_deadline);
-  if (!handle.ok() && handle.status().code() == absl::StatusCode::kUnavailable &&
-      !job.reconnected) {
+  // NotFound: another request dropped the cached connection after it failed.
+  auto gone = [](const absl::Status& s) {
+    return s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kNotFound;
+  };
+  if (!handle.ok() && gone(handle.status()) && !job.reconnected) {
     // The cached connection is gone (e.g. closed after an earlier failure): connect once more.
     job.reconnected = true;
     auto peer = PeerFor(job.peer_address, std::min(job.deadline, absl::Now() + kConnectTimeout),

@@ -214,13 +214,6 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     if (Cancelled(flight)) return;
     flight.callback(output, status);
   }
-  static void Fail(Flight& flight, const absl::Status& status) {
-    RequestOutput output;
-    output.request_id = flight.request.request_id;
-    output.num_prompt_tokens = static_cast<int>(flight.request.prompt_tokens.size());
-    output.finished = true;
-    Deliver(flight, output, status);
-  }
 
   // Decode workers that are up, most free KV blocks first, then smallest running batch.
   std::vector<DecodeWorkerState*> RankDecode(int blocks_needed) {
@@ -270,8 +263,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   // Reserves the prompt's blocks on some decode worker, waiting for room up to the admission
   // timeout. Cancelled if the request is aborted meanwhile.
   absl::StatusOr<std::pair<DecodeWorkerState*, tandem::v1::KvReservation>> Reserve(
-      Flight& flight) {
-    const GenerateRequest& r = flight.request;
+      Flight& flight, const GenerateRequest& r) {
     const int prompt_len = static_cast<int>(r.prompt_tokens.size());
     const absl::Time give_up = absl::Now() + options_.admission_timeout;
     absl::Duration backoff = absl::Milliseconds(5);
@@ -302,6 +294,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
           return std::make_pair(w, response.reservation());
         }
         last = proto::FromGrpcStatus(status);
+        if (last.code() == absl::StatusCode::kUnavailable) MarkDown(w);
         if (Cancelled(flight)) return absl::CancelledError("request aborted");
         // A request no decode worker could ever hold is refused as it is; the others wait.
         if (last.code() == absl::StatusCode::kInvalidArgument) return last;
@@ -331,15 +324,33 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     w->stub->Release(&context, request, &response);
   }
 
-  void Run(Flight& flight) {
-    const GenerateRequest& r = flight.request;
-    const int prompt_len = static_cast<int>(r.prompt_tokens.size());
+  // Marks a worker that failed a call as down until its next Stats answers.
+  void MarkDown(WorkerState* w) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    w->up = false;
+  }
 
+  // A worker that went away (killed, draining, unreachable): the request may go on elsewhere.
+  static bool WorkerGone(const absl::Status& status) {
+    return status.code() == absl::StatusCode::kUnavailable;
+  }
+
+  // How one decode stream ended.
+  struct StreamEnd {
+    bool finished = false;  // the request's last event arrived
+    absl::Status error;     // otherwise why not (OK when aborted by the client)
+  };
+
+  // Runs `r` (the request as it stands, a continuation after a migration) through Reserve,
+  // Submit and Start, relaying events into `output`. Returns how the stream ended, or the
+  // error that came before any stream began.
+  StreamEnd Attempt(Flight& flight, const GenerateRequest& r, RequestOutput& output,
+                    std::vector<int32_t>& generated, std::string& delivered_text,
+                    std::string& carried_text) {
     // 1. KV room on a decode worker.
-    auto reserved = Reserve(flight);
+    auto reserved = Reserve(flight, r);
     if (!reserved.ok()) {
-      if (!absl::IsCancelled(reserved.status())) Fail(flight, reserved.status());
-      return;
+      return {false, absl::IsCancelled(reserved.status()) ? absl::OkStatus() : reserved.status()};
     }
     auto [decode, reservation] = std::move(reserved).value();
     const int reserved_blocks = reservation.block_ids_size();
@@ -348,7 +359,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     tandem::v1::SubmitResponse prefilled;
     PrefillWorkerState* prefill = PickPrefill();
     absl::Status status = prefill == nullptr ? absl::UnavailableError("no prefill worker is up")
-                                             : Prefill(flight, *prefill, reservation, prefilled);
+                                             : Prefill(flight, r, *prefill, reservation, prefilled);
     if (!status.ok()) {
       // The blocks go back only once the prefill worker has stopped writing into them: its
       // Cancel answers after the request's transfers have ended (a cancelled or failed Submit
@@ -356,8 +367,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       if (prefill != nullptr) CancelPrefill(*prefill, r.request_id);
       Release(decode, reservation);
       AddPending(decode, -reserved_blocks, -1);
-      if (!absl::IsCancelled(status) || !Cancelled(flight)) Fail(flight, status);
-      return;
+      return {false, Cancelled(flight) ? absl::OkStatus() : status};
     }
 
     // 3. Decode: relay the token stream.
@@ -372,27 +382,24 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     if (!BeginCall(flight, &context)) {
       Release(decode, reservation);
       AddPending(decode, -reserved_blocks, -1);
-      return;
+      return {};
     }
     std::unique_ptr<grpc::ClientReader<tandem::v1::TokenEvent>> reader =
         decode->stub->Start(&context, start);
     AddPending(decode, -reserved_blocks, -1);  // the worker's own stats count them from now on
-    RequestOutput output;
-    output.request_id = r.request_id;
-    output.num_prompt_tokens = prompt_len;
-    bool finished = false;
-    absl::Status stream_error;
+    StreamEnd end;
     tandem::v1::TokenEvent event;
     while (reader->Read(&event)) {
       output.choices.clear();
       if (event.has_error() && event.error().code() != 0) {
-        stream_error = proto::FromProto(event.error());
+        end.error = proto::FromProto(event.error());
         break;
       }
       engine::ChoiceDelta delta;
       delta.index = event.index();
       delta.token_ids.assign(event.token_ids().begin(), event.token_ids().end());
-      delta.text = event.text();
+      delta.text = std::move(carried_text) + event.text();
+      carried_text.clear();
       delta.logprobs.assign(event.logprobs().begin(), event.logprobs().end());
       for (const tandem::v1::TopLogprobs& top : event.top_logprobs()) {
         std::vector<engine::TokenLogprob>& entries = delta.top_logprobs.emplace_back();
@@ -402,28 +409,83 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       }
       delta.finish_reason = proto::FromProto(event.finish_reason());
       output.num_generation_tokens += static_cast<int>(delta.token_ids.size());
+      generated.insert(generated.end(), delta.token_ids.begin(), delta.token_ids.end());
+      delivered_text += delta.text;
       output.choices.push_back(std::move(delta));
       // The request's last event carries the usage; the stream then ends.
-      if (event.has_usage()) output.finished = finished = true;
+      if (event.has_usage()) output.finished = end.finished = true;
       Deliver(flight, output, absl::OkStatus());
     }
     grpc::Status call_status = reader->Finish();
     EndCall(flight);
-    if (finished) return;
-    if (!stream_error.ok()) {
-      output.choices.clear();
-      output.finished = true;
-      Deliver(flight, output, stream_error);
-      return;
-    }
-    if (Cancelled(flight)) return;
-    absl::Status failed = proto::FromGrpcStatus(call_status);
-    if (failed.ok()) failed = absl::UnavailableError("the decode worker ended the stream early");
     output.choices.clear();
-    output.finished = true;
-    Deliver(flight, output,
-            absl::Status(failed.code(), absl::StrCat("decode worker ", decode->address, ": ",
-                                                     failed.message())));
+    if (end.finished || Cancelled(flight)) return {end.finished, absl::OkStatus()};
+    if (end.error.ok()) {
+      end.error = proto::FromGrpcStatus(call_status);
+      // A stream that ends without its last event means the worker went away.
+      if (end.error.ok() || absl::IsCancelled(end.error)) {
+        end.error = absl::UnavailableError(
+            absl::StrCat("the stream ended early (", end.error.message(), ")"));
+      }
+    }
+    if (WorkerGone(end.error)) MarkDown(decode);
+    end.error = absl::Status(end.error.code(), absl::StrCat("decode worker ", decode->address,
+                                                           ": ", end.error.message()));
+    return end;
+  }
+
+  // Runs a request to its end. A prefill worker that goes away before the first token is
+  // retried on another; a decode worker that goes away mid-stream (killed or draining) is
+  // replaced by continuing the request elsewhere: the prompt plus the tokens generated so far
+  // are prefilled again and decoding goes on, so the client's stream has no gap and no repeat.
+  void Run(Flight& flight) {
+    const GenerateRequest& original = flight.request;
+    RequestOutput output;
+    output.request_id = original.request_id;
+    output.num_prompt_tokens = static_cast<int>(original.prompt_tokens.size());
+    GenerateRequest current = original;
+    std::vector<int32_t> generated;  // every token delivered (n == 1 only can migrate)
+    std::string delivered_text;
+    std::string carried_text;  // text of migrated tokens the old worker had held back
+    int retries = 0;
+    for (int attempt = 0;; ++attempt) {
+      StreamEnd end = Attempt(flight, current, output, generated, delivered_text, carried_text);
+      if (end.finished || Cancelled(flight)) return;
+      if (end.error.ok()) return;  // aborted by the client
+      const int remaining = original.params.max_tokens - static_cast<int>(generated.size());
+      // Before any token every request can start over; after, only a single sample can go on.
+      const bool can_retry = WorkerGone(end.error) && retries < options_.max_retries &&
+                             (generated.empty() || original.params.n == 1) && remaining > 0;
+      if (!can_retry) {
+        output.choices.clear();
+        output.finished = true;
+        Deliver(flight, output, end.error);
+        return;
+      }
+      ++retries;
+      std::fprintf(stderr, "tandem router: request %s continues elsewhere after %zu tokens: %s\n",
+                   original.request_id.c_str(), generated.size(),
+                   std::string(end.error.message()).c_str());
+      // The continuation: a fresh id on the workers (the old one may still be known there), the
+      // generated tokens appended to the prompt, and what is left of the budget.
+      current = original;
+      current.request_id = absl::StrCat(original.request_id, "~", attempt + 1);
+      current.prompt_tokens.insert(current.prompt_tokens.end(), generated.begin(),
+                                   generated.end());
+      current.params.max_tokens = remaining;
+      current.params.min_tokens =
+          std::max(0, original.params.min_tokens - static_cast<int>(generated.size()));
+      if (!generated.empty()) {
+        // Text the old worker held back (a partial character, a possible stop string) is
+        // carried into the first text of the continuation.
+        const std::string full =
+            tokenizer_->Decode(generated, original.params.skip_special_tokens);
+        if (full.size() > delivered_text.size() && full.compare(0, delivered_text.size(),
+                                                                delivered_text) == 0) {
+          carried_text = full.substr(delivered_text.size());
+        }
+      }
+    }
   }
 
   void CancelPrefill(PrefillWorkerState& prefill, const std::string& request_id) {
@@ -436,10 +498,9 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     prefill.stub->Cancel(&context, request, &response);
   }
 
-  absl::Status Prefill(Flight& flight, PrefillWorkerState& prefill_worker,
+  absl::Status Prefill(Flight& flight, const GenerateRequest& r, PrefillWorkerState& prefill_worker,
                        const tandem::v1::KvReservation& reservation,
                        tandem::v1::SubmitResponse& response) {
-    const GenerateRequest& r = flight.request;
     PrefillWorkerState* prefill = &prefill_worker;
     tandem::v1::SubmitRequest request;
     request.set_request_id(r.request_id);

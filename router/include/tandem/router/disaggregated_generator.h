@@ -42,6 +42,10 @@ struct DisaggregatedOptions {
   absl::Duration prefill_timeout = absl::Seconds(60);
   // Longest token stream from a decode worker.
   absl::Duration stream_timeout = absl::Minutes(30);
+  // How many times a request may go on elsewhere after a worker went away under it: a prefill
+  // worker before the first token, or a decode worker mid-stream (requests with n == 1; the
+  // prompt and the tokens so far are prefilled again).
+  int max_retries = 3;
   // How often each worker's Stats are polled for routing and /metrics.
   absl::Duration stats_interval = absl::Milliseconds(100);
 };
