@@ -330,6 +330,16 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     w->up = false;
   }
 
+  // Marks a worker down when its channel cannot reach it any more (its process is gone), as
+  // opposed to an UNAVAILABLE it answered itself (e.g. about a decode worker it could not reach).
+  void MarkDownIfUnreachable(WorkerState* w) {
+    const grpc_connectivity_state state = w->channel->GetState(/*try_to_connect=*/false);
+    if (state == GRPC_CHANNEL_TRANSIENT_FAILURE || state == GRPC_CHANNEL_SHUTDOWN ||
+        state == GRPC_CHANNEL_IDLE) {
+      MarkDown(w);
+    }
+  }
+
   // A worker that went away (killed, draining, unreachable): the request may go on elsewhere.
   static bool WorkerGone(const absl::Status& status) {
     return status.code() == absl::StatusCode::kUnavailable;
@@ -364,7 +374,10 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       // The blocks go back only once the prefill worker has stopped writing into them: its
       // Cancel answers after the request's transfers have ended (a cancelled or failed Submit
       // call alone does not say so).
-      if (prefill != nullptr) CancelPrefill(*prefill, r.request_id);
+      if (prefill != nullptr) {
+        CancelPrefill(*prefill, r.request_id);
+        if (WorkerGone(status)) MarkDownIfUnreachable(prefill);
+      }
       Release(decode, reservation);
       AddPending(decode, -reserved_blocks, -1);
       return {false, Cancelled(flight) ? absl::OkStatus() : status};
@@ -463,6 +476,8 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
         return;
       }
       ++retries;
+      // Give the poller a moment to see which workers are left before trying again.
+      absl::SleepFor(absl::Milliseconds(20 * retries));
       std::fprintf(stderr, "tandem router: request %s continues elsewhere after %zu tokens: %s\n",
                    original.request_id.c_str(), generated.size(),
                    std::string(end.error.message()).c_str());
