@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/proto/convert.h"
 #include "tandem/v1/decode.grpc.pb.h"
@@ -19,6 +20,9 @@
 
 namespace tandem::router {
 namespace {
+
+// Answered Submits a prefill worker's latency model needs before admission trusts it.
+constexpr int kMinModelSamples = 8;
 
 using engine::GenerateRequest;
 using engine::OutputCallback;
@@ -48,6 +52,10 @@ struct DecodeWorkerState : WorkerState {
 
 struct PrefillWorkerState : WorkerState {
   std::unique_ptr<tandem::v1::PrefillWorker::Stub> stub;
+  // The worker's latency model: time to first token ~ (queued prompt tokens + the request's
+  // own) x seconds_per_token, an exponentially weighted average over answered Submits.
+  double seconds_per_token = 0.0;
+  int samples = 0;
 };
 
 // One request in flight. Its thread drives Reserve -> Submit -> Start; Abort only flags it and
@@ -124,6 +132,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
 
   absl::Status Submit(GenerateRequest request, OutputCallback callback) override {
     TANDEM_RETURN_IF_ERROR(Validate(request));
+    TANDEM_RETURN_IF_ERROR(Admit(request));
     auto flight = std::make_shared<Flight>();
     const std::string id = request.request_id;
     flight->request = std::move(request);
@@ -184,6 +193,28 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   // The checks a worker would make that need no worker state, so bad input is a 400 at once.
   absl::Status Validate(const GenerateRequest& request) const {
     return engine::ValidateRequest(request, config_, max_model_len_);
+  }
+
+  // Refuses a request whose predicted time to first token is over the admission target.
+  absl::Status Admit(const GenerateRequest& request) const {
+    if (!options_.admission_ttft_seconds) return absl::OkStatus();
+    const int64_t own = static_cast<int64_t>(request.prompt_tokens.size()) * request.params.n;
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    double best = -1.0;
+    for (const auto& w : prefill_) {
+      if (!w->up || w->samples < kMinModelSamples) return absl::OkStatus();  // not yet known
+      const double predicted = static_cast<double>(w->stats.queued_prefill_tokens() +
+                                                   w->pending_load + own) *
+                               w->seconds_per_token;
+      if (best < 0 || predicted < best) best = predicted;
+    }
+    if (best >= 0 && best > *options_.admission_ttft_seconds) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "the server is overloaded: the predicted time to first token (%.3f s) exceeds the "
+          "target of %.3f s; retry later",
+          best, *options_.admission_ttft_seconds));
+    }
+    return absl::OkStatus();
   }
 
   // Requires mu_.
@@ -503,6 +534,17 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     }
   }
 
+  // Updates a prefill worker's seconds per queued prompt token from one answered Submit.
+  void Learn(PrefillWorkerState& prefill, double seconds, int64_t tokens) {
+    if (tokens <= 0) return;
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    const double observed = seconds / static_cast<double>(tokens);
+    prefill.seconds_per_token = prefill.samples == 0
+                                    ? observed
+                                    : 0.8 * prefill.seconds_per_token + 0.2 * observed;
+    ++prefill.samples;
+  }
+
   void CancelPrefill(PrefillWorkerState& prefill, const std::string& request_id) {
     tandem::v1::CancelRequest request;
     request.set_request_id(request_id);
@@ -528,11 +570,21 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
                                       absl::Seconds(1)));
     if (!BeginCall(flight, &context)) return absl::CancelledError("request aborted");
     const int64_t tokens = static_cast<int64_t>(r.prompt_tokens.size()) * r.params.n;
+    int64_t queued_ahead = 0;
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      queued_ahead = prefill->stats.queued_prefill_tokens() + prefill->pending_load;
+    }
     AddPending(prefill, tokens, 1);
+    const absl::Time sent = absl::Now();
     grpc::Status status = prefill->stub->Submit(&context, request, &response);
+    const double seconds = absl::ToDoubleSeconds(absl::Now() - sent);
     AddPending(prefill, -tokens, -1);
     EndCall(flight);
-    if (status.ok()) return absl::OkStatus();
+    if (status.ok()) {
+      Learn(*prefill, seconds, queued_ahead + tokens);
+      return absl::OkStatus();
+    }
     absl::Status failed = proto::FromGrpcStatus(status);
     return absl::Status(failed.code(),
                         absl::StrCat("prefill worker ", prefill->address, ": ", failed.message()));

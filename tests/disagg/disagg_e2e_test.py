@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 import unittest
+import urllib.error
 import urllib.request
 
 TANDEM = None
@@ -82,9 +83,10 @@ def start_worker(role, netns=None, host="127.0.0.1"):
     return p
 
 
-def start_router(prefill, decode, netns=None, host="127.0.0.1"):
+def start_router(prefill, decode, netns=None, host="127.0.0.1", extra=()):
     p = Process(["router", "--model", MODEL, "--prefill", prefill, "--decode", decode,
-                 "--host", host, "--port", "0"], r"on (http://\S+:\d+)", netns=netns)
+                 "--host", host, "--port", "0"] + list(extra), r"on (http://\S+:\d+)",
+                netns=netns)
     p.url = p.match.group(1)
     return p
 
@@ -229,6 +231,38 @@ class DisaggregatedServing(unittest.TestCase):
             self.assertEqual(worker.proc.poll(), None, "a worker died in the storm")
         self.assertEqual(wait_for_zero(self.decode.metrics_url, "tandem_kv_cache_blocks_reserved"),
                          0)
+
+
+    def test_requests_predicted_to_miss_the_ttft_target_are_refused_at_once(self):
+        # A target no request can meet on this machine: once the router has learned the
+        # prefill worker's speed (8 requests), the next ones are refused before any work.
+        strict = start_router(self.prefill.address, self.decode.address,
+                              extra=["--ttft-slo", "0.000001"])
+        lenient = start_router(self.prefill.address, self.decode.address,
+                               extra=["--ttft-slo", "100"])
+        try:
+            body = {"model": "tiny", "prompt": " ".join(["harbor"] * 200), "max_tokens": 2,
+                    "temperature": 0}
+            for _ in range(8):
+                post(strict.url, body)
+            request = urllib.request.Request(
+                strict.url + "/v1/completions", data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"})
+            with self.assertRaises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=60)
+            self.assertEqual(refused.exception.code, 529)
+            self.assertEqual(refused.exception.headers["Retry-After"], "1")
+            error = json.load(refused.exception)["error"]
+            self.assertIn("predicted time to first token", error["message"])
+            # Nothing was reserved or queued for it.
+            self.assertEqual(wait_for_zero(self.decode.metrics_url,
+                                           "tandem_kv_cache_blocks_reserved"), 0)
+            # A reachable target admits everything.
+            for _ in range(10):
+                self.assertEqual(post(lenient.url, body)["usage"]["completion_tokens"], 2)
+        finally:
+            self.assertEqual(strict.stop(), 0)
+            self.assertEqual(lenient.stop(), 0)
 
 
 CLONE_NEWNET = 0x40000000

@@ -62,6 +62,8 @@ absl::Status Router(int argc, char** argv) {
                           IntFlag(args, "admission-timeout-ms", 30000, 0, 3600000));
   options.admission_timeout = absl::Milliseconds(admission);
   TANDEM_ASSIGN_OR_RETURN(router::ApiServerOptions api, ApiFlags(args, options.model_dir));
+  // With a TTFT target, requests predicted to miss it are refused at once.
+  options.admission_ttft_seconds = api.ttft_slo_seconds;
   RaiseFileLimit();
 
   TANDEM_ASSIGN_OR_RETURN(auto generator, router::DisaggregatedGenerator::Create(options));

@@ -67,6 +67,8 @@ absl::Status Serve(int argc, char** argv) {
     router_options.max_model_len = engine_options.max_model_len;
     router_options.prefill_addresses = {prefill->grpc_address()};
     router_options.decode_addresses = {decode->grpc_address()};
+    // With a TTFT target, requests predicted to miss it are refused at once.
+    router_options.admission_ttft_seconds = options.ttft_slo_seconds;
     TANDEM_ASSIGN_OR_RETURN(generator, router::DisaggregatedGenerator::Create(router_options));
   }
   TANDEM_ASSIGN_OR_RETURN(auto server, router::ApiServer::Create(options, std::move(generator)));

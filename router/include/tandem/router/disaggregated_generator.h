@@ -15,6 +15,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,12 @@ struct DisaggregatedOptions {
   // worker before the first token, or a decode worker mid-stream (requests with n == 1; the
   // prompt and the tokens so far are prefilled again).
   int max_retries = 3;
+  // Admission by predicted time to first token: when set, a request whose TTFT the router
+  // predicts above this many seconds is refused at once (ResourceExhausted: HTTP 529 or 503
+  // with Retry-After) instead of queueing past its target. The prediction is
+  // (queued prefill tokens + its own) x seconds per prompt token, the latter learned per
+  // prefill worker from the requests it served (refusals start after 8 of them).
+  std::optional<double> admission_ttft_seconds;
   // How often each worker's Stats are polled for routing and /metrics.
   absl::Duration stats_interval = absl::Milliseconds(100);
 };
