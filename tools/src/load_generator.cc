@@ -870,6 +870,7 @@ std::map<std::string, std::string> BenchPlots(const std::vector<json>& reports) 
       PlotSeries att, good, thr;
       att.name = good.name = name;
       thr.name = absl::StrCat(name, " throughput");
+      thr.group = name;
       att.markers = good.markers = thr.markers = true;
       thr.dashed = true;
       for (const json* r : mine) {

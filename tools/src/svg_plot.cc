@@ -13,7 +13,7 @@ namespace {
 
 // Panel geometry in SVG user units.
 constexpr double kPanelWidth = 380, kPanelHeight = 300;
-constexpr double kLeft = 64, kRight = 16, kTop = 30, kBottom = 48;  // margins inside a panel
+constexpr double kLeft = 64, kRight = 30, kTop = 30, kBottom = 48;  // margins inside a panel
 constexpr double kTitleHeight = 34;
 constexpr double kLegendRow = 20;
 
@@ -101,13 +101,18 @@ std::vector<double> NiceTicks(double lo, double hi, int target) {
 }
 
 std::string RenderSvg(const std::string& title, const std::vector<PlotPanel>& panels) {
-  // One colour per series name, in order of first appearance.
+  // One colour per group, one legend entry per series name, in order of first appearance.
   std::vector<std::string> names;
+  std::map<std::string, std::string> group_color;
   std::map<std::string, std::pair<std::string, bool>> style;  // name -> colour, dashed
   for (const PlotPanel& p : panels) {
     for (const PlotSeries& s : p.series) {
       if (style.count(s.name)) continue;
-      style[s.name] = {kColors[names.size() % (sizeof(kColors) / sizeof(kColors[0]))], s.dashed};
+      const std::string& group = s.group.empty() ? s.name : s.group;
+      if (!group_color.count(group)) {
+        group_color[group] = kColors[group_color.size() % (sizeof(kColors) / sizeof(kColors[0]))];
+      }
+      style[s.name] = {group_color[group], s.dashed};
       names.push_back(s.name);
     }
   }

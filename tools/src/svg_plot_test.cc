@@ -72,5 +72,17 @@ TEST(RenderSvgTest, PanelsSeriesMarkersAndLegend) {
   EXPECT_EQ(svg.substr(svg.size() - 7), "</svg>\n");
 }
 
+TEST(RenderSvgTest, GroupSharesAColour) {
+  PlotPanel p = Panel("P", "x", "y");
+  p.series.push_back(Series("a", {0, 1}, {0, 1}));
+  PlotSeries b = Series("a throughput", {0, 1}, {1, 2}, false, true);
+  b.group = "a";
+  p.series.push_back(b);
+  p.series.push_back(Series("c", {0, 1}, {2, 3}));
+  const std::string svg = RenderSvg("t", {p});
+  EXPECT_EQ(Count(svg, "stroke=\"#0072B2\""), 4u);  // two lines, two legend swatches
+  EXPECT_EQ(Count(svg, "stroke=\"#D55E00\""), 2u);  // "c" gets the second colour
+}
+
 }  // namespace
 }  // namespace tandem::tools

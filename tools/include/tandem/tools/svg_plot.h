@@ -1,6 +1,6 @@
 // Standalone SVG line charts, written without any plotting library: one figure of panels side by
 // side, each with axes, ticks, axis labels and lines (optionally with point markers), and one
-// legend shared by the panels (a series name has the same colour in every panel).
+// legend shared by the panels (a series name, or group, has the same colour in every panel).
 //
 //   PlotPanel panel{.title = "TTFT", .x_label = "ms", .y_label = "fraction"};
 //   panel.series.push_back({.name = "colocated", .x = {1, 2}, .y = {0.5, 1}});
@@ -23,6 +23,7 @@ struct PlotSeries {
   std::vector<double> x, y;  // same length; drawn in the given order
   bool markers = false;      // a circle at every point
   bool dashed = false;
+  std::string group;  // series of one group share a colour (default: the name)
 };
 
 struct PlotPanel {
