@@ -1,13 +1,20 @@
 // `tandem prefill` and `tandem decode`: one worker process of each pool.
-#include <cstdio>
-#include <string>
+#include <pthread.h>
+#include <signal.h>
 #include <unistd.h>
+
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "commands.h"
 #include "server_flags.h"
 #include "tandem/base/host_port.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/cluster/etcd_client.h"
+#include "tandem/cluster/registration.h"
 #include "tandem/decode_worker/decode_worker.h"
 #include "tandem/prefill_worker/prefill_worker.h"
 
@@ -21,6 +28,11 @@ struct WorkerFlags {
   std::string metrics_listen;
   std::string kv_backend;
   std::string kv_host;
+  // Discovery (docs/operations.md): empty etcd means none.
+  std::string etcd;
+  std::string cluster;
+  int64_t lease_ttl_s = 10;
+  std::string advertise;
 };
 
 void DeclareWorkerFlags(Args& args, int default_port) {
@@ -36,6 +48,20 @@ void DeclareWorkerFlags(Args& args, int default_port) {
   args.Declare("kv-host", "ADDR",
                "address the KV transfer listener binds, reachable by the other pool (default "
                "127.0.0.1)");
+  args.Declare("etcd", "ENDPOINTS",
+               "register in etcd (comma-separated http://HOST:PORT list) so routers discover "
+               "this worker (default: no registration)");
+  args.Declare("cluster", "NAME", "cluster name, the etcd key prefix /tandem/NAME/ (default "
+               "default)");
+  args.Declare("lease-ttl", "SECONDS",
+               "etcd lease TTL: a worker that stops renewing disappears after this (default 10)");
+  args.Declare("advertise", "HOST:PORT",
+               "control-plane address published in etcd for others to dial (default: the bound "
+               "--listen address)");
+}
+
+bool IsWildcardHost(const std::string& host) {
+  return host.empty() || host == "0.0.0.0" || host == "::" || host == "[::]";
 }
 
 absl::StatusOr<WorkerFlags> ParseWorkerFlags(const Args& args, int default_port) {
@@ -57,12 +83,98 @@ absl::StatusOr<WorkerFlags> ParseWorkerFlags(const Args& args, int default_port)
         args.command(), ": --kv-backend must be ucx or local, got ", flags.kv_backend));
   }
   flags.kv_host = args.GetOr("kv-host", "127.0.0.1");
+  flags.etcd = args.GetOr("etcd", "");
+  flags.cluster = args.GetOr("cluster", "default");
+  TANDEM_ASSIGN_OR_RETURN(flags.lease_ttl_s, IntFlag(args, "lease-ttl", 10, 1, 3600));
+  flags.advertise = args.GetOr("advertise", "");
+  if (flags.etcd.empty()) {
+    for (const char* flag : {"cluster", "lease-ttl", "advertise"}) {
+      if (args.Has(flag)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(args.command(), ": --", flag, " needs --etcd"));
+      }
+    }
+    return flags;
+  }
+  if (auto endpoints = cluster::ParseEndpoints(flags.etcd); !endpoints.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(args.command(), ": --etcd: ", endpoints.status().message()));
+  }
+  if (auto status = cluster::ValidateKeySegment("--cluster", flags.cluster); !status.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(args.command(), ": ", status.message()));
+  }
+  if (auto status = cluster::ValidateKeySegment("--worker-id", flags.worker_id); !status.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(args.command(), ": ", status.message()));
+  }
+  if (!flags.advertise.empty()) {
+    auto host_port = SplitHostPort(flags.advertise);
+    if (!host_port.ok() || host_port->second == 0 || IsWildcardHost(host_port->first)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          args.command(), ": --advertise must be a dialable HOST:PORT, got ", flags.advertise));
+    }
+  }
   return flags;
+}
+
+// The lease-loss reason, handed from the registration's thread to the one waiting for signals.
+std::mutex lost_mu;
+std::string lost_reason;
+
+// Registers the worker in etcd with --etcd; nullptr without it.
+absl::StatusOr<std::unique_ptr<cluster::WorkerRegistration>> RegisterWorker(
+    const std::string& command, const WorkerFlags& flags, const std::string& bound_address,
+    int metrics_port, int64_t kv_blocks_total) {
+  if (flags.etcd.empty()) return nullptr;
+  cluster::WorkerInfo info;
+  info.id = flags.worker_id;
+  info.role = command;
+  info.address = flags.advertise;
+  if (info.address.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(auto bound, SplitHostPort(bound_address));
+    if (IsWildcardHost(bound.first)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          command, ": --listen ", flags.listen,
+          " binds every interface; say which address others dial with --advertise HOST:PORT"));
+    }
+    info.address = bound_address;
+  }
+  if (metrics_port > 0) {
+    TANDEM_ASSIGN_OR_RETURN(auto metrics, SplitHostPort(flags.metrics_listen));
+    std::string host = metrics.first;
+    if (IsWildcardHost(host)) host = SplitHostPort(info.address)->first;
+    if (host.find(':') != std::string::npos) host = absl::StrCat("[", host, "]");
+    info.metrics_address = absl::StrCat(host, ":", metrics_port);
+  }
+  info.kv_backend = flags.kv_backend;
+  info.kv_blocks_total = kv_blocks_total;
+  TANDEM_ASSIGN_OR_RETURN(auto etcd, cluster::EtcdClient::Create({.endpoints = flags.etcd}));
+  cluster::RegistrationOptions options;
+  options.cluster = flags.cluster;
+  options.worker = info;
+  options.ttl = absl::Seconds(flags.lease_ttl_s);
+  options.on_lost = [](absl::Status why) {
+    {
+      std::lock_guard lock(lost_mu);
+      lost_reason = std::string(why.message());
+    }
+    // Wakes the main thread's sigwait (every thread blocks SIGUSR1).
+    kill(getpid(), SIGUSR1);
+  };
+  auto registration = cluster::WorkerRegistration::Register(std::move(etcd), std::move(options));
+  if (!registration.ok()) {
+    return absl::Status(registration.status().code(),
+                        absl::StrCat(command, ": registering in etcd (", flags.etcd,
+                                     "): ", registration.status().message()));
+  }
+  return registration;
 }
 
 template <typename Worker, typename Options>
 absl::Status RunWorker(const std::string& command, int default_port, int argc, char** argv) {
-  const sigset_t signals = BlockStopSignals();
+  sigset_t signals = BlockStopSignals();
+  // SIGUSR1: the etcd registration lost its lease (see RegisterWorker).
+  sigaddset(&signals, SIGUSR1);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   Args args(command);
   DeclareWorkerFlags(args, default_port);
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
@@ -82,7 +194,44 @@ absl::Status RunWorker(const std::string& command, int default_port, int argc, c
   if (worker->metrics_port() > 0) std::printf(" (metrics on port %d)", worker->metrics_port());
   std::printf("\n");
   std::fflush(stdout);
-  WaitForSignal(signals, "finishing requests in flight");
+  auto registration = RegisterWorker(command, flags, worker->grpc_address(),
+                                     worker->metrics_port(), worker->Stats().kv_blocks_total());
+  if (!registration.ok()) {
+    worker->Shutdown(absl::ZeroDuration());
+    return registration.status();
+  }
+  if (*registration != nullptr) {
+    std::printf("tandem: %s worker %s registered in etcd as %s (lease TTL %llds)\n",
+                command.c_str(), flags.worker_id.c_str(), (*registration)->key().c_str(),
+                static_cast<long long>(flags.lease_ttl_s));
+    std::fflush(stdout);
+  }
+  int received = 0;
+  do {
+    sigwait(&signals, &received);
+  } while (received == SIGUSR1 && *registration == nullptr);
+  if (received == SIGUSR1) {
+    // The lease is gone: routers have dropped this worker, so it stops serving.
+    std::string reason;
+    {
+      std::lock_guard lock(lost_mu);
+      reason = lost_reason;
+    }
+    (void)(*registration)->Unregister();
+    std::fprintf(stderr, "tandem: %s lost its etcd registration, shutting down\n",
+                 command.c_str());
+    worker->Shutdown(absl::Seconds(10));
+    return absl::UnavailableError(absl::StrCat("lost the etcd lease: ", reason));
+  }
+  std::fprintf(stderr, "tandem: %s received, %sfinishing requests in flight\n",
+               received == SIGINT ? "SIGINT" : "SIGTERM",
+               *registration != nullptr ? "unregistering from etcd, " : "");
+  if (*registration != nullptr) {
+    if (absl::Status status = (*registration)->Unregister(); !status.ok()) {
+      std::fprintf(stderr, "tandem: %s: unregistering from etcd: %s\n", command.c_str(),
+                   std::string(status.message()).c_str());
+    }
+  }
   worker->Shutdown(absl::Seconds(30));
   return absl::OkStatus();
 }
