@@ -12,6 +12,7 @@
 // that answered is used from then on. The keep-alive and watch runners reconnect on their own
 // (to the next endpoint when one is down). Errors are absl::Status with the gRPC code kept
 // (Unavailable when no endpoint answers, DeadlineExceeded, NotFound for an unknown lease).
+// The client is thread-safe; stop (or destroy) every LeaseKeeper and Watcher before the client.
 #pragma once
 
 #include <cstdint>
