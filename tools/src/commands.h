@@ -13,5 +13,6 @@ int RunBench(int argc, char** argv);
 int RunRouter(int argc, char** argv);
 int RunPrefill(int argc, char** argv);
 int RunDecode(int argc, char** argv);
+int RunPlan(int argc, char** argv);
 
 }  // namespace tandem::tools

@@ -17,6 +17,8 @@ constexpr Command kCommands[] = {
     {"bench", tandem::tools::RunBench, "load generator against an OpenAI-compatible endpoint"},
     {"decode", tandem::tools::RunDecode, "a decode worker (gRPC control plane, KV receiver)"},
     {"generate", tandem::tools::RunGenerate, "offline generation from a checkpoint"},
+    {"plan", tandem::tools::RunPlan,
+     "capacity planner: simulated placement search for goodput per GPU"},
     {"prefill", tandem::tools::RunPrefill, "a prefill worker (gRPC control plane, KV sender)"},
     {"roofline", tandem::tools::RunRoofline, "FLOPs, bytes and bound per operator, step times"},
     {"router", tandem::tools::RunRouter, "the OpenAI-compatible API over prefill and decode workers"},
