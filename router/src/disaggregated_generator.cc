@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/cluster/membership.h"
 #include "tandem/proto/convert.h"
 #include "tandem/v1/decode.grpc.pb.h"
 #include "tandem/v1/prefill.grpc.pb.h"
@@ -36,6 +37,7 @@ std::chrono::system_clock::time_point GrpcDeadline(absl::Time t) {
 
 // The latest Stats of one worker, refreshed by the poller.
 struct WorkerState {
+  std::string id;  // the etcd worker id, or the address of a worker listed on the command line
   std::string address;
   std::shared_ptr<grpc::Channel> channel;
   bool up = false;
@@ -73,6 +75,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   explicit DisaggregatedGeneratorImpl(const DisaggregatedOptions& options) : options_(options) {}
 
   ~DisaggregatedGeneratorImpl() override {
+    if (membership_) membership_->Stop();
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
@@ -85,9 +88,10 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   }
 
   absl::Status Init() {
-    if (options_.prefill_addresses.empty() || options_.decode_addresses.empty()) {
+    const bool discover = !options_.etcd_endpoints.empty();
+    if (!discover && (options_.prefill_addresses.empty() || options_.decode_addresses.empty())) {
       return absl::InvalidArgumentError(
-          "the router needs at least one prefill and one decode worker address");
+          "the router needs at least one prefill and one decode worker address, or etcd");
     }
     TANDEM_ASSIGN_OR_RETURN(config_,
                             engine::ModelConfig::FromFile(options_.model_dir + "/config.json"));
@@ -97,21 +101,36 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     max_model_len_ = config_.max_position_embeddings;
     if (options_.max_model_len > 0) max_model_len_ = std::min(max_model_len_, options_.max_model_len);
 
-    grpc::ChannelArguments args;
-    args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, 64 << 20);
     for (const std::string& address : options_.decode_addresses) {
-      auto w = std::make_unique<DecodeWorkerState>();
-      w->address = address;
-      w->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-      w->stub = tandem::v1::DecodeWorker::NewStub(w->channel);
-      decode_.push_back(std::move(w));
+      AddWorker("decode", address, address);
     }
     for (const std::string& address : options_.prefill_addresses) {
-      auto w = std::make_unique<PrefillWorkerState>();
-      w->address = address;
-      w->channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
-      w->stub = tandem::v1::PrefillWorker::NewStub(w->channel);
-      prefill_.push_back(std::move(w));
+      AddWorker("prefill", address, address);
+    }
+    if (discover) {
+      // Workers come and go through etcd; those registered now are added before Start returns.
+      TANDEM_ASSIGN_OR_RETURN(
+          std::unique_ptr<cluster::EtcdClient> etcd,
+          cluster::EtcdClient::Create({.endpoints = options_.etcd_endpoints}));
+      TANDEM_ASSIGN_OR_RETURN(
+          membership_,
+          cluster::Membership::Start(
+              std::shared_ptr<cluster::EtcdClient>(std::move(etcd)), options_.cluster,
+              [this](const std::string& role, const std::string& id,
+                     const std::optional<cluster::WorkerInfo>& info) {
+                if (info) {
+                  std::fprintf(stderr, "tandem router: %s worker %s at %s joined\n",
+                               role.c_str(), id.c_str(), info->address.c_str());
+                  AddWorker(role, id, info->address);
+                } else {
+                  std::fprintf(stderr, "tandem router: %s worker %s left\n", role.c_str(),
+                               id.c_str());
+                  RemoveWorker(role, id);
+                }
+              }));
+      PollOnce(absl::Milliseconds(500));
+      poller_ = std::thread([this] { PollLoop(); });
+      return absl::OkStatus();
     }
     // Every worker must answer once before the router serves.
     const absl::Time deadline = absl::Now() + options_.connect_timeout;
@@ -126,6 +145,47 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     }
     poller_ = std::thread([this] { PollLoop(); });
     return absl::OkStatus();
+  }
+
+  // Adds a worker to its pool, or points an existing one (same role and id) at `address`.
+  void AddWorker(const std::string& role, const std::string& id, const std::string& address) {
+    grpc::ChannelArguments args;
+    args.SetInt(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH, 64 << 20);
+    // A worker restarted at the same address is reached again within a second.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    auto add = [&](auto& pool, auto make_stub) {
+      using State = typename std::decay_t<decltype(pool)>::value_type::element_type;
+      for (auto& w : pool) {
+        if (w->id == id && w->address == address) return;  // unchanged
+      }
+      std::erase_if(pool, [&](const auto& w) { return w->id == id; });
+      auto w = std::make_shared<State>();
+      w->id = id;
+      w->address = address;
+      w->channel = channel;
+      w->stub = make_stub(channel);
+      pool.push_back(std::move(w));
+    };
+    if (role == "decode") {
+      add(decode_, [](auto c) { return tandem::v1::DecodeWorker::NewStub(c); });
+    } else if (role == "prefill") {
+      add(prefill_, [](auto c) { return tandem::v1::PrefillWorker::NewStub(c); });
+    }
+  }
+
+  void RemoveWorker(const std::string& role, const std::string& id) {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    if (role == "decode") std::erase_if(decode_, [&](const auto& w) { return w->id == id; });
+    if (role == "prefill") std::erase_if(prefill_, [&](const auto& w) { return w->id == id; });
+  }
+
+  bool PoolEmpty(const std::string& role) const {
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    return role == "decode" ? decode_.empty() : prefill_.empty();
   }
 
   // --- engine::Generator ---
@@ -247,11 +307,11 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   }
 
   // Decode workers that are up, most free KV blocks first, then smallest running batch.
-  std::vector<DecodeWorkerState*> RankDecode(int blocks_needed) {
+  std::vector<std::shared_ptr<DecodeWorkerState>> RankDecode(int blocks_needed) {
     std::lock_guard<std::mutex> lock(stats_mu_);
-    std::vector<DecodeWorkerState*> order;
+    std::vector<std::shared_ptr<DecodeWorkerState>> order;
     for (const auto& w : decode_) {
-      if (w->up) order.push_back(w.get());
+      if (w->up) order.push_back(w);
     }
     auto free_blocks = [](const DecodeWorkerState* w) {
       return w->stats.kv_blocks_total() - w->stats.kv_blocks_used() - w->pending_load;
@@ -260,7 +320,9 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       return w->stats.running() + w->pending_requests;
     };
     // Those with room first; among them the smallest running batch, then the most room.
-    std::stable_sort(order.begin(), order.end(), [&](auto* a, auto* b) {
+    std::stable_sort(order.begin(), order.end(), [&](const auto& sa, const auto& sb) {
+      const DecodeWorkerState* a = sa.get();
+      const DecodeWorkerState* b = sb.get();
       const bool fits_a = free_blocks(a) >= blocks_needed, fits_b = free_blocks(b) >= blocks_needed;
       if (fits_a != fits_b) return fits_a;
       if (running(a) != running(b)) return running(a) < running(b);
@@ -270,15 +332,15 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   }
 
   // The prefill worker that is up with the fewest queued prefill tokens.
-  PrefillWorkerState* PickPrefill() {
+  std::shared_ptr<PrefillWorkerState> PickPrefill() {
     std::lock_guard<std::mutex> lock(stats_mu_);
-    PrefillWorkerState* best = nullptr;
+    std::shared_ptr<PrefillWorkerState> best;
     int64_t best_load = 0;
     for (const auto& w : prefill_) {
       if (!w->up) continue;
       const int64_t load = w->stats.queued_prefill_tokens() + w->pending_load;
       if (best == nullptr || load < best_load) {
-        best = w.get();
+        best = w;
         best_load = load;
       }
     }
@@ -293,7 +355,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
 
   // Reserves the prompt's blocks on some decode worker, waiting for room up to the admission
   // timeout. Cancelled if the request is aborted meanwhile.
-  absl::StatusOr<std::pair<DecodeWorkerState*, tandem::v1::KvReservation>> Reserve(
+  absl::StatusOr<std::pair<std::shared_ptr<DecodeWorkerState>, tandem::v1::KvReservation>> Reserve(
       Flight& flight, const GenerateRequest& r) {
     const int prompt_len = static_cast<int>(r.prompt_tokens.size());
     const absl::Time give_up = absl::Now() + options_.admission_timeout;
@@ -303,7 +365,11 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       // Blocks the prompt needs over all samples, at the default block size of 16 (an estimate
       // for ranking only; the worker decides).
       const int blocks_needed = r.params.n * ((prompt_len + 15) / 16);
-      for (DecodeWorkerState* w : RankDecode(blocks_needed)) {
+      if (PoolEmpty("decode")) {
+        return absl::UnavailableError("no decode worker is registered");
+      }
+      for (const std::shared_ptr<DecodeWorkerState>& shared : RankDecode(blocks_needed)) {
+        DecodeWorkerState* w = shared.get();
         tandem::v1::ReserveRequest request;
         request.set_request_id(r.request_id);
         request.set_num_prompt_tokens(prompt_len);
@@ -322,7 +388,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
             return absl::CancelledError("request aborted");
           }
           AddPending(w, response.reservation().block_ids_size(), 1);
-          return std::make_pair(w, response.reservation());
+          return std::make_pair(shared, response.reservation());
         }
         last = proto::FromGrpcStatus(status);
         if (last.code() == absl::StatusCode::kUnavailable) MarkDown(w);
@@ -398,7 +464,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
 
     // 2. Prefill, the KV landing in the reservation.
     tandem::v1::SubmitResponse prefilled;
-    PrefillWorkerState* prefill = PickPrefill();
+    std::shared_ptr<PrefillWorkerState> prefill = PickPrefill();
     absl::Status status = prefill == nullptr ? absl::UnavailableError("no prefill worker is up")
                                              : Prefill(flight, r, *prefill, reservation, prefilled);
     if (!status.ok()) {
@@ -407,10 +473,10 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       // call alone does not say so).
       if (prefill != nullptr) {
         CancelPrefill(*prefill, r.request_id);
-        if (WorkerGone(status)) MarkDownIfUnreachable(prefill);
+        if (WorkerGone(status)) MarkDownIfUnreachable(prefill.get());
       }
-      Release(decode, reservation);
-      AddPending(decode, -reserved_blocks, -1);
+      Release(decode.get(), reservation);
+      AddPending(decode.get(), -reserved_blocks, -1);
       return {false, Cancelled(flight) ? absl::OkStatus() : status};
     }
 
@@ -424,13 +490,13 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     grpc::ClientContext context;
     context.set_deadline(GrpcDeadline(absl::Now() + options_.stream_timeout));
     if (!BeginCall(flight, &context)) {
-      Release(decode, reservation);
-      AddPending(decode, -reserved_blocks, -1);
+      Release(decode.get(), reservation);
+      AddPending(decode.get(), -reserved_blocks, -1);
       return {};
     }
     std::unique_ptr<grpc::ClientReader<tandem::v1::TokenEvent>> reader =
         decode->stub->Start(&context, start);
-    AddPending(decode, -reserved_blocks, -1);  // the worker's own stats count them from now on
+    AddPending(decode.get(), -reserved_blocks, -1);  // the worker's own stats count them from now on
     StreamEnd end;
     tandem::v1::TokenEvent event;
     while (reader->Read(&event)) {
@@ -472,7 +538,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
             absl::StrCat("the stream ended early (", end.error.message(), ")"));
       }
     }
-    if (WorkerGone(end.error)) MarkDown(decode);
+    if (WorkerGone(end.error)) MarkDown(decode.get());
     end.error = absl::Status(end.error.code(), absl::StrCat("decode worker ", decode->address,
                                                            ": ", end.error.message()));
     return end;
@@ -607,8 +673,15 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
         missing = w.address;
       }
     };
-    for (auto& w : decode_) poll(*w, w->stub);
-    for (auto& w : prefill_) poll(*w, w->stub);
+    std::vector<std::shared_ptr<DecodeWorkerState>> decode;
+    std::vector<std::shared_ptr<PrefillWorkerState>> prefill;
+    {
+      std::lock_guard<std::mutex> lock(stats_mu_);
+      decode = decode_;
+      prefill = prefill_;
+    }
+    for (auto& w : decode) poll(*w, w->stub);
+    for (auto& w : prefill) poll(*w, w->stub);
     return missing;
   }
 
@@ -624,14 +697,16 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   }
 
   DisaggregatedOptions options_;
+  std::unique_ptr<cluster::Membership> membership_;  // with etcd: keeps the pools current
   engine::ModelConfig config_;
   std::unique_ptr<engine::Tokenizer> tokenizer_;
   std::unique_ptr<engine::ChatFormatter> chat_formatter_;
   int max_model_len_ = 0;
 
-  std::vector<std::unique_ptr<DecodeWorkerState>> decode_;
-  std::vector<std::unique_ptr<PrefillWorkerState>> prefill_;
-  mutable std::mutex stats_mu_;  // guards every WorkerState's up, stats and pending_*
+  // The pools; a worker that leaves is dropped here, and lives on while a request uses it.
+  std::vector<std::shared_ptr<DecodeWorkerState>> decode_;    // guarded by stats_mu_
+  std::vector<std::shared_ptr<PrefillWorkerState>> prefill_;  // guarded by stats_mu_
+  mutable std::mutex stats_mu_;  // guards the pools and every WorkerState's up, stats, pending_*
 
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Flight>> flights_;  // guarded by mu_

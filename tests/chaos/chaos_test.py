@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Chaos runs: a router with two prefill and two decode workers under steady streaming load,
-and one failure per scenario. Every request must still finish, with the exact tokens an
+and one failure per scenario. Workers are listed on the router's command line, and again
+discovered through etcd (registered on leases), where etcd and the router are also restarted
+and the router must follow workers that join and leave. Every request must still finish, with the exact tokens an
 undisturbed run gives (greedy decoding, so a migrated stream that skipped or repeated a token
 would differ), and no KV block may stay in use on the workers that are left.
 
@@ -26,12 +28,63 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "disagg"))
 import disagg_e2e_test as cluster  # noqa: E402  (process helpers shared with the disagg tests)
 
+ETCD = "/usr/bin/etcd"
+LEASE_TTL = 5  # seconds, for the etcd runs
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Etcd:
+    """A one-member etcd on loopback ports with its own data directory."""
+
+    def __init__(self, data_dir):
+        self.data_dir = data_dir
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.endpoint = f"http://127.0.0.1:{self.client_port}"
+        self.start()
+
+    def start(self):
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.proc = subprocess.Popen(
+            [ETCD, "--name", "chaos", "--data-dir", self.data_dir,
+             "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"chaos={peer}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("etcd did not start")
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
 PROMPT = " ".join(["the quiet harbor keeps its lamps lit"] * 12)
 MAX_TOKENS = 48
 
 
 def stream_once(url, timeout=120):
-    """One streamed greedy completion; returns (ok, text, error)."""
+    """One streamed greedy completion; returns (ok, text, error). A refused connection (a
+    router restarting) is retried for up to 10 s, as a client behind a load balancer would."""
+    give_up = time.time() + 10
+    while True:
+        result = stream_attempt(url, timeout)
+        if result[2] != "refused" or time.time() > give_up:
+            return result
+        time.sleep(0.1)
+
+
+def stream_attempt(url, timeout):
     host, port = re.match(r"http://([^:]+):(\d+)", url).groups()
     body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
                        "temperature": 0, "ignore_eos": True, "stream": True}).encode()
@@ -39,6 +92,11 @@ def stream_once(url, timeout=120):
            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
     try:
         s = socket.create_connection((host, int(port)), timeout=timeout)
+    except ConnectionRefusedError:
+        return False, "", "refused"
+    except OSError as e:
+        return False, "", f"socket: {e}"
+    try:
         s.sendall(raw)
         data = b""
         while True:
@@ -100,23 +158,65 @@ class Load:
         return sum(t.is_alive() for t in self.threads)  # clients still stuck: lost requests
 
 
-def run_scenario(name, action, reference, seconds, clients):
-    decodes = [cluster.start_worker("decode") for _ in range(2)]
-    prefills = [cluster.start_worker("prefill") for _ in range(2)]
-    router = cluster.start_router(",".join(p.address for p in prefills),
-                                  ",".join(d.address for d in decodes))
+def start_etcd_worker(role, etcd, index):
+    return cluster.Process(
+        [role, "--model", cluster.MODEL, "--listen", "127.0.0.1:0", "--metrics-listen",
+         "127.0.0.1:0", "--etcd", etcd.endpoint, "--cluster", "chaos", "--lease-ttl",
+         str(LEASE_TTL), "--worker-id", f"{role}-{index}"] + cluster.ENGINE_FLAGS,
+        r"listening on (\S+) \(metrics on port (\d+)\)")
+
+
+def with_metrics(p):
+    p.address = p.match.group(1)
+    p.metrics_url = f"http://127.0.0.1:{p.match.group(2)}/metrics"
+    return p
+
+
+def start_etcd_router(etcd, port):
+    p = cluster.Process(["router", "--model", cluster.MODEL, "--etcd", etcd.endpoint,
+                         "--cluster", "chaos", "--port", str(port)], r"on (http://\S+:\d+)")
+    p.url = p.match.group(1)
+    return p
+
+
+def router_capacity(url):
+    return cluster.metric(url + "/metrics", "tandem_kv_cache_blocks_capacity")
+
+
+def run_scenario(name, action, reference, seconds, clients, etcd=None):
+    """One topology, steady load, `action` halfway; etcd: workers register, the router
+    discovers them, and the action may also restart etcd or the router."""
+    topology = {"etcd": etcd}
+    if etcd is None:
+        decodes = [cluster.start_worker("decode") for _ in range(2)]
+        prefills = [cluster.start_worker("prefill") for _ in range(2)]
+        router = cluster.start_router(",".join(p.address for p in prefills),
+                                      ",".join(d.address for d in decodes))
+    else:
+        decodes = [with_metrics(start_etcd_worker("decode", etcd, i)) for i in range(2)]
+        prefills = [with_metrics(start_etcd_worker("prefill", etcd, i)) for i in range(2)]
+        router = start_etcd_router(etcd, free_port())
+        # Both decode workers counted in the router's capacity: discovery is complete.
+        full = 2 * cluster.metric(decodes[0].metrics_url, "tandem_kv_cache_blocks_capacity")
+        deadline = time.time() + 10
+        while router_capacity(router.url) != full and time.time() < deadline:
+            time.sleep(0.1)
+    topology.update(router=router, prefills=prefills, decodes=decodes)
     victim = None
     try:
         load = Load(router.url, clients)
         time.sleep(seconds / 2)
         event = time.time()
-        victim = action(prefills, decodes)
+        victim = action(prefills, decodes, topology)
         time.sleep(seconds / 2)
         lost = load.finish(timeout=120)
         records = list(load.records)
         survivors = [w for w in prefills + decodes if w is not victim]
         leaked = {}
         for w in survivors:
+            if w.proc.poll() is not None:
+                leaked[w.address] = f"exited with {w.proc.returncode}"
+                continue
             used = cluster.wait_for_zero(w.metrics_url, "tandem_kv_cache_blocks_used")
             if used != 0:
                 leaked[w.address] = used
@@ -132,13 +232,30 @@ def run_scenario(name, action, reference, seconds, clients):
             "errors": sorted({str(r[4]) for r in failed})[:3],
         }
     finally:
-        for p in [router] + prefills + decodes:
+        for p in [topology["router"]] + prefills + decodes:
             if p is not victim:
                 p.stop()
 
 
+def restart_etcd(prefills, decodes, topology):
+    """etcd down for less than the lease TTL, then back with its data: nobody loses a lease."""
+    topology["etcd"].stop()
+    time.sleep(1)
+    topology["etcd"].start()
+    return None
+
+
+def restart_router(prefills, decodes, topology):
+    """The router drains (SIGTERM) and a new one takes its port, finding the workers in etcd."""
+    old = topology["router"]
+    port = int(old.url.rsplit(":", 1)[1])
+    old.stop()
+    topology["router"] = start_etcd_router(topology["etcd"], port)
+    return old
+
+
 def kill(role, sig):
-    def action(prefills, decodes):
+    def action(prefills, decodes, topology):
         victim = (prefills if role == "prefill" else decodes)[0]
         victim.proc.send_signal(sig)
         if sig == signal.SIGTERM:
@@ -146,6 +263,42 @@ def kill(role, sig):
             threading.Thread(target=victim.proc.wait, daemon=True).start()
         return victim
     return action
+
+
+def membership_scenario(tmp):
+    """Workers joining and leaving are picked up by the router within one lease TTL."""
+    etcd = Etcd(os.path.join(tmp, "etcd-membership"))
+    procs = []
+    try:
+        procs.append(with_metrics(start_etcd_worker("prefill", etcd, 0)))
+        router = start_etcd_router(etcd, free_port())
+        procs.append(router)
+        # Join: a decode worker registers; the router serves with it.
+        joined = time.time()
+        decode = with_metrics(start_etcd_worker("decode", etcd, 0))
+        procs.append(decode)
+        capacity = cluster.metric(decode.metrics_url, "tandem_kv_cache_blocks_capacity")
+        while router_capacity(router.url) != capacity and time.time() < joined + 30:
+            time.sleep(0.05)
+        join_s = time.time() - joined
+        ok, _, error = stream_once(router.url)
+        # Leave: SIGKILL, so only the lease's expiry tells.
+        decode.proc.kill()
+        left = time.time()
+        while router_capacity(router.url) != 0 and time.time() < left + 30:
+            time.sleep(0.05)
+        leave_s = time.time() - left
+        within = join_s <= LEASE_TTL and leave_s <= LEASE_TTL + 1
+        return {"scenario": f"etcd: join picked up in {join_s:.2f} s, leave in {leave_s:.2f} s "
+                            f"(TTL {LEASE_TTL} s)",
+                "sent": 1, "succeeded": int(ok), "failed": int(not ok), "wrong_output": 0,
+                "lost": 0, "recovery_seconds": round(max(join_s, leave_s), 2),
+                "leaked_blocks": {} if within else {"over TTL": 1},
+                "errors": [] if ok else [str(error)]}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        etcd.stop()
 
 
 def main():
@@ -157,10 +310,17 @@ def main():
     a = parser.parse_args()
     cluster.TANDEM = a.tandem
     scenarios = [
-        ("SIGKILL decode worker", kill("decode", signal.SIGKILL)),
-        ("SIGKILL prefill worker", kill("prefill", signal.SIGKILL)),
-        ("SIGTERM (drain) decode worker", kill("decode", signal.SIGTERM)),
+        ("SIGKILL decode worker", kill("decode", signal.SIGKILL), False),
+        ("SIGKILL prefill worker", kill("prefill", signal.SIGKILL), False),
+        ("SIGTERM (drain) decode worker", kill("decode", signal.SIGTERM), False),
+        ("etcd: SIGKILL decode worker", kill("decode", signal.SIGKILL), True),
+        ("etcd: SIGTERM (drain) decode worker", kill("decode", signal.SIGTERM), True),
+        ("etcd: restart etcd", restart_etcd, True),
+        ("etcd: restart the router", restart_router, True),
     ]
+    if not os.path.exists(ETCD):
+        print(f"FAIL: {ETCD} is missing (scripts/install-deps installs etcd-server)")
+        return 1
     with tempfile.TemporaryDirectory() as tmp:
         cluster.MODEL = os.path.join(tmp, "tiny")
         subprocess.run([a.tandem, "synth-model", "--preset", "tiny", "--out", cluster.MODEL],
@@ -174,13 +334,21 @@ def main():
         if not ok:
             print(f"FAIL: reference run failed: {error}")
             return 1
-        rows = [run_scenario(name, action, reference, a.seconds, a.clients)
-                for name, action in scenarios]
+        rows = []
+        for name, action, with_etcd in scenarios:
+            print(f"running: {name}", flush=True)
+            etcd = Etcd(os.path.join(tmp, f"etcd-{len(rows)}")) if with_etcd else None
+            try:
+                rows.append(run_scenario(name, action, reference, a.seconds, a.clients, etcd))
+            finally:
+                if etcd is not None:
+                    etcd.stop()
+        rows.append(membership_scenario(tmp))
 
-    print(f"{'scenario':32} {'sent':>5} {'ok':>5} {'failed':>6} {'wrong':>5} {'lost':>4} "
+    print(f"{'scenario':40} {'sent':>5} {'ok':>5} {'failed':>6} {'wrong':>5} {'lost':>4} "
           f"{'recovery s':>10}  leaked blocks")
     for r in rows:
-        print(f"{r['scenario']:32} {r['sent']:5d} {r['succeeded']:5d} {r['failed']:6d} "
+        print(f"{r['scenario']:40} {r['sent']:5d} {r['succeeded']:5d} {r['failed']:6d} "
               f"{r['wrong_output']:5d} {r['lost']:4d} {r['recovery_seconds']:10.2f}  "
               f"{r['leaked_blocks'] or 0}")
         for e in r["errors"]:

@@ -18,7 +18,7 @@ namespace {
 absl::StatusOr<std::vector<std::string>> Addresses(const Args& args, const std::string& flag) {
   if (!args.Has(flag)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("router: --", flag, " HOST:PORT[,HOST:PORT...] is required"));
+        absl::StrCat("router: --", flag, " HOST:PORT[,HOST:PORT...] (or --etcd) is required"));
   }
   std::vector<std::string> out;
   for (absl::string_view part : absl::StrSplit(*args.Get(flag), ',', absl::SkipWhitespace())) {
@@ -41,6 +41,9 @@ absl::Status Router(int argc, char** argv) {
   Args args("router");
   args.Declare("prefill", "ADDR[,ADDR]", "control-plane addresses of the prefill workers");
   args.Declare("decode", "ADDR[,ADDR]", "control-plane addresses of the decode workers");
+  args.Declare("etcd", "ENDPOINTS",
+               "discover the workers registered in etcd instead of (or besides) the lists");
+  args.Declare("cluster", "NAME", "with --etcd: the cluster's key prefix (default 'default')");
   args.Declare("model", "DIR",
                "checkpoint directory the workers serve (the router reads its tokenizer, chat "
                "template and config, not its weights)");
@@ -52,8 +55,17 @@ absl::Status Router(int argc, char** argv) {
   if (args.HandleHelp()) return absl::OkStatus();
 
   router::DisaggregatedOptions options;
-  TANDEM_ASSIGN_OR_RETURN(options.prefill_addresses, Addresses(args, "prefill"));
-  TANDEM_ASSIGN_OR_RETURN(options.decode_addresses, Addresses(args, "decode"));
+  options.etcd_endpoints = args.GetOr("etcd", "");
+  if (args.Has("cluster") && options.etcd_endpoints.empty()) {
+    return absl::InvalidArgumentError("router: --cluster needs --etcd");
+  }
+  options.cluster = args.GetOr("cluster", "default");
+  if (options.etcd_endpoints.empty() || args.Has("prefill")) {
+    TANDEM_ASSIGN_OR_RETURN(options.prefill_addresses, Addresses(args, "prefill"));
+  }
+  if (options.etcd_endpoints.empty() || args.Has("decode")) {
+    TANDEM_ASSIGN_OR_RETURN(options.decode_addresses, Addresses(args, "decode"));
+  }
   if (!args.Has("model")) return absl::InvalidArgumentError("router: --model DIR is required");
   options.model_dir = *args.Get("model");
   TANDEM_ASSIGN_OR_RETURN(int64_t max_len, IntFlag(args, "max-model-len", 0, 0, 1 << 24));
@@ -70,10 +82,16 @@ absl::Status Router(int argc, char** argv) {
   TANDEM_ASSIGN_OR_RETURN(auto server, router::ApiServer::Create(api, std::move(generator)));
   const std::string host =
       api.http.host == "0.0.0.0" || api.http.host == "::" ? "127.0.0.1" : api.http.host;
-  std::printf("tandem: routing %s on http://%s:%d (prefill %s; decode %s)\n",
-              api.served_model_names.front().c_str(), host.c_str(), server->port(),
-              absl::StrJoin(options.prefill_addresses, ",").c_str(),
-              absl::StrJoin(options.decode_addresses, ",").c_str());
+  if (options.etcd_endpoints.empty()) {
+    std::printf("tandem: routing %s on http://%s:%d (prefill %s; decode %s)\n",
+                api.served_model_names.front().c_str(), host.c_str(), server->port(),
+                absl::StrJoin(options.prefill_addresses, ",").c_str(),
+                absl::StrJoin(options.decode_addresses, ",").c_str());
+  } else {
+    std::printf("tandem: routing %s on http://%s:%d (workers of cluster '%s' in etcd %s)\n",
+                api.served_model_names.front().c_str(), host.c_str(), server->port(),
+                options.cluster.c_str(), options.etcd_endpoints.c_str());
+  }
   std::fflush(stdout);
   WaitForSignal(signals, "finishing requests in flight");
   server->Shutdown(std::chrono::seconds(30));

@@ -29,9 +29,14 @@ struct DisaggregatedOptions {
   // The checkpoint directory: the router reads its config.json, tokenizer.json and chat
   // template (never the weights).
   std::string model_dir;
-  // host:port of every prefill and decode worker's control plane; at least one of each.
+  // host:port of every prefill and decode worker's control plane; at least one of each unless
+  // the workers are discovered through etcd.
   std::vector<std::string> prefill_addresses;
   std::vector<std::string> decode_addresses;
+  // etcd endpoints ("http://10.0.0.2:2379,10.0.0.3:2379"): the pools are the workers registered
+  // under /tandem/<cluster>/workers/, followed live (docs/operations.md). Adds to the lists.
+  std::string etcd_endpoints;
+  std::string cluster = "default";
   // Context length; 0: the model's. Workers refuse longer requests too.
   int max_model_len = 0;
   // How long Create waits for every worker to answer Stats.
@@ -59,8 +64,9 @@ struct DisaggregatedOptions {
 
 class DisaggregatedGenerator : public engine::Generator {
  public:
-  // Loads the tokenizer and config, connects to every worker and waits until each answers
-  // Stats (Unavailable naming the worker otherwise).
+  // Loads the tokenizer and config, connects to every listed worker and waits until each
+  // answers Stats (Unavailable naming the worker otherwise); with etcd, reads the registered
+  // workers and starts following them instead (none need be registered yet).
   static absl::StatusOr<std::unique_ptr<DisaggregatedGenerator>> Create(
       const DisaggregatedOptions& options);
 };
