@@ -65,21 +65,29 @@ std::string PrefixRangeEnd(const std::string& prefix) {
   return std::string(1, '\0');
 }
 
-absl::StatusOr<std::vector<std::string>> ParseEndpoints(const std::string& endpoints) {
+absl::StatusOr<std::vector<std::string>> ParseEndpoints(const std::string& endpoints,
+                                                        bool tls) {
   std::vector<std::string> out;
   for (absl::string_view part : absl::StrSplit(endpoints, ',', absl::SkipWhitespace())) {
     part = absl::StripAsciiWhitespace(part);
-    if (absl::StartsWith(part, "https://")) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("etcd endpoint ", std::string(part), ": TLS is not supported"));
+    if (!tls && absl::StartsWith(part, "https://")) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "etcd endpoint ", std::string(part),
+          " needs TLS files (--tls-ca, --tls-cert, --tls-key)"));
     }
-    absl::ConsumePrefix(&part, "http://");
+    if (tls && absl::StartsWith(part, "http://")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("etcd endpoint ", std::string(part),
+                       " is plaintext but TLS is configured: use https://"));
+    }
+    if (!absl::ConsumePrefix(&part, "https://")) absl::ConsumePrefix(&part, "http://");
     absl::ConsumeSuffix(&part, "/");
     std::string target(part);
     auto host_port = SplitHostPort(target);
     if (!host_port.ok() || host_port->second == 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "etcd endpoint must be http://HOST:PORT or HOST:PORT, got '", target, "'"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("etcd endpoint must be ", tls ? "https" : "http",
+                       "://HOST:PORT or HOST:PORT, got '", target, "'"));
     }
     out.push_back(std::move(target));
   }
@@ -141,10 +149,13 @@ EtcdClient::~EtcdClient() = default;
 
 absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions options) {
   auto impl = std::make_unique<Impl>();
-  TANDEM_ASSIGN_OR_RETURN(impl->endpoints, ParseEndpoints(options.endpoints));
+  TANDEM_ASSIGN_OR_RETURN(impl->endpoints,
+                          ParseEndpoints(options.endpoints, options.tls.enabled()));
   if (options.timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("etcd client timeout must be positive");
   }
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> credentials,
+                          proto::MakeChannelCredentials(options.tls));
   impl->options = std::move(options);
   for (const std::string& endpoint : impl->endpoints) {
     grpc::ChannelArguments args;
@@ -156,8 +167,8 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
     args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS, 10000);
     args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 5000);
-    auto channel =
-        grpc::CreateCustomChannel(endpoint, grpc::InsecureChannelCredentials(), args);
+    proto::AddTlsChannelArgs(impl->options.tls, &args);
+    auto channel = grpc::CreateCustomChannel(endpoint, credentials, args);
     impl->kv.push_back(etcdserverpb::KV::NewStub(channel));
     impl->lease.push_back(etcdserverpb::Lease::NewStub(channel));
     impl->watch.push_back(etcdserverpb::Watch::NewStub(channel));

@@ -1,6 +1,8 @@
 #include "tandem/cluster/etcd_client.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <filesystem>
 #include <mutex>
 #include <vector>
 
@@ -46,6 +48,11 @@ TEST(EtcdEndpointsTest, ParsesAndRefuses) {
   EXPECT_FALSE(ParseEndpoints("https://127.0.0.1:2379").ok());
   EXPECT_FALSE(ParseEndpoints("127.0.0.1").ok());
   EXPECT_FALSE(ParseEndpoints("127.0.0.1:0").ok());
+  // With TLS every endpoint is https: "http://" is refused, bare HOST:PORT uses TLS.
+  auto secure = ParseEndpoints("https://127.0.0.1:2379,10.0.0.2:2379", /*tls=*/true);
+  ASSERT_TRUE(secure.ok()) << secure.status();
+  EXPECT_EQ(*secure, (std::vector<std::string>{"127.0.0.1:2379", "10.0.0.2:2379"}));
+  EXPECT_FALSE(ParseEndpoints("https://127.0.0.1:2379,http://10.0.0.2:2379", true).ok());
   EXPECT_EQ(PrefixRangeEnd("/a/"), "/a0");
   EXPECT_EQ(PrefixRangeEnd(std::string("a\xff", 2)), "b");
   EXPECT_EQ(PrefixRangeEnd(""), std::string(1, '\0'));
@@ -249,6 +256,70 @@ TEST_F(EtcdClientTest, FailsOverToTheNextEndpoint) {
   auto answer = (*nowhere)->Get("/fo/a");
   EXPECT_TRUE(absl::IsUnavailable(answer.status())) << answer.status();
   EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::milliseconds(2500));
+}
+
+// etcd with --client-cert-auth on https, certificates from tests/tls/make-certs.sh.
+class EtcdTlsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    const char* source = std::getenv("TANDEM_SOURCE_DIR");
+    ASSERT_NE(source, nullptr) << "run under ctest (TANDEM_SOURCE_DIR)";
+    certs_ = new std::string(absl::StrCat("/tmp/tandem-etcd-tls-", getpid()));
+    ASSERT_EQ(std::system(absl::StrCat(source, "/tests/tls/make-certs.sh ", *certs_).c_str()), 0)
+        << "tests/tls/make-certs.sh failed (is openssl installed? scripts/install-deps)";
+    server_ = new EtcdServer(Files("ca", "server"));
+    server_->Start();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+    std::filesystem::remove_all(*certs_);
+    delete certs_;
+  }
+  static proto::TlsFiles Files(const std::string& ca, const std::string& leaf) {
+    return {.ca = absl::StrCat(*certs_, "/", ca, ".pem"),
+            .cert = absl::StrCat(*certs_, "/", leaf, ".pem"),
+            .key = absl::StrCat(*certs_, "/", leaf, ".key")};
+  }
+
+  static std::string* certs_;
+  static EtcdServer* server_;
+};
+
+std::string* EtcdTlsTest::certs_ = nullptr;
+EtcdServer* EtcdTlsTest::server_ = nullptr;
+
+TEST_F(EtcdTlsTest, MutualTlsClientReadsAndWrites) {
+  ASSERT_FALSE(HasFatalFailure());
+  auto client = EtcdClient::Create(
+      {.endpoints = server_->url(), .timeout = absl::Seconds(2), .tls = Files("ca", "client")});
+  ASSERT_TRUE(client.ok()) << client.status();
+  ASSERT_TRUE((*client)->Put("/tls/a", "1").ok());
+  auto got = (*client)->Get("/tls/a");
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ((*got)->value, "1");
+}
+
+TEST_F(EtcdTlsTest, RefusesClientsWithoutTheClusterCertificate) {
+  ASSERT_FALSE(HasFatalFailure());
+  // Plaintext to the TLS port.
+  auto plain = EtcdClient::Create({.endpoints = server_->endpoint(), .timeout = absl::Seconds(2)});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_FALSE((*plain)->Get("/tls/a").ok());
+  // A certificate of another CA.
+  auto rogue = EtcdClient::Create(
+      {.endpoints = server_->url(), .timeout = absl::Seconds(2), .tls = Files("ca", "rogue")});
+  ASSERT_TRUE(rogue.ok()) << rogue.status();
+  auto answer = (*rogue)->Get("/tls/a");
+  EXPECT_TRUE(absl::IsUnavailable(answer.status())) << answer.status();
+  // https without TLS files, and TLS files that cannot be read, are refused at Create.
+  auto no_files = EtcdClient::Create({.endpoints = server_->url()});
+  EXPECT_TRUE(absl::IsInvalidArgument(no_files.status())) << no_files.status();
+  proto::TlsFiles missing = Files("ca", "client");
+  missing.key = "/nonexistent/client.key";
+  auto unreadable = EtcdClient::Create({.endpoints = server_->url(), .tls = missing});
+  EXPECT_TRUE(absl::IsInvalidArgument(unreadable.status())) << unreadable.status();
+  EXPECT_NE(unreadable.status().message().find("/nonexistent/client.key"), std::string::npos);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -39,7 +40,9 @@ inline int FreeLoopbackPort() {
 
 class EtcdServer {
  public:
-  EtcdServer() {
+  // With `tls`: https on the client port, client certificates required and verified against
+  // tls.ca (etcd's --client-cert-auth), tls.cert/tls.key as etcd's own certificate.
+  explicit EtcdServer(proto::TlsFiles tls = {}) : tls_(std::move(tls)) {
     static int counter = 0;
     name_ = absl::StrCat("tandem-test-", getpid(), "-", counter++);
     char dir_template[] = "/tmp/tandem-etcd-XXXXXX";
@@ -59,7 +62,7 @@ class EtcdServer {
     ASSERT_TRUE(std::filesystem::exists(kEtcdBinary))
         << kEtcdBinary << " is missing: the cluster tests need a real etcd; run "
         << "scripts/install-deps (it installs Debian's etcd-server package)";
-    const std::string client_url = absl::StrCat("http://127.0.0.1:", client_port_);
+    const std::string client_url = url();
     const std::string peer_url = absl::StrCat("http://127.0.0.1:", peer_port_);
     std::vector<std::string> args = {
         kEtcdBinary,
@@ -79,6 +82,13 @@ class EtcdServer {
         "--log-outputs", data_dir_ + "/etcd.log",
         "--log-level", "warn",
     };
+    if (tls_.enabled()) {
+      for (const std::string& arg : {"--client-cert-auth", "--trusted-ca-file", tls_.ca.c_str(),
+                                     "--cert-file", tls_.cert.c_str(), "--key-file",
+                                     tls_.key.c_str()}) {
+        args.push_back(arg);
+      }
+    }
     pid_ = fork();
     if (pid_ == 0) {
       const int null_fd = open("/dev/null", O_WRONLY);
@@ -91,7 +101,8 @@ class EtcdServer {
       _exit(127);
     }
     ASSERT_GT(pid_, 0) << "fork failed";
-    auto client = EtcdClient::Create({.endpoints = endpoint(), .timeout = absl::Seconds(1)});
+    auto client = EtcdClient::Create(
+        {.endpoints = endpoint(), .timeout = absl::Seconds(1), .tls = tls_});
     ASSERT_TRUE(client.ok()) << client.status();
     const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(15);
     absl::Status last;
@@ -117,10 +128,13 @@ class EtcdServer {
   }
 
   std::string endpoint() const { return absl::StrCat("127.0.0.1:", client_port_); }
-  std::string url() const { return absl::StrCat("http://127.0.0.1:", client_port_); }
+  std::string url() const {
+    return absl::StrCat(tls_.enabled() ? "https" : "http", "://127.0.0.1:", client_port_);
+  }
   int client_port() const { return client_port_; }
 
  private:
+  proto::TlsFiles tls_;
   std::string name_;
   std::string data_dir_;
   int client_port_ = 0;

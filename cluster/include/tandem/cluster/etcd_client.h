@@ -25,15 +25,20 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "tandem/proto/tls.h"
 
 namespace tandem::cluster {
 
 struct EtcdClientOptions {
-  // Comma-separated etcd client endpoints: "http://HOST:PORT" or "HOST:PORT" ("https://" is
-  // refused: TLS is not supported yet).
+  // Comma-separated etcd client endpoints: "http://HOST:PORT" or "HOST:PORT" without `tls`;
+  // "https://HOST:PORT" or "HOST:PORT" with it (every endpoint then uses TLS: "http://" is
+  // refused, as is "https://" without `tls`).
   std::string endpoints;
   // Deadline of each unary call on one endpoint.
   absl::Duration timeout = absl::Seconds(5);
+  // Mutual TLS (etcd's --client-cert-auth --trusted-ca-file): etcd's certificate is verified
+  // against `tls.ca` and `tls.cert` is presented. Empty: plaintext.
+  proto::TlsFiles tls;
 };
 
 // A key as stored in etcd.
@@ -155,7 +160,9 @@ class EtcdClient {
 // The first key after every key that starts with `prefix` (etcd's range_end for a prefix).
 std::string PrefixRangeEnd(const std::string& prefix);
 
-// Parses a comma-separated endpoint list into "host:port" targets.
-absl::StatusOr<std::vector<std::string>> ParseEndpoints(const std::string& endpoints);
+// Parses a comma-separated endpoint list into "host:port" targets. With `tls`, "https://" is
+// accepted and "http://" refused; without it, the reverse.
+absl::StatusOr<std::vector<std::string>> ParseEndpoints(const std::string& endpoints,
+                                                        bool tls = false);
 
 }  // namespace tandem::cluster
