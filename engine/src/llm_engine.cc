@@ -1,6 +1,7 @@
 #include "tandem/engine/llm_engine.h"
 
 #include <algorithm>
+#include <chrono>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -55,7 +56,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
   engine->blocks_ = std::make_unique<BlockManager>(
       static_cast<int>(std::min<int64_t>(num_blocks, 1 << 30)), options.block_size);
   engine->scheduler_ = std::make_unique<Scheduler>(
-      SchedulerOptions{options.max_num_seqs, options.max_num_batched_tokens, options.role},
+      SchedulerOptions{options.max_num_seqs, options.max_num_batched_tokens, options.role,
+                       options.queue_policy},
       engine->blocks_.get());
   TANDEM_ASSIGN_OR_RETURN(engine->runner_,
                           ModelRunner::Create(*engine->checkpoint_, engine->backend_.get(),
@@ -242,10 +244,19 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   std::vector<RequestOutput> outputs;
   outputs.swap(pending_outputs_);
   if (!scheduler_->has_work()) return outputs;
+  ApplySloLimits();
+  const auto step_start = std::chrono::steady_clock::now();
   SchedulerStep step = scheduler_->Schedule();
   if (step.empty()) {
     return absl::InternalError("scheduler made no progress with requests pending");
   }
+  // The step's shape for the latency model: tokens, sequences, and the context attention reads.
+  int64_t step_context = 0;
+  for (const ScheduledSequence& s : step.seqs) {
+    step_context += s.seq->num_computed_tokens + s.num_new_tokens;
+  }
+  const int step_tokens = step.num_tokens;
+  const int step_seqs = static_cast<int>(step.seqs.size());
   if (options_.on_layer_kv_written) {
     step_writes_.clear();
     for (const ScheduledSequence& s : step.seqs) {
@@ -283,6 +294,14 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
     ProcessToken(request, choice, token, out.choices.back());
     out.num_generation_tokens = request.num_generation_tokens;
   }
+  // Measured from Schedule through sampling and output processing: what a decode step adds to
+  // every running request's time per output token.
+  last_step_seconds_ =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+  last_predicted_step_seconds_ =
+      latency_model_.ready() ? latency_model_.Predict(step_tokens, step_seqs, step_context) : 0;
+  latency_model_.Observe(step_tokens, step_seqs, step_context, last_step_seconds_);
+  ++steps_;
   for (RequestOutput& out : outputs) {
     auto it = requests_.find(out.request_id);
     if (it == requests_.end()) continue;  // already reported finished
@@ -370,9 +389,46 @@ absl::Status LlmEngine::AddPrefilled(GenerateRequest request,
   return absl::OkStatus();
 }
 
+void LlmEngine::ApplySloLimits() {
+  // Share of the TPOT target a step may take: the rest covers what happens outside the step
+  // (streaming, the loop's other work) and the model's error.
+  constexpr double kTpotMargin = 0.9;
+  // Share of the TTFT target one step may take: a request arriving mid-step waits at most this
+  // before its first chunk runs.
+  constexpr double kTtftStepShare = 0.25;
+  if (options_.tpot_slo_seconds > 0 && options_.role != EngineRole::kPrefill) {
+    std::vector<int64_t> contexts;
+    contexts.reserve(scheduler_->running().size());
+    // A decode step reads each sequence's computed tokens plus the one it runs.
+    for (const Sequence* seq : scheduler_->running()) {
+      contexts.push_back(seq->num_computed_tokens + 1);
+    }
+    scheduler_->set_max_running(DecodeBatchLimit(latency_model_, contexts, options_.max_num_seqs,
+                                                 kTpotMargin * options_.tpot_slo_seconds));
+  }
+  if (options_.ttft_slo_seconds > 0 && options_.role != EngineRole::kDecode) {
+    scheduler_->set_token_budget(PrefillTokenBudget(latency_model_, options_.max_num_batched_tokens,
+                                                    options_.block_size, options_.block_size,
+                                                    kTtftStepShare * options_.ttft_slo_seconds));
+  }
+}
+
 EngineStats LlmEngine::stats() const {
-  return {scheduler_->num_running(), scheduler_->num_waiting(), blocks_->num_blocks(),
-          blocks_->num_used_blocks(), scheduler_->num_preemptions()};
+  EngineStats stats;
+  stats.running = scheduler_->num_running();
+  stats.waiting = scheduler_->num_waiting();
+  stats.kv_blocks_total = blocks_->num_blocks();
+  stats.kv_blocks_used = blocks_->num_used_blocks();
+  stats.preemptions = scheduler_->num_preemptions();
+  stats.batch_limit = scheduler_->max_running();
+  stats.token_budget = scheduler_->token_budget();
+  stats.steps = steps_;
+  stats.last_step_seconds = last_step_seconds_;
+  stats.last_predicted_step_seconds = last_predicted_step_seconds_;
+  stats.step_model = latency_model_.coefficients();
+  stats.step_model_samples = latency_model_.num_observed();
+  stats.step_model_error_ratio = latency_model_.error_ratio();
+  return stats;
 }
 
 void AccumulateDelta(ChoiceDelta& total, const ChoiceDelta& delta) {

@@ -7,12 +7,30 @@
 namespace tandem::engine {
 
 Scheduler::Scheduler(const SchedulerOptions& options, BlockManager* blocks)
-    : options_(options), blocks_(blocks) {
+    : options_(options),
+      blocks_(blocks),
+      max_running_(options.max_num_seqs),
+      token_budget_(options.max_num_batched_tokens) {
   TANDEM_CHECK(options.max_num_seqs > 0 && options.max_num_batched_tokens > 0);
+}
+
+void Scheduler::set_max_running(int n) { max_running_ = std::clamp(n, 1, options_.max_num_seqs); }
+
+void Scheduler::set_token_budget(int tokens) {
+  token_budget_ = std::clamp(tokens, 1, options_.max_num_batched_tokens);
 }
 
 void Scheduler::Add(Sequence* seq) {
   seq->status = SequenceStatus::kWaiting;
+  if (options_.queue_policy == QueuePolicy::kShortestPromptFirst) {
+    // Behind every sequence with as few tokens left (and every preempted one), before the rest.
+    const int left = seq->num_uncomputed_tokens();
+    auto it = std::find_if(waiting_.begin(), waiting_.end(), [&](const Sequence* other) {
+      return other->num_preemptions == 0 && other->num_uncomputed_tokens() > left;
+    });
+    waiting_.insert(it, seq);
+    return;
+  }
   waiting_.push_back(seq);
 }
 
@@ -34,13 +52,14 @@ void Scheduler::Preempt(Sequence* seq) {
 
 SchedulerStep Scheduler::Schedule() {
   SchedulerStep step;
-  int budget = options_.max_num_batched_tokens;
+  int budget = token_budget_;
   bool preempted = false;
 
   // Prefilled sequences join running_ directly (AddPrefilled), so it may hold more than
-  // max_num_seqs: those beyond it wait for a later step, in arrival order.
+  // max_running_ (max_num_seqs, or the TPOT controller's lower cap): those beyond it wait for a
+  // later step, in arrival order.
   for (size_t i = 0; i < running_.size() && budget > 0 &&
-                     static_cast<int>(step.seqs.size()) < options_.max_num_seqs;) {
+                     static_cast<int>(step.seqs.size()) < max_running_;) {
     Sequence* seq = running_[i];
     int new_tokens = std::min(seq->num_uncomputed_tokens(), budget);
     if (new_tokens <= 0) {
@@ -70,7 +89,7 @@ SchedulerStep Scheduler::Schedule() {
 
   // Admitting new work right after a preemption would only thrash the cache.
   while (!preempted && budget > 0 && !waiting_.empty() &&
-         static_cast<int>(running_.size()) < options_.max_num_seqs) {
+         static_cast<int>(running_.size()) < max_running_) {
     Sequence* seq = waiting_.front();
     int new_tokens = std::min(seq->num_uncomputed_tokens(), budget);
     if (!blocks_->CanAppend(seq->block_table, seq->num_computed_tokens, new_tokens)) break;
@@ -83,7 +102,7 @@ SchedulerStep Scheduler::Schedule() {
     step.seqs.push_back({seq, new_tokens, new_tokens == seq->num_uncomputed_tokens()});
     budget -= new_tokens;
   }
-  step.num_tokens = options_.max_num_batched_tokens - budget;
+  step.num_tokens = token_budget_ - budget;
   return step;
 }
 

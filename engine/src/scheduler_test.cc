@@ -176,5 +176,107 @@ TEST(SchedulerTest, MorePrefilledSequencesThanMaxNumSeqsTakeTurns) {
   EXPECT_TRUE(s.Schedule().empty());
 }
 
+TEST(SchedulerTest, DynamicCapLimitsTheRunningBatch) {
+  BlockManager blocks(64, 4);
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64, .role = EngineRole::kDecode},
+              &blocks);
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  for (int i = 0; i < 8; ++i) {
+    auto seq = MakeSeq(i, 4);
+    ASSERT_TRUE(blocks.Append(seq->block_table, 0, 4).ok());
+    seq->num_computed_tokens = 4;
+    seq->tokens.push_back(9);
+    s.AddPrefilled(seq.get());
+    seqs.push_back(std::move(seq));
+  }
+  s.set_max_running(3);
+  SchedulerStep step = s.Schedule();
+  ASSERT_EQ(step.seqs.size(), 3u);
+  // The oldest run; the rest wait, in arrival order.
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(step.seqs[i].seq, seqs[i].get());
+  RunStep(s, step);
+  s.set_max_running(5);  // the controller grows the batch
+  step = s.Schedule();
+  EXPECT_EQ(step.seqs.size(), 5u);
+  RunStep(s, step);
+  s.set_max_running(0);  // never below one
+  EXPECT_EQ(s.max_running(), 1);
+  EXPECT_EQ(s.Schedule().seqs.size(), 1u);
+  s.set_max_running(100);  // never above max_num_seqs
+  EXPECT_EQ(s.max_running(), 8);
+}
+
+TEST(SchedulerTest, DynamicCapHoldsBackAdmission) {
+  BlockManager blocks(64, 16);
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 256}, &blocks);
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  for (int i = 0; i < 4; ++i) {
+    seqs.push_back(MakeSeq(i, 10));
+    s.Add(seqs.back().get());
+  }
+  s.set_max_running(2);
+  SchedulerStep step = s.Schedule();
+  EXPECT_EQ(step.seqs.size(), 2u);
+  EXPECT_EQ(s.num_running(), 2);
+  EXPECT_EQ(s.num_waiting(), 2);
+}
+
+TEST(SchedulerTest, TokenBudgetShrinksChunks) {
+  BlockManager blocks(64, 16);
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64}, &blocks);
+  auto seq = MakeSeq(0, 100);
+  s.Add(seq.get());
+  s.set_token_budget(32);
+  SchedulerStep step = s.Schedule();
+  ASSERT_EQ(step.seqs.size(), 1u);
+  EXPECT_EQ(step.seqs[0].num_new_tokens, 32);
+  EXPECT_EQ(step.num_tokens, 32);
+  RunStep(s, step);
+  s.set_token_budget(1000);  // clamped to max_num_batched_tokens
+  EXPECT_EQ(s.Schedule().num_tokens, 64);
+}
+
+TEST(SchedulerTest, ShortestPromptFirstAdmitsShortPromptsFirst) {
+  BlockManager blocks(256, 16);
+  Scheduler s({.max_num_seqs = 1, .max_num_batched_tokens = 512,
+               .queue_policy = QueuePolicy::kShortestPromptFirst},
+              &blocks);
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  for (int len : {300, 50, 200, 50, 10}) {
+    seqs.push_back(MakeSeq(static_cast<int>(seqs.size()), len));
+    s.Add(seqs.back().get());
+  }
+  // One at a time: 10, then the two of 50 in arrival order, then 200, then 300.
+  std::vector<int> order;
+  while (s.has_work()) {
+    SchedulerStep step = s.Schedule();
+    ASSERT_EQ(step.seqs.size(), 1u);
+    order.push_back(static_cast<int>(step.seqs[0].seq->seq_id));
+    RunStep(s, step);
+    s.Finish(step.seqs[0].seq, FinishReason::kPrefilled);
+    s.ReleaseBlocks(step.seqs[0].seq);
+  }
+  EXPECT_EQ(order, (std::vector<int>{4, 1, 3, 2, 0}));
+}
+
+TEST(SchedulerTest, FcfsAdmitsInArrivalOrder) {
+  BlockManager blocks(256, 16);
+  Scheduler s({.max_num_seqs = 1, .max_num_batched_tokens = 512}, &blocks);
+  std::vector<std::unique_ptr<Sequence>> seqs;
+  for (int len : {300, 50, 10}) {
+    seqs.push_back(MakeSeq(static_cast<int>(seqs.size()), len));
+    s.Add(seqs.back().get());
+  }
+  std::vector<int> order;
+  while (s.has_work()) {
+    SchedulerStep step = s.Schedule();
+    order.push_back(static_cast<int>(step.seqs[0].seq->seq_id));
+    RunStep(s, step);
+    s.Finish(step.seqs[0].seq, FinishReason::kPrefilled);
+    s.ReleaseBlocks(step.seqs[0].seq);
+  }
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+}
+
 }  // namespace
 }  // namespace tandem::engine

@@ -19,6 +19,7 @@
 #include "tandem/engine/sampler.h"
 #include "tandem/engine/sampling_params.h"
 #include "tandem/engine/scheduler.h"
+#include "tandem/engine/step_latency_model.h"
 #include "tandem/engine/tokenizer.h"
 #include "tandem/kernels/backend.h"
 
@@ -44,6 +45,15 @@ struct EngineOptions {
   int max_num_batched_tokens = 512;  // also the prefill chunk size
   int max_model_len = 0;             // 0: max_position_embeddings of the model
   EngineRole role = EngineRole::kColocated;
+  // SLO controllers (docs/architecture.md, "SLO-driven batch sizing"); 0 turns one off. With a
+  // TPOT target, each step runs at most as many sequences as the step latency model predicts
+  // fit in 0.9 x the target (decode and colocated roles). With a TTFT target, each step takes
+  // at most as many tokens as the model predicts fit in a quarter of the target (prefill and
+  // colocated roles), so a request arriving mid-step waits at most that for its first chunk.
+  double tpot_slo_seconds = 0;
+  double ttft_slo_seconds = 0;
+  // Admission order of waiting requests.
+  QueuePolicy queue_policy = QueuePolicy::kFcfs;
   // Called on the engine thread, inside Step(), once per layer as soon as that layer's KV of
   // the step's tokens is in the cache (the later layers are not yet computed). A prefill worker
   // pushes those pages to the decode worker from here, overlapping transfer with compute. Must
@@ -104,6 +114,20 @@ struct EngineStats {
   int kv_blocks_total = 0;
   int kv_blocks_used = 0;
   int64_t preemptions = 0;
+  // The limits the next step runs under: max_num_seqs and max_num_batched_tokens unless an SLO
+  // controller lowered them.
+  int batch_limit = 0;
+  int token_budget = 0;
+  // Steps run, and the last one's measured time (Schedule through sampling) and its prediction
+  // made before it ran (0 while the latency model is not ready).
+  int64_t steps = 0;
+  double last_step_seconds = 0;
+  double last_predicted_step_seconds = 0;
+  // The step latency model: coefficients (indexed by StepLatencyModel::Term), observations, and
+  // recent mean |predicted - measured| / measured.
+  std::array<double, StepLatencyModel::kNumTerms> step_model{};
+  int64_t step_model_samples = 0;
+  double step_model_error_ratio = 0;
 };
 
 // Single-threaded: one caller drives AddRequest / Abort / Step.
@@ -153,6 +177,7 @@ class LlmEngine {
   const ChatFormatter& chat_formatter() const { return *chat_formatter_; }
   int max_model_len() const { return max_model_len_; }
   EngineStats stats() const;
+  const StepLatencyModel& step_latency_model() const { return latency_model_; }
 
  private:
   struct Choice;
@@ -164,6 +189,8 @@ class LlmEngine {
   // Applies one sampled token to a choice: stop checks, detokenization, delta.
   void ProcessToken(Request& request, Choice& choice, int32_t token, ChoiceDelta& delta);
   void FinishChoice(Choice& choice, FinishReason reason, ChoiceDelta& delta);
+  // Sets the scheduler's dynamic limits from the SLO targets and the latency model.
+  void ApplySloLimits();
 
   EngineOptions options_;
   std::unique_ptr<Checkpoint> checkpoint_;
@@ -180,6 +207,10 @@ class LlmEngine {
   std::vector<PrefillHandoff> handoffs_;        // prefill role: not yet taken
   std::vector<RequestOutput> pending_outputs_;  // decode role: first tokens of AddPrefilled
   std::vector<KvWritten> step_writes_;          // of the running step, for on_layer_kv_written
+  StepLatencyModel latency_model_;
+  int64_t steps_ = 0;
+  double last_step_seconds_ = 0;
+  double last_predicted_step_seconds_ = 0;
 };
 
 // The checks of a request that need only the model (so a router without an engine makes them

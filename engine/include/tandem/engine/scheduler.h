@@ -15,10 +15,17 @@ namespace tandem::engine {
 // decode: sequences arrive with their prompt KV already in the cache.
 enum class EngineRole { kColocated, kPrefill, kDecode };
 
+// The order in which waiting sequences are admitted. kFcfs: arrival order.
+// kShortestPromptFirst: fewest tokens left to compute first (arrival order among equals), which
+// lowers mean time to first token when prompts differ in length; a long prompt waits while
+// shorter ones keep arriving. Preempted sequences go first under both.
+enum class QueuePolicy { kFcfs, kShortestPromptFirst };
+
 struct SchedulerOptions {
   int max_num_seqs = 64;              // sequences in one step
   int max_num_batched_tokens = 2048;  // tokens (prefill chunks + decodes) in one step
   EngineRole role = EngineRole::kColocated;
+  QueuePolicy queue_policy = QueuePolicy::kFcfs;
 };
 
 // One sequence's share of a step: tokens [num_computed_tokens, +num_new_tokens) are run.
@@ -59,6 +66,17 @@ class Scheduler {
   void Finish(Sequence* seq, FinishReason reason);
   void ReleaseBlocks(Sequence* seq);
 
+  // Dynamic limits below the static ones (set by the SLO controllers before a step): a step
+  // runs at most `n` sequences (running ones beyond it wait, in arrival order, and nothing is
+  // admitted), and at most `tokens` tokens. Clamped to [1, max_num_seqs] and
+  // [1, max_num_batched_tokens].
+  void set_max_running(int n);
+  void set_token_budget(int tokens);
+  int max_running() const { return max_running_; }
+  int token_budget() const { return token_budget_; }
+  // Running sequences in the order steps continue them.
+  const std::vector<Sequence*>& running() const { return running_; }
+
   bool has_work() const { return !running_.empty() || !waiting_.empty(); }
   int num_running() const { return static_cast<int>(running_.size()); }
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
@@ -71,6 +89,8 @@ class Scheduler {
   BlockManager* blocks_;  // not owned
   std::deque<Sequence*> waiting_;
   std::vector<Sequence*> running_;  // arrival order
+  int max_running_ = 0;
+  int token_budget_ = 0;
   int64_t num_preemptions_ = 0;
 };
 
