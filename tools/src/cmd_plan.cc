@@ -63,6 +63,9 @@ void DeclareModelFlags(Args& args) {
   args.Declare("hardware", "NAME", "A100-80G | H100 | H200 (default A100-80G)");
   args.Declare("calibration", "FILE",
                "step times measured by `tandem plan calibrate` (default: the roofline)");
+  args.Declare("fit-trim", "FRACTION",
+               "share of the slowest calibration steps (relative to the fit) left out of it, "
+               "for steps slowed by other processes (default 0.2)");
   args.Declare("kv-link-gbps", "GB/s", "prefill-to-decode KV bandwidth (default: the hardware's)");
   args.Declare("kv-cache-bytes", "N",
                "KV cache per instance with --calibration (default: unbounded)");
@@ -202,7 +205,11 @@ absl::StatusOr<Setup> SetupFromFlags(const Args& args, bool slo_required) {
   const RooflineShape shape = s.shape;
   const ClusterHardware hardware = s.hardware;
   if (calibration) {
-    TANDEM_ASSIGN_OR_RETURN(LatencyModel measured, FitLatencyModel(calibration->samples));
+    TANDEM_ASSIGN_OR_RETURN(double trim, args.Double("fit-trim", 0.2));
+    if (!(trim >= 0) || trim >= 1) {
+      return absl::InvalidArgumentError(absl::StrCat(cmd, ": --fit-trim must be in [0, 1)"));
+    }
+    TANDEM_ASSIGN_OR_RETURN(LatencyModel measured, FitLatencyModel(calibration->samples, trim));
     const double kv_per_token = calibration->kv_bytes_per_token > 0
                                     ? calibration->kv_bytes_per_token
                                     : KvBytesPerToken(shape);
@@ -627,7 +634,7 @@ absl::Status Calibrate(int argc, char** argv) {
     }
   }
   TANDEM_RETURN_IF_ERROR(WriteJson(*args.Get("out"), cal.ToJson()));
-  TANDEM_ASSIGN_OR_RETURN(LatencyModel fit, FitLatencyModel(cal.samples));
+  TANDEM_ASSIGN_OR_RETURN(LatencyModel fit, FitLatencyModel(cal.samples, 0.2));
   std::printf("tandem plan calibrate: %zu steps timed on %s, written to %s\n", cal.samples.size(),
               cal.device.c_str(), args.Get("out")->c_str());
   std::printf("prefill: t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n", fit.prefill.a,

@@ -111,7 +111,9 @@ json LatencyModel::ToJson() const {
   return json{{"prefill", coeffs(prefill)}, {"decode", coeffs(decode)}};
 }
 
-absl::StatusOr<StepCoeffs> FitStepCoeffs(const std::vector<StepSample>& samples) {
+namespace {
+
+absl::StatusOr<StepCoeffs> FitOnce(const std::vector<StepSample>& samples) {
   if (samples.empty()) return absl::InvalidArgumentError("no step samples to fit");
   std::vector<std::array<double, 4>> x;
   std::vector<double> y;
@@ -139,16 +141,41 @@ absl::StatusOr<StepCoeffs> FitStepCoeffs(const std::vector<StepSample>& samples)
   return StepCoeffs{coef[0], coef[1], coef[2], coef[3]};
 }
 
-absl::StatusOr<LatencyModel> FitLatencyModel(const std::vector<StepSample>& samples) {
+}  // namespace
+
+absl::StatusOr<StepCoeffs> FitStepCoeffs(const std::vector<StepSample>& samples, double trim) {
+  TANDEM_ASSIGN_OR_RETURN(StepCoeffs fit, FitOnce(samples));
+  if (!(trim > 0) || trim >= 1) return fit;
+  const size_t keep = std::max<size_t>(
+      1, static_cast<size_t>(std::ceil((1 - trim) * static_cast<double>(samples.size()))));
+  for (int round = 0; round < 2; ++round) {
+    std::vector<std::pair<double, size_t>> slow;
+    for (size_t i = 0; i < samples.size(); ++i) {
+      const StepSample& s = samples[i];
+      const double pred = std::max(1e-12, fit.Seconds(static_cast<double>(s.tokens),
+                                                      static_cast<double>(s.seqs),
+                                                      static_cast<double>(s.context)));
+      slow.emplace_back((s.seconds - pred) / pred, i);
+    }
+    std::sort(slow.begin(), slow.end());
+    std::vector<StepSample> kept;
+    for (size_t i = 0; i < keep; ++i) kept.push_back(samples[slow[i].second]);
+    TANDEM_ASSIGN_OR_RETURN(fit, FitOnce(kept));
+  }
+  return fit;
+}
+
+absl::StatusOr<LatencyModel> FitLatencyModel(const std::vector<StepSample>& samples,
+                                             double trim) {
   std::vector<StepSample> prefill, decode;
   for (const StepSample& s : samples) (s.prefill_tokens > 0 ? prefill : decode).push_back(s);
   if (samples.empty()) return absl::InvalidArgumentError("no step samples to fit");
   LatencyModel model;
   if (!prefill.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(model.prefill, FitStepCoeffs(prefill));
+    TANDEM_ASSIGN_OR_RETURN(model.prefill, FitStepCoeffs(prefill, trim));
   }
   if (!decode.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(model.decode, FitStepCoeffs(decode));
+    TANDEM_ASSIGN_OR_RETURN(model.decode, FitStepCoeffs(decode, trim));
   }
   if (prefill.empty()) model.prefill = model.decode;
   if (decode.empty()) model.decode = model.prefill;

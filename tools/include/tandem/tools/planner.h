@@ -52,12 +52,15 @@ struct LatencyModel {
 };
 
 // Least-squares fit of the four coefficients to `samples`, none of them negative (a coefficient
-// the unconstrained fit makes negative is fixed at 0 and the rest refitted). Errors with no
-// samples.
-absl::StatusOr<StepCoeffs> FitStepCoeffs(const std::vector<StepSample>& samples);
+// the unconstrained fit makes negative is fixed at 0 and the rest refitted). With trim > 0 the
+// fit is repeated twice without the `trim` share of samples that ran slowest relative to the
+// previous fit (steps slowed by other processes on a shared machine). Errors with no samples.
+absl::StatusOr<StepCoeffs> FitStepCoeffs(const std::vector<StepSample>& samples,
+                                         double trim = 0);
 // Fits `prefill` to the samples with prompt tokens and `decode` to the others; when one side has
 // no samples it takes the other's fit.
-absl::StatusOr<LatencyModel> FitLatencyModel(const std::vector<StepSample>& samples);
+absl::StatusOr<LatencyModel> FitLatencyModel(const std::vector<StepSample>& samples,
+                                             double trim = 0);
 
 // A calibration file: the samples measured on a real engine, and what they were measured with.
 struct Calibration {

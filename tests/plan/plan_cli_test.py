@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""`tandem plan` as a user runs it: one-line refusals of bad flags, a small placement search,
+one simulation (from a length distribution and from a bench report), and a calibration file."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+TANDEM = sys.argv[1]
+failures = []
+
+
+def tandem(*args):
+    return subprocess.run([TANDEM, *args], capture_output=True, text=True, timeout=120)
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what, file=sys.stderr)
+
+
+def refused(args, needle):
+    r = tandem(*args)
+    lines = r.stderr.strip().splitlines()
+    check(r.returncode != 0, f"{args}: exit {r.returncode}, expected non-zero")
+    check(len(lines) == 1, f"{args}: stderr should be one line, got {r.stderr!r}")
+    check(needle in r.stderr, f"{args}: {needle!r} not in {r.stderr!r}")
+
+
+SLO = ["--ttft-slo", "0.5", "--tpot-slo", "0.05"]
+refused(["plan", "--tpot-slo", "0.05"], "--ttft-slo")
+refused(["plan", *SLO, "--gpus", "0"], "--gpus")
+refused(["plan", *SLO, "--hardware", "TPU"], "--hardware")
+refused(["plan", *SLO, "--preset", "nope"], "--preset")
+refused(["plan", *SLO, "--tp", "1,x"], "--tp")
+refused(["plan", *SLO, "--attainment", "1.5"], "--attainment")
+refused(["plan", *SLO, "--input-len", "0"], "--input-len")
+refused(["plan", *SLO, "--input-len-range", "4"], "--input-len-range")
+refused(["plan", *SLO, "--bogus", "1"], "bogus")
+refused(["plan", *SLO, "--calibration", "/nonexistent.json"], "--calibration")
+refused(["plan", "simulate", "--config", "mixed", "--rate", "1"], "--config")
+refused(["plan", "simulate"], "--rate")
+refused(["plan", "simulate", "--rate", "-1"], "--rate")
+refused(["plan", "simulate", "--rate", "1", "--num-prefill", "2"], "--num-prefill")
+refused(["plan", "calibrate", "--out", "x.json"], "--model")
+
+with tempfile.TemporaryDirectory() as tmp:
+    # A small search: llama3-8b on two H100s, TP 1 and 2.
+    out = os.path.join(tmp, "plan.json")
+    r = tandem("plan", "--preset", "llama3-8b", "--hardware", "H100", *SLO, "--gpus", "2",
+               "--tp", "1,2", "--input-len", "512", "--output-len", "64", "--num-requests",
+               "100", "--json", out)
+    check(r.returncode == 0, f"plan failed: {r.stderr}")
+    check("best disagg" in r.stdout and "colocated" in r.stdout, f"plan table: {r.stdout}")
+    plan = json.load(open(out))
+    check(len(plan["evaluated"]) == 4, f"4 configurations on 2 GPUs, got {len(plan['evaluated'])}")
+    for key in ("best_disaggregated", "best_colocated"):
+        best = plan[key]
+        check(best is not None and best["max_rate"] > 0, f"{key}: {best}")
+        if best:
+            check(best["at_max_rate"]["attainment"] >= 0.9, f"{key} misses the target: {best}")
+            check(abs(best["per_gpu_goodput"] - best["max_rate"] / best["gpus"]) < 1e-9,
+                  f"{key}: per-GPU goodput")
+
+    # One simulation from a distribution, and again from a bench-format report.
+    sim = os.path.join(tmp, "sim.json")
+    r = tandem("plan", "simulate", "--preset", "llama3-8b", "--hardware", "H100", "--config",
+               "disagg", "--num-decode", "2", "--rate", "4", "--input-len", "256",
+               "--input-len-dist", "lognormal", "--input-len-std", "128", "--output-len", "32",
+               "--num-requests", "200", *SLO, "--json", sim)
+    check(r.returncode == 0, f"simulate failed: {r.stderr}")
+    s = json.load(open(sim))
+    check(s["gpus"] == 3 and s["requests"] == 200, f"simulate json: {s}")
+    check(0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p90"], f"ttft: {s['ttft_ms']}")
+
+    report = {"requests": [{"success": True, "start_s": 0.1 * i, "prompt_tokens": 50,
+                            "output_tokens": 10} for i in range(20)]}
+    trace = os.path.join(tmp, "bench.json")
+    json.dump(report, open(trace, "w"))
+    cal = {"model": "x", "device": "test", "max_num_batched_tokens": 512, "max_num_seqs": 64,
+           "kv_bytes_per_token": 65536,
+           "samples": [{"tokens": t, "prefill_tokens": t, "seqs": 1, "context": t,
+                        "seconds": 0.001 + 1e-4 * t} for t in (16, 64, 256, 512)] +
+                      [{"tokens": b, "prefill_tokens": 0, "seqs": b, "context": b * 64,
+                        "seconds": 0.005 + 1e-4 * b} for b in (1, 4, 16, 64)]}
+    cal_path = os.path.join(tmp, "cal.json")
+    json.dump(cal, open(cal_path, "w"))
+    r = tandem("plan", "simulate", "--calibration", cal_path, "--trace", trace, "--json", sim)
+    check(r.returncode == 0, f"simulate --trace failed: {r.stderr}")
+    s = json.load(open(sim))
+    # Alone (arrivals 100 ms apart, each request far shorter): TTFT = one 50-token prefill step.
+    check(abs(s["ttft_ms"]["p50"] - (1 + 0.1 * 50)) < 1e-6, f"trace ttft: {s['ttft_ms']}")
+    check(abs(s["tpot_ms"]["p50"] - 5.1) < 1e-6, f"trace tpot: {s['tpot_ms']}")
+    refused(["plan", "simulate", "--calibration", cal_path, "--trace", trace, "--input-len", "5"],
+            "--trace")
+
+if failures:
+    print(f"{len(failures)} failure(s)", file=sys.stderr)
+    sys.exit(1)
+print("plan CLI: ok")
