@@ -340,10 +340,11 @@ absl::Status PrefillWorkerImpl::Start() {
   loop_ = std::thread([this] { Loop(); });
   TANDEM_ASSIGN_OR_RETURN(auto grpc_host_port, SplitHostPort(options_.grpc_address));
   service_ = std::make_unique<Service>(this);
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                          proto::MakeServerCredentials(options_.tls));
   grpc::ServerBuilder builder;
   int selected_port = 0;
-  builder.AddListeningPort(options_.grpc_address, grpc::InsecureServerCredentials(),
-                           &selected_port);
+  builder.AddListeningPort(options_.grpc_address, credentials, &selected_port);
   builder.RegisterService(service_.get());
   server_ = builder.BuildAndStart();
   if (server_ == nullptr || selected_port == 0) {

@@ -101,6 +101,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     max_model_len_ = config_.max_position_embeddings;
     if (options_.max_model_len > 0) max_model_len_ = std::min(max_model_len_, options_.max_model_len);
 
+    TANDEM_ASSIGN_OR_RETURN(channel_credentials_, proto::MakeChannelCredentials(options_.tls));
     for (const std::string& address : options_.decode_addresses) {
       AddWorker("decode", address, address);
     }
@@ -111,7 +112,8 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       // Workers come and go through etcd; those registered now are added before Start returns.
       TANDEM_ASSIGN_OR_RETURN(
           std::unique_ptr<cluster::EtcdClient> etcd,
-          cluster::EtcdClient::Create({.endpoints = options_.etcd_endpoints}));
+          cluster::EtcdClient::Create(
+              {.endpoints = options_.etcd_endpoints, .tls = options_.tls}));
       TANDEM_ASSIGN_OR_RETURN(
           membership_,
           cluster::Membership::Start(
@@ -155,7 +157,8 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    auto channel = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+    proto::AddTlsChannelArgs(options_.tls, &args);
+    auto channel = grpc::CreateCustomChannel(address, channel_credentials_, args);
     std::lock_guard<std::mutex> lock(stats_mu_);
     auto add = [&](auto& pool, auto make_stub) {
       using State = typename std::decay_t<decltype(pool)>::value_type::element_type;
@@ -697,6 +700,8 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   }
 
   DisaggregatedOptions options_;
+  // Plaintext, or mutual TLS from options_.tls; set by Init before any channel is made.
+  std::shared_ptr<grpc::ChannelCredentials> channel_credentials_;
   std::unique_ptr<cluster::Membership> membership_;  // with etcd: keeps the pools current
   engine::ModelConfig config_;
   std::unique_ptr<engine::Tokenizer> tokenizer_;

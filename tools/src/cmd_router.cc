@@ -9,6 +9,7 @@
 #include "server_flags.h"
 #include "tandem/base/host_port.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/cluster/etcd_client.h"
 #include "tandem/router/disaggregated_generator.h"
 #include "tandem/router/openai_server.h"
 
@@ -51,6 +52,7 @@ absl::Status Router(int argc, char** argv) {
   args.Declare("admission-timeout-ms", "N",
                "how long a request may wait for KV room on a decode worker (default 30000)");
   DeclareApiFlags(args);
+  DeclareTlsFlags(args, "the channels to the workers and etcd");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
   if (args.HandleHelp()) return absl::OkStatus();
 
@@ -60,6 +62,14 @@ absl::Status Router(int argc, char** argv) {
     return absl::InvalidArgumentError("router: --cluster needs --etcd");
   }
   options.cluster = args.GetOr("cluster", "default");
+  TANDEM_ASSIGN_OR_RETURN(options.tls, TlsFlags(args));
+  if (!options.etcd_endpoints.empty()) {
+    if (auto endpoints = cluster::ParseEndpoints(options.etcd_endpoints, options.tls.enabled());
+        !endpoints.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("router: --etcd: ", endpoints.status().message()));
+    }
+  }
   if (options.etcd_endpoints.empty() || args.Has("prefill")) {
     TANDEM_ASSIGN_OR_RETURN(options.prefill_addresses, Addresses(args, "prefill"));
   }

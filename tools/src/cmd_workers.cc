@@ -33,6 +33,8 @@ struct WorkerFlags {
   std::string cluster;
   int64_t lease_ttl_s = 10;
   std::string advertise;
+  // Mutual TLS on the control plane and to etcd; empty: plaintext.
+  proto::TlsFiles tls;
 };
 
 void DeclareWorkerFlags(Args& args, int default_port) {
@@ -49,8 +51,8 @@ void DeclareWorkerFlags(Args& args, int default_port) {
                "address the KV transfer listener binds, reachable by the other pool (default "
                "127.0.0.1)");
   args.Declare("etcd", "ENDPOINTS",
-               "register in etcd (comma-separated http://HOST:PORT list) so routers discover "
-               "this worker (default: no registration)");
+               "register in etcd (comma-separated http://HOST:PORT list; https:// with "
+               "--tls-ca) so routers discover this worker (default: no registration)");
   args.Declare("cluster", "NAME", "cluster name, the etcd key prefix /tandem/NAME/ (default "
                "default)");
   args.Declare("lease-ttl", "SECONDS",
@@ -58,6 +60,7 @@ void DeclareWorkerFlags(Args& args, int default_port) {
   args.Declare("advertise", "HOST:PORT",
                "control-plane address published in etcd for others to dial (default: the bound "
                "--listen address)");
+  DeclareTlsFlags(args, "the control plane (routers must present a certificate) and etcd");
 }
 
 bool IsWildcardHost(const std::string& host) {
@@ -67,6 +70,7 @@ bool IsWildcardHost(const std::string& host) {
 absl::StatusOr<WorkerFlags> ParseWorkerFlags(const Args& args, int default_port) {
   WorkerFlags flags;
   TANDEM_ASSIGN_OR_RETURN(flags.engine, EngineFlags(args));
+  TANDEM_ASSIGN_OR_RETURN(flags.tls, TlsFlags(args));
   flags.listen = args.GetOr("listen", absl::StrCat("127.0.0.1:", default_port));
   flags.metrics_listen = args.GetOr("metrics-listen", "");
   for (const auto& [flag, value] : {std::pair<std::string, std::string>{"listen", flags.listen},
@@ -96,7 +100,8 @@ absl::StatusOr<WorkerFlags> ParseWorkerFlags(const Args& args, int default_port)
     }
     return flags;
   }
-  if (auto endpoints = cluster::ParseEndpoints(flags.etcd); !endpoints.ok()) {
+  if (auto endpoints = cluster::ParseEndpoints(flags.etcd, flags.tls.enabled());
+      !endpoints.ok()) {
     return absl::InvalidArgumentError(
         absl::StrCat(args.command(), ": --etcd: ", endpoints.status().message()));
   }
@@ -147,7 +152,8 @@ absl::StatusOr<std::unique_ptr<cluster::WorkerRegistration>> RegisterWorker(
   }
   info.kv_backend = flags.kv_backend;
   info.kv_blocks_total = kv_blocks_total;
-  TANDEM_ASSIGN_OR_RETURN(auto etcd, cluster::EtcdClient::Create({.endpoints = flags.etcd}));
+  TANDEM_ASSIGN_OR_RETURN(auto etcd,
+                          cluster::EtcdClient::Create({.endpoints = flags.etcd, .tls = flags.tls}));
   cluster::RegistrationOptions options;
   options.cluster = flags.cluster;
   options.worker = info;
@@ -187,6 +193,7 @@ absl::Status RunWorker(const std::string& command, int default_port, int argc, c
   options.metrics_address = flags.metrics_listen;
   options.kv_backend = flags.kv_backend;
   options.kv_listen_host = flags.kv_host;
+  options.tls = flags.tls;
   RaiseFileLimit();
   TANDEM_ASSIGN_OR_RETURN(auto worker, Worker::Create(options));
   std::printf("tandem: %s worker %s listening on %s", command.c_str(), flags.worker_id.c_str(),

@@ -162,6 +162,49 @@ absl::StatusOr<router::ApiServerOptions> ApiFlags(const Args& args, const std::s
   return options;
 }
 
+void DeclareTlsFlags(Args& args, const std::string& side) {
+  args.Declare("tls-ca", "FILE",
+               absl::StrCat("mutual TLS for ", side,
+                            ": PEM CA that every peer's certificate must chain to (with "
+                            "--tls-cert and --tls-key; default: plaintext)"));
+  args.Declare("tls-cert", "FILE", "PEM certificate this process presents (with --tls-ca)");
+  args.Declare("tls-key", "FILE", "PEM private key of --tls-cert (with --tls-ca)");
+  args.Declare("tls-server-name", "NAME",
+               "name the dialed servers' certificates carry, when it is not the dialed host "
+               "(with --tls-ca)");
+}
+
+absl::StatusOr<proto::TlsFiles> TlsFlags(const Args& args) {
+  proto::TlsFiles tls;
+  tls.ca = args.GetOr("tls-ca", "");
+  tls.cert = args.GetOr("tls-cert", "");
+  tls.key = args.GetOr("tls-key", "");
+  tls.server_name = args.GetOr("tls-server-name", "");
+  if (!tls.enabled()) {
+    if (args.Has("tls-server-name")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(args.command(), ": --tls-server-name needs --tls-ca, --tls-cert and "
+                                       "--tls-key"));
+    }
+    return tls;
+  }
+  std::string missing;
+  for (const auto& [flag, value] : {std::pair<const char*, const std::string*>{"tls-ca", &tls.ca},
+                                    {"tls-cert", &tls.cert},
+                                    {"tls-key", &tls.key}}) {
+    if (value->empty()) absl::StrAppend(&missing, missing.empty() ? "" : ", ", "--", flag);
+  }
+  if (!missing.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --tls-ca, --tls-cert and --tls-key go together (missing ", missing,
+        ")"));
+  }
+  if (absl::Status status = proto::ValidateTlsFiles(tls); !status.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(args.command(), ": ", status.message()));
+  }
+  return tls;
+}
+
 sigset_t BlockStopSignals() {
   sigset_t signals;
   sigemptyset(&signals);

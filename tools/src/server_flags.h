@@ -7,6 +7,7 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/engine/llm_engine.h"
+#include "tandem/proto/tls.h"
 #include "tandem/router/openai_server.h"
 #include "tandem/tools/args.h"
 
@@ -25,6 +26,12 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args);
 // The HTTP API flags (--host, --port, --api-key, limits) and --served-model-name.
 void DeclareApiFlags(Args& args);
 absl::StatusOr<router::ApiServerOptions> ApiFlags(const Args& args, const std::string& model_dir);
+
+// --tls-ca, --tls-cert, --tls-key, --tls-server-name: mutual TLS on the internal plane (gRPC
+// between router and workers, and etcd). `side` says what the files secure, for --help.
+void DeclareTlsFlags(Args& args, const std::string& side);
+// The TLS files: none, or all three readable PEM files ("COMMAND: ..." errors otherwise).
+absl::StatusOr<proto::TlsFiles> TlsFlags(const Args& args);
 
 // Blocks SIGINT and SIGTERM in this thread (call before starting any thread, so every thread
 // inherits the mask) and returns the set for WaitForSignal.

@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "tandem/engine/llm_engine.h"
+#include "tandem/proto/tls.h"
 #include "tandem/v1/worker.pb.h"
 
 namespace tandem::prefill_worker {
@@ -29,6 +30,9 @@ struct PrefillWorkerOptions {
   std::string worker_id;
   // host:port the gRPC control plane listens on; port 0 picks a free one (see grpc_address()).
   std::string grpc_address = "127.0.0.1:0";
+  // Mutual TLS on the control plane: callers must present a certificate signed by `tls.ca`.
+  // Empty: plaintext.
+  proto::TlsFiles tls;
   // host:port of an HTTP listener serving GET /metrics (Prometheus) and GET /health; empty for
   // none. Port 0 picks a free one (see metrics_port()).
   std::string metrics_address;

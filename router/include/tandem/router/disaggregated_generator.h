@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "tandem/engine/generator.h"
+#include "tandem/proto/tls.h"
 
 namespace tandem::router {
 
@@ -37,6 +38,9 @@ struct DisaggregatedOptions {
   // under /tandem/<cluster>/workers/, followed live (docs/operations.md). Adds to the lists.
   std::string etcd_endpoints;
   std::string cluster = "default";
+  // Mutual TLS for the channels to the workers and to etcd: the workers' and etcd's
+  // certificates are verified against `tls.ca`, `tls.cert` is presented. Empty: plaintext.
+  proto::TlsFiles tls;
   // Context length; 0: the model's. Workers refuse longer requests too.
   int max_model_len = 0;
   // How long Create waits for every worker to answer Stats.
