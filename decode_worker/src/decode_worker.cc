@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -112,6 +113,48 @@ class Service final : public tandem::v1::DecodeWorker::Service {
   DecodeWorkerImpl* worker_;
 };
 
+// The step latency model and the SLO controllers' limits, as every worker exports them.
+struct StepMetrics {
+  router::Histogram* step_seconds = nullptr;
+  std::array<router::Gauge*, engine::StepLatencyModel::kNumTerms> terms{};
+  router::Gauge* samples = nullptr;
+  router::Gauge* error_ratio = nullptr;
+  int64_t steps_seen = 0;
+
+  explicit StepMetrics(router::MetricsRegistry& registry) {
+    step_seconds = registry.AddHistogram(
+        "tandem_step_seconds", "Measured engine steps (schedule, forward pass, sampling).",
+        {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
+         2.5});
+    const char* names[] = {"intercept", "per_token", "per_seq", "per_context_token"};
+    for (int i = 0; i < engine::StepLatencyModel::kNumTerms; ++i) {
+      terms[i] = registry.AddGauge(
+          "tandem_step_latency_model_seconds",
+          "Fitted step time terms: seconds, and seconds per batch token, per sequence and per "
+          "context token.",
+          {{"term", names[i]}});
+    }
+    samples = registry.AddGauge("tandem_step_latency_model_samples",
+                                "Steps the latency model has been fitted on.");
+    error_ratio = registry.AddGauge(
+        "tandem_step_latency_model_error_ratio",
+        "Recent mean of |predicted - measured| / measured step time, predicted before each step.");
+  }
+
+  // After a step on the engine thread: observes the steps run since the last call (the last
+  // one's time stands for any missed) and refreshes the model's gauges.
+  void Record(const engine::EngineStats& stats) {
+    if (stats.steps == steps_seen) return;
+    steps_seen = stats.steps;
+    step_seconds->Observe(stats.last_step_seconds);
+    for (int i = 0; i < engine::StepLatencyModel::kNumTerms; ++i) {
+      terms[i]->Set(stats.step_model[i]);
+    }
+    samples->Set(static_cast<double>(stats.step_model_samples));
+    error_ratio->Set(stats.step_model_error_ratio);
+  }
+};
+
 struct Metrics {
   router::MetricsRegistry registry;
   router::Gauge* kv_used = nullptr;
@@ -124,6 +167,10 @@ struct Metrics {
   router::Counter* expired = nullptr;
   router::Counter* preemptions = nullptr;
   router::Counter* generation_tokens = nullptr;
+  router::Gauge* batch_limit = nullptr;
+  router::Gauge* tpot_target = nullptr;
+  router::Counter* slo_refusals = nullptr;
+  StepMetrics step{registry};
 
   Metrics() {
     kv_used = registry.AddGauge("tandem_kv_cache_blocks_used",
@@ -142,6 +189,14 @@ struct Metrics {
                                       "Sequences preempted (KV dropped and recomputed).");
     generation_tokens =
         registry.AddCounter("tandem_generation_tokens_total", "Tokens generated, all samples.");
+    batch_limit = registry.AddGauge(
+        "tandem_decode_batch_limit",
+        "Sequences a decode step may run: max_num_seqs, or the TPOT controller's lower cap.");
+    tpot_target = registry.AddGauge("tandem_decode_tpot_target_seconds",
+                                    "The TPOT target the batch is sized for (0: none).");
+    slo_refusals = registry.AddCounter(
+        "tandem_decode_reserve_refused_slo_total",
+        "Reserve calls refused because the running batch was at the TPOT controller's cap.");
   }
 };
 
@@ -190,6 +245,9 @@ class DecodeWorkerImpl final : public DecodeWorker {
   void Loop();
   void ExpireReservations();
   void StepEngine();
+  void RecordStepMetrics();
+  // Whether `n` more samples would push the running batch past the TPOT controller's cap.
+  bool OverBatchLimit(int n) const;
   // Ends a running request: aborts it in the engine (freeing its blocks) and closes its stream
   // with an ABORT finish for every unfinished sample, carrying `error` when not OK.
   void EndRunning(const std::string& request_id, const absl::Status& error);
@@ -254,6 +312,8 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
       agent_->RegisterMemory(kKvRegionId, engine_->kv_cache(), engine_->kv_cache_bytes()));
   memory_registered_ = true;
   snapshot_ = ComputeStats();
+  metrics_.tpot_target->Set(options_.engine.tpot_slo_seconds);
+  metrics_.batch_limit->Set(options_.engine.max_num_seqs);
 
   // The loop runs before any RPC can arrive; from here on a failed Init is undone by the
   // destructor's Shutdown.
@@ -329,6 +389,7 @@ void DecodeWorkerImpl::Loop() {
     for (std::function<void()>& task : tasks) task();
     ExpireReservations();
     if (engine_->has_unfinished()) StepEngine();
+    RecordStepMetrics();
     PublishStats();
     if (stop) {
       std::lock_guard<std::mutex> lock(mu_);
@@ -368,6 +429,24 @@ void DecodeWorkerImpl::ExpireReservations() {
 void DecodeWorkerImpl::FreeReservation(Reservation& reservation) {
   for (engine::BlockTable& blocks : reservation.blocks) engine_->FreeReservation(blocks);
   reservation.blocks.clear();
+}
+
+void DecodeWorkerImpl::RecordStepMetrics() {
+  const engine::EngineStats stats = engine_->stats();
+  metrics_.step.Record(stats);
+  metrics_.batch_limit->Set(stats.batch_limit);
+}
+
+bool DecodeWorkerImpl::OverBatchLimit(int n) const {
+  if (options_.engine.tpot_slo_seconds <= 0) return false;
+  const engine::EngineStats stats = engine_->stats();
+  int reserved = 0;
+  for (const auto& [id, reservation] : reservations_) reserved += reservation.n;
+  const int committed = stats.running + stats.waiting + reserved;
+  // An idle worker takes any request; a busy one only what fits under the cap, so requests
+  // beyond it queue at the router (before their prefill), not here between their first and
+  // second tokens.
+  return committed > 0 && committed + n > stats.batch_limit;
 }
 
 void DecodeWorkerImpl::StepEngine() {
@@ -526,6 +605,12 @@ absl::StatusOr<tandem::v1::KvReservation> DecodeWorkerImpl::ReserveOnLoop(
       running_.count(request.request_id()) > 0) {
     return absl::AlreadyExistsError(
         absl::StrCat("request ", request.request_id(), " already exists here"));
+  }
+  if (OverBatchLimit(std::max(1, request.n()))) {
+    metrics_.slo_refusals->Increment();
+    return absl::ResourceExhaustedError(
+        absl::StrCat("the running batch is at its TPOT limit of ", engine_->stats().batch_limit,
+                     " sequences"));
   }
   Reservation reservation;
   reservation.request_id = request.request_id();

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -129,6 +130,48 @@ struct Command {
   absl::Status reason;       // kCancel
 };
 
+// The step latency model and the SLO controllers' limits, as every worker exports them.
+struct StepMetrics {
+  router::Histogram* step_seconds = nullptr;
+  std::array<router::Gauge*, engine::StepLatencyModel::kNumTerms> terms{};
+  router::Gauge* samples = nullptr;
+  router::Gauge* error_ratio = nullptr;
+  int64_t steps_seen = 0;
+
+  explicit StepMetrics(router::MetricsRegistry& registry) {
+    step_seconds = registry.AddHistogram(
+        "tandem_step_seconds", "Measured engine steps (schedule, forward pass, sampling).",
+        {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
+         2.5});
+    const char* names[] = {"intercept", "per_token", "per_seq", "per_context_token"};
+    for (int i = 0; i < engine::StepLatencyModel::kNumTerms; ++i) {
+      terms[i] = registry.AddGauge(
+          "tandem_step_latency_model_seconds",
+          "Fitted step time terms: seconds, and seconds per batch token, per sequence and per "
+          "context token.",
+          {{"term", names[i]}});
+    }
+    samples = registry.AddGauge("tandem_step_latency_model_samples",
+                                "Steps the latency model has been fitted on.");
+    error_ratio = registry.AddGauge(
+        "tandem_step_latency_model_error_ratio",
+        "Recent mean of |predicted - measured| / measured step time, predicted before each step.");
+  }
+
+  // After a step on the engine thread: observes the steps run since the last call (the last
+  // one's time stands for any missed) and refreshes the model's gauges.
+  void Record(const engine::EngineStats& stats) {
+    if (stats.steps == steps_seen) return;
+    steps_seen = stats.steps;
+    step_seconds->Observe(stats.last_step_seconds);
+    for (int i = 0; i < engine::StepLatencyModel::kNumTerms; ++i) {
+      terms[i]->Set(stats.step_model[i]);
+    }
+    samples->Set(static_cast<double>(stats.step_model_samples));
+    error_ratio->Set(stats.step_model_error_ratio);
+  }
+};
+
 struct Metrics {
   router::MetricsRegistry registry;
   router::Gauge* kv_used = registry.AddGauge("tandem_kv_cache_blocks_used", "KV blocks in use.");
@@ -156,6 +199,13 @@ struct Metrics {
       registry.AddHistogram("tandem_prefill_seconds",
                             "Seconds from a request's first chunk scheduled to its first token.",
                             router::LatencyBuckets());
+  router::Gauge* token_budget = registry.AddGauge(
+      "tandem_prefill_token_budget",
+      "Tokens a prefill step may take: max_num_batched_tokens, or the TTFT controller's lower "
+      "budget.");
+  router::Gauge* ttft_target = registry.AddGauge(
+      "tandem_prefill_ttft_target_seconds", "The TTFT target steps are sized for (0: none).");
+  StepMetrics step{registry};
 
   router::Counter* Requests(absl::StatusCode code) {
     return registry.AddCounter("tandem_prefill_requests_total",
@@ -304,6 +354,7 @@ absl::Status PrefillWorkerImpl::Start() {
       agent_->RegisterMemory(kCacheRegion, engine_->kv_cache(), engine_->kv_cache_bytes())
           .status());
 
+  metrics_.ttft_target->Set(engine_options.ttft_slo_seconds);
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.set_role(tandem::v1::WORKER_ROLE_PREFILL);
@@ -1002,6 +1053,8 @@ void PrefillWorkerImpl::UpdateStats() {
   metrics_.waiting->Set(engine_stats.waiting);
   metrics_.queued_tokens->Set(static_cast<double>(queued));
   metrics_.preemptions->AdvanceTo(static_cast<double>(engine_stats.preemptions));
+  metrics_.token_budget->Set(engine_stats.token_budget);
+  metrics_.step.Record(engine_stats);
   std::lock_guard<std::mutex> lock(mu_);
   stats_.set_queued_prefill_tokens(queued);
   stats_.set_running(engine_stats.running);

@@ -25,6 +25,7 @@ absl::Status Serve(int argc, char** argv) {
   Args args("serve");
   DeclareEngineFlags(args);
   DeclareApiFlags(args);
+  DeclareSloControllerFlags(args, /*tpot=*/false, /*ttft=*/false, /*policy=*/true);
   args.DeclareSwitch("colocated", "one engine does prefill and decode (no workers, no transfer)");
   args.Declare("kv-backend", "ucx|local",
                "how KV pages move from the prefill to the decode worker (default ucx)");
@@ -52,6 +53,9 @@ absl::Status Serve(int argc, char** argv) {
   if (colocated) {
     TANDEM_ASSIGN_OR_RETURN(generator, engine::AsyncEngine::Create(engine_options));
   } else {
+    // The API's SLO targets also size the workers' batches: TPOT the decode worker's running
+    // batch, TTFT the prefill worker's steps.
+    TANDEM_RETURN_IF_ERROR(SloControllerFlags(args, engine_options));
     decode_worker::DecodeWorkerOptions decode_options;
     decode_options.engine = engine_options;
     decode_options.worker_id = "decode-0";

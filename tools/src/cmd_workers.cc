@@ -39,6 +39,9 @@ struct WorkerFlags {
 
 void DeclareWorkerFlags(Args& args, int default_port) {
   DeclareEngineFlags(args);
+  DeclareSloControllerFlags(args, /*tpot=*/args.command() == "decode",
+                            /*ttft=*/args.command() == "prefill",
+                            /*policy=*/args.command() == "prefill");
   args.Declare("listen", "HOST:PORT",
                absl::StrCat("control-plane (gRPC) address; port 0 picks a free one (default "
                             "127.0.0.1:",
@@ -70,6 +73,7 @@ bool IsWildcardHost(const std::string& host) {
 absl::StatusOr<WorkerFlags> ParseWorkerFlags(const Args& args, int default_port) {
   WorkerFlags flags;
   TANDEM_ASSIGN_OR_RETURN(flags.engine, EngineFlags(args));
+  TANDEM_RETURN_IF_ERROR(SloControllerFlags(args, flags.engine));
   TANDEM_ASSIGN_OR_RETURN(flags.tls, TlsFlags(args));
   flags.listen = args.GetOr("listen", absl::StrCat("127.0.0.1:", default_port));
   flags.metrics_listen = args.GetOr("metrics-listen", "");

@@ -2,6 +2,7 @@
 
 #include <sys/resource.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -78,6 +79,49 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
     }
   }
   return options;
+}
+
+void DeclareSloControllerFlags(Args& args, bool tpot, bool ttft, bool policy) {
+  if (tpot) {
+    args.Declare("tpot-slo", "SECONDS",
+                 "time-per-output-token target: the running batch is capped at the largest size "
+                 "whose predicted step time fits 0.9x of it (default: none, max-num-seqs)");
+  }
+  if (ttft) {
+    args.Declare("ttft-slo", "SECONDS",
+                 "time-to-first-token target: each step takes at most the tokens predicted to "
+                 "run in a quarter of it (default: none, max-num-batched-tokens)");
+  }
+  if (policy) {
+    args.Declare("prefill-policy", "fcfs|spf",
+                 "admission order of queued prompts: arrival, or shortest prompt first "
+                 "(default fcfs)");
+  }
+}
+
+absl::Status SloControllerFlags(const Args& args, engine::EngineOptions& options) {
+  for (const auto& [name, target] :
+       {std::pair<const char*, double*>{"tpot-slo", &options.tpot_slo_seconds},
+        {"ttft-slo", &options.ttft_slo_seconds}}) {
+    if (!args.Has(name)) continue;
+    TANDEM_ASSIGN_OR_RETURN(double seconds, args.Double(name, 0));
+    if (!(seconds > 0) || !std::isfinite(seconds)) {
+      return absl::InvalidArgumentError(absl::StrCat(args.command(), ": --", name,
+                                                     " must be a number of seconds > 0, got ",
+                                                     *args.Get(name)));
+    }
+    *target = seconds;
+  }
+  const std::string policy = args.GetOr("prefill-policy", "fcfs");
+  if (policy == "fcfs") {
+    options.queue_policy = engine::QueuePolicy::kFcfs;
+  } else if (policy == "spf") {
+    options.queue_policy = engine::QueuePolicy::kShortestPromptFirst;
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat(args.command(), ": --prefill-policy must be fcfs or spf, got ", policy));
+  }
+  return absl::OkStatus();
 }
 
 void DeclareApiFlags(Args& args) {

@@ -23,6 +23,13 @@ void DeclareEngineFlags(Args& args);
 // into ~/.cache/tandem/models/small-llama.
 absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args);
 
+// The SLO controllers' flags (docs/architecture.md, "SLO-driven batch sizing"): --tpot-slo on a
+// decode worker, --ttft-slo on a prefill worker (`serve` takes both from its API flags), and
+// --prefill-policy wherever prefill runs.
+void DeclareSloControllerFlags(Args& args, bool tpot, bool ttft, bool policy);
+// Sets the engine's targets and queue policy from whichever of them were declared and given.
+absl::Status SloControllerFlags(const Args& args, engine::EngineOptions& options);
+
 // The HTTP API flags (--host, --port, --api-key, limits) and --served-model-name.
 void DeclareApiFlags(Args& args);
 absl::StatusOr<router::ApiServerOptions> ApiFlags(const Args& args, const std::string& model_dir);
