@@ -183,6 +183,26 @@ class BadFlags(unittest.TestCase):
                    "needs TLS files")
 
 
+class ListenerDefaults(unittest.TestCase):
+    """Internal listeners bind loopback unless told otherwise (docs/operations.md)."""
+
+    def test_defaults_are_loopback(self):
+        for command, flags in (("prefill", {"listen": "127.0.0.1:7001", "kv-host": "127.0.0.1"}),
+                               ("decode", {"listen": "127.0.0.1:7002", "kv-host": "127.0.0.1"}),
+                               ("router", {"host": "127.0.0.1"}),
+                               ("serve", {"host": "127.0.0.1"})):
+            help_text = subprocess.run([cluster.TANDEM, command, "--help"], capture_output=True,
+                                       text=True, timeout=30)
+            text = help_text.stdout + help_text.stderr
+            for flag, default in flags.items():
+                line = next(l for l in text.splitlines() if l.strip().startswith(f"--{flag} "))
+                self.assertIn(f"(default {default}", line, f"{command} --{flag}")
+            if command in ("prefill", "decode"):
+                line = next(l for l in text.splitlines()
+                            if l.strip().startswith("--metrics-listen "))
+                self.assertIn("(default: not served)", line)
+
+
 def main():
     global CERTS
     cluster.TANDEM = sys.argv[1]
