@@ -169,6 +169,7 @@ struct Metrics {
   router::Counter* generation_tokens = nullptr;
   router::Gauge* batch_limit = nullptr;
   router::Gauge* tpot_target = nullptr;
+  router::Gauge* step_gap = nullptr;
   router::Counter* slo_refusals = nullptr;
   StepMetrics step{registry};
 
@@ -194,6 +195,9 @@ struct Metrics {
         "Sequences a decode step may run: max_num_seqs, or the TPOT controller's lower cap.");
     tpot_target = registry.AddGauge("tandem_decode_tpot_target_seconds",
                                     "The TPOT target the batch is sized for (0: none).");
+    step_gap = registry.AddGauge(
+        "tandem_step_gap_seconds",
+        "Recent mean time between engine steps while work was pending (the worker's loop).");
     slo_refusals = registry.AddCounter(
         "tandem_decode_reserve_refused_slo_total",
         "Reserve calls refused because the running batch was at the TPOT controller's cap.");
@@ -435,6 +439,7 @@ void DecodeWorkerImpl::RecordStepMetrics() {
   const engine::EngineStats stats = engine_->stats();
   metrics_.step.Record(stats);
   metrics_.batch_limit->Set(stats.batch_limit);
+  metrics_.step_gap->Set(stats.step_gap_seconds);
 }
 
 bool DecodeWorkerImpl::OverBatchLimit(int n) const {

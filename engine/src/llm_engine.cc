@@ -244,8 +244,13 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   std::vector<RequestOutput> outputs;
   outputs.swap(pending_outputs_);
   if (!scheduler_->has_work()) return outputs;
-  ApplySloLimits();
   const auto step_start = std::chrono::steady_clock::now();
+  if (pending_after_last_step_) {
+    const double gap = std::min(
+        1.0, std::chrono::duration<double>(step_start - last_step_end_).count());
+    step_gap_seconds_ = 0.9 * step_gap_seconds_ + 0.1 * gap;
+  }
+  ApplySloLimits();
   SchedulerStep step = scheduler_->Schedule();
   if (step.empty()) {
     return absl::InternalError("scheduler made no progress with requests pending");
@@ -302,6 +307,8 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
       latency_model_.ready() ? latency_model_.Predict(step_tokens, step_seqs, step_context) : 0;
   latency_model_.Observe(step_tokens, step_seqs, step_context, last_step_seconds_);
   ++steps_;
+  last_step_end_ = std::chrono::steady_clock::now();
+  pending_after_last_step_ = scheduler_->has_work();
   for (RequestOutput& out : outputs) {
     auto it = requests_.find(out.request_id);
     if (it == requests_.end()) continue;  // already reported finished
@@ -403,8 +410,10 @@ void LlmEngine::ApplySloLimits() {
     for (const Sequence* seq : scheduler_->running()) {
       contexts.push_back(seq->num_computed_tokens + 1);
     }
-    scheduler_->set_max_running(DecodeBatchLimit(latency_model_, contexts, options_.max_num_seqs,
-                                                 kTpotMargin * options_.tpot_slo_seconds));
+    // What the caller's loop spends between steps is part of every token's time too.
+    const double step_target = kTpotMargin * options_.tpot_slo_seconds - step_gap_seconds_;
+    scheduler_->set_max_running(
+        DecodeBatchLimit(latency_model_, contexts, options_.max_num_seqs, step_target));
   }
   if (options_.ttft_slo_seconds > 0 && options_.role != EngineRole::kDecode) {
     scheduler_->set_token_budget(PrefillTokenBudget(latency_model_, options_.max_num_batched_tokens,
@@ -425,6 +434,7 @@ EngineStats LlmEngine::stats() const {
   stats.steps = steps_;
   stats.last_step_seconds = last_step_seconds_;
   stats.last_predicted_step_seconds = last_predicted_step_seconds_;
+  stats.step_gap_seconds = step_gap_seconds_;
   stats.step_model = latency_model_.coefficients();
   stats.step_model_samples = latency_model_.num_observed();
   stats.step_model_error_ratio = latency_model_.error_ratio();

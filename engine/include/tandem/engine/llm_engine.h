@@ -2,6 +2,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -123,6 +124,9 @@ struct EngineStats {
   int64_t steps = 0;
   double last_step_seconds = 0;
   double last_predicted_step_seconds = 0;
+  // Recent mean time between one step's end and the next one's start while work was pending
+  // (the caller's loop: streaming, RPCs); the TPOT controller leaves it out of the step budget.
+  double step_gap_seconds = 0;
   // The step latency model: coefficients (indexed by StepLatencyModel::Term), observations, and
   // recent mean |predicted - measured| / measured.
   std::array<double, StepLatencyModel::kNumTerms> step_model{};
@@ -211,6 +215,9 @@ class LlmEngine {
   int64_t steps_ = 0;
   double last_step_seconds_ = 0;
   double last_predicted_step_seconds_ = 0;
+  double step_gap_seconds_ = 0;
+  std::chrono::steady_clock::time_point last_step_end_;
+  bool pending_after_last_step_ = false;
 };
 
 // The checks of a request that need only the model (so a router without an engine makes them
