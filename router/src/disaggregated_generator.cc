@@ -247,6 +247,18 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     return total;
   }
 
+  engine::GeneratorCounters counters() const override {
+    engine::GeneratorCounters c;
+    c.prefill_retries = prefill_retries_.load();
+    c.migrations = migrations_.load();
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    c.prefill_workers = static_cast<int>(prefill_.size());
+    c.decode_workers = static_cast<int>(decode_.size());
+    for (const auto& w : prefill_) c.prefill_workers_up += w->up ? 1 : 0;
+    for (const auto& w : decode_) c.decode_workers_up += w->up ? 1 : 0;
+    return c;
+  }
+
   int num_active() const override {
     std::lock_guard<std::mutex> lock(mu_);
     return static_cast<int>(flights_.size());
@@ -576,6 +588,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
         return;
       }
       ++retries;
+      (generated.empty() ? prefill_retries_ : migrations_).fetch_add(1);
       // Give the poller a moment to see which workers are left before trying again.
       absl::SleepFor(absl::Milliseconds(20 * retries));
       std::fprintf(stderr, "tandem router: request %s continues elsewhere after %zu tokens: %s\n",
@@ -659,7 +672,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
                         absl::StrCat("prefill worker ", prefill->address, ": ", failed.message()));
   }
 
-  // Polls every worker's Stats once; returns the address of one that did not answer, or "".
+  // Polls every worker's Stats once; returns "ADDRESS (why)" of one that did not answer, or "".
   std::string PollOnce(absl::Duration timeout) const {
     std::string missing;
     auto poll = [&](WorkerState& w, auto& stub) {
@@ -673,7 +686,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       if (status.ok()) {
         w.stats = stats;
       } else if (missing.empty()) {
-        missing = w.address;
+        missing = absl::StrCat(w.address, " (", status.error_message(), ")");
       }
     };
     std::vector<std::shared_ptr<DecodeWorkerState>> decode;
@@ -712,6 +725,9 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   std::vector<std::shared_ptr<DecodeWorkerState>> decode_;    // guarded by stats_mu_
   std::vector<std::shared_ptr<PrefillWorkerState>> prefill_;  // guarded by stats_mu_
   mutable std::mutex stats_mu_;  // guards the pools and every WorkerState's up, stats, pending_*
+
+  std::atomic<int64_t> prefill_retries_{0};
+  std::atomic<int64_t> migrations_{0};
 
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Flight>> flights_;  // guarded by mu_

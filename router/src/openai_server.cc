@@ -82,6 +82,10 @@ struct ApiMetrics {
   Counter* preemptions;
   Gauge* in_flight;
   Gauge* connections;
+  // Disaggregated serving: the pools and failovers (zero with one engine).
+  Counter* prefill_retries;
+  Counter* migrations;
+  Gauge* workers[2][2];  // [prefill, decode][up, down]
 
   // SLO accounting (see Classify). A pair is null where that objective is not configured;
   // "both" exists when any is.
@@ -127,6 +131,23 @@ struct ApiMetrics {
     in_flight = registry.AddGauge("tandem_api_requests_in_flight",
                                   "Generation requests accepted by the API and not yet finished.");
     connections = registry.AddGauge("tandem_http_connections", "Open HTTP connections.");
+    constexpr const char* kRetriesHelp =
+        "Requests that went on elsewhere after a worker went away under them (prefill: started "
+        "over before the first token; decode: continued mid-stream on another decode worker).";
+    prefill_retries =
+        registry.AddCounter("tandem_request_retries_total", kRetriesHelp, {{"phase", "prefill"}});
+    migrations =
+        registry.AddCounter("tandem_request_retries_total", kRetriesHelp, {{"phase", "decode"}});
+    const char* roles[2] = {"prefill", "decode"};
+    const char* states[2] = {"up", "down"};
+    for (int r = 0; r < 2; ++r) {
+      for (int st = 0; st < 2; ++st) {
+        workers[r][st] = registry.AddGauge(
+            "tandem_workers",
+            "Workers in the router's pools, by role and by whether their last Stats answered.",
+            {{"role", roles[r]}, {"state", states[st]}});
+      }
+    }
 
     tpot = registry.AddHistogram(
         "tandem_time_per_output_token_seconds",
@@ -464,6 +485,13 @@ class ApiServerImpl : public ApiServer {
     metrics_.kv_used->Set(stats.kv_blocks_used);
     metrics_.kv_total->Set(stats.kv_blocks_total);
     metrics_.preemptions->AdvanceTo(static_cast<double>(stats.preemptions));
+    const engine::GeneratorCounters counters = engine_->counters();
+    metrics_.prefill_retries->AdvanceTo(static_cast<double>(counters.prefill_retries));
+    metrics_.migrations->AdvanceTo(static_cast<double>(counters.migrations));
+    metrics_.workers[0][0]->Set(counters.prefill_workers_up);
+    metrics_.workers[0][1]->Set(counters.prefill_workers - counters.prefill_workers_up);
+    metrics_.workers[1][0]->Set(counters.decode_workers_up);
+    metrics_.workers[1][1]->Set(counters.decode_workers - counters.decode_workers_up);
     metrics_.in_flight->Set(active_.load());
     metrics_.connections->Set(http_->num_connections());
     // Counted before rendering so the scrape includes itself.

@@ -158,11 +158,11 @@ class Load:
         return sum(t.is_alive() for t in self.threads)  # clients still stuck: lost requests
 
 
-def start_etcd_worker(role, etcd, index):
+def start_etcd_worker(role, etcd, index, ttl=LEASE_TTL):
     return cluster.Process(
         [role, "--model", cluster.MODEL, "--listen", "127.0.0.1:0", "--metrics-listen",
          "127.0.0.1:0", "--etcd", etcd.endpoint, "--cluster", "chaos", "--lease-ttl",
-         str(LEASE_TTL), "--worker-id", f"{role}-{index}"] + cluster.ENGINE_FLAGS,
+         str(ttl), "--worker-id", f"{role}-{index}"] + cluster.ENGINE_FLAGS,
         r"listening on (\S+) \(metrics on port (\d+)\)")
 
 
@@ -179,11 +179,23 @@ def start_etcd_router(etcd, port):
     return p
 
 
+def metric(url, name):
+    """A metric of a process that may be (re)starting: connection errors are retried for 10 s."""
+    deadline = time.time() + 10
+    while True:
+        try:
+            return cluster.metric(url, name)
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def router_capacity(url):
-    return cluster.metric(url + "/metrics", "tandem_kv_cache_blocks_capacity")
+    return metric(url + "/metrics", "tandem_kv_cache_blocks_capacity")
 
 
-def run_scenario(name, action, reference, seconds, clients, etcd=None):
+def run_scenario(name, action, reference, seconds, clients, etcd=None, ttl=LEASE_TTL):
     """One topology, steady load, `action` halfway; etcd: workers register, the router
     discovers them, and the action may also restart etcd or the router."""
     topology = {"etcd": etcd}
@@ -193,11 +205,11 @@ def run_scenario(name, action, reference, seconds, clients, etcd=None):
         router = cluster.start_router(",".join(p.address for p in prefills),
                                       ",".join(d.address for d in decodes))
     else:
-        decodes = [with_metrics(start_etcd_worker("decode", etcd, i)) for i in range(2)]
-        prefills = [with_metrics(start_etcd_worker("prefill", etcd, i)) for i in range(2)]
+        decodes = [with_metrics(start_etcd_worker("decode", etcd, i, ttl)) for i in range(2)]
+        prefills = [with_metrics(start_etcd_worker("prefill", etcd, i, ttl)) for i in range(2)]
         router = start_etcd_router(etcd, free_port())
         # Both decode workers counted in the router's capacity: discovery is complete.
-        full = 2 * cluster.metric(decodes[0].metrics_url, "tandem_kv_cache_blocks_capacity")
+        full = 2 * metric(decodes[0].metrics_url, "tandem_kv_cache_blocks_capacity")
         deadline = time.time() + 10
         while router_capacity(router.url) != full and time.time() < deadline:
             time.sleep(0.1)
@@ -220,6 +232,9 @@ def run_scenario(name, action, reference, seconds, clients, etcd=None):
             used = cluster.wait_for_zero(w.metrics_url, "tandem_kv_cache_blocks_used")
             if used != 0:
                 leaked[w.address] = used
+        router_metrics = topology["router"].url + "/metrics"
+        retries = sum(metric(router_metrics, f'tandem_request_retries_total{{phase="{p}"}}')
+                      or 0 for p in ("prefill", "decode"))
         in_flight = [r for r in records if r[0] < event]
         recovery = max([r[1] for r in in_flight if r[1] >= event] + [event]) - event
         wrong = [r for r in records if r[2] and r[3] != reference]
@@ -229,6 +244,7 @@ def run_scenario(name, action, reference, seconds, clients, etcd=None):
             "succeeded": sum(1 for r in records if r[2]) - len(wrong),
             "failed": len(failed), "wrong_output": len(wrong), "lost": lost,
             "recovery_seconds": round(recovery, 2), "leaked_blocks": leaked,
+            "retries": int(retries),
             "errors": sorted({str(r[4]) for r in failed})[:3],
         }
     finally:
@@ -277,7 +293,7 @@ def membership_scenario(tmp):
         joined = time.time()
         decode = with_metrics(start_etcd_worker("decode", etcd, 0))
         procs.append(decode)
-        capacity = cluster.metric(decode.metrics_url, "tandem_kv_cache_blocks_capacity")
+        capacity = metric(decode.metrics_url, "tandem_kv_cache_blocks_capacity")
         while router_capacity(router.url) != capacity and time.time() < joined + 30:
             time.sleep(0.05)
         join_s = time.time() - joined
@@ -292,7 +308,7 @@ def membership_scenario(tmp):
         return {"scenario": f"etcd: join picked up in {join_s:.2f} s, leave in {leave_s:.2f} s "
                             f"(TTL {LEASE_TTL} s)",
                 "sent": 1, "succeeded": int(ok), "failed": int(not ok), "wrong_output": 0,
-                "lost": 0, "recovery_seconds": round(max(join_s, leave_s), 2),
+                "lost": 0, "recovery_seconds": round(max(join_s, leave_s), 2), "retries": 0,
                 "leaked_blocks": {} if within else {"over TTL": 1},
                 "errors": [] if ok else [str(error)]}
     finally:
@@ -315,6 +331,8 @@ def main():
         ("SIGTERM (drain) decode worker", kill("decode", signal.SIGTERM), False),
         ("etcd: SIGKILL decode worker", kill("decode", signal.SIGKILL), True),
         ("etcd: SIGTERM (drain) decode worker", kill("decode", signal.SIGTERM), True),
+        # The outage (1 s, plus etcd's start-up, slow on a loaded machine) must stay under the
+        # lease TTL, or the workers rightly consider their leases lost and stop.
         ("etcd: restart etcd", restart_etcd, True),
         ("etcd: restart the router", restart_router, True),
     ]
@@ -338,18 +356,20 @@ def main():
         for name, action, with_etcd in scenarios:
             print(f"running: {name}", flush=True)
             etcd = Etcd(os.path.join(tmp, f"etcd-{len(rows)}")) if with_etcd else None
+            ttl = 3 * LEASE_TTL if action is restart_etcd else LEASE_TTL
             try:
-                rows.append(run_scenario(name, action, reference, a.seconds, a.clients, etcd))
+                rows.append(run_scenario(name, action, reference, a.seconds, a.clients, etcd,
+                                         ttl))
             finally:
                 if etcd is not None:
                     etcd.stop()
         rows.append(membership_scenario(tmp))
 
     print(f"{'scenario':40} {'sent':>5} {'ok':>5} {'failed':>6} {'wrong':>5} {'lost':>4} "
-          f"{'recovery s':>10}  leaked blocks")
+          f"{'recovery s':>10} {'retries':>7}  leaked blocks")
     for r in rows:
         print(f"{r['scenario']:40} {r['sent']:5d} {r['succeeded']:5d} {r['failed']:6d} "
-              f"{r['wrong_output']:5d} {r['lost']:4d} {r['recovery_seconds']:10.2f}  "
+              f"{r['wrong_output']:5d} {r['lost']:4d} {r['recovery_seconds']:10.2f} {r['retries']:7d}  "
               f"{r['leaked_blocks'] or 0}")
         for e in r["errors"]:
             print(f"    error: {e}")

@@ -108,7 +108,7 @@ def post(url, body, timeout=300):
 def metric(url, name):
     with urllib.request.urlopen(url, timeout=30) as r:
         text = r.read().decode()
-    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
     return None if m is None else float(m.group(1))
 
 

@@ -3,6 +3,7 @@
 // (router::DisaggregatedGenerator). Both stream every request's output through a callback.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <string>
 
@@ -18,6 +19,17 @@ namespace tandem::engine {
 // `status`). It must return quickly (hand the data to an I/O thread): it runs on the thread
 // that produces the output (the engine loop, or a control-plane stream reader).
 using OutputCallback = std::function<void(const RequestOutput& output, const absl::Status& status)>;
+
+// What a generator counts beyond EngineStats: the disaggregated router's pools and failovers
+// (all zero for one engine).
+struct GeneratorCounters {
+  int64_t prefill_retries = 0;  // requests started over after their prefill worker went away
+  int64_t migrations = 0;       // streams continued on another decode worker mid-generation
+  int prefill_workers = 0;      // in the pools ...
+  int decode_workers = 0;
+  int prefill_workers_up = 0;   // ... of which answering Stats
+  int decode_workers_up = 0;
+};
 
 class Generator {
  public:
@@ -41,6 +53,7 @@ class Generator {
   virtual EngineStats stats() const = 0;
   // Requests submitted and not yet finished or aborted.
   virtual int num_active() const = 0;
+  virtual GeneratorCounters counters() const { return {}; }
 };
 
 }  // namespace tandem::engine
