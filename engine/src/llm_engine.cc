@@ -307,6 +307,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
       latency_model_.ready() ? latency_model_.Predict(step_tokens, step_seqs, step_context) : 0;
   latency_model_.Observe(step_tokens, step_seqs, step_context, last_step_seconds_);
   ++steps_;
+  last_step_seqs_ = step_seqs;
   last_step_end_ = std::chrono::steady_clock::now();
   pending_after_last_step_ = scheduler_->has_work();
   for (RequestOutput& out : outputs) {
@@ -412,8 +413,13 @@ void LlmEngine::ApplySloLimits() {
     }
     // What the caller's loop spends between steps is part of every token's time too.
     const double step_target = kTpotMargin * options_.tpot_slo_seconds - step_gap_seconds_;
-    scheduler_->set_max_running(
-        DecodeBatchLimit(latency_model_, contexts, options_.max_num_seqs, step_target));
+    decode_batch_limit_ =
+        DecodeBatchLimit(latency_model_, contexts, options_.max_num_seqs, step_target);
+    // Sequences that ran in the last step (the front of the running list) keep running when
+    // the cap drops: parking one would add its wait to its own time per token. The batch comes
+    // down as they finish, while nothing new joins above the cap.
+    const int keep = std::min(last_step_seqs_, scheduler_->num_running());
+    scheduler_->set_max_running(std::max(decode_batch_limit_, keep));
   }
   if (options_.ttft_slo_seconds > 0 && options_.role != EngineRole::kDecode) {
     scheduler_->set_token_budget(PrefillTokenBudget(latency_model_, options_.max_num_batched_tokens,
@@ -429,7 +435,7 @@ EngineStats LlmEngine::stats() const {
   stats.kv_blocks_total = blocks_->num_blocks();
   stats.kv_blocks_used = blocks_->num_used_blocks();
   stats.preemptions = scheduler_->num_preemptions();
-  stats.batch_limit = scheduler_->max_running();
+  stats.batch_limit = decode_batch_limit_ > 0 ? decode_batch_limit_ : scheduler_->max_running();
   stats.token_budget = scheduler_->token_budget();
   stats.steps = steps_;
   stats.last_step_seconds = last_step_seconds_;

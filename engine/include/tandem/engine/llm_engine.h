@@ -115,8 +115,9 @@ struct EngineStats {
   int kv_blocks_total = 0;
   int kv_blocks_used = 0;
   int64_t preemptions = 0;
-  // The limits the next step runs under: max_num_seqs and max_num_batched_tokens unless an SLO
-  // controller lowered them.
+  // The batch cap (max_num_seqs unless the TPOT controller lowered it; sequences that already
+  // run keep running above it, new ones wait) and the token budget of a step
+  // (max_num_batched_tokens unless the TTFT controller lowered it).
   int batch_limit = 0;
   int token_budget = 0;
   // Steps run, and the last one's measured time (Schedule through sampling) and its prediction
@@ -216,6 +217,8 @@ class LlmEngine {
   double last_step_seconds_ = 0;
   double last_predicted_step_seconds_ = 0;
   double step_gap_seconds_ = 0;
+  int decode_batch_limit_ = 0;  // the TPOT controller's cap; 0 without one
+  int last_step_seqs_ = 0;
   std::chrono::steady_clock::time_point last_step_end_;
   bool pending_after_last_step_ = false;
 };

@@ -24,7 +24,7 @@ class StepLatencyModel {
 
   struct Options {
     int window = 256;      // measured steps kept
-    double decay = 0.97;   // weight of a sample relative to the next newer one (memory ~33)
+    double decay = 0.99;   // weight of a sample relative to the next newer one (memory ~100)
     int min_samples = 20;  // ready() from this many observations on
   };
 
