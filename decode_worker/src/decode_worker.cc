@@ -26,6 +26,7 @@
 #include "tandem/proto/convert.h"
 #include "tandem/proto/kv_layout_check.h"
 #include "tandem/router/http_server.h"
+#include "tandem/router/engine_step_metrics.h"
 #include "tandem/router/metrics.h"
 #include "tandem/v1/decode.grpc.pb.h"
 
@@ -113,48 +114,6 @@ class Service final : public tandem::v1::DecodeWorker::Service {
   DecodeWorkerImpl* worker_;
 };
 
-// The step latency model and the SLO controllers' limits, as every worker exports them.
-struct StepMetrics {
-  router::Histogram* step_seconds = nullptr;
-  std::array<router::Gauge*, engine::StepLatencyModel::kNumTerms> terms{};
-  router::Gauge* samples = nullptr;
-  router::Gauge* error_ratio = nullptr;
-  int64_t steps_seen = 0;
-
-  explicit StepMetrics(router::MetricsRegistry& registry) {
-    step_seconds = registry.AddHistogram(
-        "tandem_step_seconds", "Measured engine steps (schedule, forward pass, sampling).",
-        {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
-         2.5});
-    const char* names[] = {"intercept", "per_token", "per_seq", "per_context_token"};
-    for (int i = 0; i < engine::StepLatencyModel::kNumTerms; ++i) {
-      terms[i] = registry.AddGauge(
-          "tandem_step_latency_model_seconds",
-          "Fitted step time terms: seconds, and seconds per batch token, per sequence and per "
-          "context token.",
-          {{"term", names[i]}});
-    }
-    samples = registry.AddGauge("tandem_step_latency_model_samples",
-                                "Steps the latency model has been fitted on.");
-    error_ratio = registry.AddGauge(
-        "tandem_step_latency_model_error_ratio",
-        "Recent mean of |predicted - measured| / measured step time, predicted before each step.");
-  }
-
-  // After a step on the engine thread: observes the steps run since the last call (the last
-  // one's time stands for any missed) and refreshes the model's gauges.
-  void Record(const engine::EngineStats& stats) {
-    if (stats.steps == steps_seen) return;
-    steps_seen = stats.steps;
-    step_seconds->Observe(stats.last_step_seconds);
-    for (int i = 0; i < engine::StepLatencyModel::kNumTerms; ++i) {
-      terms[i]->Set(stats.step_model[i]);
-    }
-    samples->Set(static_cast<double>(stats.step_model_samples));
-    error_ratio->Set(stats.step_model_error_ratio);
-  }
-};
-
 struct Metrics {
   router::MetricsRegistry registry;
   router::Gauge* kv_used = nullptr;
@@ -171,7 +130,7 @@ struct Metrics {
   router::Gauge* tpot_target = nullptr;
   router::Gauge* step_gap = nullptr;
   router::Counter* slo_refusals = nullptr;
-  StepMetrics step{registry};
+  router::EngineStepMetrics step{registry};
 
   Metrics() {
     kv_used = registry.AddGauge("tandem_kv_cache_blocks_used",
