@@ -457,6 +457,26 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     return status.code() == absl::StatusCode::kUnavailable;
   }
 
+  // What a request's samples have produced so far, across attempts.
+  struct Sample {
+    std::vector<int32_t> generated;  // tokens sent to the client
+    std::string delivered;           // text sent to the client
+    std::string carried;             // text to prepend to the next text (held back by a worker
+                                     // that went away)
+    bool done = false;
+  };
+  struct Progress {
+    std::vector<Sample> sample;  // by the request's sample index
+    std::vector<int> samples;    // the running attempt's sample i is the request's samples[i]
+    bool AllDone() const {
+      return std::all_of(sample.begin(), sample.end(), [](const Sample& s) { return s.done; });
+    }
+    bool AnyGenerated() const {
+      return std::any_of(sample.begin(), sample.end(),
+                         [](const Sample& s) { return !s.generated.empty(); });
+    }
+  };
+
   // How one decode stream ended.
   struct StreamEnd {
     bool finished = false;  // the request's last event arrived
@@ -467,8 +487,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   // Submit and Start, relaying events into `output`. Returns how the stream ended, or the
   // error that came before any stream began.
   StreamEnd Attempt(Flight& flight, const GenerateRequest& r, RequestOutput& output,
-                    std::vector<int32_t>& generated, std::string& delivered_text,
-                    std::string& carried_text) {
+                    Progress& progress) {
     // 1. KV room on a decode worker.
     auto reserved = Reserve(flight, r);
     if (!reserved.ok()) {
@@ -520,11 +539,20 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
         end.error = proto::FromProto(event.error());
         break;
       }
+      // The attempt's sample i is the request's sample progress.samples[i].
+      if (event.index() < 0 || event.index() >= static_cast<int>(progress.samples.size())) {
+        end.error = absl::InternalError(
+            absl::StrCat("the decode worker sent sample ", event.index(), " of ",
+                         progress.samples.size()));
+        break;
+      }
+      const int index = progress.samples[event.index()];
+      Sample& sample = progress.sample[index];
       engine::ChoiceDelta delta;
-      delta.index = event.index();
+      delta.index = index;
       delta.token_ids.assign(event.token_ids().begin(), event.token_ids().end());
-      delta.text = std::move(carried_text) + event.text();
-      carried_text.clear();
+      delta.text = std::move(sample.carried) + event.text();
+      sample.carried.clear();
       delta.logprobs.assign(event.logprobs().begin(), event.logprobs().end());
       for (const tandem::v1::TopLogprobs& top : event.top_logprobs()) {
         std::vector<engine::TokenLogprob>& entries = delta.top_logprobs.emplace_back();
@@ -534,11 +562,15 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       }
       delta.finish_reason = proto::FromProto(event.finish_reason());
       output.num_generation_tokens += static_cast<int>(delta.token_ids.size());
-      generated.insert(generated.end(), delta.token_ids.begin(), delta.token_ids.end());
-      delivered_text += delta.text;
+      sample.generated.insert(sample.generated.end(), delta.token_ids.begin(),
+                              delta.token_ids.end());
+      sample.delivered += delta.text;
+      if (delta.finish_reason != engine::FinishReason::kNone) sample.done = true;
       output.choices.push_back(std::move(delta));
-      // The request's last event carries the usage; the stream then ends.
-      if (event.has_usage()) output.finished = end.finished = true;
+      // The attempt's last event carries the usage; the stream then ends. The request is
+      // finished when every one of its samples is (an attempt may run only some of them).
+      if (event.has_usage()) end.finished = true;
+      output.finished = progress.AllDone();
       Deliver(flight, output, absl::OkStatus());
     }
     grpc::Status call_status = reader->Finish();
@@ -561,57 +593,81 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
 
   // Runs a request to its end. A prefill worker that goes away before the first token is
   // retried on another; a decode worker that goes away mid-stream (killed or draining) is
-  // replaced by continuing the request elsewhere: the prompt plus the tokens generated so far
-  // are prefilled again and decoding goes on, so the client's stream has no gap and no repeat.
+  // replaced by continuing the request elsewhere: each unfinished sample's prompt plus the
+  // tokens it generated so far are prefilled again and decoding goes on, so the client's stream
+  // has no gap and no repeat. Samples of a request with n > 1 continue one after another, each
+  // as a request of its own.
   void Run(Flight& flight) {
     const GenerateRequest& original = flight.request;
+    const int n = original.params.n;
     RequestOutput output;
     output.request_id = original.request_id;
     output.num_prompt_tokens = static_cast<int>(original.prompt_tokens.size());
+    Progress progress;
+    progress.sample.resize(n);
+    for (int i = 0; i < n; ++i) progress.samples.push_back(i);
     GenerateRequest current = original;
-    std::vector<int32_t> generated;  // every token delivered (n == 1 only can migrate)
-    std::string delivered_text;
-    std::string carried_text;  // text of migrated tokens the old worker had held back
     int retries = 0;
     for (int attempt = 0;; ++attempt) {
-      StreamEnd end = Attempt(flight, current, output, generated, delivered_text, carried_text);
-      if (end.finished || Cancelled(flight)) return;
-      if (end.error.ok()) return;  // aborted by the client
-      const int remaining = original.params.max_tokens - static_cast<int>(generated.size());
-      // Before any token every request can start over; after, only a single sample can go on.
-      const bool can_retry = WorkerGone(end.error) && retries < options_.max_retries &&
-                             (generated.empty() || original.params.n == 1) && remaining > 0;
-      if (!can_retry) {
-        output.choices.clear();
-        output.finished = true;
-        Deliver(flight, output, end.error);
-        return;
+      StreamEnd end = Attempt(flight, current, output, progress);
+      if (Cancelled(flight) || progress.AllDone()) return;
+      if (end.finished) {
+        // This continuation is done; another sample still has to go on (below).
+      } else if (end.error.ok()) {
+        return;  // aborted by the client
+      } else {
+        const bool can_retry = WorkerGone(end.error) && retries < options_.max_retries;
+        if (!can_retry) {
+          output.choices.clear();
+          output.finished = true;
+          Deliver(flight, output, end.error);
+          return;
+        }
+        ++retries;
+        (progress.AnyGenerated() ? migrations_ : prefill_retries_).fetch_add(1);
+        // Give the poller a moment to see which workers are left before trying again.
+        absl::SleepFor(absl::Milliseconds(20 * retries));
+        std::fprintf(stderr, "tandem router: request %s goes on elsewhere: %s\n",
+                     original.request_id.c_str(), std::string(end.error.message()).c_str());
       }
-      ++retries;
-      (generated.empty() ? prefill_retries_ : migrations_).fetch_add(1);
-      // Give the poller a moment to see which workers are left before trying again.
-      absl::SleepFor(absl::Milliseconds(20 * retries));
-      std::fprintf(stderr, "tandem router: request %s continues elsewhere after %zu tokens: %s\n",
-                   original.request_id.c_str(), generated.size(),
-                   std::string(end.error.message()).c_str());
-      // The continuation: a fresh id on the workers (the old one may still be known there), the
-      // generated tokens appended to the prompt, and what is left of the budget.
+      // The next attempt gets a fresh id on the workers (the old one may still be known there).
       current = original;
       current.request_id = absl::StrCat(original.request_id, "~", attempt + 1);
-      current.prompt_tokens.insert(current.prompt_tokens.end(), generated.begin(),
-                                   generated.end());
-      current.params.max_tokens = remaining;
-      current.params.min_tokens =
-          std::max(0, original.params.min_tokens - static_cast<int>(generated.size()));
-      if (!generated.empty()) {
-        // Text the old worker held back (a partial character, a possible stop string) is
-        // carried into the first text of the continuation.
-        const std::string full =
-            tokenizer_->Decode(generated, original.params.skip_special_tokens);
-        if (full.size() > delivered_text.size() && full.compare(0, delivered_text.size(),
-                                                                delivered_text) == 0) {
-          carried_text = full.substr(delivered_text.size());
-        }
+      if (!progress.AnyGenerated()) {
+        // Nothing was sent yet: the whole request starts over.
+        continue;
+      }
+      // The first unfinished sample continues on its own: its tokens appended to the prompt,
+      // what is left of its budget.
+      int index = 0;
+      while (progress.sample[index].done) ++index;
+      Sample& sample = progress.sample[index];
+      const int used = static_cast<int>(sample.generated.size());
+      if (used >= original.params.max_tokens) {
+        // Its last token arrived but not its finish: it ended by length.
+        sample.done = true;
+        output.choices.clear();
+        engine::ChoiceDelta& delta = output.choices.emplace_back();
+        delta.index = index;
+        delta.finish_reason = engine::FinishReason::kLength;
+        output.finished = progress.AllDone();
+        Deliver(flight, output, absl::OkStatus());
+        if (output.finished) return;
+        continue;
+      }
+      progress.samples = {index};
+      current.prompt_tokens.insert(current.prompt_tokens.end(), sample.generated.begin(),
+                                   sample.generated.end());
+      current.params.n = 1;
+      current.params.max_tokens = original.params.max_tokens - used;
+      current.params.min_tokens = std::max(0, original.params.min_tokens - used);
+      // Text the old worker held back (a partial character, a possible stop string) is
+      // carried into the first text of the continuation.
+      const std::string full =
+          tokenizer_->Decode(sample.generated, original.params.skip_special_tokens);
+      if (full.size() > sample.delivered.size() &&
+          full.compare(0, sample.delivered.size(), sample.delivered) == 0) {
+        sample.carried = full.substr(sample.delivered.size());
       }
     }
   }

@@ -73,20 +73,20 @@ PROMPT = " ".join(["the quiet harbor keeps its lamps lit"] * 12)
 MAX_TOKENS = 48
 
 
-def stream_once(url, timeout=120):
+def stream_once(url, timeout=120, n=1):
     """One streamed greedy completion; returns (ok, text, error). A refused connection (a
     router restarting) is retried for up to 10 s, as a client behind a load balancer would."""
     give_up = time.time() + 10
     while True:
-        result = stream_attempt(url, timeout)
+        result = stream_attempt(url, timeout, n)
         if result[2] != "refused" or time.time() > give_up:
             return result
         time.sleep(0.1)
 
 
-def stream_attempt(url, timeout):
+def stream_attempt(url, timeout, n):
     host, port = re.match(r"http://([^:]+):(\d+)", url).groups()
-    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+    body = json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "n": n,
                        "temperature": 0, "ignore_eos": True, "stream": True}).encode()
     raw = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
@@ -110,7 +110,7 @@ def stream_attempt(url, timeout):
     head, _, body = data.partition(b"\r\n\r\n")
     if not head.startswith(b"HTTP/1.1 200"):
         return False, "", head.split(b"\r\n")[0].decode(errors="replace")
-    text, finish, error = "", None, None
+    texts, finishes, error = {}, {}, None
     for line in body.decode(errors="replace").split("\n"):
         if line.startswith("event: error"):
             error = "error event"
@@ -124,11 +124,14 @@ def stream_attempt(url, timeout):
             error = event["error"].get("message")
             continue
         for c in event.get("choices", []):
-            text += c.get("text", "")
-            finish = c.get("finish_reason") or finish
-    if error is not None or finish != "length":
-        return False, text, error or f"finish_reason {finish}"
-    return True, text, None
+            texts[c["index"]] = texts.get(c["index"], "") + c.get("text", "")
+            finishes[c["index"]] = c.get("finish_reason") or finishes.get(c["index"])
+    if error is not None or sorted(finishes) != list(range(n)) or any(
+            f != "length" for f in finishes.values()):
+        return False, "", error or f"finish_reasons {finishes}"
+    # Greedy samples are all the same text: each must equal the undisturbed output.
+    distinct = set(texts.values())
+    return True, distinct.pop() if len(distinct) == 1 else " | ".join(texts.values()), None
 
 
 class Load:
@@ -139,14 +142,16 @@ class Load:
         self.records = []  # (start, end, ok, text, error)
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self.client) for _ in range(clients)]
+        # Every third client asks for two samples, so multi-sample streams are moved too.
+        self.threads = [threading.Thread(target=self.client, args=(2 if i % 3 == 2 else 1,))
+                        for i in range(clients)]
         for t in self.threads:
             t.start()
 
-    def client(self):
+    def client(self, n):
         while not self.stop.is_set():
             start = time.time()
-            ok, text, error = stream_once(self.url)
+            ok, text, error = stream_once(self.url, n=n)
             with self.lock:
                 self.records.append((start, time.time(), ok, text, error))
 
@@ -281,6 +286,55 @@ def kill(role, sig):
     return action
 
 
+def two_sample_migration(reference_url):
+    """A 2-sample greedy stream whose decode worker is killed mid-generation: both samples must
+    go on elsewhere and end with exactly the undisturbed text."""
+    long_tokens = 240
+    global MAX_TOKENS
+    saved, MAX_TOKENS = MAX_TOKENS, long_tokens
+    try:
+        ok, reference, error = stream_once(reference_url)
+        if not ok:
+            raise RuntimeError(f"reference run failed: {error}")
+        decodes = [cluster.start_worker("decode") for _ in range(2)]
+        prefill = cluster.start_worker("prefill")
+        router = cluster.start_router(prefill.address, ",".join(d.address for d in decodes))
+        victim = None
+        try:
+            result = {}
+            t = threading.Thread(target=lambda: result.update(r=stream_once(router.url, n=2)))
+            t.start()
+            # Kill whichever decode worker holds the request once it is decoding.
+            deadline = time.time() + 60
+            while victim is None and time.time() < deadline:
+                for d in decodes:
+                    if (cluster.metric(d.metrics_url, "tandem_num_requests_running") or 0) > 0:
+                        victim = d
+                        break
+                time.sleep(0.02)
+            killed_at = time.time()
+            victim.proc.kill()
+            t.join(120)
+            ok, text, error = result.get("r", (False, "", "no result"))
+            retries = cluster.metric(router.url + "/metrics",
+                                     'tandem_request_retries_total{phase="decode"}') or 0
+            survivor = [d for d in decodes if d is not victim][0]
+            leaked = cluster.wait_for_zero(survivor.metrics_url, "tandem_kv_cache_blocks_used")
+            good = ok and text == reference and retries >= 1 and leaked == 0
+            return {"scenario": "2-sample stream, its decode worker killed", "sent": 1,
+                    "succeeded": int(good), "failed": int(not ok),
+                    "wrong_output": int(ok and text != reference), "lost": int(t.is_alive()),
+                    "recovery_seconds": round(time.time() - killed_at, 2),
+                    "retries": int(retries), "leaked_blocks": {} if leaked == 0 else
+                    {survivor.address: leaked}, "errors": [] if ok else [str(error)]}
+        finally:
+            for p in [router, prefill] + decodes:
+                if p is not victim:
+                    p.stop()
+    finally:
+        MAX_TOKENS = saved
+
+
 def membership_scenario(tmp):
     """Workers joining and leaving are picked up by the router within one lease TTL."""
     etcd = Etcd(os.path.join(tmp, "etcd-membership"))
@@ -347,6 +401,7 @@ def main():
         colocated = cluster.start_colocated()
         try:
             ok, reference, error = stream_once(colocated.url)
+            migration_row = two_sample_migration(colocated.url) if ok else None
         finally:
             colocated.stop()
         if not ok:
@@ -363,6 +418,7 @@ def main():
             finally:
                 if etcd is not None:
                     etcd.stop()
+        rows.append(migration_row)
         rows.append(membership_scenario(tmp))
 
     print(f"{'scenario':40} {'sent':>5} {'ok':>5} {'failed':>6} {'wrong':>5} {'lost':>4} "
@@ -377,7 +433,7 @@ def main():
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)
     bad = [r for r in rows if r["failed"] or r["wrong_output"] or r["lost"] or r["leaked_blocks"]
-           or r["sent"] == 0]
+           or r["sent"] == 0 or r["succeeded"] != r["sent"]]
     if bad:
         print("FAIL:", ", ".join(r["scenario"] for r in bad))
         return 1
