@@ -282,21 +282,12 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
   // destructor's Shutdown.
   loop_ = std::thread([this] { Loop(); });
 
-  TANDEM_ASSIGN_OR_RETURN(auto grpc_host_port, SplitHostPort(options_.grpc_address));
   service_ = std::make_unique<Service>(this);
-  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
-                          proto::MakeServerCredentials(options_.tls));
-  grpc::ServerBuilder builder;
-  int selected_port = 0;
-  builder.AddListeningPort(options_.grpc_address, credentials, &selected_port);
-  builder.RegisterService(service_.get());
-  server_ = builder.BuildAndStart();
-  if (server_ == nullptr || selected_port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options_.grpc_address));
-  }
-  const std::string& host = grpc_host_port.first;
-  grpc_address_ = host.find(':') != std::string::npos ? absl::StrCat("[", host, "]:", selected_port)
-                                                      : absl::StrCat(host, ":", selected_port);
+  TANDEM_ASSIGN_OR_RETURN(proto::StartedServer started,
+                          proto::StartGrpcServer(options_.grpc_address, service_.get(),
+                                                 options_.tls));
+  server_ = std::move(started.server);
+  grpc_address_ = std::move(started.address);
 
   if (!options_.metrics_address.empty()) {
     TANDEM_ASSIGN_OR_RETURN(auto metrics_host_port, SplitHostPort(options_.metrics_address));

@@ -348,21 +348,12 @@ absl::Status PrefillWorkerImpl::Start() {
 
   // The loop runs before the first call can arrive, so every accepted call gets its answer.
   loop_ = std::thread([this] { Loop(); });
-  TANDEM_ASSIGN_OR_RETURN(auto grpc_host_port, SplitHostPort(options_.grpc_address));
   service_ = std::make_unique<Service>(this);
-  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
-                          proto::MakeServerCredentials(options_.tls));
-  grpc::ServerBuilder builder;
-  int selected_port = 0;
-  builder.AddListeningPort(options_.grpc_address, credentials, &selected_port);
-  builder.RegisterService(service_.get());
-  server_ = builder.BuildAndStart();
-  if (server_ == nullptr || selected_port == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", options_.grpc_address));
-  }
-  grpc_address_ = grpc_host_port.first.find(':') != std::string::npos
-                      ? absl::StrCat("[", grpc_host_port.first, "]:", selected_port)
-                      : absl::StrCat(grpc_host_port.first, ":", selected_port);
+  TANDEM_ASSIGN_OR_RETURN(proto::StartedServer started,
+                          proto::StartGrpcServer(options_.grpc_address, service_.get(),
+                                                 options_.tls));
+  server_ = std::move(started.server);
+  grpc_address_ = std::move(started.address);
 
   return absl::OkStatus();
 }

@@ -1,6 +1,7 @@
 #include "tandem/proto/tls.h"
 
 #include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_builder.h>
 
 #include <cerrno>
 #include <cstring>
@@ -11,6 +12,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "tandem/base/host_port.h"
+#include "tandem/base/status_macros.h"
 
 namespace tandem::proto {
 namespace {
@@ -110,6 +113,27 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 
 void AddTlsChannelArgs(const TlsFiles& tls, grpc::ChannelArguments* args) {
   if (tls.enabled() && !tls.server_name.empty()) args->SetSslTargetNameOverride(tls.server_name);
+}
+
+absl::StatusOr<StartedServer> StartGrpcServer(const std::string& address, grpc::Service* service,
+                                              const TlsFiles& tls) {
+  TANDEM_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(address));
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                          MakeServerCredentials(tls));
+  grpc::ServerBuilder builder;
+  int selected_port = 0;
+  builder.AddListeningPort(address, credentials, &selected_port);
+  builder.RegisterService(service);
+  StartedServer started;
+  started.server = builder.BuildAndStart();
+  if (started.server == nullptr || selected_port == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot serve gRPC on ", address));
+  }
+  const std::string& host = host_port.first;
+  started.address = host.find(':') != std::string::npos
+                        ? absl::StrCat("[", host, "]:", selected_port)
+                        : absl::StrCat(host, ":", selected_port);
+  return started;
 }
 
 }  // namespace tandem::proto

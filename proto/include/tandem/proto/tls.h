@@ -17,6 +17,8 @@
 
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
+#include <grpcpp/impl/service_type.h>
+#include <grpcpp/server.h>
 #include <grpcpp/support/channel_arguments.h>
 
 #include <memory>
@@ -58,5 +60,17 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials
 
 // Sets the expected server name on `args` when `tls.server_name` is given (TLS only).
 void AddTlsChannelArgs(const TlsFiles& tls, grpc::ChannelArguments* args);
+
+// A started gRPC server and the "host:port" it is bound to (the chosen port when `address`
+// asked for port 0; an IPv6 host in brackets).
+struct StartedServer {
+  std::unique_ptr<grpc::Server> server;
+  std::string address;
+};
+
+// Serves `service` on `address` ("host:port"), with mutual TLS when `tls` is enabled.
+// InvalidArgument for a bad address or TLS file, Unavailable when the port cannot be bound.
+absl::StatusOr<StartedServer> StartGrpcServer(const std::string& address, grpc::Service* service,
+                                              const TlsFiles& tls);
 
 }  // namespace tandem::proto
