@@ -200,7 +200,9 @@ TEST(ProgressLineTest, CountsAndBar) {
 }
 
 // A streaming OpenAI-style server on a loopback port: every request gets `tokens` chunks
-// `gap_ms` apart, then usage and [DONE]. It records the most connections open at once.
+// `gap_ms` apart, then usage and [DONE]. It records the most requests in progress at once
+// (counted until just before [DONE]: a client may start its next request as soon as it reads
+// it, possibly before this thread runs again).
 class FakeServer {
  public:
   FakeServer(int tokens, int gap_ms) : tokens_(tokens), gap_ms_(gap_ms) {
@@ -228,12 +230,13 @@ class FakeServer {
     while (open_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   std::string url() const { return absl::StrCat("http://127.0.0.1:", port_); }
-  int max_open() const { return max_open_; }
+  int max_open() const { return max_in_flight_; }
 
  private:
   void Serve(int c) {
-    const int now = ++open_;
-    for (int m = max_open_; now > m && !max_open_.compare_exchange_weak(m, now);) {
+    ++open_;
+    const int now = ++in_flight_;
+    for (int m = max_in_flight_; now > m && !max_in_flight_.compare_exchange_weak(m, now);) {
     }
     std::string in;
     char buf[4096];
@@ -256,6 +259,7 @@ class FakeServer {
     }
     chunk(absl::StrCat(R"({"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":)",
                        tokens_, "}}"));
+    --in_flight_;
     chunk("[DONE]");
     send("0\r\n\r\n");
     --open_;
@@ -264,7 +268,7 @@ class FakeServer {
   int tokens_, gap_ms_;
   int fd_ = -1;
   int port_ = 0;
-  std::atomic<int> open_{0}, max_open_{0};
+  std::atomic<int> open_{0}, in_flight_{0}, max_in_flight_{0};
   std::thread accept_thread_;
 };
 
