@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/tools/synth_model.h"
 
 namespace tandem::tools {
 namespace {
@@ -257,17 +258,10 @@ absl::StatusOr<ClusterHardware> FindClusterHardware(const std::string& name) {
 absl::StatusOr<RooflineShape> PlannerShape(const std::string& name) {
   const std::string lower = Lower(name);
   if (lower == "small") {
-    // tools/src/synth_model.cc's `small`: hidden 512, 8 layers, 8 heads (4 KV), MLP 1536.
-    RooflineShape s;
-    s.hidden = 512;
-    s.layers = 8;
-    s.heads = 8;
-    s.kv_heads = 4;
-    s.head_dim = 64;
-    s.intermediate = 1536;
-    s.vocab = 4096;
-    s.dtype_bytes = 2;
-    return s;
+    // The synthetic `small` preset as `tandem synth-model` writes it (its trained tokenizer
+    // has about 4096 tokens).
+    TANDEM_ASSIGN_OR_RETURN(engine::ModelConfig config, SyntheticConfig("small", "llama", 4096));
+    return ShapeFromConfig(config);
   }
   if (lower == "llama3-8b") return Llama3_8BShape();
   return FindShape(name);
