@@ -74,8 +74,9 @@ MAX_TOKENS = 48
 
 
 def stream_once(url, timeout=120, n=1):
-    """One streamed greedy completion; returns (ok, text, error). A refused connection (a
-    router restarting) is retried for up to 10 s, as a client behind a load balancer would."""
+    """One streamed greedy completion; returns (ok, text, error). A refused connection, or one
+    reset before any answer (a router restarting), is retried for up to 10 s, as a client behind
+    a load balancer would."""
     give_up = time.time() + 10
     while True:
         result = stream_attempt(url, timeout, n)
@@ -96,15 +97,19 @@ def stream_attempt(url, timeout, n):
         return False, "", "refused"
     except OSError as e:
         return False, "", f"socket: {e}"
+    data = b""
     try:
         s.sendall(raw)
-        data = b""
         while True:
             chunk = s.recv(65536)
             if not chunk:
                 break
             data += chunk
         s.close()
+    except ConnectionResetError as e:
+        # A connection the stopping router had not yet accepted is reset unanswered; like a
+        # refused one, a load balancer sends it again. A reset mid-response is a failure.
+        return False, "", "refused" if not data else f"socket: {e}"
     except OSError as e:
         return False, "", f"socket: {e}"
     head, _, body = data.partition(b"\r\n\r\n")
