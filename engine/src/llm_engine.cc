@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/kernels/cuda_backend.h"
 
 namespace tandem::engine {
 
@@ -27,6 +28,32 @@ struct LlmEngine::Request {
 
 LlmEngine::~LlmEngine() = default;
 
+namespace {
+
+// The backend of `options.device`. CUDA's attention metadata and split-KV workspace are sized
+// for the longest context and the largest step this engine can run.
+absl::StatusOr<std::unique_ptr<kernels::Backend>> CreateBackend(const EngineOptions& options,
+                                                                const ModelConfig& config,
+                                                                int max_model_len,
+                                                                int num_blocks) {
+  if (options.device == Device::kCpu) {
+    return kernels::CreateCpuBackend({.num_threads = options.num_threads});
+  }
+  const int blocks_per_seq =
+      std::min(num_blocks, (max_model_len + options.block_size - 1) / options.block_size);
+  kernels::CudaBackendOptions cuda{
+      .device = 0,
+      .max_seqs = options.max_num_seqs,
+      .max_blocks_per_seq = std::max(blocks_per_seq, 1),
+      .attention_workspace_bytes = kernels::CudaAttentionWorkspaceBytes(
+          options.max_num_batched_tokens, config.num_heads, config.head_dim, max_model_len)};
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<kernels::CudaBackend> backend,
+                          kernels::CreateCudaBackend(cuda));
+  return std::unique_ptr<kernels::Backend>(std::move(backend));
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions& options) {
   if (options.block_size <= 0 || options.block_size > 1024) {
     return absl::InvalidArgumentError(
@@ -38,8 +65,6 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
   TANDEM_ASSIGN_OR_RETURN(engine->tokenizer_,
                           Tokenizer::FromFile(options.model_dir + "/tokenizer.json"));
   TANDEM_ASSIGN_OR_RETURN(engine->chat_formatter_, ChatFormatter::Load(options.model_dir));
-  TANDEM_ASSIGN_OR_RETURN(engine->backend_,
-                          kernels::CreateCpuBackend({.num_threads = options.num_threads}));
   const ModelConfig& config = engine->checkpoint_->config();
   engine->max_model_len_ = config.max_position_embeddings;
   if (options.max_model_len > 0) {
@@ -59,6 +84,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
       SchedulerOptions{options.max_num_seqs, options.max_num_batched_tokens, options.role,
                        options.queue_policy},
       engine->blocks_.get());
+  TANDEM_ASSIGN_OR_RETURN(engine->backend_, CreateBackend(options, config, engine->max_model_len_,
+                                                         engine->blocks_->num_blocks()));
   TANDEM_ASSIGN_OR_RETURN(engine->runner_,
                           ModelRunner::Create(*engine->checkpoint_, engine->backend_.get(),
                                               {options.max_num_batched_tokens, options.max_num_seqs,

@@ -9,14 +9,15 @@
 
 namespace tandem::engine {
 
+// Vectors and biases are backend memory; an absent one is an empty buffer (null data()).
 struct ModelRunner::Layer {
-  std::vector<float> input_norm;                   // [hidden]
-  std::vector<float> post_attn_norm;               // [hidden]
+  kernels::DeviceBuffer input_norm;                // [hidden]
+  kernels::DeviceBuffer post_attn_norm;            // [hidden]
   std::unique_ptr<kernels::PackedWeight> qkv;      // [(heads + 2 kv_heads) * head_dim, hidden]
-  std::vector<float> qkv_bias;                     // [(heads + 2 kv_heads) * head_dim] or empty
-  std::vector<float> q_norm, k_norm;               // [head_dim] or empty
+  kernels::DeviceBuffer qkv_bias;                  // [(heads + 2 kv_heads) * head_dim] or empty
+  kernels::DeviceBuffer q_norm, k_norm;            // [head_dim] or empty
   std::unique_ptr<kernels::PackedWeight> o;        // [hidden, heads * head_dim]
-  std::vector<float> o_bias;                       // [hidden] or empty
+  kernels::DeviceBuffer o_bias;                    // [hidden] or empty
   std::unique_ptr<kernels::PackedWeight> gate_up;  // [2 * intermediate, hidden]
   std::unique_ptr<kernels::PackedWeight> down;     // [hidden, intermediate]
 };
@@ -89,44 +90,70 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   runner->backend_ = backend;
   const ModelConfig& c = runner->config_;
   runner->kv_layout_ = {options.num_kv_blocks, options.block_size, c.num_kv_heads, c.head_dim};
-  runner->inv_freq_ = kernels::RopeInverseFrequencies(c.rope);
+  TANDEM_ASSIGN_OR_RETURN(runner->inv_freq_, runner->Upload(kernels::RopeInverseFrequencies(c.rope)));
   TANDEM_RETURN_IF_ERROR(runner->LoadWeights(checkpoint));
 
   const size_t cache_elems = static_cast<size_t>(c.num_layers) * runner->kv_layout_.LayerElements();
-  runner->kv_cache_ = std::make_unique_for_overwrite<float[]>(cache_elems);
+  TANDEM_ASSIGN_OR_RETURN(runner->kv_cache_, backend->Allocate(cache_elems * sizeof(float)));
 
   const size_t t = options.max_num_batched_tokens;
   const size_t s = std::min(options.max_num_seqs, options.max_num_batched_tokens);
   const size_t q_dim = static_cast<size_t>(c.num_heads) * c.head_dim;
   const size_t kv_dim = static_cast<size_t>(c.num_kv_heads) * c.head_dim;
-  runner->token_ids_.resize(t);
-  runner->positions_.resize(t);
-  runner->slots_.resize(t);
+  TANDEM_ASSIGN_OR_RETURN(runner->step_ints_, backend->Allocate((3 * t + s) * sizeof(int32_t)));
+  if (backend->host_memory()) {
+    runner->planned_ints_ = runner->step_ints_.as<int32_t>();
+  } else {
+    runner->host_step_ints_.resize(3 * t + s);
+    runner->planned_ints_ = runner->host_step_ints_.data();
+    runner->host_logits_.resize(s * c.vocab_size);
+  }
   runner->query_start_.resize(s + 1);
   runner->context_len_.resize(s);
-  runner->sample_rows_.resize(s);
-  runner->residual_.resize(t * c.hidden_size);
-  runner->hidden_.resize(t * c.hidden_size);
-  runner->qkv_.resize(t * (q_dim + 2 * kv_dim));
-  runner->q_.resize(t * q_dim);
-  runner->k_.resize(t * kv_dim);
-  runner->v_.resize(t * kv_dim);
-  runner->attn_.resize(t * q_dim);
-  runner->proj_.resize(t * c.hidden_size);
-  runner->gate_up_.resize(t * 2 * c.intermediate_size);
-  runner->act_.resize(t * c.intermediate_size);
-  runner->sampled_hidden_.resize(s * c.hidden_size);
-  runner->logits_.resize(s * c.vocab_size);
+  for (auto [buffer, floats] : {std::pair{&runner->residual_, t * c.hidden_size},
+                                {&runner->hidden_, t * c.hidden_size},
+                                {&runner->qkv_, t * (q_dim + 2 * kv_dim)},
+                                {&runner->q_, t * q_dim},
+                                {&runner->k_, t * kv_dim},
+                                {&runner->v_, t * kv_dim},
+                                {&runner->attn_, t * q_dim},
+                                {&runner->proj_, t * c.hidden_size},
+                                {&runner->gate_up_, t * 2 * c.intermediate_size},
+                                {&runner->act_, t * c.intermediate_size},
+                                {&runner->sampled_hidden_, s * c.hidden_size},
+                                {&runner->logits_, s * c.vocab_size}}) {
+    TANDEM_ASSIGN_OR_RETURN(*buffer, backend->Allocate(floats * sizeof(float)));
+  }
+  // A device backend reports failed weight uploads here rather than on the first step.
+  TANDEM_RETURN_IF_ERROR(backend->Synchronize());
   return runner;
+}
+
+absl::StatusOr<kernels::DeviceBuffer> ModelRunner::Upload(const std::vector<float>& values) {
+  if (values.empty()) return kernels::DeviceBuffer();
+  TANDEM_ASSIGN_OR_RETURN(kernels::DeviceBuffer buffer,
+                          backend_->Allocate(values.size() * sizeof(float)));
+  backend_->CopyToDevice(buffer.data(), values.data(), buffer.bytes());
+  return buffer;
 }
 
 absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint) {
   const ModelConfig& c = config_;
-  TANDEM_ASSIGN_OR_RETURN(embed_, checkpoint.ReadFloat("model.embed_tokens.weight"));
-  TANDEM_ASSIGN_OR_RETURN(final_norm_, checkpoint.ReadFloat("model.norm.weight"));
-  if (c.tie_word_embeddings) {
-    lm_head_ = backend_->PackWeight(embed_.data(), c.vocab_size, c.hidden_size);
-  } else {
+  // Reads a vector (norm weight, bias) into backend memory.
+  auto read = [&](const std::string& name) -> absl::StatusOr<kernels::DeviceBuffer> {
+    TANDEM_ASSIGN_OR_RETURN(std::vector<float> values, checkpoint.ReadFloat(name));
+    return Upload(values);
+  };
+  {
+    TANDEM_ASSIGN_OR_RETURN(std::vector<float> embed,
+                            checkpoint.ReadFloat("model.embed_tokens.weight"));
+    TANDEM_ASSIGN_OR_RETURN(embed_, Upload(embed));
+    if (c.tie_word_embeddings) {
+      lm_head_ = backend_->PackWeight(embed.data(), c.vocab_size, c.hidden_size);
+    }
+  }
+  TANDEM_ASSIGN_OR_RETURN(final_norm_, read("model.norm.weight"));
+  if (!c.tie_word_embeddings) {
     TANDEM_ASSIGN_OR_RETURN(std::vector<float> lm_head, checkpoint.ReadFloat("lm_head.weight"));
     lm_head_ = backend_->PackWeight(lm_head.data(), c.vocab_size, c.hidden_size);
   }
@@ -135,11 +162,11 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint) {
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     auto layer = std::make_unique<Layer>();
-    TANDEM_ASSIGN_OR_RETURN(layer->input_norm, checkpoint.ReadFloat(p + "input_layernorm.weight"));
-    TANDEM_ASSIGN_OR_RETURN(layer->post_attn_norm,
-                            checkpoint.ReadFloat(p + "post_attention_layernorm.weight"));
+    TANDEM_ASSIGN_OR_RETURN(layer->input_norm, read(p + "input_layernorm.weight"));
+    TANDEM_ASSIGN_OR_RETURN(layer->post_attn_norm, read(p + "post_attention_layernorm.weight"));
     // q, k and v share their input, so one fused projection reads it once.
     std::vector<float> qkv;
+    std::vector<float> qkv_bias;
     qkv.reserve(static_cast<size_t>(q_dim + 2 * kv_dim) * c.hidden_size);
     for (const char* name : {"q_proj", "k_proj", "v_proj"}) {
       TANDEM_ASSIGN_OR_RETURN(std::vector<float> w,
@@ -148,19 +175,20 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint) {
       if (c.attention_bias) {
         TANDEM_ASSIGN_OR_RETURN(std::vector<float> b,
                                 checkpoint.ReadFloat(absl::StrCat(p, "self_attn.", name, ".bias")));
-        layer->qkv_bias.insert(layer->qkv_bias.end(), b.begin(), b.end());
+        qkv_bias.insert(qkv_bias.end(), b.begin(), b.end());
       }
     }
     layer->qkv = backend_->PackWeight(qkv.data(), q_dim + 2 * kv_dim, c.hidden_size);
+    TANDEM_ASSIGN_OR_RETURN(layer->qkv_bias, Upload(qkv_bias));
     if (c.qk_norm) {
-      TANDEM_ASSIGN_OR_RETURN(layer->q_norm, checkpoint.ReadFloat(p + "self_attn.q_norm.weight"));
-      TANDEM_ASSIGN_OR_RETURN(layer->k_norm, checkpoint.ReadFloat(p + "self_attn.k_norm.weight"));
+      TANDEM_ASSIGN_OR_RETURN(layer->q_norm, read(p + "self_attn.q_norm.weight"));
+      TANDEM_ASSIGN_OR_RETURN(layer->k_norm, read(p + "self_attn.k_norm.weight"));
     }
     TANDEM_ASSIGN_OR_RETURN(std::vector<float> o,
                             checkpoint.ReadFloat(p + "self_attn.o_proj.weight"));
     layer->o = backend_->PackWeight(o.data(), c.hidden_size, q_dim);
     if (c.o_proj_bias) {
-      TANDEM_ASSIGN_OR_RETURN(layer->o_bias, checkpoint.ReadFloat(p + "self_attn.o_proj.bias"));
+      TANDEM_ASSIGN_OR_RETURN(layer->o_bias, read(p + "self_attn.o_proj.bias"));
     }
     TANDEM_ASSIGN_OR_RETURN(std::vector<float> gate_up,
                             checkpoint.ReadFloat(p + "mlp.gate_proj.weight"));
@@ -176,33 +204,38 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint) {
 }
 
 void ModelRunner::CopyBlock(int32_t src, int32_t dst) {
-  const int64_t block_elems =
-      static_cast<int64_t>(kv_layout_.block_size) * kv_layout_.num_kv_heads * kv_layout_.head_dim;
-  for (int l = 0; l < config_.num_layers; ++l) {
-    float* layer = layer_cache(l);
-    for (int half = 0; half < 2; ++half) {
-      float* base = layer + half * kv_layout_.HalfElements();
-      std::memcpy(base + dst * block_elems, base + src * block_elems, block_elems * sizeof(float));
-    }
-  }
+  // The block in each layer's K and V halves: 2 x layers rows, one half apart.
+  const size_t block_bytes = static_cast<size_t>(kv_layout_.block_size) * kv_layout_.num_kv_heads *
+                             kv_layout_.head_dim * sizeof(float);
+  const size_t half_bytes = static_cast<size_t>(kv_layout_.HalfElements()) * sizeof(float);
+  char* cache = static_cast<char*>(kv_cache_.data());
+  backend_->CopyRows(cache + dst * block_bytes, half_bytes, cache + src * block_bytes, half_bytes,
+                     block_bytes, 2 * config_.num_layers);
 }
 
 absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep& step) {
   const ModelConfig& c = config_;
   const int num_seqs = static_cast<int>(step.seqs.size());
-  if (step.num_tokens > options_.max_num_batched_tokens || num_seqs > options_.max_num_seqs) {
-    return absl::InvalidArgumentError(absl::StrCat("step of ", step.num_tokens, " tokens and ",
-                                                   num_seqs, " sequences exceeds the runner"));
+  int tokens = 0;
+  for (const ScheduledSequence& s : step.seqs) tokens += s.num_new_tokens;
+  if (tokens > options_.max_num_batched_tokens || num_seqs > options_.max_num_seqs) {
+    return absl::InvalidArgumentError(absl::StrCat("step of ", tokens, " tokens and ", num_seqs,
+                                                   " sequences exceeds the runner"));
   }
+  kernels::Backend& b = *backend_;
   for (const auto& [src, dst] : step.block_copies) CopyBlock(src, dst);
 
-  // Flatten the step: tokens of every sequence back to back.
+  // Flatten the step on the host: tokens of every sequence back to back.
   int max_blocks = 0;
   for (const ScheduledSequence& s : step.seqs) {
     max_blocks = std::max(max_blocks, static_cast<int>(s.seq->block_table.size()));
   }
   block_table_.assign(static_cast<size_t>(num_seqs) * max_blocks, 0);
   const int bs = kv_layout_.block_size;
+  int32_t* token_ids = planned_ints_;
+  int32_t* positions = token_ids + tokens;
+  int32_t* slots = positions + tokens;
+  int32_t* sample_rows = slots + tokens;
   int t = 0;
   int num_sampled = 0;
   query_start_[0] = 0;
@@ -211,78 +244,99 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     const int begin = seq.num_computed_tokens;
     const int end = begin + step.seqs[i].num_new_tokens;
     for (int pos = begin; pos < end; ++pos, ++t) {
-      token_ids_[t] = seq.tokens[pos];
-      positions_[t] = pos;
-      slots_[t] = seq.block_table[pos / bs] * bs + pos % bs;
+      token_ids[t] = seq.tokens[pos];
+      positions[t] = pos;
+      slots[t] = seq.block_table[pos / bs] * bs + pos % bs;
     }
     query_start_[i + 1] = t;
     context_len_[i] = end;
     std::copy(seq.block_table.begin(), seq.block_table.end(),
               block_table_.begin() + static_cast<size_t>(i) * max_blocks);
-    if (step.seqs[i].samples) sample_rows_[num_sampled++] = t - 1;
+    if (step.seqs[i].samples) sample_rows[num_sampled++] = t - 1;
   }
-  const int tokens = t;
+  // The same offsets in backend memory; one upload when that is not the host's.
+  const int32_t* d_token_ids = step_ints_.as<int32_t>();
+  const int32_t* d_positions = d_token_ids + tokens;
+  const int32_t* d_slots = d_positions + tokens;
+  const int32_t* d_sample_rows = d_slots + tokens;
+  if (planned_ints_ != step_ints_.as<int32_t>()) {
+    b.CopyToDevice(step_ints_.data(), planned_ints_, (3 * tokens + num_sampled) * sizeof(int32_t));
+  }
 
   const int hidden = c.hidden_size;
   const int q_dim = c.num_heads * c.head_dim;
   const int kv_dim = c.num_kv_heads * c.head_dim;
-  const int qkv_dim = q_dim + 2 * kv_dim;
+  const size_t qkv_row_bytes = static_cast<size_t>(q_dim + 2 * kv_dim) * sizeof(float);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   kernels::PagedAttentionBatch batch{num_seqs, query_start_.data(), context_len_.data(),
                                      block_table_.data(), max_blocks};
-  kernels::Backend& b = *backend_;
+  float* residual = residual_.as<float>();
+  float* hidden_states = hidden_.as<float>();
+  float* qkv = qkv_.as<float>();
+  float* q = q_.as<float>();
+  float* k = k_.as<float>();
+  float* v = v_.as<float>();
+  float* attn = attn_.as<float>();
+  float* proj = proj_.as<float>();
+  float* gate_up = gate_up_.as<float>();
+  float* act = act_.as<float>();
+  const float* inv_freq = inv_freq_.as<float>();
 
-  b.Embedding(embed_.data(), token_ids_.data(), tokens, hidden, residual_.data());
+  b.Embedding(embed_.as<float>(), d_token_ids, tokens, hidden, residual);
   for (int l = 0; l < c.num_layers; ++l) {
     Layer& layer = *layers_[l];
     if (l == 0) {
-      b.RmsNorm(residual_.data(), layer.input_norm.data(), c.rms_norm_eps, tokens, hidden,
-                hidden_.data());
+      b.RmsNorm(residual, layer.input_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
+                hidden_states);
     } else {
-      b.AddRmsNorm(residual_.data(), proj_.data(), layer.input_norm.data(), c.rms_norm_eps, tokens,
-                   hidden, hidden_.data());
+      b.AddRmsNorm(residual, proj, layer.input_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
+                   hidden_states);
     }
-    b.Linear(hidden_.data(), tokens, *layer.qkv,
-             layer.qkv_bias.empty() ? nullptr : layer.qkv_bias.data(), qkv_.data());
-    for (int i = 0; i < tokens; ++i) {
-      const float* row = qkv_.data() + static_cast<size_t>(i) * qkv_dim;
-      std::memcpy(q_.data() + static_cast<size_t>(i) * q_dim, row, q_dim * sizeof(float));
-      std::memcpy(k_.data() + static_cast<size_t>(i) * kv_dim, row + q_dim, kv_dim * sizeof(float));
-      std::memcpy(v_.data() + static_cast<size_t>(i) * kv_dim, row + q_dim + kv_dim,
-                  kv_dim * sizeof(float));
-    }
+    b.Linear(hidden_states, tokens, *layer.qkv, layer.qkv_bias.as<float>(), qkv);
+    // Split [tokens, q | k | v] into q, k and v for the per-head operators.
+    b.CopyRows(q, q_dim * sizeof(float), qkv, qkv_row_bytes, q_dim * sizeof(float), tokens);
+    b.CopyRows(k, kv_dim * sizeof(float), qkv + q_dim, qkv_row_bytes, kv_dim * sizeof(float),
+               tokens);
+    b.CopyRows(v, kv_dim * sizeof(float), qkv + q_dim + kv_dim, qkv_row_bytes,
+               kv_dim * sizeof(float), tokens);
     if (c.qk_norm) {
-      b.RmsNorm(q_.data(), layer.q_norm.data(), c.rms_norm_eps, tokens * c.num_heads, c.head_dim,
-                q_.data());
-      b.RmsNorm(k_.data(), layer.k_norm.data(), c.rms_norm_eps, tokens * c.num_kv_heads, c.head_dim,
-                k_.data());
+      b.RmsNorm(q, layer.q_norm.as<float>(), c.rms_norm_eps, tokens * c.num_heads, c.head_dim, q);
+      b.RmsNorm(k, layer.k_norm.as<float>(), c.rms_norm_eps, tokens * c.num_kv_heads, c.head_dim,
+                k);
     }
-    b.Rope(q_.data(), positions_.data(), tokens, c.num_heads, c.head_dim, inv_freq_.data());
-    b.Rope(k_.data(), positions_.data(), tokens, c.num_kv_heads, c.head_dim, inv_freq_.data());
+    b.Rope(q, d_positions, tokens, c.num_heads, c.head_dim, inv_freq);
+    b.Rope(k, d_positions, tokens, c.num_kv_heads, c.head_dim, inv_freq);
     float* cache = layer_cache(l);
-    b.WriteKv(k_.data(), v_.data(), slots_.data(), tokens, kv_layout_, cache);
-    if (layer_written_hook_) layer_written_hook_(l);
-    b.PagedAttention(q_.data(), cache, kv_layout_, batch, c.num_heads, scale, attn_.data());
-    b.Linear(attn_.data(), tokens, *layer.o, layer.o_bias.empty() ? nullptr : layer.o_bias.data(),
-             proj_.data());
-    b.AddRmsNorm(residual_.data(), proj_.data(), layer.post_attn_norm.data(), c.rms_norm_eps,
-                 tokens, hidden, hidden_.data());
-    b.Linear(hidden_.data(), tokens, *layer.gate_up, nullptr, gate_up_.data());
-    b.SiluMul(gate_up_.data(), tokens, c.intermediate_size, act_.data());
-    b.Linear(act_.data(), tokens, *layer.down, nullptr, proj_.data());
+    b.WriteKv(k, v, d_slots, tokens, kv_layout_, cache);
+    if (layer_written_hook_) {
+      if (!b.host_memory()) TANDEM_RETURN_IF_ERROR(b.Synchronize());
+      layer_written_hook_(l);
+    }
+    b.PagedAttention(q, cache, kv_layout_, batch, c.num_heads, scale, attn);
+    b.Linear(attn, tokens, *layer.o, layer.o_bias.as<float>(), proj);
+    b.AddRmsNorm(residual, proj, layer.post_attn_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
+                 hidden_states);
+    b.Linear(hidden_states, tokens, *layer.gate_up, nullptr, gate_up);
+    b.SiluMul(gate_up, tokens, c.intermediate_size, act);
+    b.Linear(act, tokens, *layer.down, nullptr, proj);
+  }
+  if (num_sampled == 0) {
+    TANDEM_RETURN_IF_ERROR(b.Synchronize());
+    return std::span<const float>();
   }
   // Only the rows that sample need the final norm and the vocabulary projection.
-  for (int i = 0; i < num_sampled; ++i) {
-    const size_t row = static_cast<size_t>(sample_rows_[i]) * hidden;
-    for (int j = 0; j < hidden; ++j) {
-      sampled_hidden_[static_cast<size_t>(i) * hidden + j] = residual_[row + j] + proj_[row + j];
-    }
+  float* sampled = sampled_hidden_.as<float>();
+  b.GatherAdd(residual, proj, d_sample_rows, num_sampled, hidden, sampled);
+  b.RmsNorm(sampled, final_norm_.as<float>(), c.rms_norm_eps, num_sampled, hidden, sampled);
+  b.Linear(sampled, num_sampled, *lm_head_, nullptr, logits_.as<float>());
+  const size_t logit_count = static_cast<size_t>(num_sampled) * c.vocab_size;
+  const float* logits = logits_.as<float>();
+  if (!b.host_memory()) {
+    b.CopyToHost(host_logits_.data(), logits, logit_count * sizeof(float));
+    logits = host_logits_.data();
   }
-  if (num_sampled == 0) return std::span<const float>();
-  b.RmsNorm(sampled_hidden_.data(), final_norm_.data(), c.rms_norm_eps, num_sampled, hidden,
-            sampled_hidden_.data());
-  b.Linear(sampled_hidden_.data(), num_sampled, *lm_head_, nullptr, logits_.data());
-  return std::span<const float>(logits_.data(), static_cast<size_t>(num_sampled) * c.vocab_size);
+  TANDEM_RETURN_IF_ERROR(b.Synchronize());
+  return std::span<const float>(logits, logit_count);
 }
 
 }  // namespace tandem::engine

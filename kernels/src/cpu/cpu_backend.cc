@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/src/cpu/simd_kernels.h"
 #include "kernels/src/cpu/thread_pool.h"
 #include "tandem/base/status_macros.h"
@@ -68,6 +69,27 @@ class CpuBackend final : public Backend {
         scratch_floats_(scratch_floats) {}
 
   std::string_view name() const override { return table_->name; }
+
+  bool host_memory() const override { return true; }
+
+  void CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+  }
+
+  void CopyToHost(void* dst, const void* src, size_t bytes) override {
+    std::memcpy(dst, src, bytes);
+  }
+
+  void CopyRows(void* dst, size_t dst_stride, const void* src, size_t src_stride,
+                size_t row_bytes, int rows) override {
+    auto* d = static_cast<char*>(dst);
+    const auto* s = static_cast<const char*>(src);
+    for (int r = 0; r < rows; ++r) {
+      std::memcpy(d + r * dst_stride, s + r * src_stride, row_bytes);
+    }
+  }
+
+  absl::Status Synchronize() override { return absl::OkStatus(); }
 
   std::unique_ptr<PackedWeight> PackWeight(const float* w, int n, int k) override {
     TANDEM_CHECK(n > 0 && k >= 0) << "PackWeight of a " << n << " x " << k << " matrix";
@@ -229,6 +251,29 @@ class CpuBackend final : public Backend {
       }
     });
   }
+
+  void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
+                 float* out) override {
+    for (int i = 0; i < num_rows; ++i) {
+      const float* x = a + int64_t{rows[i]} * dim;
+      const float* y = b + int64_t{rows[i]} * dim;
+      float* o = out + int64_t{i} * dim;
+      for (int j = 0; j < dim; ++j) o[j] = x[j] + y[j];
+    }
+  }
+
+ protected:
+  // Cache-line aligned and left untouched, so pages of a large KV cache cost memory only once
+  // written.
+  absl::StatusOr<void*> AllocateBytes(size_t bytes) override {
+    void* p = ::operator new(std::max<size_t>(bytes, 1), std::align_val_t{64}, std::nothrow);
+    if (p == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("could not allocate ", bytes, " bytes"));
+    }
+    return p;
+  }
+
+  void FreeBytes(void* data) override { ::operator delete(data, std::align_val_t{64}); }
 
  private:
   // Rows per chunk so that a chunk is worth a thread wake-up; `cost` is flops per element.

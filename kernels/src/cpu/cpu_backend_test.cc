@@ -283,6 +283,58 @@ TEST_P(CpuBackendTest, WriteKvStoresAtSlotsAndSkipsPadding) {
   EXPECT_EQ(cache[layout.LayerElements() - 1], v[4 * row - 1]);
 }
 
+TEST_P(CpuBackendTest, GatherAddSumsTheChosenRows) {
+  const int rows = 40, dim = 33;
+  const std::vector<float> a = Random(int64_t{rows} * dim, 18), b = Random(int64_t{rows} * dim, 19);
+  const std::vector<int32_t> chosen = {39, 0, 17, 17, 5};
+  const int n = static_cast<int>(chosen.size());
+  std::vector<float> expected(int64_t{n} * dim);
+  reference::GatherAdd(a.data(), b.data(), chosen.data(), n, dim, expected.data());
+  std::vector<float> out(expected.size(), kNaN);
+  backend_->GatherAdd(a.data(), b.data(), chosen.data(), n, dim, out.data());
+  EXPECT_EQ(out, expected);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Memory: on the CPU backend operator memory is host memory and the copies are plain memcpy.
+
+TEST_P(CpuBackendTest, AllocatedBuffersAreHostMemoryAndCopiesMoveBytes) {
+  ASSERT_TRUE(backend_->host_memory());
+  auto buffer = backend_->Allocate(64 * sizeof(float));
+  ASSERT_TRUE(buffer.ok()) << buffer.status();
+  EXPECT_EQ(buffer->bytes(), 64 * sizeof(float));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(buffer->data()) % 64, 0u);
+  const std::vector<float> in = Random(64, 20);
+  backend_->CopyToDevice(buffer->data(), in.data(), buffer->bytes());
+  EXPECT_TRUE(BitwiseEqual(buffer->as<float>(), in.data(), 64));
+  std::vector<float> out(64, kNaN);
+  backend_->CopyToHost(out.data(), buffer->data(), buffer->bytes());
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  EXPECT_EQ(out, in);
+
+  // A moved-from buffer owns nothing; the destination frees the bytes once.
+  kernels::DeviceBuffer moved = std::move(buffer).value();
+  EXPECT_EQ(moved.bytes(), 64 * sizeof(float));
+  kernels::DeviceBuffer other;
+  other = std::move(moved);
+  EXPECT_EQ(moved.data(), nullptr);
+  EXPECT_NE(other.data(), nullptr);
+}
+
+TEST_P(CpuBackendTest, CopyRowsMovesStridedRows) {
+  // The q part of rows of a fused [rows, q + k + v] projection, as the model runner splits it.
+  const int rows = 9, wide = 24, narrow = 10, offset = 6;
+  const std::vector<float> src = Random(int64_t{rows} * wide, 21);
+  std::vector<float> dst(int64_t{rows} * narrow, kNaN);
+  backend_->CopyRows(dst.data(), narrow * sizeof(float), src.data() + offset,
+                     wide * sizeof(float), narrow * sizeof(float), rows);
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < narrow; ++j) {
+      ASSERT_EQ(dst[r * narrow + j], src[r * wide + offset + j]) << r << ", " << j;
+    }
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // PagedAttention
 

@@ -68,6 +68,15 @@ void SiluMul(const float* gate_up, int rows, int inter, float* out) {
   }
 }
 
+void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
+               float* out) {
+  for (int i = 0; i < num_rows; ++i) {
+    for (int j = 0; j < dim; ++j) {
+      out[int64_t{i} * dim + j] = a[int64_t{rows[i]} * dim + j] + b[int64_t{rows[i]} * dim + j];
+    }
+  }
+}
+
 void Embedding(const float* table, const int32_t* ids, int tokens, int dim, float* out) {
   for (int t = 0; t < tokens; ++t) {
     std::memcpy(out + int64_t{t} * dim, table + int64_t{ids[t]} * dim, sizeof(float) * dim);

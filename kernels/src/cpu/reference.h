@@ -32,6 +32,10 @@ void Embedding(const float* table, const int32_t* ids, int tokens, int dim, floa
 void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
              const KvLayout& layout, float* layer_cache);
 
+// out[i, :] = a[rows[i], :] + b[rows[i], :].
+void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
+               float* out);
+
 // Two-pass softmax over all visible keys, in double.
 void PagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
                     const PagedAttentionBatch& batch, int num_heads, float scale, float* out);

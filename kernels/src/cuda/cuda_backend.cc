@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/src/cuda/dispatch.cuh"
 #include "kernels/src/cuda/embedding.cuh"
+#include "kernels/src/cuda/gather_add.cuh"
 #include "kernels/src/cuda/kv_write.cuh"
 #include "kernels/src/cuda/linear.cuh"
 #include "kernels/src/cuda/paged_attention.cuh"
@@ -66,6 +67,29 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
   std::string_view name() const override { return "cuda"; }
+
+  bool host_memory() const override { return false; }
+
+  // From pageable host memory the copy returns once `src` has been read.
+  void CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return;
+    Keep(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_.get()),
+                    "CopyToDevice"));
+  }
+
+  void CopyToHost(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0) return;
+    Keep(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_.get()),
+                    "CopyToHost"));
+  }
+
+  void CopyRows(void* dst, size_t dst_stride, const void* src, size_t src_stride,
+                size_t row_bytes, int rows) override {
+    if (rows <= 0 || row_bytes == 0) return;
+    Keep(CudaStatus(cudaMemcpy2DAsync(dst, dst_stride, src, src_stride, row_bytes, rows,
+                                      cudaMemcpyDeviceToDevice, stream_.get()),
+                    "CopyRows"));
+  }
 
   absl::Status Synchronize() override {
     Keep(CudaStatus(cudaStreamSynchronize(stream_.get()), "cudaStreamSynchronize"));
@@ -129,6 +153,22 @@ class CudaBackendImpl final : public CudaBackend {
                       float* out) override {
     Keep(RunPagedAttention(q, layer_cache, layout, batch, num_heads, scale, out));
   }
+
+  void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
+                 float* out) override {
+    Keep(cuda::LaunchGatherAdd(a, b, rows, num_rows, dim, out, stream_.get()));
+  }
+
+ protected:
+  absl::StatusOr<void*> AllocateBytes(size_t bytes) override {
+    void* p = nullptr;
+    TANDEM_RETURN_IF_ERROR(
+        CudaStatus(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc"));
+    return p;
+  }
+
+  // cudaFree waits for the device, so no queued operator still reads the memory.
+  void FreeBytes(void* data) override { cudaFree(data); }
 
  private:
   int64_t MetadataInts() const {
@@ -210,6 +250,23 @@ class CudaBackendImpl final : public CudaBackend {
 };
 
 }  // namespace
+
+bool CudaBuilt() { return true; }
+
+int64_t CudaAttentionWorkspaceBytes(int max_tokens, int num_heads, int head_dim,
+                                    int max_context) {
+  const int partitions =
+      (std::max(max_context, 1) + cuda::kAttentionPartitionTokens - 1) /
+      cuda::kAttentionPartitionTokens;
+  return cuda::PagedAttentionWorkspaceFloats(max_tokens, num_heads, head_dim, partitions) *
+         int64_t{sizeof(float)};
+}
+
+int CudaDeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) return 0;
+  return count;
+}
 
 absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackendOptions& options) {
   int count = 0;

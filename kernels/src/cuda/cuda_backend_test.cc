@@ -227,6 +227,44 @@ TEST_P(CudaBackendTest, PagedAttentionMatchesReference) {
   EXPECT_LT(PagedAttentionError(*backend_, GetParam(), {{1, 5}, {3, 200}, {1, 512}}), 2e-5);
 }
 
+TEST_P(CudaBackendTest, GatherAddMatchesReference) {
+  const Shape& s = GetParam();
+  const std::vector<float> a = Random(int64_t{s.rows} * s.dim, 12),
+                           b = Random(int64_t{s.rows} * s.dim, 13);
+  std::vector<int32_t> rows;
+  for (int r = s.rows - 1; r >= 0; r -= 3) rows.push_back(r);
+  rows.push_back(0);
+  const int n = static_cast<int>(rows.size());
+  std::vector<float> expected(int64_t{n} * s.dim);
+  reference::GatherAdd(a.data(), b.data(), rows.data(), n, s.dim, expected.data());
+  DeviceVector<float> d_a(a), d_b(b), d_out(std::vector<float>(expected.size(), kNaN));
+  DeviceVector<int32_t> d_rows(rows);
+  backend_->GatherAdd(d_a.get(), d_b.get(), d_rows.get(), n, s.dim, d_out.get());
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  EXPECT_EQ(d_out.ToHost(), expected);
+}
+
+TEST_P(CudaBackendTest, AllocateCopyRowsAndCopyBack) {
+  const Shape& s = GetParam();
+  ASSERT_FALSE(backend_->host_memory());
+  const int wide = s.dim + 7, offset = 5;
+  const std::vector<float> src = Random(int64_t{s.rows} * wide, 14);
+  auto d_src = backend_->Allocate(src.size() * sizeof(float));
+  auto d_dst = backend_->Allocate(int64_t{s.rows} * s.dim * sizeof(float));
+  ASSERT_TRUE(d_src.ok() && d_dst.ok());
+  backend_->CopyToDevice(d_src->data(), src.data(), d_src->bytes());
+  backend_->CopyRows(d_dst->data(), s.dim * sizeof(float), d_src->as<float>() + offset,
+                     wide * sizeof(float), s.dim * sizeof(float), s.rows);
+  std::vector<float> out(int64_t{s.rows} * s.dim, kNaN);
+  backend_->CopyToHost(out.data(), d_dst->data(), d_dst->bytes());
+  ASSERT_TRUE(backend_->Synchronize().ok());
+  for (int r = 0; r < s.rows; ++r) {
+    for (int j = 0; j < s.dim; ++j) {
+      ASSERT_EQ(out[int64_t{r} * s.dim + j], src[int64_t{r} * wide + offset + j]) << r << "," << j;
+    }
+  }
+}
+
 TEST_P(CudaBackendTest, UnsupportedHeadDimIsReported) {
   const Shape& s = GetParam();
   const KvLayout layout{

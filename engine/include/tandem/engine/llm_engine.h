@@ -37,8 +37,13 @@ struct KvWritten {
   const BlockTable* blocks = nullptr;
 };
 
+// Where an engine runs its model: the CPU backend, or the CUDA backend on GPU 0 (fp32 weights,
+// activations and KV cache in device memory; docs/architecture.md).
+enum class Device { kCpu, kCuda };
+
 struct EngineOptions {
   std::string model_dir;
+  Device device = Device::kCpu;
   int num_threads = 0;                   // 0: one per core
   int64_t kv_cache_bytes = 512ll << 20;  // KV capacity is derived from this budget
   int block_size = 16;
@@ -173,7 +178,10 @@ class LlmEngine {
   absl::Status AddPrefilled(GenerateRequest request, std::vector<PrefilledChoice> choices);
 
   // The KV cache, for registration with a transfer agent.
+  // Device memory with Device::kCuda (kv_cache_on_host() false): only a CUDA-aware transfer
+  // backend ("cuda_ipc") can send it.
   float* kv_cache() { return runner_->kv_cache(); }
+  bool kv_cache_on_host() const { return runner_->kv_cache_on_host(); }
   size_t kv_cache_bytes() const { return runner_->kv_cache_bytes(); }
   const kernels::KvLayout& kv_layout() const { return runner_->kv_layout(); }
 

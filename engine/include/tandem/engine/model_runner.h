@@ -38,11 +38,15 @@ absl::StatusOr<std::vector<KvCopyRange>> KvBlockCopyRanges(const kernels::KvLayo
                                                            const BlockTable& dst_blocks);
 
 // Owns the weights (converted to fp32 and packed for the backend), the KV cache and every
-// activation buffer, all sized up front so a step never allocates.
+// activation buffer, all in the backend's memory (host memory on the CPU backend, device memory
+// on CUDA) and sized up front so a step never allocates. A step is planned on the host (token
+// ids, positions, KV slots, sampled rows), uploaded in one copy, and run; only the logits of
+// the sampling rows come back.
 //   TANDEM_ASSIGN_OR_RETURN(auto runner, ModelRunner::Create(*ckpt, backend.get(), options));
 //   TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits, runner->Execute(step));
 class ModelRunner {
  public:
+  // `backend` is not owned and must outlive the runner.
   static absl::StatusOr<std::unique_ptr<ModelRunner>> Create(const Checkpoint& checkpoint,
                                                              kernels::Backend* backend,
                                                              const ModelRunnerOptions& options);
@@ -52,12 +56,14 @@ class ModelRunner {
   static int64_t KvBytesPerBlock(const ModelConfig& config, int block_size);
 
   // Runs the step and returns logits [number of sampling sequences, vocab], one row per
-  // sequence with `samples` set, in step order. The span is valid until the next call.
+  // sequence with `samples` set, in step order (host memory). The span is valid until the next
+  // call. When it returns, the step's K and V are in the cache (the device has finished).
   absl::StatusOr<std::span<const float>> Execute(const SchedulerStep& step);
 
   // Called by Execute on its own thread as soon as layer `layer`'s K and V of every token of
   // the step are in the cache, before the next layer runs: lets a prefill worker push a
-  // layer's pages while the later layers are still being computed. Empty: no call.
+  // layer's pages while the later layers are still being computed. On a device backend Execute
+  // waits for the layer's writes to finish before the call. Empty: no call.
   void set_layer_written_hook(std::function<void(int layer)> hook) {
     layer_written_hook_ = std::move(hook);
   }
@@ -65,18 +71,24 @@ class ModelRunner {
   const ModelConfig& config() const { return config_; }
   const kernels::KvLayout& kv_layout() const { return kv_layout_; }
   // The whole cache, [layers][2][num_blocks][block_size][num_kv_heads][head_dim], for
-  // registration with a KV transfer agent.
-  float* kv_cache() { return kv_cache_.get(); }
+  // registration with a KV transfer agent. Backend memory: device memory unless
+  // kv_cache_on_host().
+  float* kv_cache() { return kv_cache_.as<float>(); }
   size_t kv_cache_bytes() const {
     return static_cast<size_t>(config_.num_layers) * kv_layout_.LayerElements() * sizeof(float);
   }
+  // Whether kv_cache() is host memory (the CPU backend), which host-memory transports (the
+  // "local" and "ucx" kvtransfer backends) can send; device memory needs "cuda_ipc".
+  bool kv_cache_on_host() const { return backend_->host_memory(); }
   // One layer's cache: [2][num_blocks][block_size][num_kv_heads][head_dim].
-  float* layer_cache(int layer) { return kv_cache_.get() + layer * kv_layout_.LayerElements(); }
+  float* layer_cache(int layer) { return kv_cache() + layer * kv_layout_.LayerElements(); }
 
  private:
   struct Layer;
   ModelRunner() = default;
   absl::Status LoadWeights(const Checkpoint& checkpoint);
+  // Backend memory holding `values` (an empty buffer for an empty vector).
+  absl::StatusOr<kernels::DeviceBuffer> Upload(const std::vector<float>& values);
   void CopyBlock(int32_t src, int32_t dst);
 
   ModelConfig config_;
@@ -84,22 +96,35 @@ class ModelRunner {
   std::function<void(int layer)> layer_written_hook_;
   kernels::Backend* backend_ = nullptr;  // not owned
   kernels::KvLayout kv_layout_;
-  std::vector<float> inv_freq_;  // [head_dim / 2]
 
-  std::vector<float> embed_;  // [vocab, hidden]
+  // Weights, in backend memory unless packed.
+  kernels::DeviceBuffer inv_freq_;  // [head_dim / 2]
+  kernels::DeviceBuffer embed_;     // [vocab, hidden]
   std::vector<std::unique_ptr<Layer>> layers_;
-  std::vector<float> final_norm_;  // [hidden]
+  kernels::DeviceBuffer final_norm_;  // [hidden]
   std::unique_ptr<kernels::PackedWeight> lm_head_;
 
   // [layers][2][num_blocks][block_size][kv_heads][head_dim]. Left uninitialised: a slot is
-  // read only after its token was written, and untouched pages cost no memory.
-  std::unique_ptr<float[]> kv_cache_;
+  // read only after its token was written, and untouched host pages cost no memory.
+  kernels::DeviceBuffer kv_cache_;
 
-  // Step inputs (host) and activations, sized for max_num_batched_tokens.
-  std::vector<int32_t> token_ids_, positions_, slots_, query_start_, context_len_, block_table_,
-      sample_rows_;
-  std::vector<float> residual_, hidden_, qkv_, q_, k_, v_, attn_, proj_, gate_up_, act_,
+  // The step's per-token metadata in backend memory, packed for one upload:
+  // [token_ids (tokens)][positions (tokens)][slots (tokens)][sample_rows (sampled)].
+  // Capacity 3 * max_num_batched_tokens + max sequences.
+  kernels::DeviceBuffer step_ints_;
+  // Where a step is planned: step_ints_ itself when backend memory is host memory (no copy),
+  // otherwise host_step_ints_, uploaded into step_ints_.
+  int32_t* planned_ints_ = nullptr;
+  std::vector<int32_t> host_step_ints_;
+  // PagedAttentionBatch arrays, host memory as the Backend interface takes them.
+  std::vector<int32_t> query_start_, context_len_, block_table_;
+
+  // Activations in backend memory, sized for max_num_batched_tokens (sampled_hidden_ and logits_
+  // for the most sequences a step can have).
+  kernels::DeviceBuffer residual_, hidden_, qkv_, q_, k_, v_, attn_, proj_, gate_up_, act_,
       sampled_hidden_, logits_;
+  // The logits copied back, when backend memory is not host memory.
+  std::vector<float> host_logits_;
 };
 
 }  // namespace tandem::engine

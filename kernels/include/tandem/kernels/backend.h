@@ -1,19 +1,31 @@
-// The operator interface every compute backend implements (CPU today, CUDA beside it).
+// The operator interface every compute backend implements (CPU and CUDA).
 //
 // All tensors are dense row-major fp32 unless a comment says otherwise; every pointer
 // comment states the shape. Pointers never own: the caller owns every buffer, and a
 // backend never allocates on the forward path, except inside PackWeight.
 //
+// Operator tensors live in the backend's memory: host memory for the CPU backend, device
+// memory for CUDA. `Allocate` hands out such memory and the Copy* methods move bytes in and
+// out of it, so one caller (the engine's ModelRunner) runs unchanged on either backend; on the
+// CPU backend the copies are memcpy and Synchronize does nothing.
+//
 //   TANDEM_ASSIGN_OR_RETURN(auto backend, CreateCpuBackend({.num_threads = 2}));
 //   auto w = backend->PackWeight(weights.data(), /*n=*/4096, /*k=*/4096);
-//   backend->Linear(x, m, *w, /*bias=*/nullptr, y);
+//   TANDEM_ASSIGN_OR_RETURN(DeviceBuffer x, backend->Allocate(m * 4096 * sizeof(float)));
+//   TANDEM_ASSIGN_OR_RETURN(DeviceBuffer y, backend->Allocate(m * 4096 * sizeof(float)));
+//   backend->CopyToDevice(x.data(), host_x.data(), x.bytes());
+//   backend->Linear(x.as<float>(), m, *w, /*bias=*/nullptr, y.as<float>());
+//   backend->CopyToHost(host_y.data(), y.data(), y.bytes());
+//   TANDEM_RETURN_IF_ERROR(backend->Synchronize());
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string_view>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
 namespace tandem::kernels {
@@ -74,10 +86,70 @@ class PackedWeight {
   int k_;
 };
 
+class Backend;
+
+// Bytes of a backend's operator memory (see Backend::Allocate), freed on destruction. Move-only;
+// the backend that allocated it must outlive it.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(DeviceBuffer&& other) noexcept;
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept;
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer();
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  friend class Backend;
+  DeviceBuffer(Backend* owner, void* data, size_t bytes)
+      : owner_(owner), data_(data), bytes_(bytes) {}
+
+  Backend* owner_ = nullptr;  // not owned
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string_view name() const = 0;
+
+  // --- Memory ---------------------------------------------------------------------------------
+
+  // True when operator memory is host memory, which host code may read and write directly (the
+  // CPU backend); false for device memory, reached only through the Copy* methods.
+  virtual bool host_memory() const = 0;
+
+  // `bytes` of operator memory, uninitialised. For start-up: never called on the forward path.
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes);
+
+  // Host -> operator memory, ordered before every operator queued after it. `src` (host) may be
+  // reused as soon as this returns.
+  virtual void CopyToDevice(void* dst, const void* src, size_t bytes) = 0;
+
+  // Operator memory -> host, ordered after every operator queued before it. `dst` (host) holds
+  // the bytes once Synchronize has returned.
+  virtual void CopyToHost(void* dst, const void* src, size_t bytes) = 0;
+
+  // Within operator memory: `rows` rows of `row_bytes` each, row r from src + r * src_stride to
+  // dst + r * dst_stride (strides in bytes, each >= row_bytes). Source and destination must not
+  // overlap.
+  virtual void CopyRows(void* dst, size_t dst_stride, const void* src, size_t src_stride,
+                        size_t row_bytes, int rows) = 0;
+
+  // Waits for all queued work and returns the first error an operator or copy met since the
+  // previous call. The CPU backend runs everything before returning from each call and always
+  // returns OK.
+  virtual absl::Status Synchronize() = 0;
+
+  // --- Operators ------------------------------------------------------------------------------
 
   // Copies W[n, k] (row-major, the Hugging Face nn.Linear layout) into the backend's layout.
   virtual std::unique_ptr<PackedWeight> PackWeight(const float* w, int n, int k) = 0;
@@ -118,6 +190,19 @@ class Backend {
   virtual void PagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
                               const PagedAttentionBatch& batch, int num_heads, float scale,
                               float* out) = 0;
+
+  // out[i, :] = a[rows[i], :] + b[rows[i], :] for i < num_rows; a, b: [*, dim]; rows:
+  // [num_rows], indices validated by the caller; out: [num_rows, dim].
+  virtual void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows,
+                         int dim, float* out) = 0;
+
+ protected:
+  // Allocate and DeviceBuffer's destructor go through these.
+  virtual absl::StatusOr<void*> AllocateBytes(size_t bytes) = 0;
+  virtual void FreeBytes(void* data) = 0;
+
+ private:
+  friend class DeviceBuffer;
 };
 
 // Instruction sets the CPU backend carries code for. Results are bitwise reproducible for one

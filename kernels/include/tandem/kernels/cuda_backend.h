@@ -1,5 +1,9 @@
 // The CUDA backend: the Backend operators as CUDA kernels (cuBLAS for Linear).
 //
+// Always declared; in a build without CUDA (TANDEM_CUDA=OFF, or no nvcc) the library
+// tandem::kernels_cuda holds only cuda_unavailable.cc, so CreateCudaBackend fails with a
+// reason and CudaDeviceCount is 0, and callers need no #ifdef.
+//
 // Every tensor pointer given to it is device memory: activations, the KV cache, positions,
 // token ids, slot mappings and inv_freq. The exceptions are PackWeight's source (host; it is
 // uploaded) and PagedAttentionBatch's arrays (host, as Backend says; uploaded per call into
@@ -32,13 +36,21 @@ struct CudaBackendOptions {
   int64_t attention_workspace_bytes = int64_t{256} << 20;
 };
 
-class CudaBackend : public Backend {
- public:
-  // Waits for the queued work and returns the first error since the previous call.
-  virtual absl::Status Synchronize() = 0;
-};
+// Backend::Synchronize waits for the stream and returns the first error since the previous call.
+class CudaBackend : public Backend {};
 
-// Fails (FailedPrecondition) when no CUDA device is present.
+// Fails (FailedPrecondition) when no CUDA device is present, or when this build has no CUDA.
 absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackendOptions& options);
+
+// CudaBackendOptions::attention_workspace_bytes enough for any PagedAttention call of at most
+// `max_tokens` query rows of `num_heads` heads over contexts of at most `max_context` tokens.
+int64_t CudaAttentionWorkspaceBytes(int max_tokens, int num_heads, int head_dim, int max_context);
+
+// The number of CUDA devices this process can use: 0 when there is none, no driver, or when
+// this build has no CUDA backend (see CudaBuilt).
+int CudaDeviceCount();
+
+// Whether this build includes the CUDA backend (configured with CUDA; see TANDEM_CUDA).
+bool CudaBuilt();
 
 }  // namespace tandem::kernels

@@ -1,0 +1,180 @@
+// The model runner on the CUDA backend against the CPU backend's fp32 path, on synthetic
+// checkpoints whose head_dim (64) has CUDA attention kernels. Needs a GPU (ctest label gpu);
+// without one every test skips.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "tandem/engine/block_manager.h"
+#include "tandem/engine/checkpoint.h"
+#include "tandem/engine/llm_engine.h"
+#include "tandem/engine/model_runner.h"
+#include "tandem/kernels/backend.h"
+#include "tandem/kernels/cuda_backend.h"
+#include "test_models.h"
+
+namespace tandem::engine {
+namespace {
+
+// max |a - b| / max |b|: the logits' error relative to their scale.
+double RelativeError(std::span<const float> a, std::span<const float> b) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    diff = std::max(diff, std::abs(double{a[i]} - b[i]));
+    scale = std::max(scale, std::abs(double{b[i]}));
+  }
+  return diff / scale;
+}
+
+int32_t Argmax(std::span<const float> row) {
+  return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
+}
+
+constexpr double kMaxLogitError = 1e-2;
+constexpr int kSteps = 32;
+
+class GpuRunnerTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+    model_ = testing::TinyModel(GetParam(), DType::kBF16, "small");
+  }
+  std::string model_;
+};
+
+// Two sequences, one prefilled in two chunks, then decoded together for kSteps greedy steps;
+// a third forked from the first by copying its last block (copy-on-write) must follow it.
+TEST_P(GpuRunnerTest, LogitsMatchCpuAndGreedyTokensAgree) {
+  auto checkpoint = Checkpoint::Open(model_);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  const ModelConfig& config = (*checkpoint)->config();
+  auto cpu = kernels::CreateCpuBackend({});
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto gpu = kernels::CreateCudaBackend({.max_seqs = 8, .max_blocks_per_seq = 64});
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  const ModelRunnerOptions options{.max_num_batched_tokens = 256,
+                                   .max_num_seqs = 8,
+                                   .num_kv_blocks = 128,
+                                   .block_size = 16};
+  auto cpu_runner = ModelRunner::Create(**checkpoint, cpu->get(), options);
+  ASSERT_TRUE(cpu_runner.ok()) << cpu_runner.status();
+  auto gpu_runner = ModelRunner::Create(**checkpoint, gpu->get(), options);
+  ASSERT_TRUE(gpu_runner.ok()) << gpu_runner.status();
+  EXPECT_TRUE((*cpu_runner)->kv_cache_on_host());
+  EXPECT_FALSE((*gpu_runner)->kv_cache_on_host());
+
+  // Runs `step` on both runners; checks the logits agree and returns the CPU's greedy tokens.
+  auto run = [&](const SchedulerStep& step, const std::string& what) -> std::vector<int32_t> {
+    auto want = (*cpu_runner)->Execute(step);
+    EXPECT_TRUE(want.ok()) << want.status();
+    auto got = (*gpu_runner)->Execute(step);
+    EXPECT_TRUE(got.ok()) << got.status();
+    if (!want.ok() || !got.ok()) return {};
+    EXPECT_EQ(got->size(), want->size());
+    std::vector<int32_t> tokens;
+    const size_t vocab = config.vocab_size;
+    for (size_t r = 0; r * vocab < want->size(); ++r) {
+      const auto w = want->subspan(r * vocab, vocab);
+      const auto g = got->subspan(r * vocab, vocab);
+      EXPECT_LE(RelativeError(g, w), kMaxLogitError) << what << ", row " << r;
+      EXPECT_EQ(Argmax(g), Argmax(w)) << what << ", row " << r;
+      tokens.push_back(Argmax(w));
+    }
+    return tokens;
+  };
+
+  BlockManager blocks(options.num_kv_blocks, options.block_size);
+  std::vector<Sequence> seqs(3);
+  for (int i = 0; i < 2; ++i) {
+    for (int t = 0; t < 40 + 23 * i; ++t) seqs[i].tokens.push_back((t * 37 + i * 11 + 5) % 300);
+    seqs[i].num_prompt_tokens = static_cast<int>(seqs[i].tokens.size());
+  }
+  // Step 1: the first 24 tokens of sequence 0 (no sample) and all of sequence 1.
+  SchedulerStep first;
+  ASSERT_TRUE(blocks.Append(seqs[0].block_table, 0, 24).ok());
+  ASSERT_TRUE(blocks.Append(seqs[1].block_table, 0, seqs[1].num_prompt_tokens).ok());
+  first.seqs = {{&seqs[0], 24, false}, {&seqs[1], seqs[1].num_prompt_tokens, true}};
+  first.num_tokens = 24 + seqs[1].num_prompt_tokens;
+  std::vector<int32_t> sampled = run(first, "prefill chunk 1");
+  ASSERT_EQ(sampled.size(), 1u);
+  seqs[0].num_computed_tokens = 24;
+  seqs[1].num_computed_tokens = seqs[1].num_prompt_tokens;
+  seqs[1].tokens.push_back(sampled[0]);
+  // Step 2: the rest of sequence 0.
+  SchedulerStep second;
+  const int rest = seqs[0].num_prompt_tokens - 24;
+  ASSERT_TRUE(blocks.Append(seqs[0].block_table, 24, rest).ok());
+  second.seqs = {{&seqs[0], rest, true}};
+  second.num_tokens = rest;
+  sampled = run(second, "prefill chunk 2");
+  ASSERT_EQ(sampled.size(), 1u);
+  seqs[0].num_computed_tokens = seqs[0].num_prompt_tokens;
+  seqs[0].tokens.push_back(sampled[0]);
+  // Sequence 2 shares sequence 0's full blocks and gets a copy of its partial last block.
+  seqs[2].tokens = seqs[0].tokens;
+  seqs[2].num_prompt_tokens = seqs[0].num_prompt_tokens;
+  seqs[2].num_computed_tokens = seqs[0].num_computed_tokens;
+  seqs[2].block_table = blocks.Fork(seqs[0].block_table);
+
+  for (int step = 0; step < kSteps; ++step) {
+    SchedulerStep decode;
+    for (int i = 0; i < 3; ++i) {
+      Sequence& seq = seqs[i];
+      const int pos = seq.num_computed_tokens;
+      auto cow = blocks.Append(seq.block_table, pos, 1);
+      ASSERT_TRUE(cow.ok()) << cow.status();
+      if (cow->first >= 0) decode.block_copies.push_back(*cow);
+      decode.seqs.push_back({&seq, 1, true});
+    }
+    decode.num_tokens = 3;
+    if (step == 0) {
+      ASSERT_EQ(decode.block_copies.size(), 1u) << "the fork's shared partial block is copied";
+    }
+    sampled = run(decode, "decode step " + std::to_string(step));
+    ASSERT_EQ(sampled.size(), 3u);
+    EXPECT_EQ(sampled[2], sampled[0]) << "the fork follows its parent, step " << step;
+    for (int i = 0; i < 3; ++i) {
+      seqs[i].num_computed_tokens++;
+      seqs[i].tokens.push_back(sampled[i]);
+    }
+  }
+}
+
+// The whole engine on Device::kCuda generates the CPU engine's greedy tokens.
+TEST_P(GpuRunnerTest, EngineGreedyTokensEqualCpu) {
+  std::vector<std::vector<int32_t>> tokens;
+  for (Device device : {Device::kCpu, Device::kCuda}) {
+    auto engine = LlmEngine::Create({.model_dir = model_,
+                                     .device = device,
+                                     .kv_cache_bytes = 64ll << 20,
+                                     .max_num_batched_tokens = 64});
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    EXPECT_EQ((*engine)->kv_cache_on_host(), device == Device::kCpu);
+    SamplingParams greedy{.temperature = 0, .max_tokens = kSteps, .ignore_eos = true};
+    std::vector<GenerateRequest> requests;
+    for (int r = 0; r < 3; ++r) {
+      std::vector<int32_t> prompt;
+      for (int t = 0; t < 20 + 50 * r; ++t) prompt.push_back((t * 13 + r * 101 + 1) % 500);
+      requests.push_back({"r" + std::to_string(r), std::move(prompt), greedy});
+    }
+    auto out = GenerateAll(**engine, std::move(requests));
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_EQ(out->size(), 3u);
+    for (const RequestOutput& o : *out) {
+      ASSERT_EQ(o.choices[0].token_ids.size(), static_cast<size_t>(kSteps));
+      tokens.push_back(o.choices[0].token_ids);
+    }
+  }
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(tokens[3 + r], tokens[r]) << "request " << r;
+}
+
+INSTANTIATE_TEST_SUITE_P(Architectures, GpuRunnerTest,
+                         ::testing::Values("llama", "qwen2", "qwen3"));
+
+}  // namespace
+}  // namespace tandem::engine
