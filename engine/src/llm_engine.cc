@@ -24,6 +24,9 @@ struct LlmEngine::Request {
   int num_prompt_tokens = 0;
   int num_generation_tokens = 0;
   size_t max_stop_bytes = 0;
+  // For the step trace: when AddRequest took it, and whether its first token was recorded.
+  std::chrono::steady_clock::time_point added = std::chrono::steady_clock::now();
+  bool first_token_traced = false;
 };
 
 LlmEngine::~LlmEngine() = default;
@@ -288,9 +291,17 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
     step_context += s.seq->num_computed_tokens + s.num_new_tokens;
   }
   const int step_tokens = step.num_tokens;
+  int64_t step_prefill_tokens = 0;
   const int step_seqs = static_cast<int>(step.seqs.size());
   if (options_.on_layer_kv_written) {
+    step_prefill_tokens += std::clamp<int64_t>(
+        s.seq->num_prompt_tokens - s.seq->num_computed_tokens, 0, s.num_new_tokens);
     step_writes_.clear();
+  const double gap_seconds =
+      pending_after_last_step_
+          ? std::chrono::duration<double>(step_start - last_step_end_).count()
+          : -1.0;
+  first_token_requests_.clear();
     for (const ScheduledSequence& s : step.seqs) {
       const Sequence& seq = *s.seq;
       step_writes_.push_back({seq.request_id, seq.choice_index, seq.num_computed_tokens,
@@ -325,6 +336,10 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
     out.choices.back().index = seq.choice_index;
     ProcessToken(request, choice, token, out.choices.back());
     out.num_generation_tokens = request.num_generation_tokens;
+    if (options_.step_trace != nullptr && !request.first_token_traced) {
+      request.first_token_traced = true;
+      first_token_requests_.push_back({request.num_prompt_tokens, request.added});
+    }
   }
   // Measured from Schedule through sampling and output processing: what a decode step adds to
   // every running request's time per output token.
@@ -340,6 +355,21 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   for (RequestOutput& out : outputs) {
     auto it = requests_.find(out.request_id);
     if (it == requests_.end()) continue;  // already reported finished
+  if (options_.step_trace != nullptr) {
+    const std::string_view role = options_.role == EngineRole::kPrefill  ? "prefill"
+                                  : options_.role == EngineRole::kDecode ? "decode"
+                                                                         : "colocated";
+    options_.step_trace->RecordStep(role, {.seconds = last_step_seconds_,
+                                     .gap_seconds = gap_seconds,
+                                     .tokens = step_tokens,
+                                     .prefill_tokens = step_prefill_tokens,
+                                     .seqs = step_seqs,
+                                     .context = step_context});
+    for (const auto& [prompt_tokens, added] : first_token_requests_) {
+      options_.step_trace->RecordFirstToken(
+          role, prompt_tokens, std::chrono::duration<double>(last_step_end_ - added).count());
+    }
+  }
     bool all_done = std::all_of(it->second->choices.begin(), it->second->choices.end(),
                                 [](const Choice& c) { return c.done; });
     if (all_done) {
@@ -424,6 +454,7 @@ absl::Status LlmEngine::AddPrefilled(GenerateRequest request,
   return absl::OkStatus();
 }
 
+  req->first_token_traced = true;  // sampled by the prefill worker, which traces it
 void LlmEngine::ApplySloLimits() {
   // Share of the TPOT target a step may take: the rest covers what happens outside the step
   // (streaming, the loop's other work) and the model's error.

@@ -1,10 +1,12 @@
 // What a user of one engine relies on: results independent of batching, chunking and
 // preemption; stop strings, n, max_tokens, aborts and context limits behaving as documented.
+#include <fstream>
 #include <random>
 #include <set>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
 #include "tandem/engine/llm_engine.h"
 #include "test_models.h"
 
@@ -200,6 +202,47 @@ TEST(EngineBatchingTest, MaxTokensEndsWithLength) {
       RunOne(*engine, {1, 2, 3}, {.temperature = 0, .max_tokens = 7, .ignore_eos = true});
   EXPECT_EQ(out.token_ids.size(), 7u);
   EXPECT_EQ(out.finish_reason, FinishReason::kLength);
+}
+
+TEST(EngineBatchingTest, StepTraceRecordsEveryStepAndEachFirstToken) {
+  const std::string path = ::testing::TempDir() + "/engine_step_trace.jsonl";
+  auto trace = StepTrace::Open(path);
+  ASSERT_TRUE(trace.ok()) << trace.status();
+  auto engine = MakeEngine({.max_num_batched_tokens = 16, .step_trace = *trace});
+  const int vocab = engine->config().vocab_size;
+  std::mt19937 rng(11);
+  const SamplingParams params{.temperature = 0, .max_tokens = 4, .ignore_eos = true};
+  auto out = GenerateAll(*engine, {{"long", RandomPrompt(rng, 37, vocab), params},
+                                   {"short", RandomPrompt(rng, 5, vocab), params}});
+  ASSERT_TRUE(out.ok()) << out.status();
+
+  std::ifstream in(path);
+  std::string line;
+  int64_t steps = 0, tokens = 0, prefill_tokens = 0;
+  std::multiset<int64_t> first_token_prompts;
+  bool first_step = true;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    EXPECT_EQ(j["role"], "colocated");
+    if (j.contains("step_s")) {
+      ++steps;
+      EXPECT_GT(j["step_s"].get<double>(), 0);
+      EXPECT_LE(j["tokens"].get<int64_t>(), 16);
+      tokens += j["tokens"].get<int64_t>();
+      prefill_tokens += j["prefill_tokens"].get<int64_t>();
+      // The engine was idle before its first step; afterwards work was pending throughout.
+      if (first_step) EXPECT_LT(j["gap_s"].get<double>(), 0);
+      if (!first_step) EXPECT_GE(j["gap_s"].get<double>(), 0);
+      first_step = false;
+    } else {
+      EXPECT_GT(j["first_token_s"].get<double>(), 0);
+      first_token_prompts.insert(j["prompt_tokens"].get<int64_t>());
+    }
+  }
+  EXPECT_EQ(steps, engine->stats().steps);
+  EXPECT_EQ(prefill_tokens, 37 + 5);
+  EXPECT_EQ(tokens, 37 + 5 + 2 * 3);  // each request's three tokens after the first
+  EXPECT_EQ(first_token_prompts, (std::multiset<int64_t>{5, 37}));
 }
 
 }  // namespace

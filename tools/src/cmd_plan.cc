@@ -3,6 +3,7 @@
 //                                  colocated side by side
 //   tandem plan simulate [flags]   one simulation of one configuration at one rate (or a trace)
 //   tandem plan calibrate [flags]  times real engine steps and writes a calibration file
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -70,7 +71,11 @@ void DeclareModelFlags(Args& args) {
   args.Declare("kv-cache-bytes", "N",
                "KV cache per instance with --calibration (default: unbounded)");
   args.Declare("overhead-ms", "MS",
-               "added to every request's first token and end: HTTP, tokenizing (default 0)");
+               "added to every request's first token and end: HTTP, tokenizing (default: the "
+               "calibration's when it measured one, else 0)");
+  args.DeclareSwitch("no-step-noise",
+                     "time every simulated step as the fit predicts, without the calibration "
+                     "steps' spread around it");
   args.Declare("max-num-seqs", "N", "engine running batch (default: the calibration's, else 64)");
   args.Declare("max-num-batched-tokens", "N",
                "engine tokens per step and prefill chunk (default: the calibration's, else 512)");
@@ -166,6 +171,10 @@ absl::StatusOr<Setup> SetupFromFlags(const Args& args, bool slo_required) {
   if (!(overhead_ms >= 0) || std::isinf(overhead_ms)) {
     return absl::InvalidArgumentError(absl::StrCat(cmd, ": --overhead-ms must be >= 0"));
   }
+  if (args.Switch("no-step-noise") && !args.Has("calibration")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(cmd, ": --no-step-noise goes with --calibration (the roofline has none)"));
+  }
 
   std::optional<Calibration> calibration;
   if (args.Has("calibration")) {
@@ -210,6 +219,11 @@ absl::StatusOr<Setup> SetupFromFlags(const Args& args, bool slo_required) {
       return absl::InvalidArgumentError(absl::StrCat(cmd, ": --fit-trim must be in [0, 1)"));
     }
     TANDEM_ASSIGN_OR_RETURN(LatencyModel measured, FitLatencyModel(calibration->samples, trim));
+    measured.step_gap = calibration->step_gap;
+    if (!args.Switch("no-step-noise")) SetStepNoise(measured, calibration->samples);
+    if (!args.Has("overhead-ms") && calibration->request_overhead > 0) {
+      s.factory.request_overhead = calibration->request_overhead;
+    }
     const double kv_per_token = calibration->kv_bytes_per_token > 0
                                     ? calibration->kv_bytes_per_token
                                     : KvBytesPerToken(shape);
@@ -500,10 +514,137 @@ struct Timer {
   }
 };
 
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// `plan calibrate --trace`: the steps a serving process measured (`--step-trace`), and with
+// --bench the client's first-token times of the same run, whose median beyond the engine's own
+// is the serving path's per-request cost.
+absl::Status CalibrateFromTrace(const Args& args) {
+  const std::string path = *args.Get("trace");
+  std::ifstream in(path);
+  if (!in) return absl::InvalidArgumentError(absl::StrCat("plan calibrate: cannot read ", path));
+  Calibration cal;
+  cal.device = absl::StrCat("steps traced in a serving process (", path, ")");
+  std::vector<double> gaps, engine_ttft;
+  std::string line;
+  int line_no = 0;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (line.empty()) continue;
+    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    auto bad = [&](const std::string& why) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("plan calibrate: ", path, ":", line_no, ": ", why));
+    };
+    if (!j.is_object()) return bad("not a JSON object (is this a --step-trace file?)");
+    try {
+      if (j.contains("step_s")) {
+        StepSample sample;
+        sample.seconds = j.at("step_s").get<double>();
+        sample.tokens = j.at("tokens").get<int64_t>();
+        sample.prefill_tokens = j.at("prefill_tokens").get<int64_t>();
+        sample.seqs = j.at("seqs").get<int64_t>();
+        sample.context = j.at("context").get<int64_t>();
+        if (!(sample.seconds >= 0) || sample.tokens < 1 || sample.seqs < 1 ||
+            sample.prefill_tokens < 0 || sample.context < 0) {
+          return bad("a step with a negative or empty field");
+        }
+        cal.samples.push_back(sample);
+        const double gap = j.value("gap_s", -1.0);
+        if (gap >= 0) gaps.push_back(gap);
+      } else if (j.contains("first_token_s")) {
+        engine_ttft.push_back(j.at("first_token_s").get<double>());
+      } else {
+        return bad("neither a step nor a first-token line");
+      }
+    } catch (const json::exception& e) {
+      return bad(e.what());
+    }
+  }
+  if (cal.samples.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat("plan calibrate: ", path, " holds no step"));
+  }
+  cal.step_gap = Median(gaps);
+  if (args.Has("bench")) {
+    std::ifstream bench_in(*args.Get("bench"));
+    if (!bench_in) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("plan calibrate: cannot read ", *args.Get("bench")));
+    }
+    const json report = json::parse(bench_in, nullptr, /*allow_exceptions=*/false);
+    // One run, or every run of a sweep.
+    std::vector<const json*> runs = {&report};
+    if (report.is_object() && report.contains("runs") && report["runs"].is_array()) {
+      runs.clear();
+      for (const json& run : report["runs"]) runs.push_back(&run);
+    }
+    std::vector<double> client_ttft;
+    for (const json* run : runs) {
+      if (!run->is_object() || !run->contains("requests") || !(*run)["requests"].is_array()) {
+        continue;
+      }
+      for (const json& r : (*run)["requests"]) {
+        if (r.is_object() && r.value("success", false) && r.contains("ttft_ms") &&
+            r["ttft_ms"].is_number()) {
+          client_ttft.push_back(r["ttft_ms"].get<double>() * 1e-3);
+        }
+      }
+    }
+    if (client_ttft.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "plan calibrate: --bench ", *args.Get("bench"),
+          ": no successful request with ttft_ms (a `tandem bench --json` report?)"));
+    }
+    if (engine_ttft.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "plan calibrate: --bench needs first-token lines in ", path,
+          " (trace the engine that runs the prefill: colocated or prefill)"));
+    }
+    cal.request_overhead = std::max(0.0, Median(client_ttft) - Median(engine_ttft));
+  }
+  if (args.Has("model")) {
+    TANDEM_ASSIGN_OR_RETURN(engine::ModelConfig config,
+                            engine::ModelConfig::FromFile(*args.Get("model") + "/config.json"));
+    cal.model = *args.Get("model");
+    cal.kv_bytes_per_token = static_cast<double>(config.num_layers) * 2 * config.num_kv_heads *
+                             config.head_dim * sizeof(float);
+  }
+  TANDEM_ASSIGN_OR_RETURN(int64_t seqs, PositiveInt(args, "max-num-seqs", 64, 65536));
+  TANDEM_ASSIGN_OR_RETURN(int64_t batched,
+                          PositiveInt(args, "max-num-batched-tokens", 512, 1 << 20));
+  cal.max_num_seqs = seqs;
+  cal.max_num_batched_tokens = batched;
+  TANDEM_RETURN_IF_ERROR(WriteJson(*args.Get("out"), cal.ToJson()));
+  TANDEM_ASSIGN_OR_RETURN(LatencyModel fit, FitLatencyModel(cal.samples, 0.2));
+  std::printf("tandem plan calibrate: %zu traced steps, written to %s\n", cal.samples.size(),
+              args.Get("out")->c_str());
+  std::printf("prefill: t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n", fit.prefill.a,
+              fit.prefill.b, fit.prefill.c, fit.prefill.d);
+  std::printf("decode:  t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n", fit.decode.a,
+              fit.decode.b, fit.decode.c, fit.decode.d);
+  std::printf("gap between steps %.3f ms", cal.step_gap * 1e3);
+  if (cal.request_overhead >= 0) {
+    std::printf(", per-request overhead %.3f ms", cal.request_overhead * 1e3);
+  }
+  std::printf("\n");
+  return absl::OkStatus();
+}
+
 absl::Status Calibrate(int argc, char** argv) {
   Args args("plan calibrate");
-  args.Declare("model", "DIR", "checkpoint to time");
+  args.Declare("model", "DIR", "checkpoint to time (with --trace: only read for its KV size)");
   args.Declare("out", "FILE", "calibration JSON to write");
+  args.Declare("trace", "FILE",
+               "instead of timing an engine here, fit the steps a server measured while serving "
+               "(`tandem serve|prefill|decode --step-trace FILE`)");
+  args.Declare("bench", "FILE",
+               "with --trace: the `tandem bench --json` report of the traced run; the median "
+               "first-token time beyond the engine's becomes the per-request overhead");
   args.Declare("threads", "N", "engine CPU threads (default: all cores)");
   args.Declare("max-num-seqs", "N", "engine running batch (default 64)");
   args.Declare("max-num-batched-tokens", "N", "tokens per step, prefill chunk (default 512)");
@@ -511,6 +652,19 @@ absl::Status Calibrate(int argc, char** argv) {
   args.Declare("max-context", "N", "longest prompt measured (default 512)");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
   if (args.HandleHelp()) return absl::OkStatus();
+  if (args.Has("bench") && !args.Has("trace")) {
+    return absl::InvalidArgumentError("plan calibrate: --bench goes with --trace");
+  }
+  if (args.Has("trace")) {
+    if (!args.Has("out")) return absl::InvalidArgumentError("plan calibrate: --out is required");
+    for (const char* flag : {"threads", "reps", "max-context"}) {
+      if (args.Has(flag)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "plan calibrate: --", flag, " times an engine here; it does not go with --trace"));
+      }
+    }
+    return CalibrateFromTrace(args);
+  }
   if (!args.Has("model") || !args.Has("out")) {
     return absl::InvalidArgumentError("plan calibrate: --model and --out are required");
   }

@@ -7,6 +7,7 @@
 #include <limits>
 #include <numeric>
 #include <queue>
+#include <random>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -183,6 +184,19 @@ absl::StatusOr<LatencyModel> FitLatencyModel(const std::vector<StepSample>& samp
   return model;
 }
 
+void SetStepNoise(LatencyModel& model, const std::vector<StepSample>& samples) {
+  model.prefill_noise.clear();
+  model.decode_noise.clear();
+  for (const StepSample& s : samples) {
+    const double predicted = model.StepSeconds(s.tokens, s.prefill_tokens, s.seqs, s.context);
+    if (!(predicted > 0) || !(s.seconds > 0)) continue;
+    (s.prefill_tokens > 0 ? model.prefill_noise : model.decode_noise)
+        .push_back(s.seconds / predicted);
+  }
+  if (model.prefill_noise.empty()) model.prefill_noise = model.decode_noise;
+  if (model.decode_noise.empty()) model.decode_noise = model.prefill_noise;
+}
+
 json Calibration::ToJson() const {
   json rows = json::array();
   for (const StepSample& s : samples) {
@@ -197,6 +211,8 @@ json Calibration::ToJson() const {
               {"max_num_batched_tokens", max_num_batched_tokens},
               {"max_num_seqs", max_num_seqs},
               {"kv_bytes_per_token", kv_bytes_per_token},
+              {"step_gap_seconds", step_gap},
+              {"request_overhead_seconds", request_overhead},
               {"samples", std::move(rows)}};
 }
 
@@ -211,6 +227,11 @@ absl::StatusOr<Calibration> CalibrationFromJson(const json& j) {
     c.max_num_batched_tokens = j.value("max_num_batched_tokens", int64_t{0});
     c.max_num_seqs = j.value("max_num_seqs", int64_t{0});
     c.kv_bytes_per_token = j.value("kv_bytes_per_token", 0.0);
+    c.step_gap = j.value("step_gap_seconds", 0.0);
+    c.request_overhead = j.value("request_overhead_seconds", -1.0);
+    if (!(c.step_gap >= 0) || !std::isfinite(c.step_gap) || !std::isfinite(c.request_overhead)) {
+      return absl::InvalidArgumentError("calibration: step_gap_seconds must be >= 0");
+    }
     for (const json& row : j["samples"]) {
       StepSample s;
       s.tokens = row.at("tokens").get<int64_t>();
@@ -342,7 +363,7 @@ LatencyModel ScaleModelToTp(const LatencyModel& measured, const RooflineShape& s
     c.d *= r;
     return c;
   };
-  LatencyModel m;
+  LatencyModel m = measured;  // the gap and the noise carry over as they are
   m.prefill = scaled(measured.prefill, ratio(512, 1, 512, true));
   m.decode = scaled(measured.decode, ratio(32, 32, 32 * 512, false));
   return m;
@@ -460,8 +481,9 @@ struct SimInstance {
     return n;
   }
   // Plans the next step as Scheduler::Schedule does; returns its duration, or a negative value
-  // when there is nothing to run.
-  double Plan() {
+  // when there is nothing to run. `rng` draws the step's noise; `follows` says the step starts
+  // right as the previous one ended (the serving loop's gap comes first).
+  double Plan(std::mt19937_64& rng, bool follows) {
     step.clear();
     while (!incoming.empty() && Fits(incoming.front())) {
       reserved_tokens += incoming.front().prompt + incoming.front().output;
@@ -495,8 +517,12 @@ struct SimInstance {
       if (q.computed < q.prompt) prefill_tokens += std::min(s.new_tokens, q.prompt - q.computed);
       context += q.computed + s.new_tokens;
     }
-    return spec->model.StepSeconds(tokens, prefill_tokens, static_cast<int64_t>(step.size()),
-                                   context);
+    double seconds = spec->model.StepSeconds(tokens, prefill_tokens,
+                                             static_cast<int64_t>(step.size()), context);
+    const std::vector<double>& noise =
+        prefill_tokens > 0 ? spec->model.prefill_noise : spec->model.decode_noise;
+    if (!noise.empty()) seconds *= noise[rng() % noise.size()];
+    return seconds + (follows ? spec->model.step_gap : 0.0);
   }
 };
 
@@ -563,11 +589,12 @@ absl::StatusOr<SimResult> Simulate(const ClusterSpec& cluster,
   };
   // Starts a step on an idle instance that has work. A waiting request that could never fit in
   // an empty instance is dropped (unfinished).
-  auto try_start = [&](int id, double now) {
+  std::mt19937_64 rng(cluster.noise_seed);
+  auto try_start = [&](int id, double now, bool follows) {
     SimInstance& in = inst[static_cast<size_t>(id)];
     if (in.busy) return;
     while (true) {
-      const double seconds = in.Plan();
+      const double seconds = in.Plan(rng, follows);
       if (seconds >= 0) {
         in.busy = true;
         ++result.steps;
@@ -617,7 +644,7 @@ absl::StatusOr<SimResult> Simulate(const ClusterSpec& cluster,
         if (seq.output > 1) ++inst[static_cast<size_t>(dbest)].assigned;
       }
       inst[static_cast<size_t>(best)].waiting.push_back(seq);
-      try_start(best, now);
+      try_start(best, now, false);
     } else if (e.kind == 1) {
       SimInstance& in = inst[static_cast<size_t>(e.a)];
       in.busy = false;
@@ -665,14 +692,14 @@ absl::StatusOr<SimResult> Simulate(const ClusterSpec& cluster,
         }
       }
       in.running = std::move(kept);
-      try_start(e.a, now);
+      try_start(e.a, now, true);
     } else {
       SimInstance& in = inst[static_cast<size_t>(e.b)];
       --in.assigned;
       const SimArrival& a = arrivals[static_cast<size_t>(e.a)];
       // Prompt KV in place and the first token sampled: one token left to compute.
       in.incoming.push_back({e.a, a.input_len, a.output_len, a.input_len, 1});
-      try_start(e.b, now);
+      try_start(e.b, now, false);
     }
   }
   result.duration = std::max(0.0, last - first);

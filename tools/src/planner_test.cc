@@ -254,6 +254,63 @@ TEST(PlannerSearch, BestConfigurationMeetsTheTarget) {
   EXPECT_EQ(none->best_disaggregated.max_rate, 0);
 }
 
+TEST(PlannerSim, ServingLoopGapComesBeforeEveryStepThatFollowsAnother) {
+  InstanceSpec spec = Instance();
+  spec.model.step_gap = 2e-3;
+  auto r = Simulate(ColocatedCluster(spec, 1), {{1.0, 1300, 5}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  double ttft = 0;
+  const double e2e = AloneSeconds(SimpleModel(), 1300, 5, 512, &ttft);
+  // Three prefill chunks (two follow another) and four decode steps, all following one.
+  EXPECT_NEAR(r->requests[0].ttft, ttft + 2 * 2e-3, 1e-12);
+  EXPECT_NEAR(r->requests[0].e2e, e2e + 6 * 2e-3, 1e-12);
+}
+
+TEST(PlannerSim, StepNoiseScalesStepsByMeasuredRatios) {
+  InstanceSpec spec = Instance();
+  spec.model.prefill_noise = {2.0};
+  spec.model.decode_noise = {3.0};
+  auto r = Simulate(ColocatedCluster(spec, 1), {{0.0, 100, 3}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  double ttft = 0;
+  const double e2e = AloneSeconds(SimpleModel(), 100, 3, 512, &ttft);
+  EXPECT_NEAR(r->requests[0].ttft, 2 * ttft, 1e-12);
+  EXPECT_NEAR(r->requests[0].e2e - r->requests[0].ttft, 3 * (e2e - ttft), 1e-12);
+
+  // The ratios come from the calibration: measured over fitted step time, per phase.
+  LatencyModel m = SimpleModel();
+  std::vector<StepSample> samples = {
+      {.tokens = 64, .prefill_tokens = 64, .seqs = 1, .context = 64},
+      {.tokens = 4, .prefill_tokens = 0, .seqs = 4, .context = 400},
+      {.tokens = 8, .prefill_tokens = 0, .seqs = 8, .context = 800}};
+  samples[0].seconds = 1.5 * m.StepSeconds(64, 64, 1, 64);
+  samples[1].seconds = 0.5 * m.StepSeconds(4, 0, 4, 400);
+  samples[2].seconds = 2.0 * m.StepSeconds(8, 0, 8, 800);
+  SetStepNoise(m, samples);
+  ASSERT_EQ(m.prefill_noise.size(), 1u);
+  EXPECT_NEAR(m.prefill_noise[0], 1.5, 1e-9);
+  ASSERT_EQ(m.decode_noise.size(), 2u);
+  EXPECT_NEAR(m.decode_noise[0], 0.5, 1e-9);
+  EXPECT_NEAR(m.decode_noise[1], 2.0, 1e-9);
+
+  // With a spread, the tail widens while a fixed seed keeps the simulation repeatable.
+  spec.model.prefill_noise = {0.5, 1.0, 1.0, 4.0};
+  spec.model.decode_noise = {1.0};
+  std::vector<SimArrival> arrivals;
+  for (int i = 0; i < 200; ++i) arrivals.push_back({i * 1.0, 100, 1});
+  auto a = Simulate(ColocatedCluster(spec, 1), arrivals);
+  auto b = Simulate(ColocatedCluster(spec, 1), arrivals);
+  ASSERT_TRUE(a.ok() && b.ok());
+  double lo = 1e9, hi = 0;
+  for (size_t i = 0; i < arrivals.size(); ++i) {
+    EXPECT_EQ(a->requests[i].ttft, b->requests[i].ttft);
+    lo = std::min(lo, a->requests[i].ttft);
+    hi = std::max(hi, a->requests[i].ttft);
+  }
+  EXPECT_NEAR(lo, 0.5 * ttft, 1e-12);
+  EXPECT_NEAR(hi, 4.0 * ttft, 1e-12);
+}
+
 TEST(PlannerTrace, ReadsBenchReports) {
   nlohmann::json report = {
       {"requests",

@@ -21,6 +21,7 @@
 #include "tandem/engine/sampling_params.h"
 #include "tandem/engine/scheduler.h"
 #include "tandem/engine/step_latency_model.h"
+#include "tandem/engine/step_trace.h"
 #include "tandem/engine/tokenizer.h"
 #include "tandem/kernels/backend.h"
 
@@ -65,6 +66,9 @@ struct EngineOptions {
   // pushes those pages to the decode worker from here, overlapping transfer with compute. Must
   // not call back into the engine.
   std::function<void(int layer, std::span<const KvWritten> written)> on_layer_kv_written;
+  // When set, every step and every request's first-token latency are written to it (see
+  // step_trace.h); several engines may share one trace.
+  std::shared_ptr<StepTrace> step_trace;
 };
 
 struct GenerateRequest {
@@ -246,3 +250,5 @@ absl::StatusOr<std::vector<RequestOutput>> GenerateAll(LlmEngine& engine,
                                                        std::vector<GenerateRequest> requests);
 
 }  // namespace tandem::engine
+  // Requests whose first token the current step sampled: prompt tokens, AddRequest time.
+  std::vector<std::pair<int64_t, std::chrono::steady_clock::time_point>> first_token_requests_;

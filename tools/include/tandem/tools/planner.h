@@ -47,6 +47,14 @@ struct StepSample {
 struct LatencyModel {
   StepCoeffs prefill;
   StepCoeffs decode;
+  // Seconds the serving loop spends between two steps while work is pending (streaming the
+  // outputs, RPCs); the simulator adds it before every step that follows another at once.
+  double step_gap = 0;
+  // Measured step time over the fit's prediction, one per calibration step and phase (empty:
+  // none). The simulator multiplies each step by one drawn at random, so the steps a shared
+  // machine slows down show in the predicted tails as they do in measured ones.
+  std::vector<double> prefill_noise;
+  std::vector<double> decode_noise;
   double StepSeconds(int64_t tokens, int64_t prefill_tokens, int64_t seqs, int64_t context) const;
   nlohmann::json ToJson() const;
 };
@@ -61,6 +69,8 @@ absl::StatusOr<StepCoeffs> FitStepCoeffs(const std::vector<StepSample>& samples,
 // no samples it takes the other's fit.
 absl::StatusOr<LatencyModel> FitLatencyModel(const std::vector<StepSample>& samples,
                                              double trim = 0);
+// Sets model.prefill_noise and decode_noise to every sample's measured / predicted step time.
+void SetStepNoise(LatencyModel& model, const std::vector<StepSample>& samples);
 
 // A calibration file: the samples measured on a real engine, and what they were measured with.
 struct Calibration {
@@ -70,6 +80,11 @@ struct Calibration {
   int64_t max_num_seqs = 0;
   double kv_bytes_per_token = 0;     // KV cache bytes one token occupies on this engine
   std::vector<StepSample> samples;
+  // Measured inside a serving process (`calibrate --trace`): the mean time between consecutive
+  // steps, and the client-observed first-token time beyond the engine's own (HTTP, tokenizing,
+  // queue hand-off, streaming); negative when not measured.
+  double step_gap = 0;
+  double request_overhead = -1;
   nlohmann::json ToJson() const;
 };
 absl::StatusOr<Calibration> CalibrationFromJson(const nlohmann::json& j);
@@ -144,6 +159,8 @@ struct ClusterSpec {
   double kv_transfer_latency = 0;  // seconds per request on top of the bytes
   // Seconds added to every request's first token and end (HTTP, tokenization, streaming).
   double request_overhead = 0;
+  // Seeds the draws from the latency models' step noise.
+  uint64_t noise_seed = 1;
 
   int Gpus() const;
   std::string Describe() const;  // e.g. "disagg 2xTP1 prefill + 1xTP2 decode"
