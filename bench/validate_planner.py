@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
 """Validates `tandem plan simulate` against real runs on this machine.
 
-Calibrates the step-time model on the CPU with the synthetic `small` model (`tandem plan
-calibrate`), then for each arrival rate runs `tandem bench` against `tandem serve` (colocated,
-and/or disaggregated) and replays the very same requests (send times, prompt and output tokens
-from the bench report) through the simulator with the measured calibration. Prints predicted
-against measured TTFT and TPOT p50/p90 with relative errors, and writes everything as JSON.
+For each serving mode (colocated and/or disaggregated) it starts `tandem serve` with a step trace,
+runs a calibration load against it (`tandem bench` at every rate, with a seed of its own), and
+fits the simulator's latency model on the steps the server measured while serving (`tandem plan
+calibrate --trace --bench`: step coefficients, the gap between steps, the spread of step times
+and the per-request overhead beyond the engine). Then, on the same server, for each arrival rate
+it runs the validation load (other requests: another seed) and replays those very requests
+(send times, prompt and output tokens from the bench report) through the simulator. Prints
+predicted against measured TTFT and TPOT p50/p90 with relative errors, and writes everything as
+JSON. `--calibration-source engine` instead times an engine alone (`tandem plan calibrate`).
 
   bench/validate_planner.py --tandem build/bin/tandem --rates 1,2,4 --json out.json
 """
@@ -24,8 +28,10 @@ def run(cmd, **kw):
     return subprocess.run(cmd, check=True, **kw)
 
 
-def start_server(tandem, model, mode, threads):
+def start_server(tandem, model, mode, threads, trace=None):
     cmd = [tandem, "serve", "--model", model, "--port", "0", "--threads", str(threads)]
+    if trace:
+        cmd += ["--step-trace", trace]
     if mode == "colocated":
         cmd.append("--colocated")
     print("+", " ".join(cmd), file=sys.stderr, flush=True)
@@ -51,6 +57,12 @@ def main():
     ap.add_argument("--tandem", default="build/bin/tandem")
     ap.add_argument("--workdir", default=None, help="model, calibration and reports (default: tmp)")
     ap.add_argument("--calibration", default=None, help="reuse this calibration file")
+    ap.add_argument("--calibration-source", choices=("trace", "engine"), default="trace",
+                    help="trace: steps the server measured under a calibration load (default); "
+                         "engine: an engine timed alone")
+    ap.add_argument("--calibration-requests", type=int, default=20,
+                    help="trace: calibration requests per rate")
+    ap.add_argument("--calibration-seed", type=int, default=1001)
     ap.add_argument("--calibrate-reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1,
                     help="engine threads, the same for calibration and serving (default 1: "
@@ -60,7 +72,8 @@ def main():
     ap.add_argument("--num-requests", type=int, default=40)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--overhead-ms", type=float, default=0.0)
+    ap.add_argument("--overhead-ms", type=float, default=None,
+                    help="per-request overhead for the simulator (default: the calibration's)")
     ap.add_argument("--kv-link-gbps", type=float, default=2.0,
                     help="loopback KV bandwidth assumed for the disaggregated simulation")
     ap.add_argument("--seed", type=int, default=1)
@@ -73,28 +86,48 @@ def main():
     if not os.path.exists(os.path.join(model, "config.json")):
         run([args.tandem, "synth-model", "--preset", "small", "--out", model],
             stdout=subprocess.DEVNULL)
-    cal = args.calibration or os.path.join(work, "calibration.json")
-    if not args.calibration:
-        run([args.tandem, "plan", "calibrate", "--model", model, "--out", cal,
+    engine_cal = args.calibration or os.path.join(work, "calibration-engine.json")
+    if args.calibration_source == "engine" and not args.calibration:
+        run([args.tandem, "plan", "calibrate", "--model", model, "--out", engine_cal,
              "--reps", str(args.calibrate_reps), "--threads", str(args.threads),
              "--max-context", "256"])
 
+    def bench(url, name, rate, seed, num, out):
+        flags = ["--request-rate-sweep", rate] if "," in rate else ["--request-rate", rate]
+        run([args.tandem, "bench", "--url", url, "--model", name, "--num-requests", str(num),
+             *flags, "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+             "--seed", str(seed), "--no-progress", "--json", out], stdout=subprocess.DEVNULL)
+
     rows = []
+    calibrations = {}
     for mode in args.modes.split(","):
-        proc, name, url = start_server(args.tandem, model, mode, args.threads)
+        trace = None
+        if args.calibration_source == "trace" and not args.calibration:
+            trace = os.path.join(work, f"steps-{mode}.jsonl")
+        proc, name, url = start_server(args.tandem, model, mode, args.threads, trace)
         try:
+            cal = engine_cal
+            if trace:
+                cal_bench = os.path.join(work, f"calibration-bench-{mode}.json")
+                bench(url, name, args.rates, args.calibration_seed, args.calibration_requests,
+                      cal_bench)
+                # Only the calibration load's steps: the validation runs append to the trace.
+                cal_trace = os.path.join(work, f"calibration-steps-{mode}.jsonl")
+                with open(trace) as src, open(cal_trace, "w") as dst:
+                    dst.write(src.read())
+                cal = os.path.join(work, f"calibration-{mode}.json")
+                run([args.tandem, "plan", "calibrate", "--trace", cal_trace, "--bench", cal_bench,
+                     "--model", model, "--out", cal])
+            calibrations[mode] = cal
             for rate in args.rates.split(","):
                 bench_json = os.path.join(work, f"bench-{mode}-{rate}.json")
-                run([args.tandem, "bench", "--url", url, "--model", name, "--num-requests",
-                     str(args.num_requests), "--request-rate", rate, "--input-len",
-                     str(args.input_len), "--output-len", str(args.output_len), "--seed",
-                     str(args.seed), "--no-progress", "--json", bench_json],
-                    stdout=subprocess.DEVNULL)
+                bench(url, name, rate, args.seed, args.num_requests, bench_json)
                 sim_json = os.path.join(work, f"sim-{mode}-{rate}.json")
                 sim = [args.tandem, "plan", "simulate", "--model", model, "--calibration", cal,
                        "--config", "colocated" if mode == "colocated" else "disagg",
-                       "--trace", bench_json, "--overhead-ms", str(args.overhead_ms),
-                       "--json", sim_json]
+                       "--trace", bench_json, "--json", sim_json]
+                if args.overhead_ms is not None:
+                    sim += ["--overhead-ms", str(args.overhead_ms)]
                 if mode != "colocated":
                     sim += ["--kv-link-gbps", str(args.kv_link_gbps)]
                 run(sim, stdout=subprocess.DEVNULL)
@@ -134,7 +167,7 @@ def main():
     print(f"worst |error| {worst * 100:.1f}%")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "calibration": cal, "workdir": work,
+            json.dump({"rows": rows, "calibrations": calibrations, "workdir": work,
                        "workload": {"input_len": args.input_len, "output_len": args.output_len,
                                     "num_requests": args.num_requests, "seed": args.seed}},
                       f, indent=2)
