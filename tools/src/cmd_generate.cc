@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_split.h"
 #include "commands.h"
+#include "device_flag.h"
 #include "nlohmann/json.hpp"
 #include "tandem/base/status_macros.h"
 #include "tandem/engine/llm_engine.h"
@@ -22,6 +23,7 @@ absl::Status Generate(int argc, char** argv) {
   args.Declare("system", "TEXT", "system message for --chat");
   args.Declare("threads", "N", "CPU threads (default: all cores)");
   args.Declare("kv-cache-bytes", "N", "KV cache budget in bytes (default 512 MiB)");
+  DeclareDeviceFlag(args);
   args.DeclareSwitch("json", "print one JSON object per sample instead of the text");
   DeclareSamplingFlags(args);
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
@@ -36,6 +38,7 @@ absl::Status Generate(int argc, char** argv) {
   TANDEM_ASSIGN_OR_RETURN(int64_t kv_bytes, args.Int("kv-cache-bytes", 512ll << 20));
 
   engine::EngineOptions options;
+  TANDEM_ASSIGN_OR_RETURN(options.device, DeviceFlag(args));
   options.model_dir = *model;
   options.num_threads = static_cast<int>(threads);
   options.kv_cache_bytes = kv_bytes;

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "commands.h"
+#include "device_flag.h"
 #include "server_flags.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/decode_worker/decode_worker.h"
@@ -27,22 +28,22 @@ absl::Status Serve(int argc, char** argv) {
   DeclareApiFlags(args);
   DeclareSloControllerFlags(args, /*tpot=*/false, /*ttft=*/false, /*policy=*/true);
   args.DeclareSwitch("colocated", "one engine does prefill and decode (no workers, no transfer)");
-  args.Declare("kv-backend", "ucx|local",
-               "how KV pages move from the prefill to the decode worker (default ucx)");
+  args.Declare("kv-backend", "ucx|local|cuda_ipc",
+               "how KV pages move from the prefill to the decode worker (default: cuda_ipc "
+               "with --device cuda, else ucx)");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
   if (args.HandleHelp()) return absl::OkStatus();
 
   TANDEM_ASSIGN_OR_RETURN(engine::EngineOptions engine_options, EngineFlags(args));
   TANDEM_ASSIGN_OR_RETURN(router::ApiServerOptions options,
                           ApiFlags(args, engine_options.model_dir));
-  const std::string kv_backend = args.GetOr("kv-backend", "ucx");
-  if (kv_backend != "ucx" && kv_backend != "local") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("serve: --kv-backend must be ucx or local, got ", kv_backend));
-  }
   const bool colocated = args.Switch("colocated");
   if (colocated && args.Has("kv-backend")) {
     return absl::InvalidArgumentError("serve: --kv-backend has no use with --colocated");
+  }
+  std::string kv_backend;
+  if (!colocated) {
+    TANDEM_ASSIGN_OR_RETURN(kv_backend, KvBackendFlag(args, engine_options.device));
   }
   RaiseFileLimit();
 

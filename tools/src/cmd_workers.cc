@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "commands.h"
+#include "device_flag.h"
 #include "server_flags.h"
 #include "tandem/base/host_port.h"
 #include "tandem/base/status_macros.h"
@@ -49,7 +50,8 @@ void DeclareWorkerFlags(Args& args, int default_port) {
   args.Declare("metrics-listen", "HOST:PORT",
                "serve GET /metrics and /health over HTTP here (default: not served)");
   args.Declare("worker-id", "ID", "name in Stats, logs and metrics (default: ROLE-PID)");
-  args.Declare("kv-backend", "ucx|local", "KV transfer backend (default ucx)");
+  args.Declare("kv-backend", "ucx|local|cuda_ipc",
+               "KV transfer backend (default: cuda_ipc with --device cuda, else ucx)");
   args.Declare("kv-host", "ADDR",
                "address the KV transfer listener binds, reachable by the other pool (default "
                "127.0.0.1)");
@@ -85,11 +87,7 @@ absl::StatusOr<WorkerFlags> ParseWorkerFlags(const Args& args, int default_port)
     }
   }
   flags.worker_id = args.GetOr("worker-id", absl::StrCat(args.command(), "-", getpid()));
-  flags.kv_backend = args.GetOr("kv-backend", "ucx");
-  if (flags.kv_backend != "ucx" && flags.kv_backend != "local") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        args.command(), ": --kv-backend must be ucx or local, got ", flags.kv_backend));
-  }
+  TANDEM_ASSIGN_OR_RETURN(flags.kv_backend, KvBackendFlag(args, flags.engine.device));
   flags.kv_host = args.GetOr("kv-host", "127.0.0.1");
   flags.etcd = args.GetOr("etcd", "");
   flags.cluster = args.GetOr("cluster", "default");

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "device_flag.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/tools/synth_model.h"
 
@@ -48,6 +49,7 @@ void DeclareEngineFlags(Args& args) {
   args.Declare("kv-cache-bytes", "N", "KV cache budget in bytes, per engine (default 512 MiB)");
   args.Declare("max-model-len", "N", "context length (default: the model's)");
   args.Declare("threads", "N", "engine CPU threads (default: all cores)");
+  DeclareDeviceFlag(args);
 }
   DeclareDeviceFlag(args);
   args.Declare("step-trace", "FILE",
@@ -67,6 +69,7 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
   options.max_model_len = static_cast<int>(max_len);
   TANDEM_ASSIGN_OR_RETURN(int64_t threads, IntFlag(args, "threads", 0, 0, 1024));
   options.num_threads = static_cast<int>(threads);
+  TANDEM_ASSIGN_OR_RETURN(options.device, DeviceFlag(args));
 
   TANDEM_ASSIGN_OR_RETURN(options.device, DeviceFlag(args));
   if (args.Has("step-trace")) {

@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""--device and --kv-backend refusals: a non-zero exit with one line saying why.
+
+usage: device_flag_test.py TANDEM CUDA_BUILT(ON|OFF)
+`--device cuda` must fail only where it cannot run: in a build without CUDA, or on a machine
+with no GPU (then the reason names the missing device).
+"""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+TANDEM, CUDA_BUILT = sys.argv[1], sys.argv[2] == "ON"
+failures = []
+
+
+def check(cond, what):
+    if not cond:
+        failures.append(what)
+        print("FAIL:", what)
+
+
+def run(*args):
+    return subprocess.run([TANDEM, *args], capture_output=True, text=True, timeout=300)
+
+
+def refused(r, *needles):
+    lines = r.stderr.strip().splitlines()
+    return (r.returncode != 0 and len(lines) == 1 and
+            all(n in lines[0] for n in needles)), r.stderr
+
+
+def has_gpu():
+    smi = shutil.which("nvidia-smi")
+    return smi is not None and subprocess.run([smi, "-L"], capture_output=True).returncode == 0
+
+
+with tempfile.TemporaryDirectory() as tmp:
+    model = os.path.join(tmp, "tiny")
+    r = run("synth-model", "--out", model, "--preset", "tiny")
+    check(r.returncode == 0, f"synth-model failed: {r.stderr}")
+    gen = ["generate", "--model", model, "--prompt", "Hi", "--max-tokens", "2"]
+
+    ok, err = refused(run(*gen, "--device", "tpu"), "--device must be cuda or cpu, got tpu")
+    check(ok, f"--device tpu: {err}")
+
+    r = run(*gen, "--device", "cpu")
+    check(r.returncode == 0, f"--device cpu runs: {r.stderr}")
+
+    if not CUDA_BUILT:
+        for cmd in (gen, ["decode", "--model", model]):
+            ok, err = refused(run(*cmd, "--device", "cuda"), "--device cuda: this build has no CUDA")
+            check(ok, f"{cmd[0]} --device cuda without CUDA: {err}")
+    elif not has_gpu():
+        ok, err = refused(run(*gen, "--device", "cuda"), "--device cuda: no CUDA device")
+        check(ok, f"--device cuda without a GPU: {err}")
+    else:
+        print("skipped: --device cuda can run here")
+
+    # A host KV cache cannot go over cuda_ipc; an unknown backend is named.
+    for role in ("prefill", "decode"):
+        ok, err = refused(run(role, "--model", model, "--device", "cpu", "--kv-backend", "cuda_ipc"),
+                          "--kv-backend cuda_ipc", "--device cuda")
+        check(ok, f"{role} cuda_ipc on cpu: {err}")
+        ok, err = refused(run(role, "--model", model, "--device", "cpu", "--kv-backend", "rdma"),
+                          "--kv-backend must be ucx, local or cuda_ipc, got rdma")
+        check(ok, f"{role} --kv-backend rdma: {err}")
+    ok, err = refused(run("serve", "--model", model, "--device", "cpu", "--kv-backend", "cuda_ipc"),
+                      "--kv-backend cuda_ipc")
+    check(ok, f"serve cuda_ipc on cpu: {err}")
+
+sys.exit(1 if failures else 0)

@@ -1,0 +1,57 @@
+#include "device_flag.h"
+
+#include "absl/strings/str_cat.h"
+#include "tandem/kernels/cuda_backend.h"
+
+namespace tandem::tools {
+
+void DeclareDeviceFlag(Args& args) {
+  args.Declare("device", "cuda|cpu",
+               "where the model runs (default: cuda when this build has CUDA and a GPU is "
+               "present, else cpu)");
+}
+
+absl::StatusOr<engine::Device> DeviceFlag(const Args& args) {
+  if (!args.Has("device")) {
+    return kernels::CudaDeviceCount() > 0 ? engine::Device::kCuda : engine::Device::kCpu;
+  }
+  const std::string device = *args.Get("device");
+  if (device == "cpu") return engine::Device::kCpu;
+  if (device != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(args.command(), ": --device must be cuda or cpu, got ", device));
+  }
+  if (!kernels::CudaBuilt()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(args.command(),
+                     ": --device cuda: this build has no CUDA backend (configure with "
+                     "-DTANDEM_CUDA=ON where nvcc is installed)"));
+  }
+  if (kernels::CudaDeviceCount() == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(args.command(), ": --device cuda: no CUDA device is visible to this process"));
+  }
+  return engine::Device::kCuda;
+}
+
+absl::StatusOr<std::string> KvBackendFlag(const Args& args, engine::Device device) {
+  const bool cuda = device == engine::Device::kCuda;
+  const std::string backend = args.GetOr("kv-backend", cuda ? "cuda_ipc" : "ucx");
+  if (backend != "ucx" && backend != "local" && backend != "cuda_ipc") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --kv-backend must be ucx, local or cuda_ipc, got ", backend));
+  }
+  if (cuda && backend != "cuda_ipc") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(args.command(), ": --kv-backend ", backend,
+                     ": ucx/local kv backends need a host KV cache (--device cpu); with "
+                     "--device cuda use --kv-backend cuda_ipc"));
+  }
+  if (!cuda && backend == "cuda_ipc") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --kv-backend cuda_ipc sends device memory only (needs --device cuda)"));
+  }
+  return backend;
+}
+
+}  // namespace tandem::tools
