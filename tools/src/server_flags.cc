@@ -50,11 +50,10 @@ void DeclareEngineFlags(Args& args) {
   args.Declare("max-model-len", "N", "context length (default: the model's)");
   args.Declare("threads", "N", "engine CPU threads (default: all cores)");
   DeclareDeviceFlag(args);
-}
-  DeclareDeviceFlag(args);
   args.Declare("step-trace", "FILE",
                "write every engine step and each request's in-engine first-token time to FILE "
                "as JSON lines, for `tandem plan calibrate --trace` (default: none)");
+}
 
 absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
   engine::EngineOptions options;
@@ -70,8 +69,6 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
   TANDEM_ASSIGN_OR_RETURN(int64_t threads, IntFlag(args, "threads", 0, 0, 1024));
   options.num_threads = static_cast<int>(threads);
   TANDEM_ASSIGN_OR_RETURN(options.device, DeviceFlag(args));
-
-  TANDEM_ASSIGN_OR_RETURN(options.device, DeviceFlag(args));
   if (args.Has("step-trace")) {
     absl::StatusOr<std::shared_ptr<engine::StepTrace>> trace =
         engine::StepTrace::Open(*args.Get("step-trace"));
@@ -81,6 +78,7 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
     }
     options.step_trace = *std::move(trace);
   }
+
   if (args.Has("model")) {
     options.model_dir = *args.Get("model");
   } else {
