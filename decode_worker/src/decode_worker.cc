@@ -11,6 +11,7 @@
 #include <deque>
 #include <functional>
 #include <future>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -22,6 +23,7 @@
 #include "grpcpp/grpcpp.h"
 #include "tandem/base/host_port.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/engine/model_runner.h"
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/proto/convert.h"
 #include "tandem/proto/kv_layout_check.h"
@@ -45,6 +47,11 @@ constexpr int64_t kExpiryGraceMs = 2000;
 constexpr int kMaxReserveSamples = engine::kMaxSamplesPerRequest;
 // The KV cache's region id in the transfer agent.
 constexpr uint64_t kKvRegionId = 0;
+// Longest DecodeWorkerOptions::handoff_ttl.
+constexpr absl::Duration kMaxHandoffTtl = absl::Seconds(30);
+// A Handoff's transfer (connect included) takes at most this, and never past the target
+// reservation's expiry.
+constexpr absl::Duration kHandoffTransferMax = absl::Seconds(10);
 
 absl::Status Stopped() { return absl::UnavailableError("the decode worker has shut down"); }
 
@@ -82,6 +89,19 @@ struct Reservation {
   }
 };
 
+// A sample parked for KV handoff: the blocks holding the KV of its first num_kv_tokens tokens.
+struct ParkedSample {
+  engine::BlockTable blocks;
+  int num_kv_tokens = 0;
+  bool transferring = false;  // a Handoff reads the blocks; nothing may free them meanwhile
+};
+
+// A request parked while draining (its stream ended with a KvHandoff).
+struct Parked {
+  int64_t expires_unix_ms = 0;
+  std::map<int, ParkedSample> samples;  // by sample index; emptied as they are handed off
+};
+
 // A started request, as the engine loop tracks it.
 struct Running {
   std::shared_ptr<Stream> stream;
@@ -109,6 +129,8 @@ class Service final : public tandem::v1::DecodeWorker::Service {
                      tandem::v1::WorkerStats* stats) override;
   grpc::Status Handshake(grpc::ServerContext*, const tandem::v1::HandshakeRequest* request,
                          tandem::v1::HandshakeResponse* response) override;
+  grpc::Status Handoff(grpc::ServerContext*, const tandem::v1::HandoffRequest* request,
+                       tandem::v1::HandoffResponse* response) override;
 
  private:
   DecodeWorkerImpl* worker_;
@@ -130,6 +152,10 @@ struct Metrics {
   router::Gauge* tpot_target = nullptr;
   router::Gauge* step_gap = nullptr;
   router::Counter* slo_refusals = nullptr;
+  router::Counter* handoffs = nullptr;
+  router::Counter* handoff_bytes = nullptr;
+  router::Counter* handoff_seconds = nullptr;
+  router::Counter* parked_expired = nullptr;
   router::EngineStepMetrics step{registry};
 
   Metrics() {
@@ -160,19 +186,29 @@ struct Metrics {
     slo_refusals = registry.AddCounter(
         "tandem_decode_reserve_refused_slo_total",
         "Reserve calls refused because the running batch was at the TPOT controller's cap.");
+    handoffs = registry.AddCounter(
+        "tandem_decode_kv_handoffs_total",
+        "Samples parked while draining whose KV a Handoff moved to another decode worker.");
+    handoff_bytes = registry.AddCounter("tandem_decode_kv_handoff_bytes_total",
+                                        "KV bytes moved by Handoff calls.");
+    handoff_seconds = registry.AddCounter("tandem_decode_kv_handoff_seconds_total",
+                                          "Time spent moving KV in Handoff calls.");
+    parked_expired = registry.AddCounter(
+        "tandem_decode_parked_expired_total",
+        "Samples parked while draining whose KV nobody took before handoff_ttl (freed).");
   }
 };
 
 class DecodeWorkerImpl final : public DecodeWorker {
  public:
-  ~DecodeWorkerImpl() override { Shutdown(absl::ZeroDuration()); }
+  ~DecodeWorkerImpl() override { ShutdownImpl(absl::ZeroDuration(), /*park=*/false); }
 
   absl::Status Init(DecodeWorkerOptions options);
 
   std::string grpc_address() const override { return grpc_address_; }
   int metrics_port() const override { return metrics_server_ ? metrics_server_->port() : 0; }
   tandem::v1::WorkerStats Stats() const override;
-  void Shutdown(absl::Duration grace) override;
+  void Shutdown(absl::Duration grace) override { ShutdownImpl(grace, /*park=*/true); }
 
   // RPC bodies, called on gRPC threads.
   absl::StatusOr<tandem::v1::KvReservation> Reserve(const tandem::v1::ReserveRequest& request);
@@ -184,8 +220,10 @@ class DecodeWorkerImpl final : public DecodeWorker {
   absl::StatusOr<bool> Cancel(const std::string& request_id, const std::string& reason);
   absl::StatusOr<tandem::v1::HandshakeResponse> Handshake(
       const tandem::v1::HandshakeRequest& request) const;
+  absl::StatusOr<tandem::v1::HandoffResponse> Handoff(const tandem::v1::HandoffRequest& request);
 
  private:
+  void ShutdownImpl(absl::Duration grace, bool park);
   // Runs `fn` on the engine loop thread and returns its result, or `if_stopped` once the loop
   // has stopped. Never called on the loop thread itself.
   template <typename T>
@@ -214,6 +252,19 @@ class DecodeWorkerImpl final : public DecodeWorker {
   // Ends a running request: aborts it in the engine (freeing its blocks) and closes its stream
   // with an ABORT finish for every unfinished sample, carrying `error` when not OK.
   void EndRunning(const std::string& request_id, const absl::Status& error);
+  // The last events of a request that ends unfinished: an ABORT finish for every unfinished
+  // sample, usage on the last, and `error` there when not OK.
+  static std::vector<tandem::v1::TokenEvent> FinalEvents(const std::string& request_id,
+                                                         const Running& running,
+                                                         const absl::Status& error);
+  // Parks a running request for KV handoff and ends its stream with a KvHandoff. False (nothing
+  // changed) when the engine cannot park it now.
+  bool ParkRunning(const std::string& request_id);
+  // Frees parked samples past their expiry (not those being transferred).
+  void ExpireParked();
+  // Frees the parked samples of a request that no Handoff is reading; true if it had any.
+  bool FreeParked(const std::string& request_id);
+  void UpdateParkedCount();
   void FreeReservation(Reservation& reservation);
   // Engine-thread view of the worker's state.
   tandem::v1::WorkerStats ComputeStats() const;
@@ -229,6 +280,7 @@ class DecodeWorkerImpl final : public DecodeWorker {
   std::map<std::string, std::string> reserved_request_;  // request id -> reservation id
   std::map<std::string, Running> running_;               // by request id
   int64_t next_reservation_ = 0;
+  std::map<std::string, Parked> parked_;  // by request id
 
   std::unique_ptr<kvtransfer::Agent> agent_;
   std::string region_descriptor_;
@@ -243,6 +295,7 @@ class DecodeWorkerImpl final : public DecodeWorker {
   // Refuses Reserve and Start once false. Set by Shutdown, read on the engine thread.
   std::atomic<bool> accepting_{true};
   std::atomic<int> num_running_{0};
+  std::atomic<int> num_parked_{0};  // parked samples (loop thread writes, Shutdown reads)
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -260,6 +313,11 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
   if (options_.worker_id.empty()) options_.worker_id = absl::StrCat("decode-", getpid());
   if (options_.max_reservation_ttl <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("max_reservation_ttl must be positive");
+  }
+  if (options_.handoff_ttl < absl::ZeroDuration() || options_.handoff_ttl > kMaxHandoffTtl) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("handoff_ttl must be in [0, ", absl::FormatDuration(kMaxHandoffTtl),
+                     "], got ", absl::FormatDuration(options_.handoff_ttl)));
   }
   options_.engine.role = engine::EngineRole::kDecode;
   TANDEM_ASSIGN_OR_RETURN(engine_, engine::LlmEngine::Create(options_.engine));
@@ -342,6 +400,7 @@ void DecodeWorkerImpl::Loop() {
     }
     for (std::function<void()>& task : tasks) task();
     ExpireReservations();
+    ExpireParked();
     if (engine_->has_unfinished()) StepEngine();
     RecordStepMetrics();
     PublishStats();
@@ -363,7 +422,58 @@ void DecodeWorkerImpl::Loop() {
   for (auto& [id, reservation] : reservations_) FreeReservation(reservation);
   reservations_.clear();
   reserved_request_.clear();
+  // No Handoff runs any more (the gRPC server is down): parked blocks go too.
+  for (auto& [id, parked] : parked_) {
+    for (auto& [index, sample] : parked.samples) engine_->FreeReservation(sample.blocks);
+  }
+  parked_.clear();
+  UpdateParkedCount();
   PublishStats();
+}
+
+void DecodeWorkerImpl::ExpireParked() {
+  if (parked_.empty()) return;
+  const int64_t now = NowUnixMs();
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    if (now > it->second.expires_unix_ms) {
+      auto& samples = it->second.samples;
+      for (auto s = samples.begin(); s != samples.end();) {
+        if (s->second.transferring) {
+          ++s;
+          continue;
+        }
+        engine_->FreeReservation(s->second.blocks);
+        metrics_.parked_expired->Increment();
+        s = samples.erase(s);
+      }
+    }
+    it = it->second.samples.empty() ? parked_.erase(it) : std::next(it);
+  }
+  UpdateParkedCount();
+  PublishStats();
+}
+
+bool DecodeWorkerImpl::FreeParked(const std::string& request_id) {
+  auto it = parked_.find(request_id);
+  if (it == parked_.end()) return false;
+  auto& samples = it->second.samples;
+  for (auto s = samples.begin(); s != samples.end();) {
+    if (s->second.transferring) {
+      ++s;  // the Handoff in progress frees it (or leaves it to expire)
+      continue;
+    }
+    engine_->FreeReservation(s->second.blocks);
+    s = samples.erase(s);
+  }
+  if (samples.empty()) parked_.erase(it);
+  UpdateParkedCount();
+  return true;
+}
+
+void DecodeWorkerImpl::UpdateParkedCount() {
+  int count = 0;
+  for (const auto& [id, parked] : parked_) count += static_cast<int>(parked.samples.size());
+  num_parked_.store(count);
 }
 
 void DecodeWorkerImpl::ExpireReservations() {
@@ -466,6 +576,14 @@ void DecodeWorkerImpl::EndRunning(const std::string& request_id, const absl::Sta
   Running running = std::move(it->second);
   running_.erase(it);
   num_running_.store(static_cast<int>(running_.size()));
+  std::vector<tandem::v1::TokenEvent> events = FinalEvents(request_id, running, error);
+  PublishStats();
+  running.stream->Push(std::move(events), /*last=*/true);
+}
+
+std::vector<tandem::v1::TokenEvent> DecodeWorkerImpl::FinalEvents(const std::string& request_id,
+                                                                  const Running& running,
+                                                                  const absl::Status& error) {
   std::vector<tandem::v1::TokenEvent> events;
   for (size_t i = 0; i < running.finished.size(); ++i) {
     if (running.finished[i]) continue;
@@ -482,8 +600,44 @@ void DecodeWorkerImpl::EndRunning(const std::string& request_id, const absl::Sta
   last.mutable_usage()->set_prompt_tokens(running.num_prompt_tokens);
   last.mutable_usage()->set_completion_tokens(running.num_generation_tokens);
   if (!error.ok()) *last.mutable_error() = proto::ToProto(error);
+  return events;
+}
+
+bool DecodeWorkerImpl::ParkRunning(const std::string& request_id) {
+  auto it = running_.find(request_id);
+  if (it == running_.end()) return false;
+  absl::StatusOr<std::vector<engine::ParkedSample>> samples = engine_->Park(request_id);
+  if (!samples.ok()) return false;
+  Running running = std::move(it->second);
+  running_.erase(it);
+  num_running_.store(static_cast<int>(running_.size()));
+  Parked parked;
+  parked.expires_unix_ms = NowUnixMs() + absl::ToInt64Milliseconds(options_.handoff_ttl);
+  tandem::v1::KvHandoff handoff;
+  handoff.set_expires_unix_ms(parked.expires_unix_ms);
+  handoff.set_worker_id(options_.worker_id);
+  for (engine::ParkedSample& sample : *samples) {
+    tandem::v1::KvHandoff::Sample* wire = handoff.add_samples();
+    wire->set_index(sample.choice_index);
+    wire->mutable_generated_token_ids()->Add(sample.state.generated.begin(),
+                                             sample.state.generated.end());
+    wire->set_sampler_state(proto::SamplerStateBytes(sample.state.rng_state));
+    wire->set_num_kv_tokens(sample.state.num_kv_tokens);
+    if (sample.state.num_kv_tokens > 0) {
+      parked.samples[sample.choice_index] = {std::move(sample.state.blocks),
+                                             sample.state.num_kv_tokens, false};
+    }
+  }
+  if (!parked.samples.empty()) parked_[request_id] = std::move(parked);
+  UpdateParkedCount();
+  std::vector<tandem::v1::TokenEvent> events = FinalEvents(
+      request_id, running,
+      absl::UnavailableError("the decode worker is draining; the request's KV is parked for "
+                             "handoff"));
+  *events.back().mutable_handoff() = std::move(handoff);
   PublishStats();
   running.stream->Push(std::move(events), /*last=*/true);
+  return true;
 }
 
 tandem::v1::WorkerStats DecodeWorkerImpl::ComputeStats() const {
@@ -640,11 +794,6 @@ absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& reque
                                                    " samples but ", request.choices_size(),
                                                    " choices were sent"));
   }
-  if (request.prompt_token_ids_size() != reservation.num_prompt_tokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the prompt has ", request.prompt_token_ids_size(),
-                     " tokens but the reservation is for ", reservation.num_prompt_tokens));
-  }
   if (running_.count(request.request_id()) > 0) {
     return absl::AlreadyExistsError(
         absl::StrCat("request ", request.request_id(), " is already running"));
@@ -665,6 +814,25 @@ absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& reque
     seen[wire.index()] = true;
     absl::StatusOr<engine::PrefilledChoice> choice = proto::FromProto(wire);
     if (!choice.ok()) return choice.status();
+    const int prompt_len = request.prompt_token_ids_size();
+    if (choice->generated.empty()) {
+      if (prompt_len != reservation.num_prompt_tokens) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("the prompt has ", prompt_len, " tokens but the reservation is for ",
+                         reservation.num_prompt_tokens));
+      }
+    } else {
+      // A continuation after a KV handoff: the reservation holds the KV of the first
+      // num_prompt_tokens tokens of prompt + generated.
+      const int total = prompt_len + static_cast<int>(choice->generated.size());
+      if (reservation.num_prompt_tokens >= total) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "choice ", wire.index(), " continues ", prompt_len, " prompt + ",
+            choice->generated.size(), " generated tokens, but the reservation holds the KV of ",
+            reservation.num_prompt_tokens, " (want fewer than all)"));
+      }
+      choice->num_kv_tokens = reservation.num_prompt_tokens;
+    }
     choice->blocks = reservation.blocks[wire.index()];
     choices[wire.index()] = std::move(*choice);
   }
@@ -674,7 +842,7 @@ absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& reque
   Running running;
   running.stream = std::move(stream);
   running.finished.assign(reservation.n, false);
-  running.num_prompt_tokens = reservation.num_prompt_tokens;
+  running.num_prompt_tokens = request.prompt_token_ids_size();
   reserved_request_.erase(reservation.request_id);
   reservations_.erase(it);
   running_[request.request_id()] = std::move(running);
@@ -706,6 +874,7 @@ absl::StatusOr<bool> DecodeWorkerImpl::Cancel(const std::string& request_id,
           EndRunning(request_id, absl::OkStatus());
           found = true;
         }
+        if (FreeParked(request_id)) found = true;
         auto it = reserved_request_.find(request_id);
         if (it != reserved_request_.end()) {
           auto r = reservations_.find(it->second);
@@ -736,20 +905,153 @@ absl::StatusOr<tandem::v1::HandshakeResponse> DecodeWorkerImpl::Handshake(
   return response;
 }
 
-void DecodeWorkerImpl::Shutdown(absl::Duration grace) {
+absl::StatusOr<tandem::v1::HandoffResponse> DecodeWorkerImpl::Handoff(
+    const tandem::v1::HandoffRequest& request) {
+  const std::string& id = request.request_id();
+  const int index = request.index();
+  if (id.empty()) return absl::InvalidArgumentError("request_id is empty");
+  const tandem::v1::KvReservation& reservation = request.reservation();
+  const tandem::v1::TransferEndpoint& endpoint = reservation.endpoint();
+  TANDEM_RETURN_IF_ERROR(proto::CheckTransferEndpoint(
+      layout_, options_.kv_backend, endpoint, "reservation.endpoint", "this decode worker"));
+  if (endpoint.region_descriptors_size() != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reservation.endpoint has ", endpoint.region_descriptors_size(),
+                     " region descriptors; a handoff writes into a decode worker's one region"));
+  }
+  struct Plan {
+    std::vector<kvtransfer::Range> ranges;
+    int num_kv_tokens = 0;
+    absl::Time deadline;
+  };
+  // Claims the sample (so that nothing frees its blocks while they are read) and plans the copy.
+  absl::StatusOr<Plan> plan = RunOnEngine<absl::StatusOr<Plan>>(
+      [&]() -> absl::StatusOr<Plan> {
+        auto it = parked_.find(id);
+        if (it == parked_.end() || NowUnixMs() > it->second.expires_unix_ms) {
+          return absl::NotFoundError(absl::StrCat("request ", id,
+                                                  " has no parked KV here (unknown, handed off, "
+                                                  "cancelled or expired)"));
+        }
+        auto sample = it->second.samples.find(index);
+        if (sample == it->second.samples.end()) {
+          return absl::NotFoundError(
+              absl::StrCat("sample ", index, " of request ", id, " is not parked here"));
+        }
+        ParkedSample& parked = sample->second;
+        if (parked.transferring) {
+          return absl::AbortedError(absl::StrCat("sample ", index, " of request ", id,
+                                                 " is being handed off already"));
+        }
+        const int block_size = engine_->kv_layout().block_size;
+        const int need = (parked.num_kv_tokens + block_size - 1) / block_size;
+        const int per_choice = reservation.blocks_per_choice();
+        if (per_choice < need) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "the reservation has ", per_choice, " blocks per sample but the KV of ",
+              parked.num_kv_tokens, " tokens takes ", need, " blocks of ", block_size));
+        }
+        const int64_t first = static_cast<int64_t>(request.target_index()) * per_choice;
+        if (request.target_index() < 0 || first + per_choice > reservation.block_ids_size()) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("target_index ", request.target_index(), " is outside the ",
+                           reservation.block_ids_size(), " block ids of the reservation (",
+                           per_choice, " per sample)"));
+        }
+        const kernels::KvLayout dst{.num_blocks = endpoint.num_blocks(),
+                                    .block_size = endpoint.layout().block_size(),
+                                    .num_kv_heads = endpoint.layout().num_kv_heads(),
+                                    .head_dim = endpoint.layout().head_dim()};
+        const engine::BlockTable src_blocks(parked.blocks.begin(), parked.blocks.begin() + need);
+        const engine::BlockTable dst_blocks(reservation.block_ids().begin() + first,
+                                            reservation.block_ids().begin() + first + need);
+        TANDEM_ASSIGN_OR_RETURN(
+            std::vector<engine::KvCopyRange> ranges,
+            engine::KvBlockCopyRanges(engine_->kv_layout(), dst, engine_->config().num_layers,
+                                      src_blocks, dst_blocks));
+        Plan out;
+        for (const engine::KvCopyRange& r : ranges) {
+          out.ranges.push_back({r.src_offset, r.dst_offset, r.bytes});
+        }
+        out.num_kv_tokens = parked.num_kv_tokens;
+        out.deadline = absl::Now() + kHandoffTransferMax;
+        if (reservation.expires_unix_ms() > 0) {
+          out.deadline =
+              std::min(out.deadline, absl::FromUnixMillis(reservation.expires_unix_ms()));
+        }
+        parked.transferring = true;
+        return out;
+      },
+      Stopped());
+  if (!plan.ok()) return plan.status();
+
+  uint64_t bytes = 0;
+  for (const kvtransfer::Range& r : plan->ranges) bytes += r.bytes;
+  const absl::Time begin = absl::Now();
+  absl::Status moved = [&]() -> absl::Status {
+    TANDEM_ASSIGN_OR_RETURN(kvtransfer::PeerId peer,
+                            agent_->Connect(endpoint.address(), plan->deadline));
+    auto handle = agent_->Submit(peer, kKvRegionId, endpoint.region_descriptors(0),
+                                 std::move(plan->ranges), plan->deadline);
+    absl::Status status = handle.ok() ? (*handle)->Wait() : handle.status();
+    // Closing the connection also cancels whatever a failed transfer still had in flight, so
+    // nothing reads the parked blocks once they are given back below.
+    agent_->Disconnect(peer).IgnoreError();
+    return status;
+  }();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
+  RunOnEngine<bool>(
+      [&] {
+        auto it = parked_.find(id);
+        if (it == parked_.end()) return false;
+        auto sample = it->second.samples.find(index);
+        if (sample == it->second.samples.end()) return false;
+        if (moved.ok()) {
+          engine_->FreeReservation(sample->second.blocks);
+          it->second.samples.erase(sample);
+          metrics_.handoffs->Increment();
+          metrics_.handoff_bytes->Increment(static_cast<double>(bytes));
+          metrics_.handoff_seconds->Increment(seconds);
+        } else {
+          sample->second.transferring = false;  // stays parked until it expires
+        }
+        if (it->second.samples.empty()) parked_.erase(it);
+        UpdateParkedCount();
+        PublishStats();
+        return true;
+      },
+      false);
+  if (!moved.ok()) {
+    const absl::StatusCode code = moved.code() == absl::StatusCode::kInvalidArgument
+                                      ? absl::StatusCode::kInvalidArgument
+                                      : absl::StatusCode::kUnavailable;
+    return absl::Status(code, absl::StrCat("handing off sample ", index, " of request ", id,
+                                           ": ", std::string(moved.message())));
+  }
+  tandem::v1::HandoffResponse response;
+  response.set_num_kv_tokens(plan->num_kv_tokens);
+  response.set_kv_transfer_bytes(static_cast<int64_t>(bytes));
+  response.set_kv_transfer_seconds(seconds);
+  return response;
+}
+
+void DecodeWorkerImpl::ShutdownImpl(absl::Duration grace, bool park) {
   std::call_once(shutdown_once_, [&] {
     accepting_.store(false);
     const absl::Time deadline = absl::Now() + grace;
+    const bool handoff = park && options_.handoff_ttl > absl::ZeroDuration();
     if (loop_.joinable()) {
       while (num_running_.load() > 0 && absl::Now() < deadline) {
         absl::SleepFor(absl::Milliseconds(10));
       }
-      // Whatever still runs ends with an error event; unstarted reservations are freed.
+      // Whatever still runs is parked for KV handoff, or ends with an error event; unstarted
+      // reservations are freed.
       RunOnEngine<bool>(
-          [this] {
+          [this, handoff] {
             std::vector<std::string> ids;
             for (const auto& [id, running] : running_) ids.push_back(id);
             for (const std::string& id : ids) {
+              if (handoff && ParkRunning(id)) continue;
               EndRunning(id, absl::UnavailableError("the decode worker is shutting down"));
             }
             for (auto& [id, reservation] : reservations_) FreeReservation(reservation);
@@ -759,6 +1061,13 @@ void DecodeWorkerImpl::Shutdown(absl::Duration grace) {
             return true;
           },
           false);
+      // The router moves parked samples with Handoff (the server still answers); each is
+      // freed when handed off, cancelled or expired.
+      const absl::Time parked_deadline =
+          absl::Now() + options_.handoff_ttl + kHandoffTransferMax + absl::Seconds(1);
+      while (num_parked_.load() > 0 && absl::Now() < parked_deadline) {
+        absl::SleepFor(absl::Milliseconds(10));
+      }
     }
     // Start handlers now hold their stream's last event; a client that does not read it in a
     // second has its call cancelled.
@@ -845,6 +1154,14 @@ grpc::Status Service::Stats(grpc::ServerContext*, const tandem::v1::StatsRequest
 grpc::Status Service::Handshake(grpc::ServerContext*, const tandem::v1::HandshakeRequest* request,
                                 tandem::v1::HandshakeResponse* response) {
   absl::StatusOr<tandem::v1::HandshakeResponse> result = worker_->Handshake(*request);
+  if (!result.ok()) return proto::ToGrpcStatus(result.status());
+  *response = std::move(*result);
+  return grpc::Status::OK;
+}
+
+grpc::Status Service::Handoff(grpc::ServerContext*, const tandem::v1::HandoffRequest* request,
+                              tandem::v1::HandoffResponse* response) {
+  absl::StatusOr<tandem::v1::HandoffResponse> result = worker_->Handoff(*request);
   if (!result.ok()) return proto::ToGrpcStatus(result.status());
   *response = std::move(*result);
   return grpc::Status::OK;

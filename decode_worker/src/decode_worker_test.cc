@@ -171,6 +171,14 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
 
   grpc::Status Reserve(const std::string& request_id, int num_prompt_tokens, int max_tokens, int n,
                        tandem::v1::KvReservation* reservation, int64_t deadline_unix_ms = 0) {
+    return ReserveOn(*stub_, request_id, num_prompt_tokens, max_tokens, n, reservation,
+                     deadline_unix_ms);
+  }
+
+  static grpc::Status ReserveOn(tandem::v1::DecodeWorker::Stub& stub,
+                                const std::string& request_id, int num_prompt_tokens,
+                                int max_tokens, int n, tandem::v1::KvReservation* reservation,
+                                int64_t deadline_unix_ms = 0) {
     tandem::v1::ReserveRequest request;
     request.set_request_id(request_id);
     request.set_num_prompt_tokens(num_prompt_tokens);
@@ -178,7 +186,7 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
     request.set_n(n);
     request.set_deadline_unix_ms(deadline_unix_ms);
     tandem::v1::ReserveResponse response;
-    grpc::Status status = stub_->Reserve(Context().get(), request, &response);
+    grpc::Status status = stub.Reserve(Context().get(), request, &response);
     *reservation = response.reservation();
     return status;
   }
@@ -270,7 +278,9 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
     std::unique_ptr<grpc::ClientReader<tandem::v1::TokenEvent>> reader;
     std::vector<tandem::v1::TokenEvent> events;
   };
-  OpenStream StartLong(const std::string& request_id, int n) {
+  OpenStream StartLong(const std::string& request_id, int n,
+                       tandem::v1::DecodeWorker::Stub* stub = nullptr) {
+    if (stub == nullptr) stub = stub_.get();
     OpenStream open;
     auto colocated_vocab = 512;
     engine::GenerateRequest request{request_id, RandomPrompt(40, colocated_vocab, 3), {}};
@@ -279,17 +289,48 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
     request.params.temperature = 0;
     request.params.n = n;
     tandem::v1::KvReservation reservation;
-    grpc::Status reserved = Reserve(request_id, 40, 2000, n, &reservation);
+    grpc::Status reserved = ReserveOn(*stub, request_id, 40, 2000, n, &reservation);
     EXPECT_TRUE(reserved.ok()) << reserved.error_message();
     if (!reserved.ok()) return open;
     tandem::v1::StartRequest start =
         StartRequestFor(request, reservation, Prefill(request, reservation));
     open.context = Context();
-    open.reader = stub_->Start(open.context.get(), start);
+    open.reader = stub->Start(open.context.get(), start);
     tandem::v1::TokenEvent event;
     EXPECT_TRUE(open.reader->Read(&event));
     open.events.push_back(event);
     return open;
+  }
+
+  // A second decode worker of the same backend (the one a drain hands KV away from).
+  std::unique_ptr<DecodeWorker> MakeWorker(const std::string& id, absl::Duration handoff_ttl) {
+    DecodeWorkerOptions options;
+    options.engine = EngineOptionsFor(engine::EngineRole::kDecode);
+    options.worker_id = id;
+    options.kv_backend = GetParam();
+    options.handoff_ttl = handoff_ttl;
+    auto worker = DecodeWorker::Create(options);
+    EXPECT_TRUE(worker.ok()) << worker.status();
+    return worker.ok() ? std::move(worker).value() : nullptr;
+  }
+
+  static std::unique_ptr<tandem::v1::DecodeWorker::Stub> StubFor(const DecodeWorker& worker) {
+    return tandem::v1::DecodeWorker::NewStub(
+        grpc::CreateChannel(worker.grpc_address(), grpc::InsecureChannelCredentials()));
+  }
+
+  static grpc::Status Handoff(tandem::v1::DecodeWorker::Stub& stub, const std::string& request_id,
+                              int index, const tandem::v1::KvReservation& reservation,
+                              int target_index = 0, tandem::v1::HandoffResponse* out = nullptr) {
+    tandem::v1::HandoffRequest request;
+    request.set_request_id(request_id);
+    request.set_index(index);
+    *request.mutable_reservation() = reservation;
+    request.set_target_index(target_index);
+    tandem::v1::HandoffResponse response;
+    grpc::Status status = stub.Handoff(Context().get(), request, &response);
+    if (out != nullptr) *out = response;
+    return status;
   }
 
   std::unique_ptr<DecodeWorker> worker_;
@@ -661,6 +702,229 @@ TEST_P(DecodeWorkerTest, ShutdownEndsStreamsWithAnError) {
   worker_.reset();
 }
 
+int NumTokens(const std::vector<tandem::v1::TokenEvent>& events) {
+  int total = 0;
+  for (const tandem::v1::TokenEvent& e : events) total += e.token_ids_size();
+  return total;
+}
+
+// Two decode workers: A drains while a request is mid-generation and parks it; its KV moves to
+// B (this fixture's worker) by Handoff, and B continues it from the generated tokens. A's and
+// B's streams together must equal an uninterrupted colocated run, token for token and byte for
+// byte (greedy and seeded, one and two samples), and neither worker keeps a block.
+TEST_P(DecodeWorkerTest, DrainHandsKvToAnotherWorker) {
+  auto colocated = MakeEngine(engine::EngineRole::kColocated);
+  ASSERT_NE(colocated, nullptr);
+  const int vocab = colocated->config().vocab_size;
+  struct Case {
+    const char* name;
+    float temperature;
+    int n;
+  };
+  for (const Case& c : {Case{"greedy-1", 0.0f, 1}, Case{"greedy-2", 0.0f, 2},
+                        Case{"seeded-1", 0.8f, 1}, Case{"seeded-2", 0.8f, 2}}) {
+    SCOPED_TRACE(c.name);
+    constexpr int kPrompt = 37;
+    constexpr int kMaxTokens = 240;
+    engine::GenerateRequest request{c.name, RandomPrompt(kPrompt, vocab, 21), {}};
+    request.params.temperature = c.temperature;
+    request.params.seed = 99;
+    request.params.n = c.n;
+    request.params.max_tokens = kMaxTokens;
+    request.params.ignore_eos = true;
+    request.params.logprobs = 0;
+    request.params.frequency_penalty = 0.5f;  // counts the tokens generated on A
+    // Text is held back while it could begin this: B must rebuild what A held.
+    request.params.stop = {"@@ never in the output @@"};
+    auto expected = engine::GenerateAll(*colocated, {request});
+    ASSERT_TRUE(expected.ok()) << expected.status();
+
+    std::unique_ptr<DecodeWorker> a = MakeWorker(absl::StrCat("decode-a-", c.name),
+                                                 absl::Seconds(5));
+    ASSERT_NE(a, nullptr);
+    auto stub_a = StubFor(*a);
+    tandem::v1::KvReservation reservation;
+    ASSERT_TRUE(ReserveOn(*stub_a, c.name, kPrompt, kMaxTokens, c.n, &reservation).ok());
+    tandem::v1::StartRequest start =
+        StartRequestFor(request, reservation, Prefill(request, reservation));
+    auto context = Context();
+    auto reader = stub_a->Start(context.get(), start);
+    std::vector<tandem::v1::TokenEvent> a_events;
+    tandem::v1::TokenEvent event;
+    while (NumTokens(a_events) < 6 * c.n && reader->Read(&event)) a_events.push_back(event);
+    // Drain with no grace: A parks the request and waits for it to be handed off.
+    std::thread drain([&] { a->Shutdown(absl::ZeroDuration()); });
+    while (reader->Read(&event)) a_events.push_back(event);
+    EXPECT_TRUE(reader->Finish().ok());
+    ASSERT_FALSE(a_events.empty());
+    const tandem::v1::TokenEvent& last = a_events.back();
+    EXPECT_EQ(last.error().code(), static_cast<int>(grpc::StatusCode::UNAVAILABLE));
+    ASSERT_TRUE(last.has_handoff()) << last.DebugString();
+    const tandem::v1::KvHandoff handoff = last.handoff();
+    ASSERT_EQ(handoff.samples_size(), c.n);
+    EXPECT_EQ(handoff.worker_id(), absl::StrCat("decode-a-", c.name));
+    EXPECT_GT(handoff.expires_unix_ms(), absl::ToUnixMillis(absl::Now()));
+
+    // What A streamed; its ABORT finishes are the drain's, not the samples' ends.
+    std::vector<SampleOutput> got(c.n);
+    for (const tandem::v1::TokenEvent& e : a_events) {
+      ASSERT_TRUE(e.index() >= 0 && e.index() < c.n);
+      EXPECT_TRUE(e.finish_reason() == tandem::v1::FINISH_REASON_NONE ||
+                  e.finish_reason() == tandem::v1::FINISH_REASON_ABORT);
+      SampleOutput& s = got[e.index()];
+      s.token_ids.insert(s.token_ids.end(), e.token_ids().begin(), e.token_ids().end());
+      s.text += e.text();
+      s.logprobs.insert(s.logprobs.end(), e.logprobs().begin(), e.logprobs().end());
+    }
+    const int kv_tokens = handoff.samples(0).num_kv_tokens();
+    for (const tandem::v1::KvHandoff::Sample& s : handoff.samples()) {
+      ASSERT_TRUE(s.index() >= 0 && s.index() < c.n);
+      const std::vector<int32_t> generated(s.generated_token_ids().begin(),
+                                           s.generated_token_ids().end());
+      EXPECT_EQ(generated, got[s.index()].token_ids) << "sample " << s.index();
+      EXPECT_LT(static_cast<int>(generated.size()), kMaxTokens) << "finished before the drain";
+      // Every token's KV but the last sampled one's.
+      EXPECT_EQ(s.num_kv_tokens(), kPrompt + s.generated_token_ids_size() - 1);
+      EXPECT_EQ(s.sampler_state().size(), 32u);
+      // Both samples decoded in the same steps, so one reservation takes both.
+      ASSERT_EQ(s.num_kv_tokens(), kv_tokens);
+    }
+    EXPECT_GT(a->Stats().kv_blocks_used(), 0);  // parked
+
+    // B: reserve for the KV, hand each sample off into its slice, continue them.
+    tandem::v1::KvReservation target;
+    ASSERT_TRUE(Reserve(absl::StrCat(c.name, "-b"), kv_tokens, kPrompt + kMaxTokens - kv_tokens,
+                        c.n, &target)
+                    .ok());
+    tandem::v1::StartRequest cont;
+    cont.set_request_id(absl::StrCat(c.name, "-b"));
+    cont.set_reservation_id(target.reservation_id());
+    for (int32_t t : request.prompt_tokens) cont.add_prompt_token_ids(t);
+    *cont.mutable_sampling() = proto::ToProto(request.params);
+    for (int i = 0; i < c.n; ++i) {
+      const tandem::v1::KvHandoff::Sample& s = handoff.samples(i);
+      tandem::v1::HandoffResponse moved;
+      grpc::Status status = Handoff(*stub_a, c.name, s.index(), target, i, &moved);
+      ASSERT_TRUE(status.ok()) << status.error_message();
+      EXPECT_EQ(moved.num_kv_tokens(), kv_tokens);
+      const int layers = colocated->config().num_layers;
+      const int64_t block_bytes = engine::ModelRunner::KvBytesPerBlock(colocated->config(), 16);
+      EXPECT_EQ(moved.kv_transfer_bytes(), block_bytes * ((kv_tokens + 15) / 16)) << layers;
+      // A second handoff of the same sample finds nothing.
+      EXPECT_EQ(Handoff(*stub_a, c.name, s.index(), target, i).error_code(),
+                grpc::StatusCode::NOT_FOUND);
+      tandem::v1::PrefilledChoice* choice = cont.add_choices();
+      choice->set_index(i);
+      choice->set_sampler_state(s.sampler_state());
+      *choice->mutable_generated_token_ids() = s.generated_token_ids();
+    }
+    // Nothing is parked any more: A's Shutdown returns, every block freed.
+    drain.join();
+    EXPECT_EQ(a->Stats().kv_blocks_used(), 0);
+    a.reset();
+
+    StartResult b = RunStart(cont);
+    ASSERT_TRUE(b.status.ok()) << b.status.error_message();
+    int new_tokens = 0;
+    for (const tandem::v1::TokenEvent& e : b.events) {
+      EXPECT_EQ(e.error().code(), 0);
+      ASSERT_TRUE(e.index() >= 0 && e.index() < c.n);
+      SampleOutput& s = got[handoff.samples(e.index()).index()];
+      s.token_ids.insert(s.token_ids.end(), e.token_ids().begin(), e.token_ids().end());
+      s.text += e.text();
+      s.logprobs.insert(s.logprobs.end(), e.logprobs().begin(), e.logprobs().end());
+      if (e.finish_reason() != tandem::v1::FINISH_REASON_NONE) s.finish_reason = e.finish_reason();
+      new_tokens += e.token_ids_size();
+    }
+    for (int i = 0; i < c.n; ++i) {
+      EXPECT_EQ(got[i].token_ids, (*expected)[0].choices[i].token_ids) << "sample " << i;
+      EXPECT_EQ(got[i].text, (*expected)[0].choices[i].text) << "sample " << i;
+      EXPECT_EQ(got[i].logprobs, (*expected)[0].choices[i].logprobs) << "sample " << i;
+      EXPECT_EQ(got[i].finish_reason, tandem::v1::FINISH_REASON_LENGTH) << "sample " << i;
+    }
+    if (c.n == 2 && c.temperature > 0) EXPECT_NE(got[0].token_ids, got[1].token_ids);
+    // B's usage counts what B generated, against the original prompt.
+    ASSERT_TRUE(b.events.back().has_usage());
+    EXPECT_EQ(b.events.back().usage().prompt_tokens(), kPrompt);
+    EXPECT_EQ(b.events.back().usage().completion_tokens(), new_tokens);
+    EXPECT_EQ(RpcStats().kv_blocks_used(), 0);
+  }
+}
+
+TEST_P(DecodeWorkerTest, HandoffRefusesBadRequestsAndParkedKvExpires) {
+  std::unique_ptr<DecodeWorker> a = MakeWorker("decode-a", absl::Milliseconds(1500));
+  ASSERT_NE(a, nullptr);
+  auto stub_a = StubFor(*a);
+  OpenStream expiring = StartLong("expiring", 1, stub_a.get());
+  OpenStream cancelled = StartLong("cancelled", 2, stub_a.get());
+  ASSERT_NE(expiring.reader, nullptr);
+  ASSERT_NE(cancelled.reader, nullptr);
+  const absl::Time begin = absl::Now();
+  std::thread drain([&] { a->Shutdown(absl::Milliseconds(50)); });
+  tandem::v1::TokenEvent event;
+  for (OpenStream* open : {&expiring, &cancelled}) {
+    while (open->reader->Read(&event)) open->events.push_back(event);
+    EXPECT_TRUE(open->reader->Finish().ok());
+    ASSERT_TRUE(open->events.back().has_handoff());
+  }
+  const tandem::v1::KvHandoff handoff = expiring.events.back().handoff();
+  ASSERT_EQ(handoff.samples_size(), 1);
+  const int kv_tokens = handoff.samples(0).num_kv_tokens();
+  ASSERT_GT(kv_tokens, 16);
+
+  // A reservation on B one block too small.
+  tandem::v1::KvReservation small;
+  ASSERT_TRUE(Reserve("small", kv_tokens - 16, 10, 1, &small).ok());
+  grpc::Status status = Handoff(*stub_a, "expiring", 0, small);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_THAT(status.error_message(), HasSubstr("blocks per sample"));
+  tandem::v1::KvReservation fits;
+  ASSERT_TRUE(Reserve("fits", kv_tokens, 10, 1, &fits).ok());
+  EXPECT_EQ(Handoff(*stub_a, "expiring", 0, fits, /*target_index=*/1).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  // Unknown request or sample.
+  EXPECT_EQ(Handoff(*stub_a, "nobody", 0, fits).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Handoff(*stub_a, "expiring", 1, fits).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Handoff(*stub_a, "", 0, fits).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // An endpoint of another backend or layout.
+  tandem::v1::KvReservation other = fits;
+  other.mutable_endpoint()->set_backend(GetParam() == "ucx" ? "local" : "ucx");
+  EXPECT_EQ(Handoff(*stub_a, "expiring", 0, other).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  other = fits;
+  other.mutable_endpoint()->mutable_layout()->set_head_dim(7);
+  EXPECT_EQ(Handoff(*stub_a, "expiring", 0, other).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+
+  // Cancel frees a parked request at once.
+  tandem::v1::CancelRequest cancel;
+  cancel.set_request_id("cancelled");
+  tandem::v1::CancelResponse cancel_response;
+  ASSERT_TRUE(stub_a->Cancel(Context().get(), cancel, &cancel_response).ok());
+  EXPECT_TRUE(cancel_response.found());
+  EXPECT_EQ(Handoff(*stub_a, "cancelled", 0, fits).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // Past its expiry the parked KV is gone and its blocks are free. With nothing parked any
+  // more the draining worker may already have stopped serving (UNAVAILABLE).
+  absl::SleepFor(absl::FromUnixMillis(handoff.expires_unix_ms()) - absl::Now() +
+                 absl::Milliseconds(100));
+  const grpc::StatusCode late = Handoff(*stub_a, "expiring", 0, fits).error_code();
+  EXPECT_TRUE(late == grpc::StatusCode::NOT_FOUND || late == grpc::StatusCode::UNAVAILABLE)
+      << late;
+  drain.join();
+  EXPECT_LT(absl::Now() - begin, absl::Seconds(5));
+  const tandem::v1::WorkerStats stats = a->Stats();
+  EXPECT_EQ(stats.kv_blocks_used(), 0);
+  EXPECT_EQ(stats.running(), 0);
+  a.reset();
+  tandem::v1::ReleaseRequest release;
+  tandem::v1::ReleaseResponse released;
+  for (const tandem::v1::KvReservation* r : {&small, &fits}) {
+    release.set_reservation_id(r->reservation_id());
+    EXPECT_TRUE(stub_->Release(Context().get(), release, &released).ok());
+  }
+}
+
 TEST(DecodeWorkerCreateTest, RefusesBadOptionsWithoutHanging) {
   DecodeWorkerOptions options;
   options.engine = EngineOptionsFor(engine::EngineRole::kDecode);
@@ -673,6 +937,11 @@ TEST(DecodeWorkerCreateTest, RefusesBadOptionsWithoutHanging) {
   options.metrics_address.clear();
   options.engine.model_dir = "/nonexistent";
   EXPECT_FALSE(DecodeWorker::Create(options).ok());
+  options = DecodeWorkerOptions();
+  options.engine = EngineOptionsFor(engine::EngineRole::kDecode);
+  options.kv_backend = "local";
+  options.handoff_ttl = absl::Minutes(5);
+  EXPECT_EQ(DecodeWorker::Create(options).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Backends, DecodeWorkerTest, ::testing::Values("local", "ucx"),

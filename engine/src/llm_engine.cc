@@ -260,12 +260,16 @@ void LlmEngine::ProcessToken(Request& request, Choice& choice, int32_t token, Ch
     FinishChoice(choice, reason, delta);
     return;
   }
+  ReleaseHeld(request, choice, delta.text);
+}
+
+void LlmEngine::ReleaseHeld(const Request& request, Choice& choice, std::string& text) {
   // Release all but the bytes that could still begin a stop string, on a character boundary.
   size_t keep = request.max_stop_bytes > 0 ? request.max_stop_bytes - 1 : 0;
   if (choice.held.size() > keep) {
     size_t cut = choice.held.size() - keep;
     while (cut > 0 && (static_cast<unsigned char>(choice.held[cut]) & 0xC0) == 0x80) --cut;
-    delta.text += choice.held.substr(0, cut);
+    text += choice.held.substr(0, cut);
     choice.held.erase(0, cut);
   }
 }
@@ -414,9 +418,30 @@ absl::Status LlmEngine::AddPrefilled(GenerateRequest request,
   }
   const int vocab = checkpoint_->config().vocab_size;
   for (const PrefilledChoice& c : choices) {
-    if (blocks_->BlocksFor(prompt_len) > static_cast<int>(c.blocks.size())) {
+    const int generated = static_cast<int>(c.generated.size());
+    const int kv_tokens = generated > 0 ? c.num_kv_tokens : prompt_len;
+    if (generated > 0) {
+      if (generated >= request.params.max_tokens) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("a continued sample has generated ", generated,
+                         " tokens already, max_tokens is ", request.params.max_tokens));
+      }
+      if (kv_tokens <= 0 || kv_tokens >= prompt_len + generated) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("a continued sample of ", prompt_len, " prompt and ", generated,
+                         " generated tokens has the KV of ", kv_tokens,
+                         "; want at least 1 and fewer than all"));
+      }
+      for (int32_t t : c.generated) {
+        if (t < 0 || t >= vocab) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("generated token ", t, " is outside the vocabulary"));
+        }
+      }
+    }
+    if (blocks_->BlocksFor(kv_tokens) > static_cast<int>(c.blocks.size())) {
       return absl::InvalidArgumentError(absl::StrCat("a prefilled sample brings ", c.blocks.size(),
-                                                     " blocks for ", prompt_len, " tokens"));
+                                                     " blocks for ", kv_tokens, " tokens"));
     }
     for (int32_t b : c.blocks) {
       if (b < 0 || b >= blocks_->num_blocks() || blocks_->ref_count(b) == 0) {
@@ -429,6 +454,7 @@ absl::Status LlmEngine::AddPrefilled(GenerateRequest request,
     }
   }
   std::unique_ptr<Request> req = NewRequest(request);
+  req->first_token_traced = true;  // sampled by the prefill worker, which traces it
   RequestOutput out;
   out.request_id = req->id;
   out.num_prompt_tokens = prompt_len;
@@ -438,6 +464,21 @@ absl::Status LlmEngine::AddPrefilled(GenerateRequest request,
     seq.num_computed_tokens = prompt_len;
     seq.block_table = std::move(choices[i].blocks);
     seq.rng = SamplerRng::FromState(choices[i].rng_state);
+    if (!choices[i].generated.empty()) {
+      // A continuation: replay the generated tokens through the detokenizer and the hold-back
+      // of ProcessToken (which only depend on the tokens), so the held text and the next text
+      // are what the parking engine would have produced; none of it is emitted again.
+      seq.num_computed_tokens = choices[i].num_kv_tokens;
+      std::string released;
+      for (int32_t t : choices[i].generated) {
+        seq.tokens.push_back(t);
+        choice.held += choice.detokenizer->Add(t);
+        ReleaseHeld(*req, choice, released);
+      }
+      seq.status = SequenceStatus::kRunning;
+      scheduler_->AddPrefilled(choice.seq.get());
+      continue;
+    }
     seq.last_logprob = choices[i].first_logprob;
     seq.last_top_logprobs = std::move(choices[i].first_top_logprobs);
     seq.status = SequenceStatus::kRunning;
@@ -450,11 +491,48 @@ absl::Status LlmEngine::AddPrefilled(GenerateRequest request,
   out.finished =
       std::all_of(req->choices.begin(), req->choices.end(), [](const Choice& c) { return c.done; });
   if (!out.finished) requests_[req->id] = std::move(req);
-  pending_outputs_.push_back(std::move(out));
+  // Continued samples emit nothing until their next token.
+  if (!out.choices.empty()) pending_outputs_.push_back(std::move(out));
   return absl::OkStatus();
 }
 
-  req->first_token_traced = true;  // sampled by the prefill worker, which traces it
+absl::StatusOr<std::vector<ParkedSample>> LlmEngine::Park(const std::string& request_id) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) {
+    return absl::NotFoundError(absl::StrCat("request ", request_id, " is not running"));
+  }
+  for (const RequestOutput& out : pending_outputs_) {
+    if (out.request_id == request_id) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("request ", request_id, " has output not yet returned by Step()"));
+    }
+  }
+  Request& request = *it->second;
+  std::vector<ParkedSample> parked;
+  for (Choice& choice : request.choices) {
+    if (choice.done) continue;
+    Sequence& seq = *choice.seq;
+    // kPrefilled keeps the blocks; they are the caller's from here on.
+    scheduler_->Finish(&seq, FinishReason::kPrefilled);
+    ParkedSample& p = parked.emplace_back();
+    p.choice_index = seq.choice_index;
+    p.state.generated.assign(seq.tokens.begin() + seq.num_prompt_tokens, seq.tokens.end());
+    p.state.rng_state = seq.rng.state();
+    // The last sampled token's KV is never in the cache yet.
+    p.state.num_kv_tokens =
+        std::min(seq.num_computed_tokens, static_cast<int>(seq.tokens.size()) - 1);
+    p.state.blocks = std::move(seq.block_table);
+    seq.block_table.clear();
+    if (p.state.num_kv_tokens <= 0) {
+      blocks_->Free(p.state.blocks);
+      p.state.num_kv_tokens = 0;
+    }
+    choice.done = true;
+  }
+  requests_.erase(it);
+  return parked;
+}
+
 void LlmEngine::ApplySloLimits() {
   // Share of the TPOT target a step may take: the rest covers what happens outside the step
   // (streaming, the loop's other work) and the model's error.

@@ -431,25 +431,9 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
   if (request.request_id().empty()) {
     return absl::InvalidArgumentError("request_id must not be empty");
   }
-  TANDEM_RETURN_IF_ERROR(proto::CheckLayoutCompatible(layout_, endpoint.layout()));
-  if (endpoint.backend() != options_.kv_backend) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("reservation.endpoint.backend is '", endpoint.backend(),
-                     "' but this prefill worker sends KV with '", options_.kv_backend, "'"));
-  }
-  if (endpoint.address().empty()) {
-    return absl::InvalidArgumentError("reservation.endpoint.address is empty");
-  }
-  if (endpoint.num_blocks() <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat("reservation.endpoint.num_blocks is ",
-                                                   endpoint.num_blocks(), ", not positive"));
-  }
-  const int num_descriptors = endpoint.region_descriptors_size();
-  if (num_descriptors != 1 && num_descriptors != num_layers_) {
-    return absl::InvalidArgumentError(absl::StrCat("reservation.endpoint has ", num_descriptors,
-                                                   " region descriptors; want 1 (all layers) or ",
-                                                   num_layers_, " (one per layer)"));
-  }
+  TANDEM_RETURN_IF_ERROR(proto::CheckTransferEndpoint(layout_, options_.kv_backend, endpoint,
+                                                      "reservation.endpoint",
+                                                      "this prefill worker"));
 
   auto job = std::make_unique<Job>();
   job->received = absl::Now();

@@ -147,14 +147,18 @@ tandem::v1::PrefilledChoice ToProto(int index, const engine::PrefillHandoff& han
     entry->set_token_id(t.token);
     entry->set_logprob(t.logprob);
   }
+  out.set_sampler_state(SamplerStateBytes(handoff.rng_state));
+  return out;
+}
+
+std::string SamplerStateBytes(const std::array<uint64_t, 4>& rng_state) {
   std::string state(32, '\0');
   for (int w = 0; w < 4; ++w) {
     for (int b = 0; b < 8; ++b) {
-      state[w * 8 + b] = static_cast<char>((handoff.rng_state[w] >> (8 * b)) & 0xff);
+      state[w * 8 + b] = static_cast<char>((rng_state[w] >> (8 * b)) & 0xff);
     }
   }
-  out.set_sampler_state(std::move(state));
-  return out;
+  return state;
 }
 
 absl::StatusOr<engine::PrefilledChoice> FromProto(const tandem::v1::PrefilledChoice& choice) {
@@ -177,6 +181,7 @@ absl::StatusOr<engine::PrefilledChoice> FromProto(const tandem::v1::PrefilledCho
     }
     out.rng_state[w] = word;
   }
+  out.generated.assign(choice.generated_token_ids().begin(), choice.generated_token_ids().end());
   return out;
 }
 

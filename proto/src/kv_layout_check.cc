@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "tandem/base/status_macros.h"
 
 namespace tandem::proto {
 namespace {
@@ -85,6 +86,33 @@ absl::Status CheckLayoutCompatible(const KvLayout& sender, const KvLayout& recei
   if (mismatches.empty()) return absl::OkStatus();
   return absl::FailedPreconditionError(
       absl::StrCat("KV layout mismatch (sender vs receiver): ", absl::StrJoin(mismatches, "; ")));
+}
+
+absl::Status CheckTransferEndpoint(const tandem::v1::KvLayout& sender,
+                                   const std::string& sender_backend,
+                                   const tandem::v1::TransferEndpoint& endpoint,
+                                   const std::string& name, const std::string& sender_name) {
+  TANDEM_RETURN_IF_ERROR(CheckLayoutCompatible(sender, endpoint.layout()));
+  if (endpoint.backend() != sender_backend) {
+    return absl::FailedPreconditionError(absl::StrCat(name, ".backend is '", endpoint.backend(),
+                                                      "' but ", sender_name, " sends KV with '",
+                                                      sender_backend, "'"));
+  }
+  if (endpoint.address().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(name, ".address is empty"));
+  }
+  if (endpoint.num_blocks() <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ".num_blocks is ", endpoint.num_blocks(), ", not positive"));
+  }
+  const int num_descriptors = endpoint.region_descriptors_size();
+  const int num_layers = sender.num_layers();
+  if (num_descriptors != 1 && num_descriptors != num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " has ", num_descriptors,
+                                                   " region descriptors; want 1 (all layers) or ",
+                                                   num_layers, " (one per layer)"));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace tandem::proto

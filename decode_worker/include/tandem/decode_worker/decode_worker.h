@@ -43,6 +43,12 @@ struct DecodeWorkerOptions {
   // Longest a reservation may wait for Start; a ReserveRequest deadline further out (or none)
   // is cut to this.
   absl::Duration max_reservation_ttl = absl::Seconds(60);
+  // Drain by KV handoff: requests still running when Shutdown's grace ends are parked (no
+  // longer stepped, KV kept) and their streams end with a KvHandoff, so the router can move
+  // them to another decode worker with the Handoff RPC. Parked blocks are freed when handed
+  // off, cancelled, or after this long. Zero: no parking (such requests are cancelled and the
+  // router recomputes them). At most 30 s.
+  absl::Duration handoff_ttl = absl::Seconds(3);
 };
 
 class DecodeWorker {
@@ -57,8 +63,11 @@ class DecodeWorker {
   virtual int metrics_port() const = 0;
   // What the Stats RPC returns.
   virtual tandem::v1::WorkerStats Stats() const = 0;
-  // Refuses new reservations, lets running requests finish for up to `grace`, then cancels the
-  // rest (their streams end with an error event), frees every block and stops. Idempotent.
+  // Refuses new reservations, lets running requests finish for up to `grace`, then parks the
+  // rest for KV handoff (options.handoff_ttl; their streams end with an UNAVAILABLE error event
+  // carrying a KvHandoff) and waits until every parked sample was handed off, cancelled or
+  // expired, or cancels them at once without handoff_ttl; frees every block and stops.
+  // Idempotent. The destructor shuts down at once, without parking.
   virtual void Shutdown(absl::Duration grace) = 0;
 };
 

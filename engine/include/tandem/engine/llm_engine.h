@@ -116,6 +116,20 @@ struct PrefilledChoice {
   std::vector<TokenLogprob> first_top_logprobs;
   std::array<uint64_t, 4> rng_state{};
   BlockTable blocks;  // this engine's reserved blocks, now holding the prompt KV
+  // A continuation of a sample another decode engine parked (Park): every token it generated
+  // so far (first_token is then not used), and how many tokens of prompt + generated have their
+  // KV in `blocks` (at least one, fewer than all). The sample goes on from the next token.
+  std::vector<int32_t> generated;
+  int num_kv_tokens = 0;
+};
+
+// An unfinished sample taken out of a decode engine with its KV (LlmEngine::Park), in the form
+// AddPrefilled takes to continue it: `state.generated`, `state.num_kv_tokens`,
+// `state.rng_state` and `state.blocks` (now the caller's: free them with FreeReservation).
+// num_kv_tokens is 0 and blocks empty when the sample had been preempted (no KV to move).
+struct ParkedSample {
+  int choice_index = 0;
+  PrefilledChoice state;
 };
 
 struct EngineStats {
@@ -179,7 +193,15 @@ class LlmEngine {
   void FreeReservation(BlockTable& blocks);
   // Continues `request` (its prompt and params, n == choices.size()) from prefilled samples
   // whose KV is already in their reserved blocks. The first tokens appear in the next Step().
+  // A choice with `generated` set continues a parked sample instead (see PrefilledChoice): its
+  // sequence is prompt + generated, the detokenizer and held-back text are rebuilt from them
+  // without being emitted, and it first appears in Step() with its next new token.
   absl::Status AddPrefilled(GenerateRequest request, std::vector<PrefilledChoice> choices);
+  // Takes a running request out of the engine without freeing the KV of its unfinished
+  // samples, which are returned (finished samples are not). Nothing of it is emitted any more.
+  // NotFound for an unknown request; FailedPrecondition while first tokens of AddPrefilled are
+  // still to be returned by Step() (call it right after a Step()).
+  absl::StatusOr<std::vector<ParkedSample>> Park(const std::string& request_id);
 
   // The KV cache, for registration with a transfer agent.
   // Device memory with Device::kCuda (kv_cache_on_host() false): only a CUDA-aware transfer
@@ -206,6 +228,8 @@ class LlmEngine {
   // Applies one sampled token to a choice: stop checks, detokenization, delta.
   void ProcessToken(Request& request, Choice& choice, int32_t token, ChoiceDelta& delta);
   void FinishChoice(Choice& choice, FinishReason reason, ChoiceDelta& delta);
+  // Moves the part of `choice.held` that can no longer begin a stop string into `text`.
+  void ReleaseHeld(const Request& request, Choice& choice, std::string& text);
   // Sets the scheduler's dynamic limits from the SLO targets and the latency model.
   void ApplySloLimits();
 

@@ -8,6 +8,10 @@
 //   return tandem::proto::ToGrpcStatus(engine->AddRequest(...));  // in a gRPC handler
 #pragma once
 
+#include <array>
+#include <cstdint>
+#include <string>
+
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "grpcpp/support/status.h"
@@ -50,7 +54,10 @@ engine::FinishReason FromProto(tandem::v1::FinishReason reason);
 // little-endian bytes. FromProto reads an empty state as all zeros (greedy sampling draws no
 // random numbers) and refuses (InvalidArgument) any other size.
 tandem::v1::PrefilledChoice ToProto(int index, const engine::PrefillHandoff& handoff);
+// generated_token_ids (a continuation after a KV handoff) become PrefilledChoice::generated.
 absl::StatusOr<engine::PrefilledChoice> FromProto(const tandem::v1::PrefilledChoice& choice);
+// A sampler RNG state as the 32 little-endian bytes of PrefilledChoice.sampler_state.
+std::string SamplerStateBytes(const std::array<uint64_t, 4>& rng_state);
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace tandem::proto

@@ -34,4 +34,15 @@ absl::Status ValidateLayout(const tandem::v1::KvLayout& layout);
 absl::Status CheckLayoutCompatible(const tandem::v1::KvLayout& sender,
                                    const tandem::v1::KvLayout& receiver);
 
+// What a worker that pushes KV (a prefill worker, or a draining decode worker handing a sample
+// off) checks of the receiver's endpoint before anything is posted: CheckLayoutCompatible(sender,
+// endpoint.layout); the same kvtransfer backend as `sender_backend` (FailedPrecondition); a
+// non-empty address, positive num_blocks, and either one region descriptor (all layers) or one
+// per layer (InvalidArgument). `name` is how messages call the endpoint (e.g.
+// "reservation.endpoint"), `sender_name` the sender ("this prefill worker").
+absl::Status CheckTransferEndpoint(const tandem::v1::KvLayout& sender,
+                                   const std::string& sender_backend,
+                                   const tandem::v1::TransferEndpoint& endpoint,
+                                   const std::string& name, const std::string& sender_name);
+
 }  // namespace tandem::proto
