@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -251,6 +252,8 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     engine::GeneratorCounters c;
     c.prefill_retries = prefill_retries_.load();
     c.migrations = migrations_.load();
+    c.kv_handoffs = kv_handoffs_.load();
+    c.kv_handoff_bytes = kv_handoff_bytes_.load();
     std::lock_guard<std::mutex> lock(stats_mu_);
     c.prefill_workers = static_cast<int>(prefill_.size());
     c.decode_workers = static_cast<int>(decode_.size());
@@ -370,10 +373,16 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
 
   // Reserves the prompt's blocks on some decode worker, waiting for room up to the admission
   // timeout. Cancelled if the request is aborted meanwhile.
+  // `num_tokens` (default: the prompt) and `max_tokens` (default: r's) override what is reserved,
+  // `exclude` is a worker not to ask, `wait` (default: the admission timeout) how long to wait
+  // for room.
   absl::StatusOr<std::pair<std::shared_ptr<DecodeWorkerState>, tandem::v1::KvReservation>> Reserve(
-      Flight& flight, const GenerateRequest& r) {
-    const int prompt_len = static_cast<int>(r.prompt_tokens.size());
-    const absl::Time give_up = absl::Now() + options_.admission_timeout;
+      Flight& flight, const GenerateRequest& r, int num_tokens = -1, int max_tokens = -1,
+      const DecodeWorkerState* exclude = nullptr,
+      std::optional<absl::Duration> wait = std::nullopt) {
+    const int prompt_len =
+        num_tokens > 0 ? num_tokens : static_cast<int>(r.prompt_tokens.size());
+    const absl::Time give_up = absl::Now() + wait.value_or(options_.admission_timeout);
     absl::Duration backoff = absl::Milliseconds(5);
     absl::Status last = absl::UnavailableError("no decode worker is up");
     for (;;) {
@@ -385,10 +394,11 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       }
       for (const std::shared_ptr<DecodeWorkerState>& shared : RankDecode(blocks_needed)) {
         DecodeWorkerState* w = shared.get();
+        if (w == exclude) continue;
         tandem::v1::ReserveRequest request;
         request.set_request_id(r.request_id);
         request.set_num_prompt_tokens(prompt_len);
-        request.set_max_tokens(r.params.max_tokens);
+        request.set_max_tokens(max_tokens >= 0 ? max_tokens : r.params.max_tokens);
         request.set_n(r.params.n);
         request.set_deadline_unix_ms(UnixMillis(absl::Now() + options_.prefill_timeout));
         tandem::v1::ReserveResponse response;
@@ -481,6 +491,12 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   struct StreamEnd {
     bool finished = false;  // the request's last event arrived
     absl::Status error;     // otherwise why not (OK when aborted by the client)
+    // The worker drained and parked the stream's unfinished samples with their KV: what the
+    // last event said, the worker, and the stream's worker-side request id.
+    std::optional<tandem::v1::KvHandoff> handoff;
+    std::shared_ptr<DecodeWorkerState> worker;
+    std::string worker_request_id;
+    bool any_event = false;  // the stream delivered at least one event
   };
 
   // Runs `r` (the request as it stands, a continuation after a migration) through Reserve,
@@ -521,6 +537,16 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     start.mutable_prompt_token_ids()->Add(r.prompt_tokens.begin(), r.prompt_tokens.end());
     *start.mutable_sampling() = proto::ToProto(r.params);
     *start.mutable_choices() = prefilled.choices();
+    return Relay(flight, decode, reservation, start, output, progress);
+  }
+
+  // Starts `start` on `decode` (whose `reservation` it consumes) and relays its token stream
+  // into `output`.
+  StreamEnd Relay(Flight& flight, const std::shared_ptr<DecodeWorkerState>& decode,
+                  const tandem::v1::KvReservation& reservation,
+                  const tandem::v1::StartRequest& start, RequestOutput& output,
+                  Progress& progress) {
+    const int reserved_blocks = reservation.block_ids_size();
     grpc::ClientContext context;
     context.set_deadline(GrpcDeadline(absl::Now() + options_.stream_timeout));
     if (!BeginCall(flight, &context)) {
@@ -532,11 +558,18 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
         decode->stub->Start(&context, start);
     AddPending(decode.get(), -reserved_blocks, -1);  // the worker's own stats count them from now on
     StreamEnd end;
+    end.worker = decode;
+    end.worker_request_id = start.request_id();
+    // Samples the worker ended with ABORT: held until the stream's end says why (a draining
+    // worker's error means they go on elsewhere, not that they ended).
+    std::vector<int> aborted;
     tandem::v1::TokenEvent event;
     while (reader->Read(&event)) {
+      end.any_event = true;
       output.choices.clear();
       if (event.has_error() && event.error().code() != 0) {
         end.error = proto::FromProto(event.error());
+        if (event.has_handoff()) end.handoff = event.handoff();
         break;
       }
       // The attempt's sample i is the request's sample progress.samples[i].
@@ -561,6 +594,11 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
         }
       }
       delta.finish_reason = proto::FromProto(event.finish_reason());
+      if (delta.finish_reason == engine::FinishReason::kAbort) {
+        aborted.push_back(index);
+        delta.finish_reason = engine::FinishReason::kNone;
+        if (delta.token_ids.empty() && delta.text.empty() && !event.has_usage()) continue;
+      }
       output.num_generation_tokens += static_cast<int>(delta.token_ids.size());
       sample.generated.insert(sample.generated.end(), delta.token_ids.begin(),
                               delta.token_ids.end());
@@ -576,7 +614,24 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     grpc::Status call_status = reader->Finish();
     EndCall(flight);
     output.choices.clear();
-    if (end.finished || Cancelled(flight)) return {end.finished, absl::OkStatus()};
+    if (end.finished && end.error.ok() && !aborted.empty() && !Cancelled(flight)) {
+      // The worker ended them itself (a Cancel from elsewhere): they end with ABORT.
+      for (int index : aborted) {
+        if (progress.sample[index].done) continue;
+        progress.sample[index].done = true;
+        engine::ChoiceDelta& delta = output.choices.emplace_back();
+        delta.index = index;
+        delta.finish_reason = engine::FinishReason::kAbort;
+      }
+      output.finished = progress.AllDone();
+      if (!output.choices.empty()) Deliver(flight, output, absl::OkStatus());
+      output.choices.clear();
+    }
+    if (end.finished || Cancelled(flight)) {
+      end.error = absl::OkStatus();
+      end.handoff.reset();
+      return end;
+    }
     if (end.error.ok()) {
       end.error = proto::FromGrpcStatus(call_status);
       // A stream that ends without its last event means the worker went away.
@@ -607,9 +662,20 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     progress.sample.resize(n);
     for (int i = 0; i < n; ++i) progress.samples.push_back(i);
     GenerateRequest current = original;
+    // The request whose prompt and sampling the running stream's worker holds (what a KV
+    // handoff continues from): the attempt's, or kept across a handoff.
+    GenerateRequest base = original;
+    std::optional<StreamEnd> pending;  // a stream already run by a KV handoff, handled next
     int retries = 0;
     for (int attempt = 0;; ++attempt) {
-      StreamEnd end = Attempt(flight, current, output, progress);
+      StreamEnd end;
+      if (pending.has_value()) {
+        end = std::move(*pending);
+        pending.reset();
+      } else {
+        end = Attempt(flight, current, output, progress);
+        base = current;
+      }
       if (Cancelled(flight) || progress.AllDone()) return;
       if (end.finished) {
         // This continuation is done; another sample still has to go on (below).
@@ -624,6 +690,20 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
           return;
         }
         ++retries;
+        if (end.handoff.has_value() && progress.AnyGenerated()) {
+          // The draining worker kept the KV: move it instead of computing it again.
+          const std::string id = absl::StrCat(original.request_id, "~", attempt + 1);
+          bool started = false;
+          StreamEnd moved = HandOff(flight, base, id, end, output, progress, &started);
+          if (started) {
+            pending = std::move(moved);
+            continue;
+          }
+          if (Cancelled(flight)) return;
+          std::fprintf(stderr, "tandem router: request %s: KV handoff failed (%s); recomputing\n",
+                       original.request_id.c_str(), std::string(moved.error.message()).c_str());
+          ++attempt;  // that id may be known on the workers now
+        }
         (progress.AnyGenerated() ? migrations_ : prefill_retries_).fetch_add(1);
         // Give the poller a moment to see which workers are left before trying again.
         absl::SleepFor(absl::Milliseconds(20 * retries));
@@ -670,6 +750,130 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
         sample.carried = full.substr(sample.delivered.size());
       }
     }
+  }
+
+  // Moves the samples a draining decode worker parked (parked.handoff) to another decode worker
+  // and continues them there: Reserve for their KV tokens (not on the draining worker), Handoff
+  // on the draining worker into that reservation, then Start with `base`'s prompt and sampling
+  // and a continuation per sample carrying the tokens it generated, relaying the new stream.
+  // *started is false when a step before the stream failed (the reservation is then released,
+  // the caller recomputes; the parked blocks are cancelled on the draining worker).
+  StreamEnd HandOff(Flight& flight, const GenerateRequest& base, const std::string& id,
+                    const StreamEnd& parked, RequestOutput& output, Progress& progress,
+                    bool* started) {
+    *started = false;
+    DecodeWorkerState* source = parked.worker.get();
+    auto fail = [&](absl::Status why) {
+      // Frees what is still parked at once instead of at its expiry (best effort).
+      tandem::v1::CancelRequest cancel;
+      cancel.set_request_id(parked.worker_request_id);
+      cancel.set_reason("router: KV handoff abandoned");
+      tandem::v1::CancelResponse cancelled;
+      grpc::ClientContext context;
+      context.set_deadline(GrpcDeadline(absl::Now() + absl::Seconds(2)));
+      source->stub->Cancel(&context, cancel, &cancelled);
+      StreamEnd end;
+      end.error = std::move(why);
+      return end;
+    };
+    const tandem::v1::KvHandoff& handoff = *parked.handoff;
+    // The request's samples to move (by its own index), and what the worker parked of each.
+    std::vector<int> samples;
+    std::vector<const tandem::v1::KvHandoff::Sample*> wire;
+    for (const tandem::v1::KvHandoff::Sample& s : handoff.samples()) {
+      if (s.index() < 0 || s.index() >= static_cast<int>(progress.samples.size())) {
+        return fail(absl::InternalError(absl::StrCat("handoff of unknown sample ", s.index())));
+      }
+      const int index = progress.samples[s.index()];
+      const Sample& sample = progress.sample[index];
+      if (sample.done) continue;
+      // The client must have every token the worker generated, in order: they end its stream.
+      const int g = s.generated_token_ids_size();
+      if (g > static_cast<int>(sample.generated.size()) ||
+          !std::equal(s.generated_token_ids().begin(), s.generated_token_ids().end(),
+                      sample.generated.end() - g)) {
+        return fail(absl::InternalError("the parked tokens differ from those streamed"));
+      }
+      if (s.num_kv_tokens() <= 0) return fail(absl::UnavailableError("a sample has no KV"));
+      // One reservation holds samples of one length (samples that decoded together).
+      if (!wire.empty() && s.num_kv_tokens() != wire.front()->num_kv_tokens()) {
+        return fail(absl::UnavailableError("parked samples hold different KV lengths"));
+      }
+      samples.push_back(index);
+      wire.push_back(&s);
+    }
+    int unfinished = 0;
+    for (int index : progress.samples) unfinished += progress.sample[index].done ? 0 : 1;
+    if (samples.empty() || static_cast<int>(samples.size()) != unfinished) {
+      return fail(absl::UnavailableError("not every unfinished sample was parked"));
+    }
+    const int k = static_cast<int>(samples.size());
+    const int kv_tokens = wire.front()->num_kv_tokens();
+    GenerateRequest r = base;
+    r.request_id = id;
+    r.params.n = k;
+    const int prompt_len = static_cast<int>(r.prompt_tokens.size());
+
+    // 1. Room for the KV on another decode worker, quickly: the parked KV expires soon.
+    const absl::Time expires = absl::FromUnixMillis(handoff.expires_unix_ms());
+    auto reserved = Reserve(flight, r, kv_tokens, prompt_len + r.params.max_tokens - kv_tokens,
+                            source, std::clamp(expires - absl::Now() - absl::Milliseconds(500),
+                                               absl::ZeroDuration(), absl::Seconds(1)));
+    if (!reserved.ok()) return fail(reserved.status());
+    auto [target, reservation] = std::move(reserved).value();
+    const int reserved_blocks = reservation.block_ids_size();
+    auto release = [&] {
+      Release(target.get(), reservation);
+      AddPending(target.get(), -reserved_blocks, -1);
+    };
+
+    // 2. The draining worker pushes each sample's KV into its slice of the reservation. Not
+    // cancelled by Abort: the reservation may only be released once no transfer writes into it.
+    int64_t bytes = 0;
+    for (int i = 0; i < k; ++i) {
+      tandem::v1::HandoffRequest request;
+      request.set_request_id(parked.worker_request_id);
+      request.set_index(wire[i]->index());
+      *request.mutable_reservation() = reservation;
+      request.set_target_index(i);
+      tandem::v1::HandoffResponse response;
+      grpc::ClientContext context;
+      context.set_deadline(GrpcDeadline(absl::Now() + absl::Seconds(15)));
+      grpc::Status status = source->stub->Handoff(&context, request, &response);
+      if (!status.ok() || Cancelled(flight)) {
+        release();
+        return fail(status.ok() ? absl::CancelledError("request aborted")
+                                : proto::FromGrpcStatus(status));
+      }
+      bytes += response.kv_transfer_bytes();
+    }
+
+    // 3. Continue on the target: the same prompt, the generated tokens as the continuation.
+    tandem::v1::StartRequest start;
+    start.set_request_id(id);
+    start.set_reservation_id(reservation.reservation_id());
+    start.mutable_prompt_token_ids()->Add(r.prompt_tokens.begin(), r.prompt_tokens.end());
+    *start.mutable_sampling() = proto::ToProto(r.params);
+    for (int i = 0; i < k; ++i) {
+      tandem::v1::PrefilledChoice* choice = start.add_choices();
+      choice->set_index(i);
+      choice->set_sampler_state(wire[i]->sampler_state());
+      *choice->mutable_generated_token_ids() = wire[i]->generated_token_ids();
+    }
+    const std::vector<int> previous = progress.samples;
+    progress.samples = samples;
+    StreamEnd end = Relay(flight, target, reservation, start, output, progress);
+    if (!end.any_event && !end.finished && !Cancelled(flight)) {
+      // Start refused it, or its worker went away, before anything streamed: the reservation
+      // may still be there (Relay already took it off the pending load).
+      progress.samples = previous;
+      Release(target.get(), reservation);
+      return fail(end.error);
+    }
+    *started = true;
+    kv_handoffs_.fetch_add(k);
+    kv_handoff_bytes_.fetch_add(bytes);
+    return end;
   }
 
   // Updates a prefill worker's seconds per queued prompt token from one answered Submit.
@@ -784,6 +988,8 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
 
   std::atomic<int64_t> prefill_retries_{0};
   std::atomic<int64_t> migrations_{0};
+  std::atomic<int64_t> kv_handoffs_{0};
+  std::atomic<int64_t> kv_handoff_bytes_{0};
 
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Flight>> flights_;  // guarded by mu_

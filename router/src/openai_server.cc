@@ -85,6 +85,8 @@ struct ApiMetrics {
   // Disaggregated serving: the pools and failovers (zero with one engine).
   Counter* prefill_retries;
   Counter* migrations;
+  Counter* kv_handoffs;
+  Counter* kv_handoff_bytes;
   Gauge* workers[2][2];  // [prefill, decode][up, down]
 
   // SLO accounting (see Classify). A pair is null where that objective is not configured;
@@ -133,11 +135,18 @@ struct ApiMetrics {
     connections = registry.AddGauge("tandem_http_connections", "Open HTTP connections.");
     constexpr const char* kRetriesHelp =
         "Requests that went on elsewhere after a worker went away under them (prefill: started "
-        "over before the first token; decode: continued mid-stream on another decode worker).";
+        "over before the first token; decode: continued mid-stream on another decode worker by "
+        "recomputing their KV; kv_handoff: samples a draining decode worker parked, moved with "
+        "their KV to another decode worker).";
     prefill_retries =
         registry.AddCounter("tandem_request_retries_total", kRetriesHelp, {{"phase", "prefill"}});
     migrations =
         registry.AddCounter("tandem_request_retries_total", kRetriesHelp, {{"phase", "decode"}});
+    kv_handoffs = registry.AddCounter("tandem_request_retries_total", kRetriesHelp,
+                                      {{"phase", "kv_handoff"}});
+    kv_handoff_bytes = registry.AddCounter(
+        "tandem_kv_handoff_bytes_total",
+        "KV bytes moved from draining decode workers to others by KV handoff.");
     const char* roles[2] = {"prefill", "decode"};
     const char* states[2] = {"up", "down"};
     for (int r = 0; r < 2; ++r) {
@@ -488,6 +497,8 @@ class ApiServerImpl : public ApiServer {
     const engine::GeneratorCounters counters = engine_->counters();
     metrics_.prefill_retries->AdvanceTo(static_cast<double>(counters.prefill_retries));
     metrics_.migrations->AdvanceTo(static_cast<double>(counters.migrations));
+    metrics_.kv_handoffs->AdvanceTo(static_cast<double>(counters.kv_handoffs));
+    metrics_.kv_handoff_bytes->AdvanceTo(static_cast<double>(counters.kv_handoff_bytes));
     metrics_.workers[0][0]->Set(counters.prefill_workers_up);
     metrics_.workers[0][1]->Set(counters.prefill_workers - counters.prefill_workers_up);
     metrics_.workers[1][0]->Set(counters.decode_workers_up);

@@ -168,11 +168,11 @@ class Load:
         return sum(t.is_alive() for t in self.threads)  # clients still stuck: lost requests
 
 
-def start_etcd_worker(role, etcd, index, ttl=LEASE_TTL):
+def start_etcd_worker(role, etcd, index, ttl=LEASE_TTL, extra=()):
     return cluster.Process(
         [role, "--model", cluster.MODEL, "--listen", "127.0.0.1:0", "--metrics-listen",
          "127.0.0.1:0", "--etcd", etcd.endpoint, "--cluster", "chaos", "--lease-ttl",
-         str(ttl), "--worker-id", f"{role}-{index}"] + cluster.ENGINE_FLAGS,
+         str(ttl), "--worker-id", f"{role}-{index}"] + cluster.ENGINE_FLAGS + list(extra),
         r"listening on (\S+) \(metrics on port (\d+)\)")
 
 
@@ -205,17 +205,20 @@ def router_capacity(url):
     return metric(url + "/metrics", "tandem_kv_cache_blocks_capacity")
 
 
-def run_scenario(name, action, reference, seconds, clients, etcd=None, ttl=LEASE_TTL):
+def run_scenario(name, action, reference, seconds, clients, etcd=None, ttl=LEASE_TTL,
+                 decode_extra=()):
     """One topology, steady load, `action` halfway; etcd: workers register, the router
-    discovers them, and the action may also restart etcd or the router."""
+    discovers them, and the action may also restart etcd or the router. `decode_extra`: more
+    flags for the decode workers."""
     topology = {"etcd": etcd}
     if etcd is None:
-        decodes = [cluster.start_worker("decode") for _ in range(2)]
+        decodes = [cluster.start_worker("decode", extra=decode_extra) for _ in range(2)]
         prefills = [cluster.start_worker("prefill") for _ in range(2)]
         router = cluster.start_router(",".join(p.address for p in prefills),
                                       ",".join(d.address for d in decodes))
     else:
-        decodes = [with_metrics(start_etcd_worker("decode", etcd, i, ttl)) for i in range(2)]
+        decodes = [with_metrics(start_etcd_worker("decode", etcd, i, ttl, decode_extra))
+                   for i in range(2)]
         prefills = [with_metrics(start_etcd_worker("prefill", etcd, i, ttl)) for i in range(2)]
         router = start_etcd_router(etcd, free_port())
         # Both decode workers counted in the router's capacity: discovery is complete.
@@ -244,7 +247,8 @@ def run_scenario(name, action, reference, seconds, clients, etcd=None, ttl=LEASE
                 leaked[w.address] = used
         router_metrics = topology["router"].url + "/metrics"
         retries = sum(metric(router_metrics, f'tandem_request_retries_total{{phase="{p}"}}')
-                      or 0 for p in ("prefill", "decode"))
+                      or 0 for p in ("prefill", "decode", "kv_handoff"))
+        handoffs = metric(router_metrics, 'tandem_request_retries_total{phase="kv_handoff"}') or 0
         in_flight = [r for r in records if r[0] < event]
         recovery = max([r[1] for r in in_flight if r[1] >= event] + [event]) - event
         wrong = [r for r in records if r[2] and r[3] != reference]
@@ -254,7 +258,7 @@ def run_scenario(name, action, reference, seconds, clients, etcd=None, ttl=LEASE
             "succeeded": sum(1 for r in records if r[2]) - len(wrong),
             "failed": len(failed), "wrong_output": len(wrong), "lost": lost,
             "recovery_seconds": round(recovery, 2), "leaked_blocks": leaked,
-            "retries": int(retries),
+            "retries": int(retries), "kv_handoffs": int(handoffs),
             "errors": sorted({str(r[4]) for r in failed})[:3],
         }
     finally:
@@ -340,6 +344,84 @@ def two_sample_migration(reference_url):
         MAX_TOKENS = saved
 
 
+def drain_handoff(reference_url):
+    """A 1-sample and a 2-sample greedy stream whose decode worker drains (SIGTERM, no grace)
+    mid-generation: it parks them, the router moves their KV to the other decode worker
+    (Handoff) instead of recomputing, and both end with exactly the undisturbed text. Checks
+    the router's handoff counter (3 samples moved, none recomputed), that the draining worker
+    exits on its own, and that no KV block stays in use."""
+    long_tokens = 240
+    global MAX_TOKENS
+    saved, MAX_TOKENS = MAX_TOKENS, long_tokens
+    try:
+        ok, reference, error = stream_once(reference_url)
+        if not ok:
+            raise RuntimeError(f"reference run failed: {error}")
+        decodes = [cluster.start_worker("decode", extra=["--drain-grace", "0"])
+                   for _ in range(2)]
+        prefill = cluster.start_worker("prefill")
+        router = cluster.start_router(prefill.address, ",".join(d.address for d in decodes))
+        victim = None
+        try:
+            results = [{}, {}]
+            threads = [threading.Thread(target=lambda r=r, n=n: r.update(r=stream_once(
+                router.url, n=n))) for r, n in zip(results, (1, 2))]
+            for t in threads:
+                t.start()
+            # Drain the decode worker that holds both requests' samples once they decode (the
+            # router puts them on one worker when the other is busier; retry until so).
+            deadline = time.time() + 60
+            while victim is None and time.time() < deadline:
+                for d in decodes:
+                    if (cluster.metric(d.metrics_url, "tandem_num_requests_running") or 0) >= 3:
+                        victim = d
+                        break
+                running = sum(cluster.metric(d.metrics_url, "tandem_num_requests_running") or 0
+                              for d in decodes)
+                if victim is None and running >= 3:
+                    victim = max(decodes, key=lambda d: cluster.metric(
+                        d.metrics_url, "tandem_num_requests_running") or 0)
+                time.sleep(0.02)
+            drained_at = time.time()
+            victim.proc.send_signal(signal.SIGTERM)
+            for t in threads:
+                t.join(120)
+            exited = victim.proc.wait(timeout=30)
+            outcomes = [r.get("r", (False, "", "no result")) for r in results]
+            metrics = router.url + "/metrics"
+            handoffs = cluster.metric(
+                metrics, 'tandem_request_retries_total{phase="kv_handoff"}') or 0
+            recomputed = cluster.metric(
+                metrics, 'tandem_request_retries_total{phase="decode"}') or 0
+            moved_bytes = cluster.metric(metrics, "tandem_kv_handoff_bytes_total") or 0
+            survivor = [d for d in decodes if d is not victim][0]
+            leaked = cluster.wait_for_zero(survivor.metrics_url, "tandem_kv_cache_blocks_used")
+            good = [ok and text == reference for ok, text, _ in outcomes]
+            errors = [str(e) for ok, _, e in outcomes if not ok]
+            if handoffs < 1:
+                errors.append(f"no KV handoff counted (recomputed: {recomputed})")
+            if exited != 0:
+                errors.append(f"the drained worker exited with {exited}")
+            print(f"    drain by KV handoff: {int(handoffs)} samples moved, {int(moved_bytes)} "
+                  f"bytes, {int(recomputed)} recomputed", flush=True)
+            return {"scenario": "drain: 1+2-sample streams, KV handoff", "sent": 2,
+                    "succeeded": sum(good) if not errors else 0,
+                    "failed": sum(1 for ok, _, _ in outcomes if not ok) or int(bool(errors)),
+                    "wrong_output": sum(1 for ok, text, _ in outcomes if ok and text != reference),
+                    "lost": sum(t.is_alive() for t in threads),
+                    "recovery_seconds": round(time.time() - drained_at, 2),
+                    "retries": int(handoffs + recomputed), "kv_handoffs": int(handoffs),
+                    "kv_handoff_bytes": int(moved_bytes), "recomputed": int(recomputed),
+                    "leaked_blocks": {} if leaked == 0 else {survivor.address: leaked},
+                    "errors": errors}
+        finally:
+            for p in [router, prefill] + decodes:
+                if p is not victim:
+                    p.stop()
+    finally:
+        MAX_TOKENS = saved
+
+
 def membership_scenario(tmp):
     """Workers joining and leaving are picked up by the router within one lease TTL."""
     etcd = Etcd(os.path.join(tmp, "etcd-membership"))
@@ -388,8 +470,13 @@ def main():
         ("SIGKILL decode worker", kill("decode", signal.SIGKILL), False),
         ("SIGKILL prefill worker", kill("prefill", signal.SIGKILL), False),
         ("SIGTERM (drain) decode worker", kill("decode", signal.SIGTERM), False),
+        # A 1 s grace leaves streams running at its end: they move by KV handoff.
+        ("SIGTERM (drain, 1 s grace) decode", kill("decode", signal.SIGTERM), False,
+         ["--drain-grace", "1"]),
         ("etcd: SIGKILL decode worker", kill("decode", signal.SIGKILL), True),
         ("etcd: SIGTERM (drain) decode worker", kill("decode", signal.SIGTERM), True),
+        ("etcd: SIGTERM (drain, 1 s grace) decode", kill("decode", signal.SIGTERM), True,
+         ["--drain-grace", "1"]),
         # The outage (1 s, plus etcd's start-up, slow on a loaded machine) must stay under the
         # lease TTL, or the workers rightly consider their leases lost and stop.
         ("etcd: restart etcd", restart_etcd, True),
@@ -407,31 +494,33 @@ def main():
         try:
             ok, reference, error = stream_once(colocated.url)
             migration_row = two_sample_migration(colocated.url) if ok else None
+            handoff_row = drain_handoff(colocated.url) if ok else None
         finally:
             colocated.stop()
         if not ok:
             print(f"FAIL: reference run failed: {error}")
             return 1
         rows = []
-        for name, action, with_etcd in scenarios:
+        for name, action, with_etcd, *decode_extra in scenarios:
             print(f"running: {name}", flush=True)
             etcd = Etcd(os.path.join(tmp, f"etcd-{len(rows)}")) if with_etcd else None
             ttl = 3 * LEASE_TTL if action is restart_etcd else LEASE_TTL
             try:
                 rows.append(run_scenario(name, action, reference, a.seconds, a.clients, etcd,
-                                         ttl))
+                                         ttl, decode_extra[0] if decode_extra else ()))
             finally:
                 if etcd is not None:
                     etcd.stop()
         rows.append(migration_row)
+        rows.append(handoff_row)
         rows.append(membership_scenario(tmp))
 
     print(f"{'scenario':40} {'sent':>5} {'ok':>5} {'failed':>6} {'wrong':>5} {'lost':>4} "
-          f"{'recovery s':>10} {'retries':>7}  leaked blocks")
+          f"{'recovery s':>10} {'retries':>7} {'kv hand':>7}  leaked blocks")
     for r in rows:
         print(f"{r['scenario']:40} {r['sent']:5d} {r['succeeded']:5d} {r['failed']:6d} "
-              f"{r['wrong_output']:5d} {r['lost']:4d} {r['recovery_seconds']:10.2f} {r['retries']:7d}  "
-              f"{r['leaked_blocks'] or 0}")
+              f"{r['wrong_output']:5d} {r['lost']:4d} {r['recovery_seconds']:10.2f} {r['retries']:7d} "
+              f"{r.get('kv_handoffs', 0):7d}  {r['leaked_blocks'] or 0}")
         for e in r["errors"]:
             print(f"    error: {e}")
     if a.json:

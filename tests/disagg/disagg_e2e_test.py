@@ -74,9 +74,9 @@ class Process:
         return self.proc.returncode
 
 
-def start_worker(role, netns=None, host="127.0.0.1"):
+def start_worker(role, netns=None, host="127.0.0.1", extra=()):
     p = Process([role, "--model", MODEL, "--listen", f"{host}:0", "--kv-host", host,
-                 "--metrics-listen", f"{host}:0"] + ENGINE_FLAGS,
+                 "--metrics-listen", f"{host}:0"] + ENGINE_FLAGS + list(extra),
                 r"listening on (\S+) \(metrics on port (\d+)\)", netns=netns)
     p.address = p.match.group(1)
     p.metrics_url = f"http://{host}:{p.match.group(2)}/metrics"

@@ -34,6 +34,9 @@ struct WorkerFlags {
   std::string cluster;
   int64_t lease_ttl_s = 10;
   std::string advertise;
+  // On SIGTERM, how long requests in flight may run before the rest are handed off (decode:
+  // parked for KV handoff) or failed.
+  int64_t drain_grace_s = 30;
   // Mutual TLS on the control plane and to etcd; empty: plaintext.
   proto::TlsFiles tls;
 };
@@ -65,6 +68,12 @@ void DeclareWorkerFlags(Args& args, int default_port) {
   args.Declare("advertise", "HOST:PORT",
                "control-plane address published in etcd for others to dial (default: the bound "
                "--listen address)");
+  args.Declare("drain-grace", "SECONDS",
+               args.command() == "decode"
+                   ? "on SIGTERM, let running requests finish for this long, then park the rest "
+                     "so routers move them with their KV to another decode worker (default 30)"
+                   : "on SIGTERM, let requests in flight finish for this long, then fail the rest "
+                     "so routers retry them elsewhere (default 30)");
   DeclareTlsFlags(args, "the control plane (routers must present a certificate) and etcd");
 }
 
@@ -93,6 +102,7 @@ absl::StatusOr<WorkerFlags> ParseWorkerFlags(const Args& args, int default_port)
   flags.cluster = args.GetOr("cluster", "default");
   TANDEM_ASSIGN_OR_RETURN(flags.lease_ttl_s, IntFlag(args, "lease-ttl", 10, 1, 3600));
   flags.advertise = args.GetOr("advertise", "");
+  TANDEM_ASSIGN_OR_RETURN(flags.drain_grace_s, IntFlag(args, "drain-grace", 30, 0, 3600));
   if (flags.etcd.empty()) {
     for (const char* flag : {"cluster", "lease-ttl", "advertise"}) {
       if (args.Has(flag)) {
@@ -241,7 +251,7 @@ absl::Status RunWorker(const std::string& command, int default_port, int argc, c
                    std::string(status.message()).c_str());
     }
   }
-  worker->Shutdown(absl::Seconds(30));
+  worker->Shutdown(absl::Seconds(flags.drain_grace_s));
   return absl::OkStatus();
 }
 

@@ -24,7 +24,9 @@ using OutputCallback = std::function<void(const RequestOutput& output, const abs
 // (all zero for one engine).
 struct GeneratorCounters {
   int64_t prefill_retries = 0;  // requests started over after their prefill worker went away
-  int64_t migrations = 0;       // streams continued on another decode worker mid-generation
+  int64_t migrations = 0;       // streams recomputed on another decode worker mid-generation
+  int64_t kv_handoffs = 0;      // samples moved to another decode worker with their KV (drain)
+  int64_t kv_handoff_bytes = 0;  // KV bytes those handoffs moved
   int prefill_workers = 0;      // in the pools ...
   int decode_workers = 0;
   int prefill_workers_up = 0;   // ... of which answering Stats
