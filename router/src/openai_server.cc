@@ -400,9 +400,10 @@ class ApiServerImpl : public ApiServer {
         {"/detokenize", "POST", Endpoint::kDetokenize},
     };
     const HttpRequest& req = ex->request();
-    // Deny by default: only liveness (and metrics when made public) skip the key.
-    const bool is_public =
-        req.path == "/health" || (req.path == "/metrics" && options_.metrics_public);
+    // Deny by default: only the probes (liveness, readiness) and metrics when made public skip
+    // the key. /ready runs one cached one-token generation at most every 10 s, whoever asks.
+    const bool is_public = req.path == "/health" || req.path == "/ready" ||
+                           (req.path == "/metrics" && options_.metrics_public);
     if (!is_public && !options_.api_key.empty()) {
       if (absl::Status auth = CheckApiKey(req); !auth.ok()) return ReplyError(*ex, auth);
     }

@@ -285,12 +285,16 @@ TEST(ApiServerTest, MetricsPassPromtoolOnALiveScrape) {
   std::remove(path.c_str());
 }
 
-TEST(ApiServerTest, ApiKeyIsRequiredEverywhereButHealth) {
+TEST(ApiServerTest, ApiKeyIsRequiredEverywhereButTheProbes) {
   auto server = StartServer({"--api-key", "sekret"});
   ASSERT_NE(server, nullptr);
   const int port = server->port();
+  // Kubernetes probes carry no key: liveness and readiness answer without one.
   EXPECT_EQ(Request(port, "GET", "/health").status, 200);
-  for (const char* path : {"/v1/models", "/metrics", "/ready", "/no/such/route"}) {
+  HttpResult ready = Request(port, "GET", "/ready");
+  EXPECT_EQ(ready.status, 200) << ready.body;
+  EXPECT_EQ(json::parse(ready.body)["status"], "ready");
+  for (const char* path : {"/v1/models", "/metrics", "/no/such/route"}) {
     HttpResult r = Request(port, "GET", path);
     EXPECT_EQ(r.status, 401) << path;
     EXPECT_EQ(json::parse(r.body)["error"]["code"], "invalid_api_key");

@@ -144,8 +144,8 @@ void DeclareApiFlags(Args& args) {
   args.Declare("port", "N", "port to listen on; 0 picks a free one (default 8000)");
   args.Declare("served-model-name", "NAME", "model name clients use (default: the directory name)");
   args.Declare("api-key", "KEY",
-               "require 'Authorization: Bearer KEY' on every route but /health (default: "
-               "$TANDEM_API_KEY, else none)");
+               "require 'Authorization: Bearer KEY' on every route but /health and /ready "
+               "(default: $TANDEM_API_KEY, else none)");
   args.DeclareSwitch("metrics-public", "serve /metrics without the API key");
   args.Declare("http-threads", "N", "HTTP I/O threads (default 2)");
   args.Declare("max-active-requests", "N",
