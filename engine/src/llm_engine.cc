@@ -291,21 +291,21 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   }
   // The step's shape for the latency model: tokens, sequences, and the context attention reads.
   int64_t step_context = 0;
+  int64_t step_prefill_tokens = 0;
   for (const ScheduledSequence& s : step.seqs) {
     step_context += s.seq->num_computed_tokens + s.num_new_tokens;
-  }
-  const int step_tokens = step.num_tokens;
-  int64_t step_prefill_tokens = 0;
-  const int step_seqs = static_cast<int>(step.seqs.size());
-  if (options_.on_layer_kv_written) {
     step_prefill_tokens += std::clamp<int64_t>(
         s.seq->num_prompt_tokens - s.seq->num_computed_tokens, 0, s.num_new_tokens);
-    step_writes_.clear();
+  }
   const double gap_seconds =
       pending_after_last_step_
           ? std::chrono::duration<double>(step_start - last_step_end_).count()
           : -1.0;
   first_token_requests_.clear();
+  const int step_tokens = step.num_tokens;
+  const int step_seqs = static_cast<int>(step.seqs.size());
+  if (options_.on_layer_kv_written) {
+    step_writes_.clear();
     for (const ScheduledSequence& s : step.seqs) {
       const Sequence& seq = *s.seq;
       step_writes_.push_back({seq.request_id, seq.choice_index, seq.num_computed_tokens,
@@ -336,14 +336,14 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
       outputs.back().num_prompt_tokens = request.num_prompt_tokens;
     }
     RequestOutput& out = outputs[it->second];
-    out.choices.emplace_back();
-    out.choices.back().index = seq.choice_index;
-    ProcessToken(request, choice, token, out.choices.back());
-    out.num_generation_tokens = request.num_generation_tokens;
     if (options_.step_trace != nullptr && !request.first_token_traced) {
       request.first_token_traced = true;
       first_token_requests_.push_back({request.num_prompt_tokens, request.added});
     }
+    out.choices.emplace_back();
+    out.choices.back().index = seq.choice_index;
+    ProcessToken(request, choice, token, out.choices.back());
+    out.num_generation_tokens = request.num_generation_tokens;
   }
   // Measured from Schedule through sampling and output processing: what a decode step adds to
   // every running request's time per output token.
@@ -355,10 +355,6 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   ++steps_;
   last_step_seqs_ = step_seqs;
   last_step_end_ = std::chrono::steady_clock::now();
-  pending_after_last_step_ = scheduler_->has_work();
-  for (RequestOutput& out : outputs) {
-    auto it = requests_.find(out.request_id);
-    if (it == requests_.end()) continue;  // already reported finished
   if (options_.step_trace != nullptr) {
     const std::string_view role = options_.role == EngineRole::kPrefill  ? "prefill"
                                   : options_.role == EngineRole::kDecode ? "decode"
@@ -374,6 +370,10 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
           role, prompt_tokens, std::chrono::duration<double>(last_step_end_ - added).count());
     }
   }
+  pending_after_last_step_ = scheduler_->has_work();
+  for (RequestOutput& out : outputs) {
+    auto it = requests_.find(out.request_id);
+    if (it == requests_.end()) continue;  // already reported finished
     bool all_done = std::all_of(it->second->choices.begin(), it->second->choices.end(),
                                 [](const Choice& c) { return c.done; });
     if (all_done) {

@@ -257,6 +257,8 @@ class LlmEngine {
   int last_step_seqs_ = 0;
   std::chrono::steady_clock::time_point last_step_end_;
   bool pending_after_last_step_ = false;
+  // Requests whose first token the current step sampled: prompt tokens, AddRequest time.
+  std::vector<std::pair<int64_t, std::chrono::steady_clock::time_point>> first_token_requests_;
 };
 
 // The checks of a request that need only the model (so a router without an engine makes them
@@ -274,5 +276,3 @@ absl::StatusOr<std::vector<RequestOutput>> GenerateAll(LlmEngine& engine,
                                                        std::vector<GenerateRequest> requests);
 
 }  // namespace tandem::engine
-  // Requests whose first token the current step sampled: prompt tokens, AddRequest time.
-  std::vector<std::pair<int64_t, std::chrono::steady_clock::time_point>> first_token_requests_;
