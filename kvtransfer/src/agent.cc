@@ -1,6 +1,7 @@
 #include "tandem/kvtransfer/agent.h"
 
 #include "absl/strings/str_cat.h"
+#include "kvtransfer/src/cuda_ipc/cuda_ipc_agent.h"
 #include "kvtransfer/src/local/local_agent.h"
 #include "kvtransfer/src/ucx/ucx_agent.h"
 
@@ -9,8 +10,10 @@ namespace tandem::kvtransfer {
 absl::StatusOr<std::unique_ptr<Agent>> Agent::Create(const AgentOptions& options) {
   if (options.backend == "local") return local::CreateLocalAgent(options);
   if (options.backend == "ucx") return ucx::CreateUcxAgent(options);
-  return absl::InvalidArgumentError(absl::StrCat("unknown kvtransfer backend \"", options.backend,
-                                                 "\" (expected \"local\" or \"ucx\")"));
+  if (options.backend == "cuda_ipc") return cuda_ipc::CreateCudaIpcAgent(options);
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown kvtransfer backend \"", options.backend,
+                   "\" (expected \"local\", \"ucx\" or \"cuda_ipc\")"));
 }
 
 }  // namespace tandem::kvtransfer

@@ -128,6 +128,21 @@ TEST_P(AgentTest, UnknownBackendIsRefusedByName) {
   EXPECT_THAT(agent.status().message(), HasSubstr("carrier-pigeon"));
 }
 
+// cuda_ipc is its own suite (cuda_ipc/cuda_ipc_agent_test.cc, device memory, label gpu); here:
+// what Create says where it cannot run.
+TEST(CudaIpcAgentTest, CreateSaysWhyItCannotRun) {
+  absl::StatusOr<std::unique_ptr<Agent>> agent = Agent::Create({.backend = "cuda_ipc"});
+  if (!TANDEM_KVTRANSFER_CUDA_IPC_BUILT) {
+    EXPECT_TRUE(absl::IsInvalidArgument(agent.status())) << agent.status();
+    EXPECT_THAT(agent.status().message(), HasSubstr("cuda_ipc backend not built"));
+  } else if (!agent.ok()) {
+    EXPECT_TRUE(absl::IsFailedPrecondition(agent.status())) << agent.status();
+    EXPECT_THAT(agent.status().message(), HasSubstr("no CUDA device"));
+  } else {
+    GTEST_SKIP() << "cuda_ipc runs here; cuda_ipc_agent_test covers it";
+  }
+}
+
 TEST_P(AgentTest, ManyRandomRangesArriveExactlyAndNothingElseIsWritten) {
   constexpr size_t kSlot = 4096;
   constexpr size_t kSlots = 1024;

@@ -45,6 +45,8 @@ const char* BackendName(BackendKind kind) {
       return "local";
     case BackendKind::kUcx:
       return "ucx";
+    case BackendKind::kCudaIpc:
+      return "cuda_ipc";
   }
   return "unknown";
 }
@@ -91,7 +93,8 @@ absl::StatusOr<RegionDescriptor> DecodeDescriptor(const std::string& encoded,
   RegionDescriptor d;
   const uint8_t backend = static_cast<uint8_t>(p[5]);
   if (backend != static_cast<uint8_t>(BackendKind::kLocal) &&
-      backend != static_cast<uint8_t>(BackendKind::kUcx)) {
+      backend != static_cast<uint8_t>(BackendKind::kUcx) &&
+      backend != static_cast<uint8_t>(BackendKind::kCudaIpc)) {
     return absl::InvalidArgumentError(
         absl::StrCat("region descriptor names unknown backend ", static_cast<int>(backend)));
   }
@@ -108,6 +111,32 @@ absl::StatusOr<RegionDescriptor> DecodeDescriptor(const std::string& encoded,
   d.bytes = GetU64(p + 38);
   d.payload.assign(p + kHeaderBytes, payload_bytes);
   return d;
+}
+
+std::string EncodeCudaIpcPayload(const CudaIpcPayload& payload) {
+  std::string out = payload.handle;
+  out.resize(CudaIpcPayload::kHandleBytes, '\0');
+  PutU64(out, payload.pid);
+  PutU64(out, static_cast<uint32_t>(payload.device));
+  return out;
+}
+
+absl::StatusOr<CudaIpcPayload> DecodeCudaIpcPayload(const std::string& payload) {
+  if (payload.size() != CudaIpcPayload::kHandleBytes + 16) {
+    return absl::InvalidArgumentError(absl::StrCat("cuda_ipc descriptor payload is ",
+                                                   payload.size(), " bytes, not ",
+                                                   CudaIpcPayload::kHandleBytes + 16));
+  }
+  CudaIpcPayload out;
+  out.handle = payload.substr(0, CudaIpcPayload::kHandleBytes);
+  out.pid = GetU64(payload.data() + CudaIpcPayload::kHandleBytes);
+  const uint64_t device = GetU64(payload.data() + CudaIpcPayload::kHandleBytes + 8);
+  if (out.pid == 0 || device > 1024) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cuda_ipc descriptor names process ", out.pid, " device ", device));
+  }
+  out.device = static_cast<int32_t>(device);
+  return out;
 }
 
 absl::Status CheckRanges(const std::vector<Range>& ranges, uint64_t src_bytes, uint64_t dst_bytes) {

@@ -17,7 +17,7 @@
 
 namespace tandem::kvtransfer::internal {
 
-enum class BackendKind : uint8_t { kLocal = 1, kUcx = 2 };
+enum class BackendKind : uint8_t { kLocal = 1, kUcx = 2, kCudaIpc = 3 };
 
 const char* BackendName(BackendKind kind);
 
@@ -50,6 +50,23 @@ absl::Status CheckRanges(const std::vector<Range>& ranges, uint64_t src_bytes, u
 // Drops empty ranges and merges each range into the one before it when both its source and its
 // destination continue that one, so consecutive KV blocks go out as one message.
 std::vector<Range> CoalesceRanges(const std::vector<Range>& ranges);
+
+// The cuda_ipc descriptor payload: the allocation's cudaIpcMemHandle_t (opaque bytes here, so
+// this stays buildable without CUDA), the owner's process id and CUDA device ordinal.
+struct CudaIpcPayload {
+  static constexpr size_t kHandleBytes = 64;  // sizeof(cudaIpcMemHandle_t)
+  std::string handle;                         // kHandleBytes bytes
+  uint64_t pid = 0;
+  int32_t device = 0;
+};
+std::string EncodeCudaIpcPayload(const CudaIpcPayload& payload);
+// InvalidArgument unless `payload` is exactly one encoded CudaIpcPayload.
+absl::StatusOr<CudaIpcPayload> DecodeCudaIpcPayload(const std::string& payload);
+
+// Whether `base` is CUDA device memory. Always false in a build without CUDA; defined by the
+// cuda_ipc backend's sources, so the host-memory backends can refuse a device KV cache with a
+// clear error instead of crashing inside memcpy or UCX.
+bool IsDeviceMemory(const void* base);
 
 // A random 64-bit id for one agent incarnation, never 0.
 uint64_t NewInstanceId();

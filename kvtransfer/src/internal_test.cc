@@ -51,6 +51,41 @@ TEST(DescriptorTest, EveryCorruptedByteIsRefused) {
   EXPECT_TRUE(absl::IsInvalidArgument(DecodeDescriptor(good + "x", BackendKind::kUcx).status()));
 }
 
+TEST(CudaIpcDescriptorTest, PayloadRoundTripsInsideADescriptor) {
+  RegionDescriptor d = Sample();
+  d.backend = BackendKind::kCudaIpc;
+  const std::string handle(CudaIpcPayload::kHandleBytes, '\x5a');
+  d.payload = EncodeCudaIpcPayload({.handle = handle, .pid = 4242, .device = 3});
+  absl::StatusOr<RegionDescriptor> back =
+      DecodeDescriptor(EncodeDescriptor(d), BackendKind::kCudaIpc);
+  ASSERT_TRUE(back.ok()) << back.status();
+  absl::StatusOr<CudaIpcPayload> payload = DecodeCudaIpcPayload(back->payload);
+  ASSERT_TRUE(payload.ok()) << payload.status();
+  EXPECT_EQ(payload->handle, handle);
+  EXPECT_EQ(payload->pid, 4242u);
+  EXPECT_EQ(payload->device, 3);
+}
+
+TEST(CudaIpcDescriptorTest, MalformedPayloadsAndOtherBackendsAreRefused) {
+  const std::string good =
+      EncodeCudaIpcPayload({.handle = std::string(CudaIpcPayload::kHandleBytes, 'h'), .pid = 7});
+  for (const std::string& bad : {std::string(), good.substr(1), good + "x",
+                                 EncodeCudaIpcPayload({.handle = "h", .pid = 0})}) {
+    EXPECT_TRUE(absl::IsInvalidArgument(DecodeCudaIpcPayload(bad).status())) << bad.size();
+  }
+  RegionDescriptor d = Sample();
+  d.backend = BackendKind::kCudaIpc;
+  d.payload = good;
+  const std::string encoded = EncodeDescriptor(d);
+  for (BackendKind other : {BackendKind::kLocal, BackendKind::kUcx}) {
+    const absl::Status status = DecodeDescriptor(encoded, other).status();
+    EXPECT_TRUE(absl::IsInvalidArgument(status));
+    EXPECT_THAT(status.message(), HasSubstr("\"cuda_ipc\""));
+  }
+  EXPECT_THAT(DecodeDescriptor(EncodeDescriptor(Sample()), BackendKind::kCudaIpc).status().message(),
+              HasSubstr("\"ucx\""));
+}
+
 TEST(DescriptorTest, AnotherBackendsDescriptorIsRefusedByName) {
   const absl::Status status =
       DecodeDescriptor(EncodeDescriptor(Sample()), BackendKind::kLocal).status();

@@ -158,6 +158,11 @@ class LocalAgent : public Agent {
     if (base == nullptr && bytes != 0) {
       return absl::InvalidArgumentError("RegisterMemory: null base with a non-zero size");
     }
+    if (base != nullptr && internal::IsDeviceMemory(base)) {
+      return absl::InvalidArgumentError(
+          "RegisterMemory: ucx/local kv backends need a host KV cache; this is CUDA device "
+          "memory (use the cuda_ipc backend, or run the engine with --device cpu)");
+    }
     TANDEM_ASSIGN_OR_RETURN(RegionDescriptor d, table_->Add(region_id, base, bytes));
     return internal::EncodeDescriptor(d);
   }

@@ -729,6 +729,11 @@ absl::StatusOr<std::string> UcxAgent::RegisterMemory(uint64_t region_id, void* b
   if (base == nullptr || bytes == 0) {
     return absl::InvalidArgumentError("RegisterMemory: a region needs a base and a size");
   }
+  if (base != nullptr && internal::IsDeviceMemory(base)) {
+    return absl::InvalidArgumentError(
+        "RegisterMemory: ucx/local kv backends need a host KV cache; this is CUDA device "
+        "memory (use the cuda_ipc backend, or run the engine with --device cpu)");
+  }
   return RunOnProgressThread<absl::StatusOr<std::string>>([&]() -> absl::StatusOr<std::string> {
     if (regions_.count(region_id) != 0) {
       return absl::AlreadyExistsError(absl::StrCat("region ", region_id, " is registered"));

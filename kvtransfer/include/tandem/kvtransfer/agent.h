@@ -21,6 +21,9 @@
 // Backends, chosen at run time by `AgentOptions::backend`:
 //   "local" same process; Submit copies with memcpy (colocated mode, tests).
 //   "ucx"   UCX (tcp / shared memory / cma between processes, RDMA where present).
+//   "cuda_ipc" CUDA device memory between processes (or agents) on one node: CUDA IPC handles
+//           and device-to-device copies; built only with CUDA. "local" and "ucx" register host
+//           memory only and refuse device memory with InvalidArgument.
 // docs/kvtransfer.md describes the guarantees and failure semantics in full.
 #pragma once
 
@@ -38,7 +41,7 @@
 namespace tandem::kvtransfer {
 
 struct AgentOptions {
-  // "local" or "ucx".
+  // "local", "ucx" or "cuda_ipc".
   std::string backend;
   // A human-readable name used in error messages and, for "local", in the address.
   std::string name;
@@ -79,7 +82,7 @@ class TransferHandle {
 
 // A transfer endpoint. All methods are thread-safe.
 //
-// Guarantees (both backends):
+// Guarantees (every backend):
 // - Every range is checked against the local region and against the destination region's
 //   bounds recorded in its descriptor before anything is posted; a transfer with any range
 //   outside them is refused with InvalidArgument and writes nothing.
