@@ -344,17 +344,26 @@ def two_sample_migration(reference_url):
         MAX_TOKENS = saved
 
 
-def drain_handoff(reference_url):
+def drain_handoff(tmp):
     """A 1-sample and a 2-sample greedy stream whose decode worker drains (SIGTERM, no grace)
     mid-generation: it parks them, the router moves their KV to the other decode worker
     (Handoff) instead of recomputing, and both end with exactly the undisturbed text. Checks
-    the router's handoff counter (3 samples moved, none recomputed), that the draining worker
-    exits on its own, and that no KV block stays in use."""
+    the router's handoff counter, that the draining worker exits on its own, and that no KV
+    block stays in use. Runs the `small` synthetic model (under the name the clients use): the
+    tiny one generates 240 tokens in a few milliseconds, too fast to drain mid-stream."""
     long_tokens = 240
     global MAX_TOKENS
     saved, MAX_TOKENS = MAX_TOKENS, long_tokens
+    saved_model = cluster.MODEL
+    cluster.MODEL = os.path.join(tmp, "slow", os.path.basename(saved_model))
+    subprocess.run([cluster.TANDEM, "synth-model", "--preset", "small", "--out", cluster.MODEL],
+                   check=True, stdout=subprocess.DEVNULL)
     try:
-        ok, reference, error = stream_once(reference_url)
+        colocated = cluster.start_colocated()
+        try:
+            ok, reference, error = stream_once(colocated.url)
+        finally:
+            colocated.stop()
         if not ok:
             raise RuntimeError(f"reference run failed: {error}")
         decodes = [cluster.start_worker("decode", extra=["--drain-grace", "0"])
@@ -382,6 +391,8 @@ def drain_handoff(reference_url):
                     victim = max(decodes, key=lambda d: cluster.metric(
                         d.metrics_url, "tandem_num_requests_running") or 0)
                 time.sleep(0.02)
+            if victim is None:
+                raise RuntimeError("the streams never ran on a decode worker together")
             drained_at = time.time()
             victim.proc.send_signal(signal.SIGTERM)
             for t in threads:
@@ -420,6 +431,7 @@ def drain_handoff(reference_url):
                     p.stop()
     finally:
         MAX_TOKENS = saved
+        cluster.MODEL = saved_model
 
 
 def membership_scenario(tmp):
@@ -494,7 +506,7 @@ def main():
         try:
             ok, reference, error = stream_once(colocated.url)
             migration_row = two_sample_migration(colocated.url) if ok else None
-            handoff_row = drain_handoff(colocated.url) if ok else None
+            handoff_row = drain_handoff(tmp) if ok else None
         finally:
             colocated.stop()
         if not ok:
