@@ -59,8 +59,20 @@ class Process:
             self.stop()
             raise RuntimeError(f"{args[0]} did not start: {''.join(lines)}"
                                f"{self.proc.stderr.read()}")
-        # Keep draining stderr so a chatty process never blocks on a full pipe.
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
+        # Keep draining stderr so a chatty process never blocks on a full pipe; with
+        # $TANDEM_TEST_LOGS set, into a file there per process, for debugging a failed run.
+        log_dir = os.environ.get("TANDEM_TEST_LOGS")
+        if log_dir:
+            os.makedirs(log_dir, exist_ok=True)
+            log = open(os.path.join(log_dir, f"{args[0]}-{self.proc.pid}.log"), "w")
+
+            def copy(src=self.proc.stderr, dst=log):
+                for line in src:
+                    dst.write(line)
+                    dst.flush()
+            threading.Thread(target=copy, daemon=True).start()
+        else:
+            threading.Thread(target=self.proc.stderr.read, daemon=True).start()
         threading.Thread(target=self.proc.stdout.read, daemon=True).start()
 
     def stop(self):
