@@ -77,6 +77,8 @@ def main():
     ap.add_argument("--kv-link-gbps", type=float, default=2.0,
                     help="loopback KV bandwidth assumed for the disaggregated simulation")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--replicas", type=int, default=20,
+                    help="simulations of each trace, pooled (different draws of the step spread)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -125,7 +127,8 @@ def main():
                 sim_json = os.path.join(work, f"sim-{mode}-{rate}.json")
                 sim = [args.tandem, "plan", "simulate", "--model", model, "--calibration", cal,
                        "--config", "colocated" if mode == "colocated" else "disagg",
-                       "--trace", bench_json, "--json", sim_json]
+                       "--trace", bench_json, "--replicas", str(args.replicas),
+                       "--json", sim_json]
                 if args.overhead_ms is not None:
                     sim += ["--overhead-ms", str(args.overhead_ms)]
                 if mode != "colocated":

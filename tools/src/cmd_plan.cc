@@ -381,6 +381,10 @@ absl::Status Simulate(int argc, char** argv) {
                "replay the requests of a `tandem bench --json` report (send times, prompt and "
                "output tokens) instead of --rate and the length flags");
   args.Declare("config", "KIND", "colocated | disagg (default colocated)");
+  args.Declare("replicas", "N",
+               "simulate the same arrivals N times with different draws of the calibration's "
+               "step spread and summarize them together: the expected percentiles rather than "
+               "one draw's (default 1)");
   args.Declare("tp", "N", "colocated: tensor-parallel degree (default 1)");
   args.Declare("instances", "N", "colocated: instances (default 1)");
   args.Declare("prefill-tp", "N", "disagg: prefill tensor-parallel degree (default 1)");
@@ -463,7 +467,15 @@ absl::Status Simulate(int argc, char** argv) {
     workload_text = absl::StrFormat("%g req/s, %lld requests", setup.workload.rate,
                                     static_cast<long long>(setup.workload.num_requests));
   }
-  TANDEM_ASSIGN_OR_RETURN(SimResult result, Simulate(cluster, arrivals));
+  TANDEM_ASSIGN_OR_RETURN(int64_t replicas, PositiveInt(args, "replicas", 1, 10000));
+  SimResult result;
+  for (int64_t i = 0; i < replicas; ++i) {
+    cluster.noise_seed = static_cast<uint64_t>(i + 1);
+    TANDEM_ASSIGN_OR_RETURN(SimResult one, Simulate(cluster, arrivals));
+    result.requests.insert(result.requests.end(), one.requests.begin(), one.requests.end());
+    result.duration += one.duration;
+    result.steps += one.steps;
+  }
   const bool with_slo = setup.slo.ttft > 0;
   SimSummary summary = SummarizeSim(result, with_slo ? setup.slo : Slo{1e30, 1e30},
                                     cluster.Gpus());
@@ -495,7 +507,8 @@ absl::Status Simulate(int argc, char** argv) {
     out["source"] = setup.source;
     out["duration_s"] = result.duration;
     out["steps"] = result.steps;
-    out["requests"] = result.requests.size();
+    out["requests"] = arrivals.size();
+    out["replicas"] = replicas;
     out["model"] = cluster.disaggregated
                        ? json{{"prefill", cluster.prefill.model.ToJson()},
                               {"decode", cluster.decode.model.ToJson()}}
