@@ -338,7 +338,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
     RequestOutput& out = outputs[it->second];
     if (options_.step_trace != nullptr && !request.first_token_traced) {
       request.first_token_traced = true;
-      first_token_requests_.push_back({request.num_prompt_tokens, request.added});
+      first_token_requests_.push_back({request.id, request.num_prompt_tokens, request.added});
     }
     out.choices.emplace_back();
     out.choices.back().index = seq.choice_index;
@@ -365,9 +365,10 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
                                      .prefill_tokens = step_prefill_tokens,
                                      .seqs = step_seqs,
                                      .context = step_context});
-    for (const auto& [prompt_tokens, added] : first_token_requests_) {
+    for (const FirstToken& f : first_token_requests_) {
       options_.step_trace->RecordFirstToken(
-          role, prompt_tokens, std::chrono::duration<double>(last_step_end_ - added).count());
+          role, f.request_id, f.prompt_tokens,
+          std::chrono::duration<double>(last_step_end_ - f.added).count());
     }
   }
   pending_after_last_step_ = scheduler_->has_work();

@@ -28,10 +28,18 @@ void StepTrace::RecordStep(std::string_view role, const StepRecord& step) {
       step.prefill_tokens, step.seqs, step.context));
 }
 
-void StepTrace::RecordFirstToken(std::string_view role, int64_t prompt_tokens, double seconds) {
+void StepTrace::RecordFirstToken(std::string_view role, std::string_view request_id,
+                                 int64_t prompt_tokens, double seconds) {
+  // Request ids are the router's or the engine's own (letters, digits, '-', '~'); anything but
+  // printable ASCII, or what a JSON string could not hold as is, is left out, not escaped.
+  std::string id;
+  for (char c : request_id) {
+    if (c != '"' && c != '\\' && c >= 0x20 && c < 0x7f) id += c;
+  }
   Write(absl::StrFormat(
-      "{\"role\":\"%s\",\"t\":%.6f,\"first_token_s\":%.9g,\"prompt_tokens\":%d}\n", role,
-      absl::ToUnixMicros(absl::Now()) / 1e6, seconds, prompt_tokens));
+      "{\"role\":\"%s\",\"t\":%.6f,\"request_id\":\"%s\",\"first_token_s\":%.9g,"
+      "\"prompt_tokens\":%d}\n",
+      role, absl::ToUnixMicros(absl::Now()) / 1e6, id, seconds, prompt_tokens));
 }
 
 int64_t StepTrace::failed_writes() const {

@@ -220,6 +220,7 @@ TEST(EngineBatchingTest, StepTraceRecordsEveryStepAndEachFirstToken) {
   std::string line;
   int64_t steps = 0, tokens = 0, prefill_tokens = 0;
   std::multiset<int64_t> first_token_prompts;
+  std::set<std::string> first_token_ids;
   bool first_step = true;
   while (std::getline(in, line)) {
     const nlohmann::json j = nlohmann::json::parse(line);
@@ -237,12 +238,14 @@ TEST(EngineBatchingTest, StepTraceRecordsEveryStepAndEachFirstToken) {
     } else {
       EXPECT_GT(j["first_token_s"].get<double>(), 0);
       first_token_prompts.insert(j["prompt_tokens"].get<int64_t>());
+      first_token_ids.insert(j["request_id"].get<std::string>());
     }
   }
   EXPECT_EQ(steps, engine->stats().steps);
   EXPECT_EQ(prefill_tokens, 37 + 5);
   EXPECT_EQ(tokens, 37 + 5 + 2 * 3);  // each request's three tokens after the first
   EXPECT_EQ(first_token_prompts, (std::multiset<int64_t>{5, 37}));
+  EXPECT_EQ(first_token_ids, (std::set<std::string>{"long", "short"}));
 }
 
 }  // namespace

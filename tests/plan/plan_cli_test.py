@@ -96,6 +96,57 @@ with tempfile.TemporaryDirectory() as tmp:
     refused(["plan", "simulate", "--calibration", cal_path, "--trace", trace, "--input-len", "5"],
             "--trace")
 
+    # A calibration from a served run: the server's step trace plus the bench report of the
+    # same run, paired by response id.
+    steps = os.path.join(tmp, "steps.jsonl")
+    with open(steps, "w") as f:
+        first = True
+        for t in (16, 64, 256, 512):
+            f.write(json.dumps({"role": "colocated", "t": 1.0, "step_s": 0.001 + 1e-4 * t,
+                                "gap_s": -1 if first else 0.002, "tokens": t,
+                                "prefill_tokens": t, "seqs": 1, "context": t}) + "\n")
+            first = False
+        for b in (1, 4, 16, 64):
+            f.write(json.dumps({"role": "colocated", "t": 1.0, "step_s": 0.005 + 1e-4 * b,
+                                "gap_s": 0.002, "tokens": b, "prefill_tokens": 0, "seqs": b,
+                                "context": b * 64}) + "\n")
+        for i in range(10):
+            f.write(json.dumps({"role": "colocated", "t": 1.0, "request_id": f"cmpl-{i}",
+                                "first_token_s": 0.020, "prompt_tokens": 50}) + "\n")
+    served = {"requests": [{"success": True, "start_s": 0.1 * i, "prompt_tokens": 50,
+                            "output_tokens": 10, "id": f"cmpl-{i}",
+                            "ttft_ms": 20 + 5 + (10 if i == 9 else 0)} for i in range(10)] +
+              [{"success": True, "start_s": 2.0, "prompt_tokens": 50, "output_tokens": 10,
+                "id": "cmpl-unknown", "ttft_ms": 500}]}
+    served_path = os.path.join(tmp, "served.json")
+    json.dump(served, open(served_path, "w"))
+    cal2 = os.path.join(tmp, "cal2.json")
+    r = tandem("plan", "calibrate", "--trace", steps, "--bench", served_path, "--out", cal2)
+    check(r.returncode == 0, f"calibrate --trace failed: {r.stderr}")
+    c = json.load(open(cal2))
+    check(len(c["samples"]) == 8, f"8 traced steps, got {len(c['samples'])}")
+    check(abs(c["step_gap_seconds"] - 0.002) < 1e-12, f"step gap: {c['step_gap_seconds']}")
+    # Ten requests paired (the unknown id is not), nine with 5 ms beyond the engine, one 15 ms.
+    o = sorted(c["request_overhead_samples_seconds"])
+    check(len(o) == 10 and abs(o[0] - 0.005) < 1e-9 and abs(o[-1] - 0.015) < 1e-9,
+          f"overhead samples: {o}")
+    check(abs(c["request_overhead_seconds"] - 0.005) < 1e-9, f"overhead: {c}")
+    # Replayed: TTFT = 6 ms prefill + the drawn overhead (5 ms, or 15 ms for one in ten); each
+    # decode step comes after the 2 ms serving gap.
+    r = tandem("plan", "simulate", "--calibration", cal2, "--trace", trace, "--replicas", "50",
+               "--json", sim)
+    check(r.returncode == 0, f"simulate with the traced calibration failed: {r.stderr}")
+    s = json.load(open(sim))
+    check(abs(s["ttft_ms"]["p50"] - 11) < 1e-6, f"traced ttft p50: {s['ttft_ms']}")
+    check(abs(s["ttft_ms"]["p99"] - 21) < 1e-6, f"traced ttft p99: {s['ttft_ms']}")
+    check(abs(s["tpot_ms"]["p50"] - 7.1) < 1e-6, f"traced tpot: {s['tpot_ms']}")
+    check(s["requests"] == 20 and s["replicas"] == 50, f"replicas: {s}")
+    refused(["plan", "calibrate", "--trace", "/nonexistent.jsonl", "--out", cal2], "--trace")
+    refused(["plan", "calibrate", "--bench", served_path, "--out", cal2], "--bench")
+    refused(["plan", "calibrate", "--trace", steps, "--out", cal2, "--threads", "1"], "--threads")
+    refused(["plan", "calibrate", "--trace", served_path, "--out", cal2], served_path)
+    refused(["plan", "simulate", "--rate", "1", "--no-step-noise"], "--no-step-noise")
+
 if failures:
     print(f"{len(failures)} failure(s)", file=sys.stderr)
     sys.exit(1)

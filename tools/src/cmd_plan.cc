@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
@@ -223,6 +224,7 @@ absl::StatusOr<Setup> SetupFromFlags(const Args& args, bool slo_required) {
     if (!args.Switch("no-step-noise")) SetStepNoise(measured, calibration->samples);
     if (!args.Has("overhead-ms") && calibration->request_overhead > 0) {
       s.factory.request_overhead = calibration->request_overhead;
+      s.factory.request_overhead_samples = calibration->request_overhead_samples;
     }
     const double kv_per_token = calibration->kv_bytes_per_token > 0
                                     ? calibration->kv_bytes_per_token
@@ -434,6 +436,7 @@ absl::Status Simulate(int argc, char** argv) {
                             setup.factory.kv_bytes_per_token, setup.factory.kv_link_bytes);
   }
   cluster.request_overhead = setup.factory.request_overhead;
+  cluster.request_overhead_samples = setup.factory.request_overhead_samples;
 
   std::vector<SimArrival> arrivals;
   std::string workload_text;
@@ -540,10 +543,13 @@ double Median(std::vector<double> v) {
 absl::Status CalibrateFromTrace(const Args& args) {
   const std::string path = *args.Get("trace");
   std::ifstream in(path);
-  if (!in) return absl::InvalidArgumentError(absl::StrCat("plan calibrate: cannot read ", path));
+  if (!in) {
+    return absl::InvalidArgumentError(absl::StrCat("plan calibrate: --trace: cannot read ", path));
+  }
   Calibration cal;
   cal.device = absl::StrCat("steps traced in a serving process (", path, ")");
   std::vector<double> gaps, engine_ttft;
+  std::map<std::string, double> engine_ttft_by_id;  // a retry ("ID~N") replaces the earlier
   std::string line;
   int line_no = 0;
   while (std::getline(in, line)) {
@@ -571,7 +577,10 @@ absl::Status CalibrateFromTrace(const Args& args) {
         const double gap = j.value("gap_s", -1.0);
         if (gap >= 0) gaps.push_back(gap);
       } else if (j.contains("first_token_s")) {
-        engine_ttft.push_back(j.at("first_token_s").get<double>());
+        const double seconds = j.at("first_token_s").get<double>();
+        engine_ttft.push_back(seconds);
+        const std::string id = j.value("request_id", "");
+        if (!id.empty()) engine_ttft_by_id[id.substr(0, id.find('~'))] = seconds;
       } else {
         return bad("neither a step nor a first-token line");
       }
@@ -596,7 +605,7 @@ absl::Status CalibrateFromTrace(const Args& args) {
       runs.clear();
       for (const json& run : report["runs"]) runs.push_back(&run);
     }
-    std::vector<double> client_ttft;
+    std::vector<double> client_ttft, paired;
     for (const json* run : runs) {
       if (!run->is_object() || !run->contains("requests") || !(*run)["requests"].is_array()) {
         continue;
@@ -604,7 +613,12 @@ absl::Status CalibrateFromTrace(const Args& args) {
       for (const json& r : (*run)["requests"]) {
         if (r.is_object() && r.value("success", false) && r.contains("ttft_ms") &&
             r["ttft_ms"].is_number()) {
-          client_ttft.push_back(r["ttft_ms"].get<double>() * 1e-3);
+          const double seconds = r["ttft_ms"].get<double>() * 1e-3;
+          client_ttft.push_back(seconds);
+          if (r.contains("id") && r["id"].is_string()) {
+            auto it = engine_ttft_by_id.find(r["id"].get<std::string>());
+            if (it != engine_ttft_by_id.end()) paired.push_back(std::max(0.0, seconds - it->second));
+          }
         }
       }
     }
@@ -618,7 +632,14 @@ absl::Status CalibrateFromTrace(const Args& args) {
           "plan calibrate: --bench needs first-token lines in ", path,
           " (trace the engine that runs the prefill: colocated or prefill)"));
     }
-    cal.request_overhead = std::max(0.0, Median(client_ttft) - Median(engine_ttft));
+    if (!paired.empty()) {
+      // Request by request: the serving path's spread (a slow accept, a late wake-up) counts.
+      cal.request_overhead = Median(paired);
+      cal.request_overhead_samples = paired;
+    } else {
+      // Reports without ids (or another run's): the difference of the medians.
+      cal.request_overhead = std::max(0.0, Median(client_ttft) - Median(engine_ttft));
+    }
   }
   if (args.Has("model")) {
     TANDEM_ASSIGN_OR_RETURN(engine::ModelConfig config,
@@ -643,6 +664,12 @@ absl::Status CalibrateFromTrace(const Args& args) {
   std::printf("gap between steps %.3f ms", cal.step_gap * 1e3);
   if (cal.request_overhead >= 0) {
     std::printf(", per-request overhead %.3f ms", cal.request_overhead * 1e3);
+    if (!cal.request_overhead_samples.empty()) {
+      std::vector<double> o = cal.request_overhead_samples;
+      std::sort(o.begin(), o.end());
+      std::printf(" (median of %zu paired requests; p90 %.3f ms)", o.size(),
+                  o[std::min(o.size() - 1, o.size() * 9 / 10)] * 1e3);
+    }
   }
   std::printf("\n");
   return absl::OkStatus();

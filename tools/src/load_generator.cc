@@ -286,6 +286,9 @@ RequestRecord SendOne(const LoadConfig& config, const Url& url, const BenchReque
                            : event["error"].dump();
         continue;
       }
+      if (record.id.empty()) {
+        if (auto id = event.find("id"); id != event.end() && id->is_string()) record.id = *id;
+      }
       if (!ChunkText(event).empty()) {
         if (content_chunks == 0) {
           record.ttft = Seconds(start, now);
@@ -635,6 +638,7 @@ json ReportJson(const BenchResult& result, double ttft_slo, double tpot_slo) {
       rec["itl_ms"] = itls_ms;
       rec["output_tokens"] = r.output_tokens;
       rec["prompt_tokens"] = r.prompt_tokens;
+      if (!r.id.empty()) rec["id"] = r.id;
     } else {
       rec["error"] = r.error;
     }

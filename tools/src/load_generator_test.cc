@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <numeric>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -253,9 +254,10 @@ class FakeServer {
       send(absl::StrCat(size, event, "\r\n"));
     };
     send("HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n");
+    const int id = ++served_;
     for (int i = 0; i < tokens_; ++i) {
       std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms_));
-      chunk(R"({"choices":[{"index":0,"text":"tok "}]})");
+      chunk(absl::StrCat(R"({"id":"cmpl-)", id, R"(","choices":[{"index":0,"text":"tok "}]})"));
     }
     chunk(absl::StrCat(R"({"choices":[],"usage":{"prompt_tokens":4,"completion_tokens":)",
                        tokens_, "}}"));
@@ -268,7 +270,7 @@ class FakeServer {
   int tokens_, gap_ms_;
   int fd_ = -1;
   int port_ = 0;
-  std::atomic<int> open_{0}, in_flight_{0}, max_in_flight_{0};
+  std::atomic<int> open_{0}, in_flight_{0}, max_in_flight_{0}, served_{0};
   std::thread accept_thread_;
 };
 
@@ -292,6 +294,14 @@ TEST(RunLoadTest, PerChunkItlsTpotAndMaxConcurrency) {
   }
   // Six requests, two at a time, each about 150 ms: at least three rounds.
   EXPECT_GE(result->duration, 3 * 0.150 - 0.02);
+  // Each record keeps its response's id, which the JSON report carries (calibration pairs it
+  // with the server's step trace).
+  std::set<std::string> ids;
+  for (const RequestRecord& r : result->records) ids.insert(r.id);
+  EXPECT_EQ(ids, (std::set<std::string>{"cmpl-1", "cmpl-2", "cmpl-3", "cmpl-4", "cmpl-5",
+                                        "cmpl-6"}));
+  const nlohmann::json report = ReportJson(*result, 0, 0);
+  EXPECT_EQ(report["requests"][0]["id"].get<std::string>().rfind("cmpl-", 0), 0u);
 }
 
 // Two reports as `tandem bench` labels them, with per-request records.

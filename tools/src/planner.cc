@@ -213,6 +213,7 @@ json Calibration::ToJson() const {
               {"kv_bytes_per_token", kv_bytes_per_token},
               {"step_gap_seconds", step_gap},
               {"request_overhead_seconds", request_overhead},
+              {"request_overhead_samples_seconds", request_overhead_samples},
               {"samples", std::move(rows)}};
 }
 
@@ -229,6 +230,14 @@ absl::StatusOr<Calibration> CalibrationFromJson(const json& j) {
     c.kv_bytes_per_token = j.value("kv_bytes_per_token", 0.0);
     c.step_gap = j.value("step_gap_seconds", 0.0);
     c.request_overhead = j.value("request_overhead_seconds", -1.0);
+    c.request_overhead_samples =
+        j.value("request_overhead_samples_seconds", std::vector<double>{});
+    for (double o : c.request_overhead_samples) {
+      if (!(o >= 0) || !std::isfinite(o)) {
+        return absl::InvalidArgumentError(
+            "calibration: request_overhead_samples_seconds must be >= 0");
+      }
+    }
     if (!(c.step_gap >= 0) || !std::isfinite(c.step_gap) || !std::isfinite(c.request_overhead)) {
       return absl::InvalidArgumentError("calibration: step_gap_seconds must be >= 0");
     }
@@ -581,10 +590,19 @@ absl::StatusOr<SimResult> Simulate(const ClusterSpec& cluster,
   double first = last;
   for (const SimArrival& a : arrivals) first = std::min(first, a.time);
 
+  // Each request's serving-path overhead: the constant, or one of the measured ones drawn at
+  // random (its own seeded stream, so the step draws do not depend on it).
+  std::vector<double> overhead(arrivals.size(), cluster.request_overhead);
+  if (!cluster.request_overhead_samples.empty()) {
+    std::mt19937_64 draw(cluster.noise_seed ^ 0x6f76657268656164ull);
+    for (double& o : overhead) {
+      o = cluster.request_overhead_samples[draw() % cluster.request_overhead_samples.size()];
+    }
+  }
   auto finish = [&](int request, double now) {
     SimRequest& r = result.requests[static_cast<size_t>(request)];
     r.finished = true;
-    r.e2e = now + cluster.request_overhead - r.arrival.time;
+    r.e2e = now + overhead[static_cast<size_t>(request)] - r.arrival.time;
     last = std::max(last, now);
   };
   // Starts a step on an idle instance that has work. A waiting request that could never fit in
@@ -656,7 +674,9 @@ absl::StatusOr<SimResult> Simulate(const ClusterSpec& cluster,
         ++q.generated;
         SimRequest& r = result.requests[static_cast<size_t>(q.request)];
         if (in.role == Role::kColocated) {
-          if (q.generated == 1) r.ttft = now + cluster.request_overhead - r.arrival.time;
+          if (q.generated == 1) {
+            r.ttft = now + overhead[static_cast<size_t>(q.request)] - r.arrival.time;
+          }
           if (q.generated >= q.output) {
             finish(q.request, now);
             done[s.index] = true;
@@ -669,7 +689,7 @@ absl::StatusOr<SimResult> Simulate(const ClusterSpec& cluster,
                         cluster.kv_link_bytes;
           }
           const double landed = now + transfer;
-          r.ttft = landed + cluster.request_overhead - r.arrival.time;
+          r.ttft = landed + overhead[static_cast<size_t>(q.request)] - r.arrival.time;
           if (q.output <= 1) {
             finish(q.request, landed);
           } else {
@@ -860,6 +880,7 @@ absl::StatusOr<PlanResult> SearchPlacement(const InstanceFactory& factory,
     cluster.kv_bytes_per_token = factory.kv_bytes_per_token;
     cluster.kv_link_bytes = factory.kv_link_bytes;
     cluster.request_overhead = factory.request_overhead;
+    cluster.request_overhead_samples = factory.request_overhead_samples;
     Placement p;
     p.cluster = cluster;
     TANDEM_ASSIGN_OR_RETURN(p.max_rate, MaxSustainedRate(cluster, options, &p.at_max_rate));

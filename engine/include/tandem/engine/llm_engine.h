@@ -257,8 +257,13 @@ class LlmEngine {
   int last_step_seqs_ = 0;
   std::chrono::steady_clock::time_point last_step_end_;
   bool pending_after_last_step_ = false;
-  // Requests whose first token the current step sampled: prompt tokens, AddRequest time.
-  std::vector<std::pair<int64_t, std::chrono::steady_clock::time_point>> first_token_requests_;
+  // Requests whose first token the current step sampled, for the step trace.
+  struct FirstToken {
+    std::string request_id;
+    int64_t prompt_tokens = 0;
+    std::chrono::steady_clock::time_point added;
+  };
+  std::vector<FirstToken> first_token_requests_;
 };
 
 // The checks of a request that need only the model (so a router without an engine makes them

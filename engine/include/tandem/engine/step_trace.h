@@ -8,7 +8,7 @@
 // Lines (one JSON object each; "t" is the Unix time in seconds when the line was written):
 //   {"role":"colocated","t":..,"step_s":..,"gap_s":..,"tokens":..,"prefill_tokens":..,
 //    "seqs":..,"context":..}
-//   {"role":"colocated","t":..,"first_token_s":..,"prompt_tokens":..}
+//   {"role":"colocated","t":..,"request_id":"..","first_token_s":..,"prompt_tokens":..}
 #pragma once
 
 #include <cstdint>
@@ -46,7 +46,10 @@ class StepTrace {
   // `role` names the engine ("colocated", "prefill", "decode").
   void RecordStep(std::string_view role, const StepRecord& step);
   // Seconds from the request's AddRequest to the end of the step that sampled its first token.
-  void RecordFirstToken(std::string_view role, int64_t prompt_tokens, double seconds);
+  // `request_id` is the engine's (the API's response id on a colocated server; the router's id,
+  // with a "~N" suffix on a retry, on a prefill worker).
+  void RecordFirstToken(std::string_view role, std::string_view request_id, int64_t prompt_tokens,
+                        double seconds);
   int64_t failed_writes() const;
 
  private:

@@ -37,6 +37,7 @@ struct RequestRecord {
   std::vector<double> itls;   // gaps between consecutive content chunks
   int64_t output_tokens = 0;  // from the usage chunk (content chunk count when absent)
   int64_t prompt_tokens = 0;
+  std::string id;  // the response's "id" (the server's request id), when it sent one
   // (e2e - ttft) / (output_tokens - 1); 0 with fewer than two tokens.
   double Tpot() const;
 };

@@ -85,6 +85,9 @@ struct Calibration {
   // queue hand-off, streaming); negative when not measured.
   double step_gap = 0;
   double request_overhead = -1;
+  // With the bench report's response ids paired with the trace's: each request's client TTFT
+  // minus its in-engine first-token time (empty when not measured).
+  std::vector<double> request_overhead_samples;
   nlohmann::json ToJson() const;
 };
 absl::StatusOr<Calibration> CalibrationFromJson(const nlohmann::json& j);
@@ -159,6 +162,8 @@ struct ClusterSpec {
   double kv_transfer_latency = 0;  // seconds per request on top of the bytes
   // Seconds added to every request's first token and end (HTTP, tokenization, streaming).
   double request_overhead = 0;
+  // When not empty, each request's overhead is one of these instead, drawn at random.
+  std::vector<double> request_overhead_samples;
   // Seeds the draws from the latency models' step noise.
   uint64_t noise_seed = 1;
 
@@ -262,6 +267,7 @@ struct InstanceFactory {
   double kv_bytes_per_token = 0;
   double kv_link_bytes = 0;
   double request_overhead = 0;
+  std::vector<double> request_overhead_samples;
 };
 
 // Highest rate in requests/s at which `cluster` meets `options.attainment` on the workload
