@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Validates `tandem plan simulate` against real runs on this machine.
 
-For each serving mode (colocated and/or disaggregated) it starts `tandem serve` with a step trace,
-runs a calibration load against it (`tandem bench` at every rate, with a seed of its own), and
-fits the simulator's latency model on the steps the server measured while serving (`tandem plan
-calibrate --trace --bench`: step coefficients, the gap between steps, the spread of step times
-and the per-request overhead beyond the engine). Then, on the same server, for each arrival rate
-it runs the validation load (other requests: another seed) and replays those very requests
-(send times, prompt and output tokens from the bench report) through the simulator. Prints
+For each serving mode (colocated and/or disaggregated) it starts `tandem serve` with a step trace
+and, rate by rate, runs a calibration load (`tandem bench`, a seed of its own) then the
+validation load (other requests: another seed). The simulator's latency model is fitted on the
+steps the server measured during the calibration loads only (`tandem plan calibrate --trace
+--bench`: step coefficients, the gap between steps, the spread of step times and each request's
+overhead beyond the engine), and the validation requests (send times, prompt and output tokens
+from their bench reports) are replayed through the simulator. Prints
 predicted against measured TTFT and TPOT p50/p90 with relative errors, and writes everything as
 JSON. `--calibration-source engine` instead times an engine alone (`tandem plan calibrate`).
 
@@ -109,21 +109,39 @@ def main():
         proc, name, url = start_server(args.tandem, model, mode, args.threads, trace)
         try:
             cal = engine_cal
+            rates = args.rates.split(",")
+            windows, cal_runs = [], []
+            for i, rate in enumerate(rates):
+                if trace:
+                    # A calibration load before each validation load, so that the calibration
+                    # spans the same stretch of time (a shared machine drifts) but never sees
+                    # the validation requests.
+                    cal_bench = os.path.join(work, f"calibration-bench-{mode}-{rate}.json")
+                    begin = time.time()
+                    bench(url, name, rate, args.calibration_seed + i, args.calibration_requests,
+                          cal_bench)
+                    windows.append((begin, time.time()))
+                    with open(cal_bench) as f:
+                        cal_runs.append(json.load(f))
+                bench(url, name, rate, args.seed, args.num_requests,
+                      os.path.join(work, f"bench-{mode}-{rate}.json"))
             if trace:
-                cal_bench = os.path.join(work, f"calibration-bench-{mode}.json")
-                bench(url, name, args.rates, args.calibration_seed, args.calibration_requests,
-                      cal_bench)
-                # Only the calibration load's steps: the validation runs append to the trace.
+                # The steps and first tokens of the calibration loads only.
                 cal_trace = os.path.join(work, f"calibration-steps-{mode}.jsonl")
                 with open(trace) as src, open(cal_trace, "w") as dst:
-                    dst.write(src.read())
+                    for line in src:
+                        t = json.loads(line)["t"]
+                        if any(b <= t <= e for b, e in windows):
+                            dst.write(line)
+                cal_bench = os.path.join(work, f"calibration-bench-{mode}.json")
+                with open(cal_bench, "w") as f:
+                    json.dump({"runs": cal_runs}, f)
                 cal = os.path.join(work, f"calibration-{mode}.json")
                 run([args.tandem, "plan", "calibrate", "--trace", cal_trace, "--bench", cal_bench,
                      "--model", model, "--out", cal])
             calibrations[mode] = cal
-            for rate in args.rates.split(","):
+            for rate in rates:
                 bench_json = os.path.join(work, f"bench-{mode}-{rate}.json")
-                bench(url, name, rate, args.seed, args.num_requests, bench_json)
                 sim_json = os.path.join(work, f"sim-{mode}-{rate}.json")
                 sim = [args.tandem, "plan", "simulate", "--model", model, "--calibration", cal,
                        "--config", "colocated" if mode == "colocated" else "disagg",
