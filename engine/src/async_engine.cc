@@ -26,6 +26,9 @@ AsyncEngine::~AsyncEngine() {
 
 absl::Status AsyncEngine::Submit(GenerateRequest request, OutputCallback callback) {
   TANDEM_RETURN_IF_ERROR(engine_->Validate(request));
+  if (request.arrival == std::chrono::steady_clock::time_point{}) {
+    request.arrival = std::chrono::steady_clock::now();
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return absl::UnavailableError("the engine is shutting down");

@@ -24,7 +24,8 @@ struct LlmEngine::Request {
   int num_prompt_tokens = 0;
   int num_generation_tokens = 0;
   size_t max_stop_bytes = 0;
-  // For the step trace: when AddRequest took it, and whether its first token was recorded.
+  // For the step trace: when it arrived (GenerateRequest::arrival, else when AddRequest took
+  // it), and whether its first token was recorded.
   std::chrono::steady_clock::time_point added = std::chrono::steady_clock::now();
   bool first_token_traced = false;
 };
@@ -141,6 +142,7 @@ absl::Status LlmEngine::Validate(const GenerateRequest& request) const {
 std::unique_ptr<LlmEngine::Request> LlmEngine::NewRequest(GenerateRequest& request) {
   auto req = std::make_unique<Request>();
   req->id = request.request_id;
+  if (request.arrival != std::chrono::steady_clock::time_point{}) req->added = request.arrival;
   req->params = std::make_shared<const SamplingParams>(std::move(request.params));
   req->num_prompt_tokens = static_cast<int>(request.prompt_tokens.size());
   for (const std::string& s : req->params->stop) {

@@ -439,6 +439,7 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
   job->received = absl::Now();
   job->id = request.request_id();
   job->request.request_id = request.request_id();
+  job->request.arrival = std::chrono::steady_clock::now();
   job->request.prompt_tokens.assign(request.prompt_token_ids().begin(),
                                     request.prompt_token_ids().end());
   job->request.params = proto::FromProto(request.sampling());

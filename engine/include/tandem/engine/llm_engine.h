@@ -75,6 +75,10 @@ struct GenerateRequest {
   std::string request_id;
   std::vector<int32_t> prompt_tokens;
   SamplingParams params;
+  // When the request reached the engine's owner (AsyncEngine::Submit, a worker's RPC), for the
+  // step trace's first-token time, which then includes the wait for the step running at that
+  // moment; unset (the epoch): when AddRequest took it.
+  std::chrono::steady_clock::time_point arrival{};
 };
 
 // What one of a request's samples produced since the previous Step().

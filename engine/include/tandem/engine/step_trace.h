@@ -45,7 +45,8 @@ class StepTrace {
   // Thread-safe; a failed write is counted, not fatal (the trace is a measurement aid).
   // `role` names the engine ("colocated", "prefill", "decode").
   void RecordStep(std::string_view role, const StepRecord& step);
-  // Seconds from the request's AddRequest to the end of the step that sampled its first token.
+  // Seconds from the request's arrival (GenerateRequest::arrival: at the engine's owner, so a
+  // wait for the step then running counts) to the end of the step that sampled its first token.
   // `request_id` is the engine's (the API's response id on a colocated server; the router's id,
   // with a "~N" suffix on a retry, on a prefill worker).
   void RecordFirstToken(std::string_view role, std::string_view request_id, int64_t prompt_tokens,
