@@ -2,8 +2,9 @@
 """Validates `tandem plan simulate` against real runs on this machine.
 
 For each serving mode (colocated and/or disaggregated) it starts `tandem serve` with a step trace
-and, rate by rate, runs a calibration load (`tandem bench`, a seed of its own) then the
-validation load (other requests: another seed). The simulator's latency model is fitted on the
+and, rate by rate, alternates calibration loads (`tandem bench`, seeds of their own) with
+validation loads (other requests, other seeds) in `--chunks` short chunks, so that both sample
+the same stretches of time on a machine whose speed drifts. The simulator's latency model is fitted on the
 steps the server measured during the calibration loads only (`tandem plan calibrate --trace
 --bench`: step coefficients, the gap between steps, the spread of step times and each request's
 overhead beyond the engine), and the validation requests (send times, prompt and output tokens
@@ -48,6 +49,17 @@ def start_server(tandem, model, mode, threads, trace=None):
     raise RuntimeError(f"serve ({mode}) did not start")
 
 
+def percentile(values, q):
+    """Linear interpolation between closest ranks, as numpy's default and `tandem bench`."""
+    v = sorted(values)
+    if not v:
+        return float("nan")
+    pos = (len(v) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
 def rel(pred, meas):
     return (pred - meas) / meas if meas else float("nan")
 
@@ -63,6 +75,8 @@ def main():
     ap.add_argument("--calibration-requests", type=int, default=20,
                     help="trace: calibration requests per rate")
     ap.add_argument("--calibration-seed", type=int, default=1001)
+    ap.add_argument("--chunks", type=int, default=5,
+                    help="calibration and validation loads alternate in this many chunks per rate")
     ap.add_argument("--calibrate-reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1,
                     help="engine threads, the same for calibration and serving (default 1: "
@@ -112,19 +126,34 @@ def main():
             rates = args.rates.split(",")
             windows, cal_runs = [], []
             for i, rate in enumerate(rates):
-                if trace:
-                    # A calibration load before each validation load, so that the calibration
-                    # spans the same stretch of time (a shared machine drifts) but never sees
-                    # the validation requests.
-                    cal_bench = os.path.join(work, f"calibration-bench-{mode}-{rate}.json")
-                    begin = time.time()
-                    bench(url, name, rate, args.calibration_seed + i, args.calibration_requests,
-                          cal_bench)
-                    windows.append((begin, time.time()))
-                    with open(cal_bench) as f:
-                        cal_runs.append(json.load(f))
-                bench(url, name, rate, args.seed, args.num_requests,
-                      os.path.join(work, f"bench-{mode}-{rate}.json"))
+                # Calibration and validation loads alternate in short chunks, so both sample the
+                # same stretches of time (a shared machine drifts by 10% and more over minutes);
+                # the calibration never sees a validation request.
+                val_runs = []
+                for k in range(args.chunks):
+                    if trace:
+                        cal_bench = os.path.join(work, f"calibration-bench-{mode}-{rate}-{k}.json")
+                        begin = time.time()
+                        bench(url, name, rate, args.calibration_seed + 100 * i + k,
+                              max(1, args.calibration_requests // args.chunks), cal_bench)
+                        windows.append((begin, time.time()))
+                        with open(cal_bench) as f:
+                            cal_runs.append(json.load(f))
+                    chunk = os.path.join(work, f"bench-{mode}-{rate}-{k}.json")
+                    bench(url, name, rate, args.seed + 100 * i + k,
+                          max(1, args.num_requests // args.chunks), chunk)
+                    with open(chunk) as f:
+                        val_runs.append(json.load(f))
+                # One report of the chunks, each shifted 1000 s after the previous, so the
+                # simulator replays them one after another with the system idle in between.
+                merged = {"requests": []}
+                for k, run_k in enumerate(val_runs):
+                    for r in run_k["requests"]:
+                        r = dict(r)
+                        r["start_s"] = r.get("start_s", 0) + 1000.0 * k
+                        merged["requests"].append(r)
+                with open(os.path.join(work, f"bench-{mode}-{rate}.json"), "w") as f:
+                    json.dump(merged, f)
             if trace:
                 # The steps and first tokens of the calibration loads only.
                 cal_trace = os.path.join(work, f"calibration-steps-{mode}.jsonl")
@@ -153,15 +182,18 @@ def main():
                     sim += ["--kv-link-gbps", str(args.kv_link_gbps)]
                 run(sim, stdout=subprocess.DEVNULL)
                 with open(bench_json) as f:
-                    measured = json.load(f)
+                    records = json.load(f)["requests"]
                 with open(sim_json) as f:
                     predicted = json.load(f)
-                row = {"mode": mode, "rate": float(rate),
-                       "requests": measured["requests_succeeded"],
-                       "failed": measured["requests_failed"]}
+                ok = [r for r in records if r["success"]]
+                row = {"mode": mode, "rate": float(rate), "requests": len(ok),
+                       "failed": len(records) - len(ok)}
                 for metric in ("ttft_ms", "tpot_ms"):
+                    values = [r[metric] for r in ok if metric != "tpot_ms" or
+                              r["output_tokens"] > 1]
                     for q in ("p50", "p90"):
-                        m, p = measured[metric][q], predicted[metric][q]
+                        m = percentile(values, 50 if q == "p50" else 90)
+                        p = predicted[metric][q]
                         row[f"{metric[:4]}_{q}"] = {"measured": m, "predicted": p,
                                                     "error": rel(p, m)}
                 rows.append(row)
