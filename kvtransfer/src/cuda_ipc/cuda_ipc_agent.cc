@@ -225,18 +225,17 @@ class CudaIpcAgent : public Agent {
     region.base = static_cast<char*>(base);
     region.bytes = bytes;
     region.generation = ++last_generation_;
-    RegionDescriptor d;
-    d.backend = BackendKind::kCudaIpc;
-    d.owner_instance = instance_;
-    d.region_id = region_id;
-    d.generation = region.generation;
-    d.base = reinterpret_cast<uintptr_t>(base);
-    d.bytes = bytes;
-    d.payload = internal::EncodeCudaIpcPayload(
-        {.handle = std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)),
-         .pid = static_cast<uint64_t>(getpid()),
-         .device = device_});
-    return internal::EncodeDescriptor(d);
+    return internal::EncodeDescriptor(RegionDescriptor{
+        .backend = BackendKind::kCudaIpc,
+        .owner_instance = instance_,
+        .region_id = region_id,
+        .generation = region.generation,
+        .base = reinterpret_cast<uintptr_t>(base),
+        .bytes = bytes,
+        .payload = internal::EncodeCudaIpcPayload(
+            {.handle = std::string(reinterpret_cast<const char*>(&handle), sizeof(handle)),
+             .pid = static_cast<uint64_t>(getpid()),
+             .device = device_})});
   }
 
   // Waits for the copies that read the region. A device-to-device copy needs nothing from the

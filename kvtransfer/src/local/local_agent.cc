@@ -39,14 +39,13 @@ class RegionTable {
     region.base = static_cast<char*>(base);
     region.bytes = bytes;
     region.generation = ++last_generation_;
-    RegionDescriptor d;
-    d.backend = BackendKind::kLocal;
-    d.owner_instance = instance_;
-    d.region_id = region_id;
-    d.generation = region.generation;
-    d.base = reinterpret_cast<uintptr_t>(base);
-    d.bytes = bytes;
-    return d;
+    return RegionDescriptor{.backend = BackendKind::kLocal,
+                            .owner_instance = instance_,
+                            .region_id = region_id,
+                            .generation = region.generation,
+                            .base = reinterpret_cast<uintptr_t>(base),
+                            .bytes = bytes,
+                            .payload = {}};
   }
 
   // Refuses new pins of the region, waits for the current ones to end, then forgets it.

@@ -755,14 +755,13 @@ absl::StatusOr<std::string> UcxAgent::RegisterMemory(uint64_t region_id, void* b
       return absl::InternalError(absl::StrCat("ucp_rkey_pack: ", UcsError(status)));
     }
     std::unique_ptr<void, RkeyBufferDeleter> packed(rkey_buffer);
-    RegionDescriptor d;
-    d.backend = BackendKind::kUcx;
-    d.owner_instance = instance_;
-    d.region_id = region_id;
-    d.generation = ++last_generation_;
-    d.base = reinterpret_cast<uintptr_t>(base);
-    d.bytes = bytes;
-    d.payload.assign(static_cast<const char*>(rkey_buffer), rkey_bytes);
+    RegionDescriptor d{.backend = BackendKind::kUcx,
+                       .owner_instance = instance_,
+                       .region_id = region_id,
+                       .generation = ++last_generation_,
+                       .base = reinterpret_cast<uintptr_t>(base),
+                       .bytes = bytes,
+                       .payload = std::string(static_cast<const char*>(rkey_buffer), rkey_bytes)};
     LocalRegion& region = regions_[region_id];
     region.base = static_cast<char*>(base);
     region.bytes = bytes;
