@@ -530,12 +530,7 @@ struct Timer {
   }
 };
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+double Median(std::vector<double> v) { return v.empty() ? 0 : Percentile(std::move(v), 50); }
 
 // `plan calibrate --trace`: the steps a serving process measured (`--step-trace`), and with
 // --bench the client's first-token times of the same run, whose median beyond the engine's own
@@ -665,10 +660,9 @@ absl::Status CalibrateFromTrace(const Args& args) {
   if (cal.request_overhead >= 0) {
     std::printf(", per-request overhead %.3f ms", cal.request_overhead * 1e3);
     if (!cal.request_overhead_samples.empty()) {
-      std::vector<double> o = cal.request_overhead_samples;
-      std::sort(o.begin(), o.end());
-      std::printf(" (median of %zu paired requests; p90 %.3f ms)", o.size(),
-                  o[std::min(o.size() - 1, o.size() * 9 / 10)] * 1e3);
+      std::printf(" (median of %zu paired requests; p90 %.3f ms)",
+                  cal.request_overhead_samples.size(),
+                  Percentile(cal.request_overhead_samples, 90) * 1e3);
     }
   }
   std::printf("\n");
