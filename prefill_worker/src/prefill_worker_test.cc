@@ -9,6 +9,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <cstdio>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <random>
@@ -22,6 +25,7 @@
 #include "tandem/engine/llm_engine.h"
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/proto/convert.h"
+#include "step_gate.h"
 #include "tandem/v1/prefill.grpc.pb.h"
 #include "test_models.h"
 
@@ -31,10 +35,9 @@ namespace {
 using ::testing::HasSubstr;
 
 constexpr int64_t kTinyKvBytes = 8ll << 20;
-// The small preset is slow enough on the CPU (tens of ms per chunk) for a request to be caught
-// in the middle of its prefill.
 constexpr int64_t kSmallKvBytes = 40ll << 20;
-constexpr int kSlowPromptLen = 1200;
+// A prompt of many prefill chunks, to be held in its middle.
+constexpr int kLongPromptLen = 1200;
 
 engine::EngineOptions EngineOptionsFor(const std::string& model, int64_t kv_bytes,
                                        engine::EngineRole role) {
@@ -155,9 +158,13 @@ class DecodeSide {
 };
 
 std::unique_ptr<PrefillWorker> MakeWorker(const std::string& backend, const std::string& model,
-                                          int64_t kv_bytes) {
+                                          int64_t kv_bytes,
+                                          std::function<void()> before_step = nullptr,
+                                          int chunk_tokens = 64) {
   PrefillWorkerOptions options;
   options.engine = EngineOptionsFor(model, kv_bytes, engine::EngineRole::kColocated);
+  options.engine.before_step = std::move(before_step);
+  options.engine.max_num_batched_tokens = chunk_tokens;
   options.worker_id = "prefill-test";
   options.metrics_address = "127.0.0.1:0";
   options.kv_backend = backend;
@@ -224,20 +231,10 @@ tandem::v1::CancelResponse CallCancel(tandem::v1::PrefillWorker::Stub& stub,
   return response;
 }
 
-// Waits (up to 30 s) until the worker is computing something.
-void WaitUntilRunning(tandem::v1::PrefillWorker::Stub& stub) {
-  const absl::Time until = absl::Now() + absl::Seconds(30);
-  while (absl::Now() < until) {
-    if (CallStats(stub).running() > 0) return;
-    absl::SleepFor(absl::Milliseconds(2));
-  }
-  ADD_FAILURE() << "the worker never started the request";
-}
-
-// Waits (up to 10 s) until the worker holds no KV block and nothing runs.
+// Waits (up to 60 s, a bound for a hang) until the worker holds no KV block and nothing runs.
 void ExpectDrained(tandem::v1::PrefillWorker::Stub& stub) {
   tandem::v1::WorkerStats stats;
-  const absl::Time until = absl::Now() + absl::Seconds(10);
+  const absl::Time until = absl::Now() + absl::Seconds(60);
   do {
     stats = CallStats(stub);
     if (stats.kv_blocks_used() == 0 && stats.running() == 0 && stats.waiting() == 0) break;
@@ -340,16 +337,17 @@ TEST_P(PrefillWorkerTest, ConcurrentSubmitsEqualColocatedTokenForToken) {
 
   auto stub = Connect(*worker);
   std::vector<SubmitResult> results(requests.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    threads.emplace_back([&, i] {
-      const engine::GenerateRequest& r = requests[i];
-      tandem::v1::KvReservation reservation =
-          decode.Reserve(r.request_id, static_cast<int>(r.prompt_tokens.size()), r.params.n);
-      results[i] = CallSubmit(*stub, MakeSubmit(r, reservation));
-    });
+  {
+    std::vector<std::jthread> threads;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads.emplace_back([&, i] {
+        const engine::GenerateRequest& r = requests[i];
+        tandem::v1::KvReservation reservation =
+            decode.Reserve(r.request_id, static_cast<int>(r.prompt_tokens.size()), r.params.n);
+        results[i] = CallSubmit(*stub, MakeSubmit(r, reservation));
+      });
+    }
   }
-  for (std::thread& t : threads) t.join();
 
   for (size_t i = 0; i < requests.size(); ++i) {
     const engine::GenerateRequest& r = requests[i];
@@ -362,17 +360,15 @@ TEST_P(PrefillWorkerTest, ConcurrentSubmitsEqualColocatedTokenForToken) {
     EXPECT_EQ(result.response.kv_transfer_bytes(),
               r.params.n * PromptKvBytes(decode.engine(), prompt_len))
         << i;
+    // Durations are reported; how much of the transfer hides behind compute depends on the
+    // machine and is measured by bench/kv_overlap.py, not here.
     EXPECT_GT(result.response.kv_transfer_seconds(), 0.0) << i;
     EXPECT_GE(result.response.kv_transfer_exposed_seconds(), 0.0) << i;
+    EXPECT_LE(result.response.kv_transfer_exposed_seconds(),
+              result.response.kv_transfer_seconds())
+        << i;
     EXPECT_GE(result.response.queue_seconds(), 0.0) << i;
     EXPECT_GT(result.response.prefill_seconds(), 0.0) << i;
-    if (prompt_len > 64) {
-      // Pushed layer by layer while the later chunks were computed: most of the transfer is
-      // hidden behind compute.
-      EXPECT_LT(result.response.kv_transfer_exposed_seconds(),
-                result.response.kv_transfer_seconds())
-          << i;
-    }
     ASSERT_TRUE(decode.Continue(r, result.response).ok()) << i;
   }
   std::map<std::string, engine::RequestOutput> got = decode.RunAll();
@@ -562,14 +558,15 @@ TEST_P(PrefillWorkerTest, PreemptedSamplesArePushedAgainAndStillMatch) {
 
   auto stub = Connect(*worker);
   std::vector<SubmitResult> results(requests.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    threads.emplace_back([&, i] {
-      tandem::v1::KvReservation reservation = decode.Reserve(requests[i].request_id, 200, 1);
-      results[i] = CallSubmit(*stub, MakeSubmit(requests[i], reservation));
-    });
+  {
+    std::vector<std::jthread> threads;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads.emplace_back([&, i] {
+        tandem::v1::KvReservation reservation = decode.Reserve(requests[i].request_id, 200, 1);
+        results[i] = CallSubmit(*stub, MakeSubmit(requests[i], reservation));
+      });
+    }
   }
-  for (std::thread& t : threads) t.join();
   for (size_t i = 0; i < requests.size(); ++i) {
     ASSERT_TRUE(results[i].status.ok()) << i << ": " << results[i].status.error_message();
     EXPECT_GE(results[i].response.kv_transfer_bytes(), PromptKvBytes(decode.engine(), 200));
@@ -588,133 +585,205 @@ TEST_P(PrefillWorkerTest, PreemptedSamplesArePushedAgainAndStillMatch) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, PrefillWorkerTest, ::testing::Values("local", "ucx"));
 
-// Requests caught in the middle of a long prefill (the small preset, 1200-token prompts).
-class SlowPrefillTest : public ::testing::TestWithParam<std::string> {
+// Requests caught in the middle of a long prefill on purpose: the worker's engine is held at a
+// StepGate after two of the prompt's 75 chunks, whatever the speed of the machine.
+class MidPrefillTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    worker_ = MakeWorker(GetParam(), SmallQwen3(), kSmallKvBytes);
+    gate_ = std::make_shared<testing::StepGate>();
+    worker_ = MakeWorker(GetParam(), TinyQwen3(), kTinyKvBytes, gate_->Hook(), kChunkTokens);
     ASSERT_NE(worker_, nullptr);
-    decode_ = std::make_unique<DecodeSide>(GetParam(), SmallQwen3(), kSmallKvBytes);
+    decode_ = std::make_unique<DecodeSide>(GetParam(), TinyQwen3(), kTinyKvBytes);
     stub_ = Connect(*worker_);
   }
+  // The worker (destroyed after this) can only shut down with its engine let go.
+  void TearDown() override { gate_->Open(); }
 
   engine::GenerateRequest LongRequest(const std::string& id) {
-    engine::GenerateRequest request{id, RandomPrompt(kSlowPromptLen, 1000, 3), {}};
+    engine::GenerateRequest request{id, RandomPrompt(kLongPromptLen, 500, 3), {}};
     request.params.temperature = 0;
     request.params.max_tokens = 4;
     return request;
   }
 
+  static constexpr int kChunkTokens = 16;
+  static constexpr int kChunks = kLongPromptLen / kChunkTokens;
+
+  // Lets the held engine take one step at a time until `done()` holds or it has no work left.
+  // Each step is one 16-token chunk, and the worker takes commands (a cancel, a stop) between
+  // steps, so what the test sent just before lands with most of the prefill still to do.
+  void StepUntil(const std::function<bool()>& done) {
+    while (!done()) {
+      gate_->Allow(1);
+      if (!gate_->WaitHeldOr(done)) break;
+    }
+    gate_->Open();
+  }
+
+  std::shared_ptr<testing::StepGate> gate_;
   std::unique_ptr<PrefillWorker> worker_;
   std::unique_ptr<DecodeSide> decode_;
   std::unique_ptr<tandem::v1::PrefillWorker::Stub> stub_;
 };
 
-TEST_P(SlowPrefillTest, DeadlinePassingMidPrefillFailsAndFreesBlocks) {
+// A Submit run on another thread; its result is read once `done` is set.
+struct PendingSubmit {
+  SubmitResult result;
+  std::atomic<bool> done{false};
+};
+
+TEST_P(MidPrefillTest, DeadlinePassingMidPrefillFailsAndFreesBlocks) {
   engine::GenerateRequest request = LongRequest("late");
-  // Unhurried, the prefill takes well over the 200 ms deadline below.
-  tandem::v1::KvReservation reservation = decode_->Reserve("late", kSlowPromptLen, 1);
-  SubmitResult full = CallSubmit(*stub_, MakeSubmit(request, reservation));
-  ASSERT_TRUE(full.status.ok()) << full.status.error_message();
-  EXPECT_GT(full.response.prefill_seconds(), 0.4);
-  EXPECT_EQ(full.response.kv_transfer_bytes(), PromptKvBytes(decode_->engine(), kSlowPromptLen));
-  EXPECT_LT(full.response.kv_transfer_exposed_seconds(), full.response.kv_transfer_seconds());
-  decode_->Release("late");
-
-  reservation = decode_->Reserve("late", kSlowPromptLen, 1);
-  const absl::Time start = absl::Now();
-  SubmitResult result =
-      CallSubmit(*stub_, MakeSubmit(request, reservation, absl::Milliseconds(200)));
-  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
-      << result.status.error_message();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
-  ExpectDrained(*stub_);
-  decode_->Release("late");
-
-  // The reservation's expiry bounds the request the same way.
-  reservation = decode_->Reserve("late", kSlowPromptLen, 1);
-  reservation.set_expires_unix_ms(absl::ToUnixMillis(absl::Now() + absl::Milliseconds(200)));
-  result = CallSubmit(*stub_, MakeSubmit(request, reservation));
-  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
-      << result.status.error_message();
-  ExpectDrained(*stub_);
-  decode_->Release("late");
+  {  // Unhindered, the request succeeds and its whole prompt KV is pushed.
+    tandem::v1::KvReservation reservation = decode_->Reserve("late", kLongPromptLen, 1);
+    SubmitResult full = CallSubmit(*stub_, MakeSubmit(request, reservation));
+    ASSERT_TRUE(full.status.ok()) << full.status.error_message();
+    EXPECT_EQ(full.response.kv_transfer_bytes(),
+              PromptKvBytes(decode_->engine(), kLongPromptLen));
+    decode_->Release("late");
+  }
+  // The Submit's deadline, then the reservation's expiry, passes while the engine is held after
+  // two chunks; the next sweep fails the request.
+  for (const bool by_expiry : {false, true}) {
+    SCOPED_TRACE(by_expiry ? "reservation expiry" : "submit deadline");
+    tandem::v1::KvReservation reservation = decode_->Reserve("late", kLongPromptLen, 1);
+    const absl::Time deadline = absl::Now() + absl::Seconds(3);
+    if (by_expiry) reservation.set_expires_unix_ms(absl::ToUnixMillis(deadline));
+    const tandem::v1::SubmitRequest submit = MakeSubmit(
+        request, reservation, by_expiry ? absl::Seconds(60) : deadline - absl::Now());
+    const int64_t passed_before = gate_->passed();
+    gate_->Allow(2);
+    PendingSubmit pending;
+    {
+      std::jthread call([&] {
+        pending.result = CallSubmit(*stub_, submit);
+        pending.done = true;
+      });
+      auto release = gate_->OpenOnExit();  // before the thread is joined, on every path
+      if (gate_->WaitHeldOr([&] { return pending.done.load(); })) {
+        // Waiting for wall-clock time to pass is the point here, not synchronisation.
+        absl::SleepFor(deadline - absl::Now() + absl::Milliseconds(1));
+        EXPECT_EQ(gate_->passed() - passed_before, 2);  // still mid-prefill
+      } else {
+        // The deadline passed before the worker's engine got to the request (a machine loaded
+        // beyond 3 s of delay): the same answer, without the mid-prefill hold.
+        std::printf("note: request refused before its third chunk\n");
+      }
+    }
+    EXPECT_EQ(pending.result.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+        << pending.result.status.error_message();
+    ExpectDrained(*stub_);
+    decode_->Release("late");
+  }
 }
 
-TEST_P(SlowPrefillTest, CancelRpcEndsSubmitWithCancelled) {
+TEST_P(MidPrefillTest, CancelRpcEndsSubmitWithCancelled) {
   engine::GenerateRequest request = LongRequest("doomed");
-  tandem::v1::KvReservation reservation = decode_->Reserve("doomed", kSlowPromptLen, 1);
-  SubmitResult result;
-  std::thread submit([&] { result = CallSubmit(*stub_, MakeSubmit(request, reservation)); });
-  WaitUntilRunning(*stub_);
-  // The same id twice in flight is refused.
-  EXPECT_EQ(CallSubmit(*stub_, MakeSubmit(request, reservation)).status.error_code(),
-            grpc::StatusCode::ALREADY_EXISTS);
-  EXPECT_TRUE(CallCancel(*stub_, "doomed").found());
-  submit.join();
-  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::CANCELLED)
-      << result.status.error_message();
+  tandem::v1::KvReservation reservation = decode_->Reserve("doomed", kLongPromptLen, 1);
+  gate_->Allow(2);
+  PendingSubmit pending;
+  {
+    std::jthread submit([&] {
+      pending.result = CallSubmit(*stub_, MakeSubmit(request, reservation));
+      pending.done = true;
+    });
+    auto release = gate_->OpenOnExit();
+    ASSERT_TRUE(gate_->WaitHeld());
+    // The same id twice in flight is refused.
+    EXPECT_EQ(CallSubmit(*stub_, MakeSubmit(request, reservation)).status.error_code(),
+              grpc::StatusCode::ALREADY_EXISTS);
+    // Cancel answers once the request is over, so it runs beside the held engine.
+    std::atomic<bool> found{false};
+    std::jthread cancel([&] { found = CallCancel(*stub_, "doomed").found(); });
+    StepUntil([&] { return pending.done.load(); });
+    cancel.join();
+    EXPECT_TRUE(found.load());
+  }
+  EXPECT_EQ(pending.result.status.error_code(), grpc::StatusCode::CANCELLED)
+      << pending.result.status.error_message();
   ExpectDrained(*stub_);
   EXPECT_FALSE(CallCancel(*stub_, "doomed").found());  // idempotent
   EXPECT_FALSE(CallCancel(*stub_, "never-seen").found());
   decode_->Release("doomed");
 }
 
-TEST_P(SlowPrefillTest, ClientCancellingTheCallCancelsTheRequest) {
+TEST_P(MidPrefillTest, ClientCancellingTheCallCancelsTheRequest) {
   engine::GenerateRequest request = LongRequest("gone");
-  tandem::v1::KvReservation reservation = decode_->Reserve("gone", kSlowPromptLen, 1);
+  tandem::v1::KvReservation reservation = decode_->Reserve("gone", kLongPromptLen, 1);
   grpc::ClientContext context;
-  SubmitResult result;
-  std::thread submit(
-      [&] { result = CallSubmit(*stub_, MakeSubmit(request, reservation), &context); });
-  WaitUntilRunning(*stub_);
-  context.TryCancel();
-  submit.join();
-  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::CANCELLED);
+  gate_->Allow(2);
+  PendingSubmit pending;
+  {
+    std::jthread submit([&] {
+      pending.result = CallSubmit(*stub_, MakeSubmit(request, reservation), &context);
+      pending.done = true;
+    });
+    auto release = gate_->OpenOnExit();
+    ASSERT_TRUE(gate_->WaitHeld());
+    context.TryCancel();
+    StepUntil([&] { return pending.done.load(); });
+  }
+  EXPECT_EQ(pending.result.status.error_code(), grpc::StatusCode::CANCELLED);
   ExpectDrained(*stub_);
   decode_->Release("gone");
 
   // The worker goes on serving.
-  engine::GenerateRequest next{"next", RandomPrompt(100, 1000, 4), {}};
+  engine::GenerateRequest next{"next", RandomPrompt(100, 500, 4), {}};
   next.params.temperature = 0;
   reservation = decode_->Reserve("next", 100, 1);
-  result = CallSubmit(*stub_, MakeSubmit(next, reservation));
+  SubmitResult result = CallSubmit(*stub_, MakeSubmit(next, reservation));
   ASSERT_TRUE(result.status.ok()) << result.status.error_message();
   EXPECT_EQ(result.response.kv_transfer_bytes(), PromptKvBytes(decode_->engine(), 100));
   decode_->Release("next");
   ExpectDrained(*stub_);
 }
 
-TEST_P(SlowPrefillTest, ShutdownCancelsWhatIsLeftWithUnavailable) {
+TEST_P(MidPrefillTest, ShutdownCancelsWhatIsLeftWithUnavailable) {
   engine::GenerateRequest request = LongRequest("cut");
-  tandem::v1::KvReservation reservation = decode_->Reserve("cut", kSlowPromptLen, 1);
-  SubmitResult result;
-  std::thread submit([&] { result = CallSubmit(*stub_, MakeSubmit(request, reservation)); });
-  WaitUntilRunning(*stub_);
-  const absl::Time start = absl::Now();
-  worker_->Shutdown(absl::Milliseconds(50));
-  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
-  submit.join();
-  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
-      << result.status.error_message();
+  tandem::v1::KvReservation reservation = decode_->Reserve("cut", kLongPromptLen, 1);
+  gate_->Allow(2);
+  PendingSubmit pending;
+  {
+    std::jthread submit([&] {
+      pending.result = CallSubmit(*stub_, MakeSubmit(request, reservation));
+      pending.done = true;
+    });
+    auto release = gate_->OpenOnExit();
+    ASSERT_TRUE(gate_->WaitHeld());
+    // Shutdown with no grace stops the loop at once; the held step finishes first, and the loop
+    // fails what is left instead of stepping again. /health turns 503 as the stop begins.
+    std::jthread shutdown([&] { worker_->Shutdown(absl::ZeroDuration()); });
+    const absl::Time until = absl::Now() + absl::Seconds(60);
+    while (HttpGet(worker_->metrics_port(), "/health").find("503") == std::string::npos &&
+           absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    StepUntil([&] { return pending.done.load(); });
+  }
+  EXPECT_EQ(pending.result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << pending.result.status.error_message();
+  EXPECT_LT(gate_->passed(), kChunks);  // it never finished its prefill
   EXPECT_EQ(worker_->Stats().kv_blocks_used(), 0);
   EXPECT_EQ(worker_->Stats().running(), 0);
   decode_->Release("cut");
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, SlowPrefillTest, ::testing::Values("local", "ucx"));
+INSTANTIATE_TEST_SUITE_P(Backends, MidPrefillTest, ::testing::Values("local", "ucx"));
 
-// The decode worker's process dies: its agent goes away before or during a Submit.
+// The decode worker's process dies: its agent goes away before or during a Submit (the worker's
+// engine held at a StepGate after two chunks, some pages already pushed).
 TEST(PrefillWorkerPeerTest, DecodeAgentGoneFailsWithUnavailableAndLeaksNothing) {
-  auto worker = MakeWorker("ucx", SmallQwen3(), kSmallKvBytes);
+  auto gate = std::make_shared<testing::StepGate>();
+  auto worker = MakeWorker("ucx", SmallQwen3(), kSmallKvBytes, gate->Hook());
   ASSERT_NE(worker, nullptr);
+  auto release_at_end = gate->OpenOnExit();  // the worker shuts down with its engine let go
   auto stub = Connect(*worker);
-  engine::GenerateRequest request{"lost", RandomPrompt(kSlowPromptLen, 1000, 5), {}};
+  engine::GenerateRequest request{"lost", RandomPrompt(kLongPromptLen, 1000, 5), {}};
   request.params.temperature = 0;
 
   {  // Gone before the Submit.
     DecodeSide decode("ucx", SmallQwen3(), kSmallKvBytes);
-    tandem::v1::KvReservation reservation = decode.Reserve("lost", kSlowPromptLen, 1);
+    tandem::v1::KvReservation reservation = decode.Reserve("lost", kLongPromptLen, 1);
     decode.DestroyAgent();
     SubmitResult result = CallSubmit(*stub, MakeSubmit(request, reservation));
     EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
@@ -724,13 +793,15 @@ TEST(PrefillWorkerPeerTest, DecodeAgentGoneFailsWithUnavailableAndLeaksNothing) 
   }
   {  // Gone in the middle of it.
     DecodeSide decode("ucx", SmallQwen3(), kSmallKvBytes);
-    tandem::v1::KvReservation reservation = decode.Reserve("lost", kSlowPromptLen, 1);
+    tandem::v1::KvReservation reservation = decode.Reserve("lost", kLongPromptLen, 1);
     SubmitResult result;
-    std::thread submit([&] { result = CallSubmit(*stub, MakeSubmit(request, reservation)); });
-    WaitUntilRunning(*stub);
-    absl::SleepFor(absl::Milliseconds(50));  // some pages are already there
-    decode.DestroyAgent();
-    submit.join();
+    gate->Allow(2);
+    {
+      std::jthread submit([&] { result = CallSubmit(*stub, MakeSubmit(request, reservation)); });
+      auto release = gate->OpenOnExit();
+      ASSERT_TRUE(gate->WaitHeld());
+      decode.DestroyAgent();
+    }
     EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
         << result.status.error_message();
     EXPECT_THAT(result.status.error_message(), HasSubstr("KV transfer failed"));

@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "device_flag.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/tools/synth_model.h"
@@ -53,6 +54,9 @@ void DeclareEngineFlags(Args& args) {
   args.Declare("step-trace", "FILE",
                "write every engine step and each request's in-engine first-token time to FILE "
                "as JSON lines, for `tandem plan calibrate --trace` (default: none)");
+  args.Declare("step-delay-ms", "MS",
+               "fault injection: sleep MS milliseconds before every engine step, as a slower "
+               "device would (tests and drills that must catch work in the middle; default 0)");
 }
 
 absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
@@ -77,6 +81,11 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
           absl::StrCat(args.command(), ": --step-trace: ", trace.status().message()));
     }
     options.step_trace = *std::move(trace);
+  }
+
+  TANDEM_ASSIGN_OR_RETURN(int64_t delay_ms, IntFlag(args, "step-delay-ms", 0, 0, 60000));
+  if (delay_ms > 0) {
+    options.before_step = [delay = absl::Milliseconds(delay_ms)] { absl::SleepFor(delay); };
   }
 
   if (args.Has("model")) {

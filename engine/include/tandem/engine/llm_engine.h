@@ -69,6 +69,11 @@ struct EngineOptions {
   // When set, every step and every request's first-token latency are written to it (see
   // step_trace.h); several engines may share one trace.
   std::shared_ptr<StepTrace> step_trace;
+  // Called on the engine thread at the start of every Step() that has work, before the step is
+  // scheduled. Tests hold the engine here (tests/engine/step_gate.h) to catch a request in the
+  // middle of its work on purpose; `--step-delay-ms` sleeps here (fault injection: a slower
+  // device). Whatever it blocks on must be released for the engine's owner to shut down.
+  std::function<void()> before_step;
 };
 
 struct GenerateRequest {
