@@ -667,7 +667,9 @@ tandem::v1::WorkerStats DecodeWorkerImpl::Stats() const {
   // The snapshot is published after every change the engine loop makes (before any RPC that
   // made it returns, and before a stream's last event is queued).
   std::lock_guard<std::mutex> lock(mu_);
-  return snapshot_;
+  tandem::v1::WorkerStats stats = snapshot_;
+  stats.set_draining(!accepting_.load());
+  return stats;
 }
 
 // --- RPC bodies -------------------------------------------------------------------------------

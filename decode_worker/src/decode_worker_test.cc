@@ -25,6 +25,7 @@
 #include "tandem/engine/model_runner.h"
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/proto/convert.h"
+#include "step_gate.h"
 #include "tandem/v1/decode.grpc.pb.h"
 #include "test_models.h"
 
@@ -131,6 +132,9 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     DecodeWorkerOptions options;
     options.engine = EngineOptionsFor(engine::EngineRole::kColocated);  // the worker sets decode
+    // Tests that must catch a stream mid-generation pause the worker's engine here.
+    gate_ = std::make_shared<testing::StepGate>();
+    options.engine.before_step = gate_->Hook();
     options.worker_id = "decode-test";
     options.kv_backend = GetParam();
     options.metrics_address = "127.0.0.1:0";
@@ -143,6 +147,7 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
   }
 
   void TearDown() override {
+    gate_->Open();
     if (worker_ == nullptr) return;
     // Nothing leaks, whatever the test did.
     EXPECT_TRUE(WaitForStats([](const tandem::v1::WorkerStats& s) {
@@ -158,9 +163,9 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
     return stats;
   }
 
-  // Polls the Stats RPC until `done` holds, for up to `timeout`.
+  // Polls the Stats RPC until `done` holds, for up to `timeout` (a bound for a hang).
   bool WaitForStats(const std::function<bool(const tandem::v1::WorkerStats&)>& done,
-                    absl::Duration timeout = absl::Seconds(3)) {
+                    absl::Duration timeout = absl::Seconds(60)) {
     const absl::Time deadline = absl::Now() + timeout;
     while (true) {
       if (done(RpcStats())) return true;
@@ -271,16 +276,19 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
     return result;
   }
 
-  // Reserve, prefill and push, then Start with a long generation; returns once the first event
-  // arrived, with the call still open.
+  // Reserve, prefill and push, then Start with a long generation on the worker whose engine
+  // `gate` pauses (the fixture's by default); returns once the first event (the prefilled first
+  // token) arrived, with the call open and the stream paused there until the test lets it go.
   struct OpenStream {
     std::unique_ptr<grpc::ClientContext> context;
     std::unique_ptr<grpc::ClientReader<tandem::v1::TokenEvent>> reader;
     std::vector<tandem::v1::TokenEvent> events;
   };
   OpenStream StartLong(const std::string& request_id, int n,
-                       tandem::v1::DecodeWorker::Stub* stub = nullptr) {
+                       tandem::v1::DecodeWorker::Stub* stub = nullptr,
+                       testing::StepGate* gate = nullptr) {
     if (stub == nullptr) stub = stub_.get();
+    if (gate == nullptr) gate = gate_.get();
     OpenStream open;
     auto colocated_vocab = 512;
     engine::GenerateRequest request{request_id, RandomPrompt(40, colocated_vocab, 3), {}};
@@ -294,6 +302,7 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
     if (!reserved.ok()) return open;
     tandem::v1::StartRequest start =
         StartRequestFor(request, reservation, Prefill(request, reservation));
+    gate->Allow(0);
     open.context = Context();
     open.reader = stub->Start(open.context.get(), start);
     tandem::v1::TokenEvent event;
@@ -303,9 +312,11 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
   }
 
   // A second decode worker of the same backend (the one a drain hands KV away from).
-  std::unique_ptr<DecodeWorker> MakeWorker(const std::string& id, absl::Duration handoff_ttl) {
+  std::unique_ptr<DecodeWorker> MakeWorker(const std::string& id, absl::Duration handoff_ttl,
+                                           std::function<bool()> before_step = nullptr) {
     DecodeWorkerOptions options;
     options.engine = EngineOptionsFor(engine::EngineRole::kDecode);
+    options.engine.before_step = std::move(before_step);
     options.worker_id = id;
     options.kv_backend = GetParam();
     options.handoff_ttl = handoff_ttl;
@@ -334,6 +345,7 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
   }
 
   std::unique_ptr<DecodeWorker> worker_;
+  std::shared_ptr<testing::StepGate> gate_;
   std::unique_ptr<tandem::v1::DecodeWorker::Stub> stub_;
   std::unique_ptr<engine::LlmEngine> prefill_;
   std::unique_ptr<kvtransfer::Agent> sender_;
@@ -442,11 +454,12 @@ TEST_P(DecodeWorkerTest, ConcurrentStreamsEachEqualColocatedOutput) {
     starts.push_back(StartRequestFor(request, reservation, Prefill(request, reservation)));
   }
   std::vector<StartResult> results(requests.size());
-  std::vector<std::thread> threads;
-  for (size_t i = 0; i < requests.size(); ++i) {
-    threads.emplace_back([&, i] { results[i] = RunStart(starts[i]); });
+  {
+    std::vector<std::jthread> threads;
+    for (size_t i = 0; i < requests.size(); ++i) {
+      threads.emplace_back([&, i] { results[i] = RunStart(starts[i]); });
+    }
   }
-  for (std::thread& t : threads) t.join();
   for (size_t i = 0; i < requests.size(); ++i) {
     SCOPED_TRACE(requests[i].request_id);
     ASSERT_TRUE(results[i].status.ok()) << results[i].status.error_message();
@@ -469,8 +482,8 @@ TEST_P(DecodeWorkerTest, UnstartedReservationExpires) {
   EXPECT_EQ(RpcStats().kv_blocks_used(), 7);
 
   // Past its deadline a reservation cannot be started, even while its blocks are still held
-  // for transfers that may be landing.
-  absl::SleepFor(absl::Milliseconds(300));
+  // for transfers that may be landing. (Waiting for the clock to pass it is the point here.)
+  absl::SleepFor(absl::FromUnixMillis(deadline) - absl::Now() + absl::Milliseconds(2));
   tandem::v1::StartRequest start;
   start.set_request_id("late");
   start.set_reservation_id(reservation.reservation_id());
@@ -480,13 +493,10 @@ TEST_P(DecodeWorkerTest, UnstartedReservationExpires) {
   EXPECT_EQ(result.status.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_TRUE(result.events.empty());
 
-  // The blocks come back by themselves, within the grace period, with nobody calling.
-  EXPECT_TRUE(WaitForStats(
-      [](const tandem::v1::WorkerStats& s) {
-        return s.kv_blocks_used() == 0 && s.kv_blocks_reserved() == 0 && s.reservations() == 0;
-      },
-      absl::Seconds(3)))
-      << RpcStats().DebugString();
+  // The blocks come back by themselves, after the grace period, with nobody calling.
+  EXPECT_TRUE(WaitForStats([](const tandem::v1::WorkerStats& s) {
+    return s.kv_blocks_used() == 0 && s.kv_blocks_reserved() == 0 && s.reservations() == 0;
+  })) << RpcStats().DebugString();
   EXPECT_EQ(RunStart(start).status.error_code(), grpc::StatusCode::NOT_FOUND);
 
   tandem::v1::ReleaseRequest release;
@@ -532,7 +542,7 @@ TEST_P(DecodeWorkerTest, ReleaseAndCancelAreIdempotent) {
 TEST_P(DecodeWorkerTest, CancelEndsARunningStream) {
   OpenStream open = StartLong("long", 2);
   ASSERT_NE(open.reader, nullptr);
-  EXPECT_GT(RpcStats().kv_blocks_used(), 0);
+  EXPECT_GT(RpcStats().kv_blocks_used(), 0);  // paused after its first token
   tandem::v1::CancelRequest cancel;
   cancel.set_request_id("long");
   tandem::v1::CancelResponse response;
@@ -548,7 +558,7 @@ TEST_P(DecodeWorkerTest, CancelEndsARunningStream) {
   const std::vector<SampleOutput> got = Collect(open.events, 2);
   for (const SampleOutput& s : got) {
     EXPECT_EQ(s.finish_reason, tandem::v1::FINISH_REASON_ABORT);
-    EXPECT_LT(s.token_ids.size(), 2000u);
+    EXPECT_EQ(s.token_ids.size(), 1u);  // the prefilled first token; no step ran since
   }
   ASSERT_TRUE(open.events.back().has_usage());
   EXPECT_EQ(open.events.back().usage().prompt_tokens(), 40);
@@ -561,19 +571,17 @@ TEST_P(DecodeWorkerTest, CancelEndsARunningStream) {
 TEST_P(DecodeWorkerTest, ClientCancellingTheCallFreesBlocks) {
   OpenStream open = StartLong("gone", 1);
   ASSERT_NE(open.reader, nullptr);
-  EXPECT_EQ(RpcStats().running(), 1);
+  EXPECT_EQ(RpcStats().running(), 1);  // paused after its first token
   open.context->TryCancel();
   EXPECT_EQ(open.reader->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  // The handler notices within its poll interval, long before 2000 tokens could be generated.
+  // The handler notices and frees the blocks with the engine still paused.
   EXPECT_TRUE(WaitForStats(
-      [](const tandem::v1::WorkerStats& s) { return s.kv_blocks_used() == 0 && s.running() == 0; },
-      absl::Seconds(1)))
+      [](const tandem::v1::WorkerStats& s) { return s.kv_blocks_used() == 0 && s.running() == 0; }))
       << RpcStats().DebugString();
-  // Aborted, not run to its 2000 tokens.
-  const double generated =
-      MetricValue(HttpGet(worker_->metrics_port(), "/metrics"), "tandem_generation_tokens_total");
-  EXPECT_GE(generated, 1);
-  EXPECT_LT(generated, 2000);
+  // Aborted after its first token, not run to its 2000.
+  EXPECT_EQ(MetricValue(HttpGet(worker_->metrics_port(), "/metrics"),
+                        "tandem_generation_tokens_total"),
+            1);
   tandem::v1::CancelRequest cancel;
   cancel.set_request_id("gone");
   tandem::v1::CancelResponse response;
@@ -683,9 +691,9 @@ TEST_P(DecodeWorkerTest, ShutdownEndsStreamsWithAnError) {
   ASSERT_NE(open.reader, nullptr);
   tandem::v1::KvReservation reservation;
   ASSERT_TRUE(Reserve("unstarted", 50, 10, 1, &reservation).ok());
-  const absl::Time begin = absl::Now();
+  // The grace runs out with the stream paused mid-generation.
   worker_->Shutdown(absl::Milliseconds(100));
-  EXPECT_LT(absl::Now() - begin, absl::Seconds(5));
+  EXPECT_TRUE(worker_->Stats().draining());
   tandem::v1::TokenEvent event;
   while (open.reader->Read(&event)) open.events.push_back(event);
   open.reader->Finish();
@@ -739,23 +747,29 @@ TEST_P(DecodeWorkerTest, DrainHandsKvToAnotherWorker) {
     auto expected = engine::GenerateAll(*colocated, {request});
     ASSERT_TRUE(expected.ok()) << expected.status();
 
-    std::unique_ptr<DecodeWorker> a = MakeWorker(absl::StrCat("decode-a-", c.name),
-                                                 absl::Seconds(5));
+    // A pauses after six tokens per sample (the prefilled one and five steps) and drains there.
+    auto gate = std::make_shared<testing::StepGate>();
+    std::unique_ptr<DecodeWorker> a =
+        MakeWorker(absl::StrCat("decode-a-", c.name), absl::Seconds(10), gate->Hook());
     ASSERT_NE(a, nullptr);
     auto stub_a = StubFor(*a);
     tandem::v1::KvReservation reservation;
     ASSERT_TRUE(ReserveOn(*stub_a, c.name, kPrompt, kMaxTokens, c.n, &reservation).ok());
     tandem::v1::StartRequest start =
         StartRequestFor(request, reservation, Prefill(request, reservation));
+    gate->Allow(5);
     auto context = Context();
     auto reader = stub_a->Start(context.get(), start);
     std::vector<tandem::v1::TokenEvent> a_events;
     tandem::v1::TokenEvent event;
     while (NumTokens(a_events) < 6 * c.n && reader->Read(&event)) a_events.push_back(event);
+    ASSERT_TRUE(gate->WaitPaused());
     // Drain with no grace: A parks the request and waits for it to be handed off.
-    std::thread drain([&] { a->Shutdown(absl::ZeroDuration()); });
+    const int64_t drain_start_ms = absl::ToUnixMillis(absl::Now());
+    std::jthread drain([&] { a->Shutdown(absl::ZeroDuration()); });
     while (reader->Read(&event)) a_events.push_back(event);
     EXPECT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(NumTokens(a_events), 6 * c.n);  // nothing ran while paused
     ASSERT_FALSE(a_events.empty());
     const tandem::v1::TokenEvent& last = a_events.back();
     EXPECT_EQ(last.error().code(), static_cast<int>(grpc::StatusCode::UNAVAILABLE));
@@ -763,7 +777,9 @@ TEST_P(DecodeWorkerTest, DrainHandsKvToAnotherWorker) {
     const tandem::v1::KvHandoff handoff = last.handoff();
     ASSERT_EQ(handoff.samples_size(), c.n);
     EXPECT_EQ(handoff.worker_id(), absl::StrCat("decode-a-", c.name));
-    EXPECT_GT(handoff.expires_unix_ms(), absl::ToUnixMillis(absl::Now()));
+    // Parked at the drain, kept for handoff_ttl.
+    EXPECT_GE(handoff.expires_unix_ms(), drain_start_ms + 10000);
+    EXPECT_LE(handoff.expires_unix_ms(), absl::ToUnixMillis(absl::Now()) + 10000);
 
     // What A streamed; its ABORT finishes are the drain's, not the samples' ends.
     std::vector<SampleOutput> got(c.n);
@@ -852,15 +868,18 @@ TEST_P(DecodeWorkerTest, DrainHandsKvToAnotherWorker) {
 }
 
 TEST_P(DecodeWorkerTest, HandoffRefusesBadRequestsAndParkedKvExpires) {
-  std::unique_ptr<DecodeWorker> a = MakeWorker("decode-a", absl::Milliseconds(1500));
+  auto gate = std::make_shared<testing::StepGate>();
+  std::unique_ptr<DecodeWorker> a =
+      MakeWorker("decode-a", absl::Milliseconds(1500), gate->Hook());
   ASSERT_NE(a, nullptr);
   auto stub_a = StubFor(*a);
-  OpenStream expiring = StartLong("expiring", 1, stub_a.get());
-  OpenStream cancelled = StartLong("cancelled", 2, stub_a.get());
+  // Both streams paused after their first token; the second Start's calls are taken meanwhile.
+  OpenStream expiring = StartLong("expiring", 1, stub_a.get(), gate.get());
+  OpenStream cancelled = StartLong("cancelled", 2, stub_a.get(), gate.get());
   ASSERT_NE(expiring.reader, nullptr);
   ASSERT_NE(cancelled.reader, nullptr);
-  const absl::Time begin = absl::Now();
-  std::thread drain([&] { a->Shutdown(absl::Milliseconds(50)); });
+  // The grace runs out with both still paused: both are parked.
+  std::jthread drain([&] { a->Shutdown(absl::Milliseconds(50)); });
   tandem::v1::TokenEvent event;
   for (OpenStream* open : {&expiring, &cancelled}) {
     while (open->reader->Read(&event)) open->events.push_back(event);
@@ -911,8 +930,8 @@ TEST_P(DecodeWorkerTest, HandoffRefusesBadRequestsAndParkedKvExpires) {
   const grpc::StatusCode late = Handoff(*stub_a, "expiring", 0, fits).error_code();
   EXPECT_TRUE(late == grpc::StatusCode::NOT_FOUND || late == grpc::StatusCode::UNAVAILABLE)
       << late;
+  // With nothing parked any more the drain ends.
   drain.join();
-  EXPECT_LT(absl::Now() - begin, absl::Seconds(5));
   const tandem::v1::WorkerStats stats = a->Stats();
   EXPECT_EQ(stats.kv_blocks_used(), 0);
   EXPECT_EQ(stats.running(), 0);

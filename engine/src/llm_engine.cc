@@ -280,7 +280,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   std::vector<RequestOutput> outputs;
   outputs.swap(pending_outputs_);
   if (!scheduler_->has_work()) return outputs;
-  if (options_.before_step) options_.before_step();
+  if (options_.before_step && !options_.before_step()) return outputs;
   const auto step_start = std::chrono::steady_clock::now();
   if (pending_after_last_step_) {
     const double gap = std::min(

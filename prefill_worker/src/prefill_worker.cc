@@ -204,7 +204,9 @@ class PrefillWorkerImpl final : public PrefillWorker {
   int metrics_port() const override { return http_ ? http_->port() : 0; }
   tandem::v1::WorkerStats Stats() const override {
     std::lock_guard<std::mutex> lock(mu_);
-    return stats_;
+    tandem::v1::WorkerStats stats = stats_;
+    stats.set_draining(!accepting_);
+    return stats;
   }
   void Shutdown(absl::Duration grace) override;
 

@@ -9,8 +9,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <atomic>
-#include <cstdio>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -159,12 +157,10 @@ class DecodeSide {
 
 std::unique_ptr<PrefillWorker> MakeWorker(const std::string& backend, const std::string& model,
                                           int64_t kv_bytes,
-                                          std::function<void()> before_step = nullptr,
-                                          int chunk_tokens = 64) {
+                                          std::function<bool()> before_step = nullptr) {
   PrefillWorkerOptions options;
   options.engine = EngineOptionsFor(model, kv_bytes, engine::EngineRole::kColocated);
   options.engine.before_step = std::move(before_step);
-  options.engine.max_num_batched_tokens = chunk_tokens;
   options.worker_id = "prefill-test";
   options.metrics_address = "127.0.0.1:0";
   options.kv_backend = backend;
@@ -585,18 +581,18 @@ TEST_P(PrefillWorkerTest, PreemptedSamplesArePushedAgainAndStillMatch) {
 
 INSTANTIATE_TEST_SUITE_P(Backends, PrefillWorkerTest, ::testing::Values("local", "ucx"));
 
-// Requests caught in the middle of a long prefill on purpose: the worker's engine is held at a
-// StepGate after two of the prompt's 75 chunks, whatever the speed of the machine.
+// Requests caught in the middle of a long prefill on purpose: the worker's engine is paused at a
+// StepGate after two of the prompt's 19 chunks, whatever the speed of the machine, while the
+// worker goes on taking cancels, deadlines and a drain.
 class MidPrefillTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     gate_ = std::make_shared<testing::StepGate>();
-    worker_ = MakeWorker(GetParam(), TinyQwen3(), kTinyKvBytes, gate_->Hook(), kChunkTokens);
+    worker_ = MakeWorker(GetParam(), TinyQwen3(), kTinyKvBytes, gate_->Hook());
     ASSERT_NE(worker_, nullptr);
     decode_ = std::make_unique<DecodeSide>(GetParam(), TinyQwen3(), kTinyKvBytes);
     stub_ = Connect(*worker_);
   }
-  // The worker (destroyed after this) can only shut down with its engine let go.
   void TearDown() override { gate_->Open(); }
 
   engine::GenerateRequest LongRequest(const std::string& id) {
@@ -606,30 +602,10 @@ class MidPrefillTest : public ::testing::TestWithParam<std::string> {
     return request;
   }
 
-  static constexpr int kChunkTokens = 16;
-  static constexpr int kChunks = kLongPromptLen / kChunkTokens;
-
-  // Lets the held engine take one step at a time until `done()` holds or it has no work left.
-  // Each step is one 16-token chunk, and the worker takes commands (a cancel, a stop) between
-  // steps, so what the test sent just before lands with most of the prefill still to do.
-  void StepUntil(const std::function<bool()>& done) {
-    while (!done()) {
-      gate_->Allow(1);
-      if (!gate_->WaitHeldOr(done)) break;
-    }
-    gate_->Open();
-  }
-
   std::shared_ptr<testing::StepGate> gate_;
   std::unique_ptr<PrefillWorker> worker_;
   std::unique_ptr<DecodeSide> decode_;
   std::unique_ptr<tandem::v1::PrefillWorker::Stub> stub_;
-};
-
-// A Submit run on another thread; its result is read once `done` is set.
-struct PendingSubmit {
-  SubmitResult result;
-  std::atomic<bool> done{false};
 };
 
 TEST_P(MidPrefillTest, DeadlinePassingMidPrefillFailsAndFreesBlocks) {
@@ -642,38 +618,27 @@ TEST_P(MidPrefillTest, DeadlinePassingMidPrefillFailsAndFreesBlocks) {
               PromptKvBytes(decode_->engine(), kLongPromptLen));
     decode_->Release("late");
   }
-  // The Submit's deadline, then the reservation's expiry, passes while the engine is held after
-  // two chunks; the next sweep fails the request.
+  // Paused after two chunks, the Submit's deadline, then the reservation's expiry, passes; the
+  // worker's sweep fails the request without another step.
   for (const bool by_expiry : {false, true}) {
     SCOPED_TRACE(by_expiry ? "reservation expiry" : "submit deadline");
     tandem::v1::KvReservation reservation = decode_->Reserve("late", kLongPromptLen, 1);
-    const absl::Time deadline = absl::Now() + absl::Seconds(3);
-    if (by_expiry) reservation.set_expires_unix_ms(absl::ToUnixMillis(deadline));
-    const tandem::v1::SubmitRequest submit = MakeSubmit(
-        request, reservation, by_expiry ? absl::Seconds(60) : deadline - absl::Now());
+    const absl::Duration budget = absl::Milliseconds(500);
+    if (by_expiry) {
+      reservation.set_expires_unix_ms(absl::ToUnixMillis(absl::Now() + budget));
+    }
     const int64_t passed_before = gate_->passed();
     gate_->Allow(2);
-    PendingSubmit pending;
-    {
-      std::jthread call([&] {
-        pending.result = CallSubmit(*stub_, submit);
-        pending.done = true;
-      });
-      auto release = gate_->OpenOnExit();  // before the thread is joined, on every path
-      if (gate_->WaitHeldOr([&] { return pending.done.load(); })) {
-        // Waiting for wall-clock time to pass is the point here, not synchronisation.
-        absl::SleepFor(deadline - absl::Now() + absl::Milliseconds(1));
-        EXPECT_EQ(gate_->passed() - passed_before, 2);  // still mid-prefill
-      } else {
-        // The deadline passed before the worker's engine got to the request (a machine loaded
-        // beyond 3 s of delay): the same answer, without the mid-prefill hold.
-        std::printf("note: request refused before its third chunk\n");
-      }
-    }
-    EXPECT_EQ(pending.result.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
-        << pending.result.status.error_message();
+    SubmitResult result =
+        CallSubmit(*stub_, MakeSubmit(request, reservation, by_expiry ? absl::Seconds(60) : budget));
+    EXPECT_EQ(result.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED)
+        << result.status.error_message();
+    // At most two chunks ran: the deadline, not the end of the prefill, ended it (fewer when the
+    // deadline passed before the worker got to the request).
+    EXPECT_LE(gate_->passed() - passed_before, 2);
     ExpectDrained(*stub_);
     decode_->Release("late");
+    gate_->Open();
   }
 }
 
@@ -681,26 +646,18 @@ TEST_P(MidPrefillTest, CancelRpcEndsSubmitWithCancelled) {
   engine::GenerateRequest request = LongRequest("doomed");
   tandem::v1::KvReservation reservation = decode_->Reserve("doomed", kLongPromptLen, 1);
   gate_->Allow(2);
-  PendingSubmit pending;
+  SubmitResult result;
   {
-    std::jthread submit([&] {
-      pending.result = CallSubmit(*stub_, MakeSubmit(request, reservation));
-      pending.done = true;
-    });
-    auto release = gate_->OpenOnExit();
-    ASSERT_TRUE(gate_->WaitHeld());
+    std::jthread submit([&] { result = CallSubmit(*stub_, MakeSubmit(request, reservation)); });
+    ASSERT_TRUE(gate_->WaitPaused());
     // The same id twice in flight is refused.
     EXPECT_EQ(CallSubmit(*stub_, MakeSubmit(request, reservation)).status.error_code(),
               grpc::StatusCode::ALREADY_EXISTS);
-    // Cancel answers once the request is over, so it runs beside the held engine.
-    std::atomic<bool> found{false};
-    std::jthread cancel([&] { found = CallCancel(*stub_, "doomed").found(); });
-    StepUntil([&] { return pending.done.load(); });
-    cancel.join();
-    EXPECT_TRUE(found.load());
+    EXPECT_TRUE(CallCancel(*stub_, "doomed").found());  // answers once the request is over
   }
-  EXPECT_EQ(pending.result.status.error_code(), grpc::StatusCode::CANCELLED)
-      << pending.result.status.error_message();
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::CANCELLED)
+      << result.status.error_message();
+  EXPECT_EQ(gate_->passed(), 2);
   ExpectDrained(*stub_);
   EXPECT_FALSE(CallCancel(*stub_, "doomed").found());  // idempotent
   EXPECT_FALSE(CallCancel(*stub_, "never-seen").found());
@@ -712,26 +669,25 @@ TEST_P(MidPrefillTest, ClientCancellingTheCallCancelsTheRequest) {
   tandem::v1::KvReservation reservation = decode_->Reserve("gone", kLongPromptLen, 1);
   grpc::ClientContext context;
   gate_->Allow(2);
-  PendingSubmit pending;
+  SubmitResult result;
   {
-    std::jthread submit([&] {
-      pending.result = CallSubmit(*stub_, MakeSubmit(request, reservation), &context);
-      pending.done = true;
-    });
-    auto release = gate_->OpenOnExit();
-    ASSERT_TRUE(gate_->WaitHeld());
+    std::jthread submit(
+        [&] { result = CallSubmit(*stub_, MakeSubmit(request, reservation), &context); });
+    ASSERT_TRUE(gate_->WaitPaused());
     context.TryCancel();
-    StepUntil([&] { return pending.done.load(); });
   }
-  EXPECT_EQ(pending.result.status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::CANCELLED);
+  // The worker notices the cancelled call and frees what the request held, still paused.
   ExpectDrained(*stub_);
+  EXPECT_EQ(gate_->passed(), 2);
   decode_->Release("gone");
 
   // The worker goes on serving.
+  gate_->Open();
   engine::GenerateRequest next{"next", RandomPrompt(100, 500, 4), {}};
   next.params.temperature = 0;
   reservation = decode_->Reserve("next", 100, 1);
-  SubmitResult result = CallSubmit(*stub_, MakeSubmit(next, reservation));
+  result = CallSubmit(*stub_, MakeSubmit(next, reservation));
   ASSERT_TRUE(result.status.ok()) << result.status.error_message();
   EXPECT_EQ(result.response.kv_transfer_bytes(), PromptKvBytes(decode_->engine(), 100));
   decode_->Release("next");
@@ -742,27 +698,17 @@ TEST_P(MidPrefillTest, ShutdownCancelsWhatIsLeftWithUnavailable) {
   engine::GenerateRequest request = LongRequest("cut");
   tandem::v1::KvReservation reservation = decode_->Reserve("cut", kLongPromptLen, 1);
   gate_->Allow(2);
-  PendingSubmit pending;
+  SubmitResult result;
   {
-    std::jthread submit([&] {
-      pending.result = CallSubmit(*stub_, MakeSubmit(request, reservation));
-      pending.done = true;
-    });
-    auto release = gate_->OpenOnExit();
-    ASSERT_TRUE(gate_->WaitHeld());
-    // Shutdown with no grace stops the loop at once; the held step finishes first, and the loop
-    // fails what is left instead of stepping again. /health turns 503 as the stop begins.
-    std::jthread shutdown([&] { worker_->Shutdown(absl::ZeroDuration()); });
-    const absl::Time until = absl::Now() + absl::Seconds(60);
-    while (HttpGet(worker_->metrics_port(), "/health").find("503") == std::string::npos &&
-           absl::Now() < until) {
-      absl::SleepFor(absl::Milliseconds(5));
-    }
-    StepUntil([&] { return pending.done.load(); });
+    std::jthread submit([&] { result = CallSubmit(*stub_, MakeSubmit(request, reservation)); });
+    ASSERT_TRUE(gate_->WaitPaused());
+    // The grace runs out with the request still paused mid-prefill; the loop fails it.
+    worker_->Shutdown(absl::Milliseconds(50));
   }
-  EXPECT_EQ(pending.result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
-      << pending.result.status.error_message();
-  EXPECT_LT(gate_->passed(), kChunks);  // it never finished its prefill
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << result.status.error_message();
+  EXPECT_EQ(gate_->passed(), 2);
+  EXPECT_TRUE(worker_->Stats().draining());
   EXPECT_EQ(worker_->Stats().kv_blocks_used(), 0);
   EXPECT_EQ(worker_->Stats().running(), 0);
   decode_->Release("cut");
@@ -771,12 +717,11 @@ TEST_P(MidPrefillTest, ShutdownCancelsWhatIsLeftWithUnavailable) {
 INSTANTIATE_TEST_SUITE_P(Backends, MidPrefillTest, ::testing::Values("local", "ucx"));
 
 // The decode worker's process dies: its agent goes away before or during a Submit (the worker's
-// engine held at a StepGate after two chunks, some pages already pushed).
+// engine paused at a StepGate after two chunks, some pages already pushed).
 TEST(PrefillWorkerPeerTest, DecodeAgentGoneFailsWithUnavailableAndLeaksNothing) {
   auto gate = std::make_shared<testing::StepGate>();
   auto worker = MakeWorker("ucx", SmallQwen3(), kSmallKvBytes, gate->Hook());
   ASSERT_NE(worker, nullptr);
-  auto release_at_end = gate->OpenOnExit();  // the worker shuts down with its engine let go
   auto stub = Connect(*worker);
   engine::GenerateRequest request{"lost", RandomPrompt(kLongPromptLen, 1000, 5), {}};
   request.params.temperature = 0;
@@ -798,9 +743,9 @@ TEST(PrefillWorkerPeerTest, DecodeAgentGoneFailsWithUnavailableAndLeaksNothing) 
     gate->Allow(2);
     {
       std::jthread submit([&] { result = CallSubmit(*stub, MakeSubmit(request, reservation)); });
-      auto release = gate->OpenOnExit();
-      ASSERT_TRUE(gate->WaitHeld());
+      ASSERT_TRUE(gate->WaitPaused());
       decode.DestroyAgent();
+      gate->Open();
     }
     EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE)
         << result.status.error_message();

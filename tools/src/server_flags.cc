@@ -85,7 +85,10 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
 
   TANDEM_ASSIGN_OR_RETURN(int64_t delay_ms, IntFlag(args, "step-delay-ms", 0, 0, 60000));
   if (delay_ms > 0) {
-    options.before_step = [delay = absl::Milliseconds(delay_ms)] { absl::SleepFor(delay); };
+    options.before_step = [delay = absl::Milliseconds(delay_ms)] {
+      absl::SleepFor(delay);
+      return true;
+    };
   }
 
   if (args.Has("model")) {

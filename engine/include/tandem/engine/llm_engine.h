@@ -70,10 +70,12 @@ struct EngineOptions {
   // step_trace.h); several engines may share one trace.
   std::shared_ptr<StepTrace> step_trace;
   // Called on the engine thread at the start of every Step() that has work, before the step is
-  // scheduled. Tests hold the engine here (tests/engine/step_gate.h) to catch a request in the
-  // middle of its work on purpose; `--step-delay-ms` sleeps here (fault injection: a slower
-  // device). Whatever it blocks on must be released for the engine's owner to shut down.
-  std::function<void()> before_step;
+  // scheduled; when it returns false the step is skipped (Step() returns only outputs already
+  // pending, and the engine's state is unchanged). Tests pause the engine here
+  // (tests/engine/step_gate.h) to catch a request in the middle of its work on purpose, while
+  // the owner's loop goes on taking commands; `--step-delay-ms` sleeps here (fault injection:
+  // a slower device).
+  std::function<bool()> before_step;
 };
 
 struct GenerateRequest {
