@@ -4,7 +4,7 @@ BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps configure build test serve bench format clean
+.PHONY: all deps configure build test test-stress serve bench format clean
 
 all: build
 
@@ -22,6 +22,11 @@ build: configure
 test: deps
 	$(MAKE) build
 	cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) -LE gpu
+
+# The suite with every core saturated, then the worker/disagg/chaos/api tests 5 times (not in CI).
+test-stress: deps
+	$(MAKE) build
+	./scripts/test-stress $(BUILD_DIR)
 
 serve: deps
 	$(MAKE) build
