@@ -70,13 +70,14 @@ TEST(CounterTest, NeverGoesDown) {
 
 TEST(CounterTest, ConcurrentIncrementsAreAllCounted) {
   Counter c;
-  std::vector<std::thread> threads;
-  for (int t = 0; t < 4; ++t) {
-    threads.emplace_back([&] {
-      for (int i = 0; i < 10000; ++i) c.Increment();
-    });
+  {
+    std::vector<std::jthread> threads;
+    for (int t = 0; t < 4; ++t) {
+      threads.emplace_back([&] {
+        for (int i = 0; i < 10000; ++i) c.Increment();
+      });
+    }
   }
-  for (auto& t : threads) t.join();
   EXPECT_EQ(c.value(), 40000);
 }
 
