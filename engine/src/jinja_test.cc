@@ -5,7 +5,6 @@
 
 #include <unistd.h>
 
-#include <chrono>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -230,12 +229,11 @@ TEST(JinjaTemplateTest, OutputSizeIsBounded) {
 }
 
 TEST(JinjaTemplateTest, LongRunningTemplateIsStopped) {
-  auto start = std::chrono::steady_clock::now();
+  // 10^10 iterations: only the step limit can end this render (its message says so).
   absl::StatusOr<std::string> out =
       Render("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}");
   ASSERT_FALSE(out.ok());
   EXPECT_THAT(Msg(out.status()), HasSubstr("steps"));
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
   EXPECT_FALSE(Render("{{ range(10000000) | length }}").ok());
 }
 
@@ -268,7 +266,7 @@ TEST(JinjaTemplateTest, ConcurrentRendersOfOneTemplateAgree) {
   }
   want += "50";
   std::vector<std::string> got(8);
-  std::vector<std::thread> threads;
+  std::vector<std::jthread> threads;
   for (int i = 0; i < 8; ++i) {
     threads.emplace_back([&, i] {
       for (int k = 0; k < 20; ++k) {
@@ -278,7 +276,7 @@ TEST(JinjaTemplateTest, ConcurrentRendersOfOneTemplateAgree) {
       }
     });
   }
-  for (std::thread& th : threads) th.join();
+  threads.clear();  // joins
   for (const std::string& g : got) EXPECT_EQ(g, want);
 }
 

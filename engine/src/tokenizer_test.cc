@@ -149,20 +149,18 @@ TEST(TokenizerTest, MergesMayBeWrittenAsPairs) {
   EXPECT_THAT(tok->Encode("abc aaa", false), ElementsAre('a', kBc, ' ', kAa, 'a'));
 }
 
-TEST(TokenizerTest, LongRunsEncodeWithoutQuadraticCost) {
+TEST(TokenizerTest, LongRunsEncodeAndDecodeExactly) {
   auto tok = Load(TinyTokenizer());
   ASSERT_NE(tok, nullptr);
-  // 200k-byte words: a quadratic merge loop or regex would take minutes here.
+  // 200k-byte words. A quadratic merge loop or regex would take hours here, which ctest's
+  // timeout reports; how long encoding takes is measured by bench/, not asserted here.
   std::string letters(200000, 'a');
   std::string spaces = std::string(200000, ' ') + "x" + std::string(100000, '\t');
-  auto start = std::chrono::steady_clock::now();
   std::vector<int32_t> ids = tok->Encode(letters, false);
   std::vector<int32_t> space_ids = tok->Encode(spaces, false);
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_EQ(ids.size(), 100000u);
   EXPECT_EQ(tok->Decode(ids, false), letters);
   EXPECT_EQ(tok->Decode(space_ids, false), spaces);
-  EXPECT_LT(seconds, 10.0);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -501,14 +499,14 @@ TEST(RealTokenizerTest, ConcurrentEncodesAgree) {
   ASSERT_TRUE(tok.ok()) << tok.status();
   const std::string text = "Concurrency: the same words, again and again, from every thread. 12345";
   const std::vector<int32_t> expected = (*tok)->Encode(text, false);
-  std::vector<std::thread> threads;
   std::vector<int> mismatches(4, 0);
+  std::vector<std::jthread> threads;
   for (int i = 0; i < 4; ++i) {
     threads.emplace_back([&, i] {
       for (int k = 0; k < 500; ++k) mismatches[i] += (*tok)->Encode(text, false) != expected;
     });
   }
-  for (auto& th : threads) th.join();
+  threads.clear();  // joins
   EXPECT_THAT(mismatches, ElementsAre(0, 0, 0, 0));
 }
 
