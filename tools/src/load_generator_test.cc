@@ -8,10 +8,12 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <mutex>
 #include <numeric>
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
@@ -200,10 +202,11 @@ TEST(ProgressLineTest, CountsAndBar) {
   EXPECT_EQ(ProgressLine("", 0, 0, 0, 0, 0).rfind("[########################] 0/0", 0), 0u);
 }
 
-// A streaming OpenAI-style server on a loopback port: every request gets `tokens` chunks
-// `gap_ms` apart, then usage and [DONE]. It records the most requests in progress at once
-// (counted until just before [DONE]: a client may start its next request as soon as it reads
-// it, possibly before this thread runs again).
+// A streaming OpenAI-style server on a loopback port: every request gets `tokens` chunks, each
+// sent at least `gap_ms` after the previous one (and the first `gap_ms` after the request),
+// then usage and [DONE]. It records the most requests in progress at once (counted until just
+// before [DONE]: a client may start its next request as soon as it reads it, possibly before
+// this thread runs again). Every thread it starts is joined by its destructor.
 class FakeServer {
  public:
   FakeServer(int tokens, int gap_ms) : tokens_(tokens), gap_ms_(gap_ms) {
@@ -216,26 +219,31 @@ class FakeServer {
     socklen_t len = sizeof(addr);
     ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
     port_ = ntohs(addr.sin_port);
-    accept_thread_ = std::thread([this] {
+    accept_thread_ = std::jthread([this] {
       while (true) {
         const int c = ::accept(fd_, nullptr, nullptr);
         if (c < 0) return;
-        std::thread([this, c] { Serve(c); }).detach();
+        std::lock_guard lock(mu_);
+        connections_.push_back(c);
+        serve_threads_.emplace_back([this, c] { Serve(c); });
       }
     });
   }
   ~FakeServer() {
-    ::shutdown(fd_, SHUT_RDWR);
-    ::close(fd_);
+    ::shutdown(fd_, SHUT_RDWR);  // accept() fails: the accept thread ends
     accept_thread_.join();
-    while (open_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    ::close(fd_);
+    // A connection still waiting for its request (none in a passing test) is woken by the
+    // shutdown; sockets are closed only after every thread that uses them has been joined.
+    for (int c : connections_) ::shutdown(c, SHUT_RDWR);
+    serve_threads_.clear();  // joins
+    for (int c : connections_) ::close(c);
   }
   std::string url() const { return absl::StrCat("http://127.0.0.1:", port_); }
   int max_open() const { return max_in_flight_; }
 
  private:
   void Serve(int c) {
-    ++open_;
     const int now = ++in_flight_;
     for (int m = max_in_flight_; now > m && !max_in_flight_.compare_exchange_weak(m, now);) {
     }
@@ -264,14 +272,16 @@ class FakeServer {
     --in_flight_;
     chunk("[DONE]");
     send("0\r\n\r\n");
-    --open_;
-    ::close(c);
+    ::shutdown(c, SHUT_WR);  // end of the response (Connection: close); closed by ~FakeServer
   }
   int tokens_, gap_ms_;
   int fd_ = -1;
   int port_ = 0;
-  std::atomic<int> open_{0}, in_flight_{0}, max_in_flight_{0}, served_{0};
-  std::thread accept_thread_;
+  std::atomic<int> in_flight_{0}, max_in_flight_{0}, served_{0};
+  std::mutex mu_;  // guards connections_ and serve_threads_ while the accept thread runs
+  std::vector<int> connections_;
+  std::vector<std::jthread> serve_threads_;
+  std::jthread accept_thread_;
 };
 
 TEST(RunLoadTest, PerChunkItlsTpotAndMaxConcurrency) {
@@ -284,13 +294,19 @@ TEST(RunLoadTest, PerChunkItlsTpotAndMaxConcurrency) {
   absl::StatusOr<BenchResult> result = RunLoad(config, SyntheticRequests(4, 5, 6, 0));
   ASSERT_TRUE(result.ok()) << result.status();
   EXPECT_EQ(server.max_open(), 2);
+  // How the chunks were spread out is up to the scheduler of a loaded machine; what holds
+  // anyway: the first chunk came at least one gap after the request was sent, the last at
+  // least five gaps after it, and the gaps measured add up to the time between them.
   for (const RequestRecord& r : result->records) {
     ASSERT_TRUE(r.success) << r.error;
     EXPECT_EQ(r.output_tokens, 5);
     ASSERT_EQ(r.itls.size(), 4u);  // one gap per chunk after the first
-    for (double g : r.itls) EXPECT_NEAR(g, 0.030, 0.025);
+    for (double g : r.itls) EXPECT_GE(g, 0);
+    const double last_token = r.ttft + std::accumulate(r.itls.begin(), r.itls.end(), 0.0);
+    EXPECT_GE(r.ttft, 0.030 - 1e-6);
+    EXPECT_GE(last_token, 5 * 0.030 - 1e-6);
+    EXPECT_LE(last_token, r.e2e + 1e-6);
     EXPECT_DOUBLE_EQ(r.Tpot(), (r.e2e - r.ttft) / 4);
-    EXPECT_NEAR(r.Tpot(), 0.030, 0.025);
   }
   // Six requests, two at a time, each about 150 ms: at least three rounds.
   EXPECT_GE(result->duration, 3 * 0.150 - 0.02);
