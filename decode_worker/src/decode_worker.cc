@@ -960,17 +960,15 @@ absl::StatusOr<tandem::v1::HandoffResponse> DecodeWorkerImpl::Handoff(
                            reservation.block_ids_size(), " block ids of the reservation (",
                            per_choice, " per sample)"));
         }
-        const kernels::KvLayout dst{.num_blocks = endpoint.num_blocks(),
-                                    .block_size = endpoint.layout().block_size(),
-                                    .num_kv_heads = endpoint.layout().num_kv_heads(),
-                                    .head_dim = endpoint.layout().head_dim()};
+        // The endpoint's layout was checked equal to this worker's; only its size differs.
+        engine::KvCacheLayout dst = engine_->cache_layout();
+        dst.num_blocks = endpoint.num_blocks();
         const engine::BlockTable src_blocks(parked.blocks.begin(), parked.blocks.begin() + need);
         const engine::BlockTable dst_blocks(reservation.block_ids().begin() + first,
                                             reservation.block_ids().begin() + first + need);
         TANDEM_ASSIGN_OR_RETURN(
             std::vector<engine::KvCopyRange> ranges,
-            engine::KvBlockCopyRanges(engine_->kv_layout(), dst, engine_->config().num_layers,
-                                      src_blocks, dst_blocks));
+            engine::KvBlockCopyRanges(engine_->cache_layout(), dst, src_blocks, dst_blocks));
         Plan out;
         for (const engine::KvCopyRange& r : ranges) {
           out.ranges.push_back({r.src_offset, r.dst_offset, r.bytes});

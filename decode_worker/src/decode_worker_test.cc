@@ -225,17 +225,14 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
       for (engine::PrefillHandoff& h : prefill_->TakeHandoffs()) handoffs.push_back(h);
     }
     EXPECT_EQ(static_cast<int>(handoffs.size()), request.params.n);
-    const kernels::KvLayout dst{.num_blocks = endpoint.num_blocks(),
-                                .block_size = endpoint.layout().block_size(),
-                                .num_kv_heads = endpoint.layout().num_kv_heads(),
-                                .head_dim = endpoint.layout().head_dim()};
+    engine::KvCacheLayout dst = prefill_->cache_layout();  // the worker's, but for its size
+    dst.num_blocks = endpoint.num_blocks();
     const int per_choice = reservation.blocks_per_choice();
     for (const engine::PrefillHandoff& h : handoffs) {
       engine::BlockTable dst_blocks(
           reservation.block_ids().begin() + h.choice_index * per_choice,
           reservation.block_ids().begin() + (h.choice_index + 1) * per_choice);
-      auto ranges = engine::KvBlockCopyRanges(prefill_->kv_layout(), dst,
-                                              prefill_->config().num_layers, h.blocks, dst_blocks);
+      auto ranges = engine::KvBlockCopyRanges(prefill_->cache_layout(), dst, h.blocks, dst_blocks);
       EXPECT_TRUE(ranges.ok()) << ranges.status();
       if (ranges.ok()) {
         std::vector<kvtransfer::Range> wire;

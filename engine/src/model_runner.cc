@@ -24,56 +24,13 @@ struct ModelRunner::Layer {
 
 ModelRunner::~ModelRunner() = default;
 
-absl::StatusOr<std::vector<KvCopyRange>> KvBlockCopyRanges(const kernels::KvLayout& src,
-                                                           const kernels::KvLayout& dst,
-                                                           int num_layers,
-                                                           const BlockTable& src_blocks,
-                                                           const BlockTable& dst_blocks) {
-  if (src.block_size != dst.block_size || src.num_kv_heads != dst.num_kv_heads ||
-      src.head_dim != dst.head_dim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("KV layouts differ: block_size ", src.block_size, " vs ", dst.block_size,
-                     ", kv_heads ", src.num_kv_heads, " vs ", dst.num_kv_heads, ", head_dim ",
-                     src.head_dim, " vs ", dst.head_dim));
-  }
-  if (src_blocks.size() != dst_blocks.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("copying ", src_blocks.size(), " blocks into ", dst_blocks.size()));
-  }
-  for (int32_t b : src_blocks) {
-    if (b < 0 || b >= src.num_blocks) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("source block id ", b, " outside [0, ", src.num_blocks, ")"));
-    }
-  }
-  for (int32_t b : dst_blocks) {
-    if (b < 0 || b >= dst.num_blocks) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("destination block id ", b, " outside [0, ", dst.num_blocks, ")"));
-    }
-  }
-  const uint64_t block_bytes =
-      static_cast<uint64_t>(src.block_size) * src.num_kv_heads * src.head_dim * sizeof(float);
-  std::vector<KvCopyRange> ranges;
-  ranges.reserve(static_cast<size_t>(num_layers) * 2 * src_blocks.size());
-  for (int l = 0; l < num_layers; ++l) {
-    for (int half = 0; half < 2; ++half) {
-      const uint64_t src_base =
-          (l * 2 + half) * static_cast<uint64_t>(src.num_blocks) * block_bytes;
-      const uint64_t dst_base =
-          (l * 2 + half) * static_cast<uint64_t>(dst.num_blocks) * block_bytes;
-      for (size_t i = 0; i < src_blocks.size(); ++i) {
-        ranges.push_back({src_base + src_blocks[i] * block_bytes,
-                          dst_base + dst_blocks[i] * block_bytes, block_bytes});
-      }
-    }
-  }
-  return ranges;
-}
-
 int64_t ModelRunner::KvBytesPerBlock(const ModelConfig& config, int block_size) {
-  return static_cast<int64_t>(config.num_layers) * 2 * block_size * config.num_kv_heads *
-         config.head_dim * static_cast<int64_t>(sizeof(float));
+  const KvCacheLayout layout{.num_layers = config.num_layers,
+                             .num_blocks = 1,
+                             .block_size = block_size,
+                             .num_kv_heads = config.num_kv_heads,
+                             .head_dim = config.head_dim};
+  return static_cast<int64_t>(layout.bytes_per_block());
 }
 
 absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
@@ -89,12 +46,17 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   runner->options_ = options;
   runner->backend_ = backend;
   const ModelConfig& c = runner->config_;
-  runner->kv_layout_ = {options.num_kv_blocks, options.block_size, c.num_kv_heads, c.head_dim};
+  runner->cache_layout_ = {.num_layers = c.num_layers,
+                           .num_blocks = options.num_kv_blocks,
+                           .block_size = options.block_size,
+                           .num_kv_heads = c.num_kv_heads,
+                           .head_dim = c.head_dim};
+  runner->kv_layout_ = runner->cache_layout_.kernel_layout();
   TANDEM_ASSIGN_OR_RETURN(runner->inv_freq_, runner->Upload(kernels::RopeInverseFrequencies(c.rope)));
   TANDEM_RETURN_IF_ERROR(runner->LoadWeights(checkpoint));
 
-  const size_t cache_elems = static_cast<size_t>(c.num_layers) * runner->kv_layout_.LayerElements();
-  TANDEM_ASSIGN_OR_RETURN(runner->kv_cache_, backend->Allocate(cache_elems * sizeof(float)));
+  TANDEM_ASSIGN_OR_RETURN(runner->kv_cache_,
+                          backend->Allocate(runner->cache_layout_.total_bytes()));
 
   const size_t t = options.max_num_batched_tokens;
   const size_t s = std::min(options.max_num_seqs, options.max_num_batched_tokens);
@@ -205,12 +167,10 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint) {
 
 void ModelRunner::CopyBlock(int32_t src, int32_t dst) {
   // The block in each layer's K and V halves: 2 x layers rows, one half apart.
-  const size_t block_bytes = static_cast<size_t>(kv_layout_.block_size) * kv_layout_.num_kv_heads *
-                             kv_layout_.head_dim * sizeof(float);
-  const size_t half_bytes = static_cast<size_t>(kv_layout_.HalfElements()) * sizeof(float);
+  const KvCacheLayout& l = cache_layout_;
   char* cache = static_cast<char*>(kv_cache_.data());
-  backend_->CopyRows(cache + dst * block_bytes, half_bytes, cache + src * block_bytes, half_bytes,
-                     block_bytes, 2 * config_.num_layers);
+  backend_->CopyRows(cache + l.Offset(0, 0, dst), l.half_bytes(), cache + l.Offset(0, 0, src),
+                     l.half_bytes(), l.block_bytes(), 2 * l.num_layers);
 }
 
 absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep& step) {

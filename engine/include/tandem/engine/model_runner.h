@@ -9,6 +9,7 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/engine/checkpoint.h"
+#include "tandem/engine/kv_cache_layout.h"
 #include "tandem/engine/scheduler.h"
 #include "tandem/kernels/backend.h"
 
@@ -20,22 +21,6 @@ struct ModelRunnerOptions {
   int num_kv_blocks = 0;
   int block_size = 16;
 };
-
-// One contiguous byte range of a KV copy between two caches (offsets from each cache's start).
-struct KvCopyRange {
-  uint64_t src_offset = 0;
-  uint64_t dst_offset = 0;
-  uint64_t bytes = 0;
-};
-
-// The byte ranges that copy the K and V of `src_blocks` (in a cache laid out as `src`) into
-// `dst_blocks` (of `dst`), for every layer. Both caches must agree on block size, KV heads and
-// head_dim; every block id is checked against its cache (InvalidArgument otherwise).
-absl::StatusOr<std::vector<KvCopyRange>> KvBlockCopyRanges(const kernels::KvLayout& src,
-                                                           const kernels::KvLayout& dst,
-                                                           int num_layers,
-                                                           const BlockTable& src_blocks,
-                                                           const BlockTable& dst_blocks);
 
 // Owns the weights (converted to fp32 and packed for the backend), the KV cache and every
 // activation buffer, all in the backend's memory (host memory on the CPU backend, device memory
@@ -52,7 +37,7 @@ class ModelRunner {
                                                              const ModelRunnerOptions& options);
   ~ModelRunner();
 
-  // Bytes of KV cache one block takes across all layers (fp32).
+  // Bytes of KV cache one block takes across all layers (fp32 cache).
   static int64_t KvBytesPerBlock(const ModelConfig& config, int block_size);
 
   // Runs the step and returns logits [number of sampling sequences, vocab], one row per
@@ -70,13 +55,13 @@ class ModelRunner {
 
   const ModelConfig& config() const { return config_; }
   const kernels::KvLayout& kv_layout() const { return kv_layout_; }
+  // Every byte offset of the cache (kv_cache()).
+  const KvCacheLayout& cache_layout() const { return cache_layout_; }
   // The whole cache, [layers][2][num_blocks][block_size][num_kv_heads][head_dim], for
   // registration with a KV transfer agent. Backend memory: device memory unless
   // kv_cache_on_host().
   float* kv_cache() { return kv_cache_.as<float>(); }
-  size_t kv_cache_bytes() const {
-    return static_cast<size_t>(config_.num_layers) * kv_layout_.LayerElements() * sizeof(float);
-  }
+  size_t kv_cache_bytes() const { return cache_layout_.total_bytes(); }
   // Whether kv_cache() is host memory (the CPU backend), which host-memory transports (the
   // "local" and "ucx" kvtransfer backends) can send; device memory needs "cuda_ipc".
   bool kv_cache_on_host() const { return backend_->host_memory(); }
@@ -95,7 +80,8 @@ class ModelRunner {
   ModelRunnerOptions options_;
   std::function<void(int layer)> layer_written_hook_;
   kernels::Backend* backend_ = nullptr;  // not owned
-  kernels::KvLayout kv_layout_;
+  KvCacheLayout cache_layout_;
+  kernels::KvLayout kv_layout_;  // cache_layout_.kernel_layout()
 
   // Weights, in backend memory unless packed.
   kernels::DeviceBuffer inv_freq_;  // [head_dim / 2]
