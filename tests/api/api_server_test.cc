@@ -44,6 +44,38 @@ std::string Metrics(int port, const std::vector<std::string>& headers = {}) {
   return r.body;
 }
 
+// True when `series` is in the exposition with exactly `value`.
+bool Has(const std::string& metrics, const std::string& series, double value) {
+  return MetricValue(metrics, series) == value;
+}
+
+// Fault injection for the tests that must act while a request is still generating: every
+// engine step waits this long first, so a request of N steps runs for at least N times this on
+// any machine (a slow or loaded one only makes it longer).
+constexpr const char* kStepDelayMs = "20";
+
+// Sends a streamed completion on a fresh connection and reads until its first content chunk
+// has arrived; returns the socket and appends what was read to *received.
+int StartStream(int port, const std::string& body, std::string* received) {
+  int fd = Connect(port);
+  if (fd < 0) return -1;
+  if (!SendAll(fd, "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: " +
+                       std::to_string(body.size()) + "\r\n\r\n" + body)) {
+    close(fd);
+    return -1;
+  }
+  char buf[4096];
+  while (received->find("data: ") == std::string::npos) {
+    ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n <= 0) {
+      close(fd);
+      return -1;
+    }
+    received->append(buf, static_cast<size_t>(n));
+  }
+  return fd;
+}
+
 // The text of a streamed completion, checked chunk by chunk: one id throughout, only choice 0,
 // a finish reason only on the last content chunk, then a usage chunk with no choices, then
 // [DONE]. Returns the text and sets the usage's completion_tokens.
@@ -107,14 +139,17 @@ TEST(ApiServerTest, TwoHundredConcurrentStreamsAllFinishCorrectly) {
   constexpr int kClients = 200;
   std::vector<HttpResult> results(kClients);
   std::vector<std::thread> clients;
-  std::atomic<int> ready{0};
+  std::atomic<int> arrived{0}, connected{0};
   for (int i = 0; i < kClients; ++i) {
     clients.emplace_back([&, i] {
       const std::string body = CompletionBody(prompts[i % prompts.size()], kMaxTokens, true);
-      int fd = Connect(port, 120000);
+      int fd = Connect(port);
+      if (fd >= 0) ++connected;
+      // Every client has tried to connect before any sends (a failed one counts too, so the
+      // others never wait for it).
+      ++arrived;
+      while (arrived.load() < kClients) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       if (fd < 0) return;
-      ++ready;
-      while (ready.load() < kClients) std::this_thread::sleep_for(std::chrono::milliseconds(1));
       std::string raw =
           "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
           "Content-Length: " +
@@ -124,7 +159,7 @@ TEST(ApiServerTest, TwoHundredConcurrentStreamsAllFinishCorrectly) {
     });
   }
   for (std::thread& t : clients) t.join();
-  ASSERT_EQ(ready.load(), kClients) << "not every client could connect";
+  ASSERT_EQ(connected.load(), kClients) << "not every client could connect";
   for (int i = 0; i < kClients; ++i) {
     SCOPED_TRACE("client " + std::to_string(i));
     ASSERT_EQ(results[i].status, 200) << results[i].body;
@@ -134,13 +169,17 @@ TEST(ApiServerTest, TwoHundredConcurrentStreamsAllFinishCorrectly) {
     EXPECT_EQ(completion_tokens, kMaxTokens);
     EXPECT_EQ(text, expected[i % prompts.size()]);
   }
-  std::string metrics = Metrics(port);
-  EXPECT_EQ(MetricValue(metrics, "tandem_kv_cache_blocks_used"), 0);
-  EXPECT_GE(MetricValue(metrics, "tandem_requests_total{finish_reason=\"length\"}").value_or(0),
-            kClients);
   // No SLO configured: every request that finished counts as meeting all (none) of them, and
   // there is no per-objective series.
   const int finished = kClients + static_cast<int>(prompts.size());
+  std::string metrics = WaitForMetrics(port, [&](const std::string& m) {
+    return Has(m, "tandem_kv_cache_blocks_used", 0) &&
+           Has(m, "tandem_requests_slo_met_total", finished) &&
+           Has(m, "tandem_time_per_output_token_seconds_count", finished);
+  });
+  EXPECT_EQ(MetricValue(metrics, "tandem_kv_cache_blocks_used"), 0);
+  EXPECT_GE(MetricValue(metrics, "tandem_requests_total{finish_reason=\"length\"}").value_or(0),
+            kClients);
   EXPECT_EQ(MetricValue(metrics, "tandem_requests_slo_met_total"), finished);
   EXPECT_EQ(MetricValue(metrics, "tandem_time_per_output_token_seconds_count"), finished);
   EXPECT_THAT(metrics, Not(HasSubstr("tandem_requests_slo_total")));
@@ -167,12 +206,19 @@ TEST(ApiServerTest, SloAccountingClassifiesEveryFinishedRequest) {
     // A refused request is not held to the SLOs.
     ASSERT_EQ(Request(port, "POST", "/v1/completions", R"({"prompt": 1})").status, 400);
   };
+  // Waits until the finished requests are all classified (counted just after each response).
+  auto classified = [&](int port, int requests) {
+    return WaitForMetrics(port, [&](const std::string& m) {
+      auto [met, missed] = counts(m, "both");
+      return met.has_value() && missed.has_value() && *met + *missed == requests;
+    });
+  };
   {
     SCOPED_TRACE("objectives every request meets");
     auto server = StartServer({"--ttft-slo", "100", "--tpot-slo", "100"});
     ASSERT_NE(server, nullptr);
     send(server->port());
-    const std::string metrics = Metrics(server->port());
+    const std::string metrics = classified(server->port(), kRequests);
     for (const char* slo : {"ttft", "tpot", "both"}) {
       EXPECT_EQ(counts(metrics, slo), std::pair(std::optional<double>(kRequests),
                                                 std::optional<double>(0)))
@@ -185,14 +231,17 @@ TEST(ApiServerTest, SloAccountingClassifiesEveryFinishedRequest) {
   }
   {
     SCOPED_TRACE("a TPOT objective no decode meets, TTFT only");
-    auto server = StartServer({"--ttft-slo", "100", "--tpot-slo", "0.000001"});
+    // Every decode step waits 1 ms first, so no time per output token can be under the 1 us
+    // objective, however fast the machine.
+    auto server =
+        StartServer({"--ttft-slo", "100", "--tpot-slo", "0.000001", "--step-delay-ms", "1"});
     ASSERT_NE(server, nullptr);
     send(server->port());
     // One token: no time per output token, so it meets any TPOT objective.
     ASSERT_EQ(
         Request(server->port(), "POST", "/v1/completions", CompletionBody("Hi", 1, false)).status,
         200);
-    const std::string metrics = Metrics(server->port());
+    const std::string metrics = classified(server->port(), kRequests + 1);
     using P = std::pair<std::optional<double>, std::optional<double>>;
     EXPECT_EQ(counts(metrics, "ttft"), P(kRequests + 1, 0));
     EXPECT_EQ(counts(metrics, "tpot"), P(1, kRequests));
@@ -207,34 +256,23 @@ TEST(ApiServerTest, SloAccountingClassifiesEveryFinishedRequest) {
 }
 
 TEST(ApiServerTest, ClientDisconnectMidStreamFreesKvBlocks) {
-  auto server = StartServer();
+  // 16 samples of 1900 tokens, each step delayed: at least 38 s of generation on any machine,
+  // so it is still generating when the client leaves (the abort counted below proves it).
+  auto server = StartServer({"--step-delay-ms", kStepDelayMs});
   ASSERT_NE(server, nullptr);
   const int port = server->port();
-  // Long enough (16 samples of 1900 tokens: seconds even for the tiny model) that it is still
-  // generating when the client leaves.
   const std::string body = CompletionBody("Once upon a time", 1900, true, 16);
-  int fd = Connect(port);
-  ASSERT_GE(fd, 0);
-  ASSERT_TRUE(SendAll(fd, "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: " +
-                              std::to_string(body.size()) + "\r\n\r\n" + body));
   std::string received;
-  char buf[4096];
-  while (received.find("data: ", received.find("data: ") + 1) == std::string::npos) {
-    ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    ASSERT_GT(n, 0) << "stream ended before two chunks";
-    received.append(buf, static_cast<size_t>(n));
-  }
+  int fd = StartStream(port, body, &received);
+  ASSERT_GE(fd, 0) << "the stream did not start: " << received;
   EXPECT_GT(MetricValue(Metrics(port), "tandem_kv_cache_blocks_used").value_or(0), 0)
       << "the request should hold KV blocks while it streams";
   close(fd);
 
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  std::string metrics;
-  while (std::chrono::steady_clock::now() < deadline) {
-    metrics = Metrics(port);
-    if (MetricValue(metrics, "tandem_kv_cache_blocks_used") == 0) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  std::string metrics = WaitForMetrics(port, [](const std::string& m) {
+    return Has(m, "tandem_kv_cache_blocks_used", 0) && Has(m, "tandem_requests_running", 0) &&
+           Has(m, "tandem_requests_total{finish_reason=\"abort\"}", 1);
+  });
   EXPECT_EQ(MetricValue(metrics, "tandem_kv_cache_blocks_used"), 0) << metrics;
   EXPECT_EQ(MetricValue(metrics, "tandem_requests_running"), 0);
   EXPECT_EQ(MetricValue(metrics, "tandem_requests_total{finish_reason=\"abort\"}"), 1);
@@ -252,6 +290,10 @@ TEST(ApiServerTest, MetricsPassPromtoolOnALiveScrape) {
   ASSERT_EQ(Request(port, "POST", "/v1/completions", CompletionBody("Hi", 3, false)).status, 200);
   ASSERT_EQ(Request(port, "POST", "/v1/completions", CompletionBody("Hi", 3, true)).status, 200);
   ASSERT_EQ(Request(port, "POST", "/v1/completions", R"({"prompt": 1})").status, 400);
+  // The two completions counted (just after their responses), then the scrape checked.
+  WaitForMetrics(port, [](const std::string& m) {
+    return MetricValue(m, "tandem_requests_total{finish_reason=\"length\"}") == 2;
+  });
   HttpResult r = Request(port, "GET", "/metrics");
   ASSERT_EQ(r.status, 200);
   EXPECT_EQ(r.headers["content-type"], "text/plain; version=0.0.4; charset=utf-8");
@@ -313,23 +355,22 @@ TEST(ApiServerTest, ApiKeyIsRequiredEverywhereButTheProbes) {
 
 TEST(ApiServerTest, OverloadIsRefusedWithRetryAfter) {
   for (const char* status : {"529", "503"}) {
-    auto server = StartServer({"--max-active-requests", "1", "--overload-status", status});
+    // The one admitted stream (16 x 1900 tokens, each step delayed: at least 38 s) is still
+    // running when the second request comes, on any machine.
+    auto server = StartServer({"--max-active-requests", "1", "--overload-status", status,
+                               "--step-delay-ms", kStepDelayMs});
     ASSERT_NE(server, nullptr);
     const int port = server->port();
-    const std::string body = CompletionBody("Once", 1900, true, 16);
-    int fd = Connect(port);
-    ASSERT_GE(fd, 0);
-    ASSERT_TRUE(SendAll(fd, "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: " +
-                                std::to_string(body.size()) + "\r\n\r\n" + body));
-    char buf[256];
-    ASSERT_GT(recv(fd, buf, sizeof(buf), 0), 0);  // the stream has started
+    std::string received;
+    int fd = StartStream(port, CompletionBody("Once", 1900, true, 16), &received);
+    ASSERT_GE(fd, 0) << "the stream did not start: " << received;
     HttpResult r = Request(port, "POST", "/v1/completions", CompletionBody("Hi", 1, false));
     EXPECT_EQ(r.status, std::atoi(status)) << r.body;
     EXPECT_EQ(r.headers["retry-after"], "1");
     EXPECT_EQ(json::parse(r.body)["error"]["code"], "overloaded");
     close(fd);
     // Once the stream is cancelled the server takes requests again.
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
     int last = 0;
     while (std::chrono::steady_clock::now() < deadline) {
       last = Request(port, "POST", "/v1/completions", CompletionBody("Hi", 1, false)).status;
@@ -392,23 +433,25 @@ TEST(ApiServerTest, ReadyProvesTheEngineAndTokenizeRoundTrips) {
 }
 
 TEST(ApiServerTest, SigtermFinishesTheStreamInFlightAndExitsZero) {
-  auto server = StartServer();
+  // 200 tokens, each step delayed: at least 4 s of generation after the first chunk, so the
+  // stream is in flight when SIGTERM comes, on any machine.
+  auto server = StartServer({"--step-delay-ms", kStepDelayMs});
   ASSERT_NE(server, nullptr);
-  const std::string body = CompletionBody("Once", 64, true);
-  int fd = Connect(server->port());
-  ASSERT_GE(fd, 0);
-  ASSERT_TRUE(SendAll(fd, "POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: " +
-                              std::to_string(body.size()) + "\r\n\r\n" + body));
-  char first[64];
-  ASSERT_GT(recv(fd, first, sizeof(first), MSG_PEEK), 0);
-  std::thread term([&] { kill(server->pid(), SIGTERM); });
-  HttpResult r = ReadResponse(fd);
-  term.join();
+  constexpr int kTokens = 200;
+  std::string received;
+  int fd = StartStream(server->port(), CompletionBody("Once", kTokens, true), &received);
+  ASSERT_GE(fd, 0) << "the stream did not start: " << received;
+  ASSERT_EQ(received.find("[DONE]"), std::string::npos) << "the stream ended before SIGTERM";
+  kill(server->pid(), SIGTERM);
+  HttpResult r = ReadResponse(fd, false, std::move(received));
   close(fd);
   ASSERT_EQ(r.status, 200) << "the stream was cut by the shutdown";
   const std::vector<std::string> events = SseEvents(r.body);
   ASSERT_FALSE(events.empty());
   EXPECT_EQ(events.back(), "[DONE]") << "the stream was cut by the shutdown";
+  int completion_tokens = 0;
+  CheckStream(r.body, &completion_tokens);
+  EXPECT_EQ(completion_tokens, kTokens) << "the stream was cut by the shutdown";
   const int status = server->Terminate();
   ASSERT_TRUE(WIFEXITED(status)) << status;
   EXPECT_EQ(WEXITSTATUS(status), 0);

@@ -125,7 +125,7 @@ bool ServerProcess::Alive() {
 int ServerProcess::Terminate() {
   if (reaped_ || pid_ <= 0) return -1;
   kill(pid_, SIGTERM);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while (std::chrono::steady_clock::now() < deadline) {
     int status = 0;
     if (waitpid(pid_, &status, WNOHANG) == pid_) {
@@ -169,9 +169,9 @@ bool SendAll(int fd, const std::string& data) {
   return true;
 }
 
-HttpResult ReadResponse(int fd, bool head) {
+HttpResult ReadResponse(int fd, bool head, std::string received) {
   HttpResult result;
-  std::string buf;
+  std::string buf = std::move(received);
   for (;;) {
     size_t end;
     while ((end = buf.find("\r\n\r\n")) == std::string::npos) {
@@ -278,6 +278,21 @@ std::optional<double> MetricValue(const std::string& exposition, const std::stri
       return std::strtod(line.c_str() + series.size() + 1, nullptr);
   }
   return std::nullopt;
+}
+
+std::string WaitForMetrics(int port, const std::function<bool(const std::string&)>& done,
+                           const std::vector<std::string>& headers, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  std::string body;
+  for (;;) {
+    HttpResult r = Request(port, "GET", "/metrics", "", headers);
+    if (r.status == 200) {
+      body = std::move(r.body);
+      if (done(body)) return body;
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return body;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
 }
 
 }  // namespace tandem::api_test
