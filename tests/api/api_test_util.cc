@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -270,12 +271,64 @@ std::vector<std::string> SseEvents(const std::string& body) {
   return events;
 }
 
+namespace {
+
+// The end of the series at the start of an exposition line (`name` or `name{labels}`), or npos.
+size_t SeriesEnd(const std::string& line) {
+  size_t i = line.find_first_of("{ ");
+  if (i == std::string::npos || line[i] == ' ') return i;
+  bool quoted = false;
+  for (++i; i < line.size(); ++i) {
+    if (quoted && line[i] == '\\') {
+      ++i;
+    } else if (line[i] == '"') {
+      quoted = !quoted;
+    } else if (!quoted && line[i] == '}') {
+      return i + 1;
+    }
+  }
+  return std::string::npos;
+}
+
+// `name{b="2",a="1"}` as `name{a="1",b="2"}`: the order of labels has no meaning in Prometheus,
+// and exporters differ in it.
+std::string CanonicalSeries(const std::string& series) {
+  const size_t open = series.find('{');
+  if (open == std::string::npos || series.back() != '}') return series;
+  std::vector<std::string> labels(1);
+  bool quoted = false;
+  for (size_t i = open + 1; i + 1 < series.size(); ++i) {
+    char c = series[i];
+    if (quoted && c == '\\') {
+      labels.back() += c;
+      c = series[++i];
+    } else if (c == '"') {
+      quoted = !quoted;
+    } else if (!quoted && c == ',') {
+      labels.emplace_back();
+      continue;
+    }
+    labels.back() += c;
+  }
+  std::erase_if(labels, [](const std::string& l) { return l.empty(); });
+  std::sort(labels.begin(), labels.end());
+  std::string out = series.substr(0, open + 1);
+  for (size_t i = 0; i < labels.size(); ++i) out += (i ? "," : "") + labels[i];
+  return out + "}";
+}
+
+}  // namespace
+
 std::optional<double> MetricValue(const std::string& exposition, const std::string& series) {
+  const std::string wanted = CanonicalSeries(series);
   std::istringstream in(exposition);
   std::string line;
   while (std::getline(in, line)) {
-    if (line.rfind(series + " ", 0) == 0)
-      return std::strtod(line.c_str() + series.size() + 1, nullptr);
+    if (line.empty() || line[0] == '#') continue;
+    const size_t end = SeriesEnd(line);
+    if (end == std::string::npos || end >= line.size() || line[end] != ' ') continue;
+    if (CanonicalSeries(line.substr(0, end)) == wanted)
+      return std::strtod(line.c_str() + end + 1, nullptr);
   }
   return std::nullopt;
 }

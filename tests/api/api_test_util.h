@@ -72,8 +72,8 @@ HttpResult RawExchange(int port, const std::string& raw, int timeout_ms = kHangT
 // default are returned as "event:<name>" entries before their data.
 std::vector<std::string> SseEvents(const std::string& body);
 
-// The value of an unlabelled sample (or of `name{labels}` given in full) in a Prometheus text
-// exposition, or nullopt.
+// The value of an unlabelled sample (or of `name{labels}` given in full, its labels in any
+// order) in a Prometheus text exposition, or nullopt.
 std::optional<double> MetricValue(const std::string& exposition, const std::string& series);
 
 // Scrapes GET /metrics until `done` holds for the exposition, or until `limit` has passed (a
