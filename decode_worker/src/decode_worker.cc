@@ -24,12 +24,12 @@
 #include "tandem/base/host_port.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/engine/model_runner.h"
+#include "tandem/engine/engine_metrics.h"
 #include "tandem/kvtransfer/agent.h"
+#include "tandem/metrics/registry.h"
 #include "tandem/proto/convert.h"
 #include "tandem/proto/kv_layout_check.h"
 #include "tandem/router/http_server.h"
-#include "tandem/router/engine_step_metrics.h"
-#include "tandem/router/metrics.h"
 #include "tandem/v1/decode.grpc.pb.h"
 
 namespace tandem::decode_worker {
@@ -137,63 +137,50 @@ class Service final : public tandem::v1::DecodeWorker::Service {
 };
 
 struct Metrics {
-  router::MetricsRegistry registry;
-  router::Gauge* kv_used = nullptr;
-  router::Gauge* kv_capacity = nullptr;
-  router::Gauge* kv_reserved = nullptr;
-  router::Gauge* running = nullptr;
-  router::Gauge* waiting = nullptr;
-  router::Gauge* reservations = nullptr;
-  router::Counter* requests = nullptr;
-  router::Counter* expired = nullptr;
-  router::Counter* preemptions = nullptr;
-  router::Counter* generation_tokens = nullptr;
-  router::Gauge* batch_limit = nullptr;
-  router::Gauge* tpot_target = nullptr;
-  router::Gauge* step_gap = nullptr;
-  router::Counter* slo_refusals = nullptr;
-  router::Counter* handoffs = nullptr;
-  router::Counter* handoff_bytes = nullptr;
-  router::Counter* handoff_seconds = nullptr;
-  router::Counter* parked_expired = nullptr;
-  router::EngineStepMetrics step{registry};
+  metrics::Registry registry;
+  engine::EngineMetrics engine{registry};  // KV, batch, preemptions, step times
+  prometheus::Gauge* kv_reserved = nullptr;
+  prometheus::Gauge* reservations = nullptr;
+  prometheus::Counter* requests = nullptr;
+  prometheus::Counter* expired = nullptr;
+  prometheus::Counter* generation_tokens = nullptr;
+  prometheus::Gauge* batch_limit = nullptr;
+  prometheus::Gauge* tpot_target = nullptr;
+  prometheus::Gauge* step_gap = nullptr;
+  prometheus::Counter* slo_refusals = nullptr;
+  prometheus::Counter* handoffs = nullptr;
+  prometheus::Counter* handoff_bytes = nullptr;
+  prometheus::Counter* handoff_seconds = nullptr;
+  prometheus::Counter* parked_expired = nullptr;
 
   Metrics() {
-    kv_used = registry.AddGauge("tandem_kv_cache_blocks_used",
-                                "KV cache blocks in use, reserved ones included.");
-    kv_capacity = registry.AddGauge("tandem_kv_cache_blocks_capacity", "KV cache blocks in all.");
-    kv_reserved = registry.AddGauge("tandem_kv_cache_blocks_reserved",
+    kv_reserved = &registry.Gauge("tandem_kv_cache_blocks_reserved",
                                     "KV cache blocks held by reservations not yet started.");
-    running = registry.AddGauge("tandem_num_requests_running", "Sequences in the running batch.");
-    waiting = registry.AddGauge("tandem_num_requests_waiting",
-                                "Sequences waiting for admission to the running batch.");
-    reservations = registry.AddGauge("tandem_decode_reservations", "Live KV reservations.");
-    requests = registry.AddCounter("tandem_decode_requests_total", "Requests started (Start).");
-    expired = registry.AddCounter("tandem_decode_reservations_expired_total",
+    reservations = &registry.Gauge("tandem_decode_reservations", "Live KV reservations.");
+    requests = &registry.Counter("tandem_decode_requests_total", "Requests started (Start).");
+    expired = &registry.Counter("tandem_decode_reservations_expired_total",
                                   "Reservations released because nobody started them in time.");
-    preemptions = registry.AddCounter("tandem_preemptions_total",
-                                      "Sequences preempted (KV dropped and recomputed).");
     generation_tokens =
-        registry.AddCounter("tandem_generation_tokens_total", "Tokens generated, all samples.");
-    batch_limit = registry.AddGauge(
+        &registry.Counter("tandem_generation_tokens_total", "Tokens generated, all samples.");
+    batch_limit = &registry.Gauge(
         "tandem_decode_batch_limit",
         "Sequences a decode step may run: max_num_seqs, or the TPOT controller's lower cap.");
-    tpot_target = registry.AddGauge("tandem_decode_tpot_target_seconds",
+    tpot_target = &registry.Gauge("tandem_decode_tpot_target_seconds",
                                     "The TPOT target the batch is sized for (0: none).");
-    step_gap = registry.AddGauge(
+    step_gap = &registry.Gauge(
         "tandem_step_gap_seconds",
         "Recent mean time between engine steps while work was pending (the worker's loop).");
-    slo_refusals = registry.AddCounter(
+    slo_refusals = &registry.Counter(
         "tandem_decode_reserve_refused_slo_total",
         "Reserve calls refused because the running batch was at the TPOT controller's cap.");
-    handoffs = registry.AddCounter(
+    handoffs = &registry.Counter(
         "tandem_decode_kv_handoffs_total",
         "Samples parked while draining whose KV a Handoff moved to another decode worker.");
-    handoff_bytes = registry.AddCounter("tandem_decode_kv_handoff_bytes_total",
+    handoff_bytes = &registry.Counter("tandem_decode_kv_handoff_bytes_total",
                                         "KV bytes moved by Handoff calls.");
-    handoff_seconds = registry.AddCounter("tandem_decode_kv_handoff_seconds_total",
+    handoff_seconds = &registry.Counter("tandem_decode_kv_handoff_seconds_total",
                                           "Time spent moving KV in Handoff calls.");
-    parked_expired = registry.AddCounter(
+    parked_expired = &registry.Counter(
         "tandem_decode_parked_expired_total",
         "Samples parked while draining whose KV nobody took before handoff_ttl (freed).");
   }
@@ -376,14 +363,15 @@ void DecodeWorkerImpl::HandleHttp(std::shared_ptr<router::HttpExchange> exchange
     return;
   }
   const tandem::v1::WorkerStats stats = Stats();
-  metrics_.kv_used->Set(stats.kv_blocks_used());
-  metrics_.kv_capacity->Set(stats.kv_blocks_total());
+  // From the published snapshot (reservations included), not the engine's own counts.
+  metrics_.engine.kv_used.Set(stats.kv_blocks_used());
+  metrics_.engine.kv_capacity.Set(stats.kv_blocks_total());
+  metrics_.engine.running.Set(stats.running());
+  metrics_.engine.waiting.Set(stats.waiting());
+  metrics::AdvanceTo(metrics_.engine.preemptions, static_cast<double>(stats.preemptions_total()));
   metrics_.kv_reserved->Set(stats.kv_blocks_reserved());
-  metrics_.running->Set(stats.running());
-  metrics_.waiting->Set(stats.waiting());
   metrics_.reservations->Set(stats.reservations());
-  metrics_.preemptions->AdvanceTo(static_cast<double>(stats.preemptions_total()));
-  exchange->Reply({200, router::MetricsRegistry::kContentType, metrics_.registry.Render(), {}});
+  exchange->Reply({200, metrics::Registry::kContentType, metrics_.registry.Render(), {}});
 }
 
 // --- the engine loop --------------------------------------------------------------------------
@@ -497,7 +485,7 @@ void DecodeWorkerImpl::FreeReservation(Reservation& reservation) {
 
 void DecodeWorkerImpl::RecordStepMetrics() {
   const engine::EngineStats stats = engine_->stats();
-  metrics_.step.Record(stats);
+  metrics_.engine.Record(stats);
   metrics_.batch_limit->Set(stats.batch_limit);
   metrics_.step_gap->Set(stats.step_gap_seconds);
 }

@@ -26,12 +26,12 @@
 #include "grpcpp/grpcpp.h"
 #include "tandem/base/host_port.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/engine/engine_metrics.h"
 #include "tandem/kvtransfer/agent.h"
+#include "tandem/metrics/registry.h"
 #include "tandem/proto/convert.h"
 #include "tandem/proto/kv_layout_check.h"
 #include "tandem/router/http_server.h"
-#include "tandem/router/engine_step_metrics.h"
-#include "tandem/router/metrics.h"
 #include "tandem/v1/prefill.grpc.pb.h"
 
 namespace tandem::prefill_worker {
@@ -132,44 +132,34 @@ struct Command {
 };
 
 struct Metrics {
-  router::MetricsRegistry registry;
-  router::Gauge* kv_used = registry.AddGauge("tandem_kv_cache_blocks_used", "KV blocks in use.");
-  router::Gauge* kv_total =
-      registry.AddGauge("tandem_kv_cache_blocks_capacity", "KV blocks in the cache.");
-  router::Gauge* running =
-      registry.AddGauge("tandem_num_requests_running", "Sequences in the running batch.");
-  router::Gauge* waiting =
-      registry.AddGauge("tandem_num_requests_waiting", "Sequences waiting for admission.");
-  router::Gauge* queued_tokens = registry.AddGauge("tandem_prefill_queued_tokens",
-                                                   "Prompt tokens accepted and not yet computed.");
-  router::Counter* prompt_tokens = registry.AddCounter(
+  metrics::Registry registry;
+  engine::EngineMetrics engine{registry};  // KV, batch, preemptions, step times
+  prometheus::Gauge& queued_tokens = registry.Gauge(
+      "tandem_prefill_queued_tokens", "Prompt tokens accepted and not yet computed.");
+  prometheus::Counter& prompt_tokens = registry.Counter(
       "tandem_prompt_tokens_total", "Prompt tokens of the requests prefilled successfully.");
-  router::Counter* transfer_bytes =
-      registry.AddCounter("tandem_kv_transfer_bytes_total", "KV bytes pushed to decode workers.");
-  router::Counter* transfer_seconds = registry.AddCounter(
+  prometheus::Counter& transfer_bytes =
+      registry.Counter("tandem_kv_transfer_bytes_total", "KV bytes pushed to decode workers.");
+  prometheus::Counter& transfer_seconds = registry.Counter(
       "tandem_kv_transfer_seconds_total",
       "Seconds from each request's first KV page posted to its last acknowledged, summed.");
-  router::Counter* exposed_seconds = registry.AddCounter(
+  prometheus::Counter& exposed_seconds = registry.Counter(
       "tandem_kv_transfer_exposed_seconds_total",
       "Of tandem_kv_transfer_seconds_total, the seconds after prefill compute ended.");
-  router::Counter* preemptions =
-      registry.AddCounter("tandem_preemptions_total", "Sequences preempted (KV recomputed).");
-  router::Histogram* prefill_seconds =
-      registry.AddHistogram("tandem_prefill_seconds",
-                            "Seconds from a request's first chunk scheduled to its first token.",
-                            router::LatencyBuckets());
-  router::Gauge* token_budget = registry.AddGauge(
+  prometheus::Histogram& prefill_seconds = registry.Histogram(
+      "tandem_prefill_seconds", "Seconds from a request's first chunk scheduled to its first token.",
+      metrics::LatencyBuckets());
+  prometheus::Gauge& token_budget = registry.Gauge(
       "tandem_prefill_token_budget",
       "Tokens a prefill step may take: max_num_batched_tokens, or the TTFT controller's lower "
       "budget.");
-  router::Gauge* ttft_target = registry.AddGauge(
+  prometheus::Gauge& ttft_target = registry.Gauge(
       "tandem_prefill_ttft_target_seconds", "The TTFT target steps are sized for (0: none).");
-  router::EngineStepMetrics step{registry};
 
-  router::Counter* Requests(absl::StatusCode code) {
-    return registry.AddCounter("tandem_prefill_requests_total",
-                               "Submit calls answered, by status code.",
-                               {{"code", absl::StatusCodeToString(code)}});
+  prometheus::Counter& Requests(absl::StatusCode code) {
+    return registry.Counter("tandem_prefill_requests_total",
+                            "Submit calls answered, by status code.",
+                            {{"code", absl::StatusCodeToString(code)}});
   }
 };
 
@@ -311,7 +301,7 @@ absl::Status PrefillWorkerImpl::Start() {
       agent_->RegisterMemory(kCacheRegion, engine_->kv_cache(), engine_->kv_cache_bytes())
           .status());
 
-  metrics_.ttft_target->Set(engine_options.ttft_slo_seconds);
+  metrics_.ttft_target.Set(engine_options.ttft_slo_seconds);
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.set_role(tandem::v1::WORKER_ROLE_PREFILL);
@@ -339,7 +329,7 @@ absl::Status PrefillWorkerImpl::Start() {
             ex->Reply(accepting_ ? router::HttpResponse{200, "text/plain", "ok\n", {}}
                                  : router::HttpResponse{503, "text/plain", "shutting down\n", {}});
           } else {
-            ex->Reply({200, router::MetricsRegistry::kContentType, metrics_.registry.Render(), {}});
+            ex->Reply({200, metrics::Registry::kContentType, metrics_.registry.Render(), {}});
           }
         }));
   }
@@ -955,13 +945,13 @@ void PrefillWorkerImpl::Complete(Job& job, std::vector<std::shared_ptr<Call>>& n
     response.set_prefill_seconds(absl::ToDoubleSeconds(job.compute_done - scheduled));
     response.set_queue_seconds(
         absl::ToDoubleSeconds(std::max(scheduled - job.received, absl::ZeroDuration())));
-    metrics_.prompt_tokens->Increment(job.prompt_len);
-    metrics_.transfer_bytes->Increment(static_cast<double>(job.bytes));
-    metrics_.transfer_seconds->Increment(transfer);
-    metrics_.exposed_seconds->Increment(exposed);
-    metrics_.prefill_seconds->Observe(response.prefill_seconds());
+    metrics_.prompt_tokens.Increment(job.prompt_len);
+    metrics_.transfer_bytes.Increment(static_cast<double>(job.bytes));
+    metrics_.transfer_seconds.Increment(transfer);
+    metrics_.exposed_seconds.Increment(exposed);
+    metrics_.prefill_seconds.Observe(response.prefill_seconds());
   }
-  metrics_.Requests(call.status.code())->Increment();
+  metrics_.Requests(call.status.code()).Increment();
   {
     std::lock_guard<std::mutex> lock(mu_);
     in_flight_.erase(job.id);
@@ -979,14 +969,9 @@ void PrefillWorkerImpl::UpdateStats() {
       if (!job->sample_done[c]) queued += job->prompt_len - job->computed[c];
     }
   }
-  metrics_.kv_used->Set(engine_stats.kv_blocks_used);
-  metrics_.kv_total->Set(engine_stats.kv_blocks_total);
-  metrics_.running->Set(engine_stats.running);
-  metrics_.waiting->Set(engine_stats.waiting);
-  metrics_.queued_tokens->Set(static_cast<double>(queued));
-  metrics_.preemptions->AdvanceTo(static_cast<double>(engine_stats.preemptions));
-  metrics_.token_budget->Set(engine_stats.token_budget);
-  metrics_.step.Record(engine_stats);
+  metrics_.engine.Record(engine_stats);
+  metrics_.queued_tokens.Set(static_cast<double>(queued));
+  metrics_.token_budget.Set(engine_stats.token_budget);
   std::lock_guard<std::mutex> lock(mu_);
   stats_.set_queued_prefill_tokens(queued);
   stats_.set_running(engine_stats.running);

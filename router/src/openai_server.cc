@@ -16,7 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "tandem/base/status_macros.h"
-#include "tandem/router/metrics.h"
+#include "tandem/metrics/registry.h"
 #include "tandem/router/openai_request.h"
 
 namespace tandem::router {
@@ -68,37 +68,37 @@ std::vector<double> TpotBuckets() {
 }
 
 struct ApiMetrics {
-  MetricsRegistry registry;
-  Counter* prompt_tokens;
-  Counter* generation_tokens;
-  Histogram* ttft;
-  Histogram* itl;
-  Histogram* e2e;
-  Histogram* tpot;
-  Gauge* running;
-  Gauge* waiting;
-  Gauge* kv_used;
-  Gauge* kv_total;
-  Counter* preemptions;
-  Gauge* in_flight;
-  Gauge* connections;
+  metrics::Registry registry;
+  prometheus::Counter* prompt_tokens;
+  prometheus::Counter* generation_tokens;
+  prometheus::Histogram* ttft;
+  prometheus::Histogram* itl;
+  prometheus::Histogram* e2e;
+  prometheus::Histogram* tpot;
+  prometheus::Gauge* running;
+  prometheus::Gauge* waiting;
+  prometheus::Gauge* kv_used;
+  prometheus::Gauge* kv_total;
+  prometheus::Counter* preemptions;
+  prometheus::Gauge* in_flight;
+  prometheus::Gauge* connections;
   // Disaggregated serving: the pools and failovers (zero with one engine).
-  Counter* prefill_retries;
-  Counter* migrations;
-  Counter* kv_handoffs;
-  Counter* kv_handoff_bytes;
-  Gauge* workers[2][2];  // [prefill, decode][up, down]
+  prometheus::Counter* prefill_retries;
+  prometheus::Counter* migrations;
+  prometheus::Counter* kv_handoffs;
+  prometheus::Counter* kv_handoff_bytes;
+  prometheus::Gauge* workers[2][2];  // [prefill, decode][up, down]
 
   // SLO accounting (see Classify). A pair is null where that objective is not configured;
   // "both" exists when any is.
   struct SloPair {
-    Counter* met = nullptr;
-    Counter* missed = nullptr;
+    prometheus::Counter* met = nullptr;
+    prometheus::Counter* missed = nullptr;
   };
   std::optional<double> ttft_slo;
   std::optional<double> tpot_slo;
   SloPair slo_ttft, slo_tpot, slo_both;
-  Counter* slo_met;
+  prometheus::Counter* slo_met;
 
   static constexpr const char* kRequestsHelp =
       "Generation requests finished, by finish reason of their first choice (abort: the client "
@@ -111,80 +111,82 @@ struct ApiMetrics {
   explicit ApiMetrics(const ApiServerOptions& options)
       : ttft_slo(options.ttft_slo_seconds), tpot_slo(options.tpot_slo_seconds) {
     for (const char* reason : {"stop", "length", "abort", "error"}) Finished(reason);
-    prompt_tokens = registry.AddCounter("tandem_prompt_tokens_total", "Prompt tokens processed.");
+    prompt_tokens = &registry.Counter("tandem_prompt_tokens_total", "Prompt tokens processed.");
     generation_tokens =
-        registry.AddCounter("tandem_generation_tokens_total", "Tokens generated, all choices.");
-    ttft = registry.AddHistogram("tandem_time_to_first_token_seconds",
+        &registry.Counter("tandem_generation_tokens_total", "Tokens generated, all choices.");
+    ttft = &registry.Histogram("tandem_time_to_first_token_seconds",
                                  "Time from request arrival to its first generated token.",
-                                 LatencyBuckets());
-    itl = registry.AddHistogram("tandem_inter_token_latency_seconds",
+                                 metrics::LatencyBuckets());
+    itl = &registry.Histogram("tandem_inter_token_latency_seconds",
                                 "Time between successive generated tokens of a request.",
-                                LatencyBuckets());
-    e2e = registry.AddHistogram("tandem_e2e_request_latency_seconds",
-                                "Time from request arrival to its last token.", LatencyBuckets());
+                                metrics::LatencyBuckets());
+    e2e = &registry.Histogram("tandem_e2e_request_latency_seconds",
+                                "Time from request arrival to its last token.", metrics::LatencyBuckets());
     running =
-        registry.AddGauge("tandem_requests_running", "Requests in the engine's running batch.");
-    waiting = registry.AddGauge("tandem_requests_waiting", "Requests queued in the engine.");
-    kv_used = registry.AddGauge("tandem_kv_cache_blocks_used", "KV cache blocks in use.");
+        &registry.Gauge("tandem_requests_running", "Requests in the engine's running batch.");
+    waiting = &registry.Gauge("tandem_requests_waiting", "Requests queued in the engine.");
+    kv_used = &registry.Gauge("tandem_kv_cache_blocks_used",
+                              "KV cache blocks in use (on a decode worker, reserved ones too).");
     // Not "_total": Prometheus reserves that suffix for counters (promtool refuses a gauge).
-    kv_total = registry.AddGauge("tandem_kv_cache_blocks_capacity", "KV cache blocks in all.");
+    kv_total = &registry.Gauge("tandem_kv_cache_blocks_capacity", "KV cache blocks in all.");
     preemptions =
-        registry.AddCounter("tandem_preemptions_total", "Requests preempted to free KV blocks.");
-    in_flight = registry.AddGauge("tandem_api_requests_in_flight",
+        &registry.Counter("tandem_preemptions_total",
+                          "Sequences preempted (their KV dropped and recomputed).");
+    in_flight = &registry.Gauge("tandem_api_requests_in_flight",
                                   "Generation requests accepted by the API and not yet finished.");
-    connections = registry.AddGauge("tandem_http_connections", "Open HTTP connections.");
+    connections = &registry.Gauge("tandem_http_connections", "Open HTTP connections.");
     constexpr const char* kRetriesHelp =
         "Requests that went on elsewhere after a worker went away under them (prefill: started "
         "over before the first token; decode: continued mid-stream on another decode worker by "
         "recomputing their KV; kv_handoff: samples a draining decode worker parked, moved with "
         "their KV to another decode worker).";
     prefill_retries =
-        registry.AddCounter("tandem_request_retries_total", kRetriesHelp, {{"phase", "prefill"}});
+        &registry.Counter("tandem_request_retries_total", kRetriesHelp, {{"phase", "prefill"}});
     migrations =
-        registry.AddCounter("tandem_request_retries_total", kRetriesHelp, {{"phase", "decode"}});
-    kv_handoffs = registry.AddCounter("tandem_request_retries_total", kRetriesHelp,
+        &registry.Counter("tandem_request_retries_total", kRetriesHelp, {{"phase", "decode"}});
+    kv_handoffs = &registry.Counter("tandem_request_retries_total", kRetriesHelp,
                                       {{"phase", "kv_handoff"}});
-    kv_handoff_bytes = registry.AddCounter(
+    kv_handoff_bytes = &registry.Counter(
         "tandem_kv_handoff_bytes_total",
         "KV bytes moved from draining decode workers to others by KV handoff.");
     const char* roles[2] = {"prefill", "decode"};
     const char* states[2] = {"up", "down"};
     for (int r = 0; r < 2; ++r) {
       for (int st = 0; st < 2; ++st) {
-        workers[r][st] = registry.AddGauge(
+        workers[r][st] = &registry.Gauge(
             "tandem_workers",
             "Workers in the router's pools, by role and by whether their last Stats answered.",
             {{"role", roles[r]}, {"state", states[st]}});
       }
     }
 
-    tpot = registry.AddHistogram(
+    tpot = &registry.Histogram(
         "tandem_time_per_output_token_seconds",
         "Per request that finished normally with at least 2 tokens: (end - first token) / "
         "(tokens of its longest choice - 1).",
         TpotBuckets());
     auto pair = [&](const char* slo) {
       return SloPair{
-          registry.AddCounter("tandem_requests_slo_total", kSloHelp,
+          &registry.Counter("tandem_requests_slo_total", kSloHelp,
                               {{"slo", slo}, {"result", "met"}}),
-          registry.AddCounter("tandem_requests_slo_total", kSloHelp,
+          &registry.Counter("tandem_requests_slo_total", kSloHelp,
                               {{"slo", slo}, {"result", "missed"}}),
       };
     };
     if (ttft_slo) slo_ttft = pair("ttft");
     if (tpot_slo) slo_tpot = pair("tpot");
     if (ttft_slo || tpot_slo) slo_both = pair("both");
-    slo_met = registry.AddCounter(
+    slo_met = &registry.Counter(
         "tandem_requests_slo_met_total",
         "Requests that finished normally (stop or length) meeting every configured service-level "
         "objective (all of them when none is configured); its rate is the goodput.");
     if (ttft_slo) {
-      registry.AddGauge("tandem_slo_ttft_seconds", "The time-to-first-token objective.")
-          ->Set(*ttft_slo);
+      registry.Gauge("tandem_slo_ttft_seconds", "The time-to-first-token objective.")
+          .Set(*ttft_slo);
     }
     if (tpot_slo) {
-      registry.AddGauge("tandem_slo_tpot_seconds", "The time-per-output-token objective.")
-          ->Set(*tpot_slo);
+      registry.Gauge("tandem_slo_tpot_seconds", "The time-per-output-token objective.")
+          .Set(*tpot_slo);
     }
   }
 
@@ -202,11 +204,11 @@ struct ApiMetrics {
     if (ttft_slo || tpot_slo) count(slo_both, all_met);
     if (all_met) slo_met->Increment();
   }
-  Counter* Finished(const std::string& reason) {
-    return registry.AddCounter("tandem_requests_total", kRequestsHelp, {{"finish_reason", reason}});
+  prometheus::Counter* Finished(const std::string& reason) {
+    return &registry.Counter("tandem_requests_total", kRequestsHelp, {{"finish_reason", reason}});
   }
-  Counter* Http(int code) {
-    return registry.AddCounter("tandem_http_responses_total", kHttpHelp,
+  prometheus::Counter* Http(int code) {
+    return &registry.Counter("tandem_http_responses_total", kHttpHelp,
                                {{"code", std::to_string(code)}});
   }
 };
@@ -494,12 +496,12 @@ class ApiServerImpl : public ApiServer {
     metrics_.waiting->Set(stats.waiting);
     metrics_.kv_used->Set(stats.kv_blocks_used);
     metrics_.kv_total->Set(stats.kv_blocks_total);
-    metrics_.preemptions->AdvanceTo(static_cast<double>(stats.preemptions));
+    metrics::AdvanceTo(*metrics_.preemptions, static_cast<double>(stats.preemptions));
     const engine::GeneratorCounters counters = engine_->counters();
-    metrics_.prefill_retries->AdvanceTo(static_cast<double>(counters.prefill_retries));
-    metrics_.migrations->AdvanceTo(static_cast<double>(counters.migrations));
-    metrics_.kv_handoffs->AdvanceTo(static_cast<double>(counters.kv_handoffs));
-    metrics_.kv_handoff_bytes->AdvanceTo(static_cast<double>(counters.kv_handoff_bytes));
+    metrics::AdvanceTo(*metrics_.prefill_retries, static_cast<double>(counters.prefill_retries));
+    metrics::AdvanceTo(*metrics_.migrations, static_cast<double>(counters.migrations));
+    metrics::AdvanceTo(*metrics_.kv_handoffs, static_cast<double>(counters.kv_handoffs));
+    metrics::AdvanceTo(*metrics_.kv_handoff_bytes, static_cast<double>(counters.kv_handoff_bytes));
     metrics_.workers[0][0]->Set(counters.prefill_workers_up);
     metrics_.workers[0][1]->Set(counters.prefill_workers - counters.prefill_workers_up);
     metrics_.workers[1][0]->Set(counters.decode_workers_up);
@@ -508,7 +510,7 @@ class ApiServerImpl : public ApiServer {
     metrics_.connections->Set(http_->num_connections());
     // Counted before rendering so the scrape includes itself.
     metrics_.Http(200)->Increment();
-    ex.Reply(HttpResponse{200, MetricsRegistry::kContentType, metrics_.registry.Render(), {}});
+    ex.Reply(HttpResponse{200, metrics::Registry::kContentType, metrics_.registry.Render(), {}});
   }
 
   json ModelObject(const std::string& name) const {

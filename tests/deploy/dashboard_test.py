@@ -19,10 +19,11 @@ def check(cond, message):
 
 
 def exported_metrics(source_dir):
-    """Metric names registered by the router and the workers, histogram series included."""
+    """Metric names registered (metrics::Registry::Counter/Gauge/Histogram) by the router, the
+    workers and the engine's own families, histogram series included."""
     names = set()
-    register = re.compile(r'Add(Counter|Gauge|Histogram)\(\s*"(tandem_\w+)"')
-    for folder in ("router", "prefill_worker", "decode_worker", "cluster"):
+    register = re.compile(r'registry\.(Counter|Gauge|Histogram)\(\s*"(tandem_\w+)"')
+    for folder in ("router", "prefill_worker", "decode_worker", "cluster", "engine"):
         for root, _, files in os.walk(os.path.join(source_dir, folder)):
             for f in files:
                 if not f.endswith(".cc") or f.endswith("_test.cc"):

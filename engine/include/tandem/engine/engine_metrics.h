@@ -1,0 +1,49 @@
+// The metric families every engine exports, each defined once: KV blocks, the batch,
+// preemptions, and the measured step times with the online step latency model the SLO
+// controllers use. Prefill and decode workers and the colocated server register them in their
+// own metrics::Registry.
+//
+//   metrics::Registry registry;
+//   engine::EngineMetrics engine_metrics(registry);
+//   ... after each engine step, on the engine thread:
+//   engine_metrics.Record(engine->stats());
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "tandem/engine/llm_engine.h"
+#include "tandem/engine/step_latency_model.h"
+#include "tandem/metrics/registry.h"
+
+namespace tandem::engine {
+
+class EngineMetrics {
+ public:
+  // Registers tandem_kv_cache_blocks_{used,capacity}, tandem_num_requests_{running,waiting},
+  // tandem_preemptions_total, tandem_step_seconds and tandem_step_latency_model_{seconds{term},
+  // samples,error_ratio}.
+  explicit EngineMetrics(metrics::Registry& registry);
+
+  // Sets the KV, batch and preemption series from `stats`, and observes the steps run since the
+  // last call (the last one's time stands for any missed). Not thread-safe: call from one
+  // thread.
+  void Record(const EngineStats& stats);
+
+  // The KV, batch and preemption series, for an owner that keeps the counts elsewhere (a decode
+  // worker's published snapshot).
+  prometheus::Gauge& kv_used;
+  prometheus::Gauge& kv_capacity;
+  prometheus::Gauge& running;
+  prometheus::Gauge& waiting;
+  prometheus::Counter& preemptions;
+
+ private:
+  prometheus::Histogram& step_seconds_;
+  std::array<prometheus::Gauge*, StepLatencyModel::kNumTerms> terms_{};
+  prometheus::Gauge& samples_;
+  prometheus::Gauge& error_ratio_;
+  int64_t steps_seen_ = 0;
+};
+
+}  // namespace tandem::engine
