@@ -4,7 +4,7 @@ BUILD_DIR ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?= -DCMAKE_BUILD_TYPE=Release
 
-.PHONY: all deps configure build test test-stress serve bench format clean
+.PHONY: all deps configure build test test-stress test-asan test-tsan serve bench format clean
 
 all: build
 
@@ -27,6 +27,14 @@ test: deps
 test-stress: deps
 	$(MAKE) build
 	./scripts/test-stress $(BUILD_DIR)
+
+# Sanitizer builds in build-asan/ and build-tsan/; any finding fails the run (not in CI).
+# ASan+UBSan+LSan: every test but the gpu label. TSan: the worker, router, KV and cluster tests.
+test-asan: deps
+	JOBS=$(JOBS) ./scripts/test-sanitizers asan
+
+test-tsan: deps
+	JOBS=$(JOBS) ./scripts/test-sanitizers tsan
 
 serve: deps
 	$(MAKE) build
