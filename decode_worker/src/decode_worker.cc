@@ -29,7 +29,7 @@
 #include "tandem/metrics/registry.h"
 #include "tandem/proto/convert.h"
 #include "tandem/proto/kv_layout_check.h"
-#include "tandem/router/http_server.h"
+#include "tandem/http/http_server.h"
 #include "tandem/v1/decode.grpc.pb.h"
 
 namespace tandem::decode_worker {
@@ -256,7 +256,7 @@ class DecodeWorkerImpl final : public DecodeWorker {
   // Engine-thread view of the worker's state.
   tandem::v1::WorkerStats ComputeStats() const;
   void PublishStats();
-  void HandleHttp(std::shared_ptr<router::HttpExchange> exchange);
+  void HandleHttp(std::shared_ptr<http::HttpExchange> exchange);
 
   DecodeWorkerOptions options_;
   std::string grpc_address_;
@@ -277,7 +277,7 @@ class DecodeWorkerImpl final : public DecodeWorker {
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
   Metrics metrics_;
-  std::unique_ptr<router::HttpServer> metrics_server_;
+  std::unique_ptr<http::HttpServer> metrics_server_;
 
   // Refuses Reserve and Start once false. Set by Shutdown, read on the engine thread.
   std::atomic<bool> accepting_{true};
@@ -336,20 +336,20 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
 
   if (!options_.metrics_address.empty()) {
     TANDEM_ASSIGN_OR_RETURN(auto metrics_host_port, SplitHostPort(options_.metrics_address));
-    router::HttpServerOptions http;
+    http::HttpServerOptions http;
     http.host = metrics_host_port.first;
     http.port = metrics_host_port.second;
     http.num_threads = 1;
     TANDEM_ASSIGN_OR_RETURN(
         metrics_server_,
-        router::HttpServer::Create(
-            http, [this](std::shared_ptr<router::HttpExchange> ex) { HandleHttp(std::move(ex)); }));
+        http::HttpServer::Create(
+            http, [this](std::shared_ptr<http::HttpExchange> ex) { HandleHttp(std::move(ex)); }));
   }
   return absl::OkStatus();
 }
 
-void DecodeWorkerImpl::HandleHttp(std::shared_ptr<router::HttpExchange> exchange) {
-  const router::HttpRequest& request = exchange->request();
+void DecodeWorkerImpl::HandleHttp(std::shared_ptr<http::HttpExchange> exchange) {
+  const http::HttpRequest& request = exchange->request();
   if (request.method != "GET") {
     exchange->Reply({405, "text/plain", "only GET\n", {}});
     return;

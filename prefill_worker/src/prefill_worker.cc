@@ -31,7 +31,7 @@
 #include "tandem/metrics/registry.h"
 #include "tandem/proto/convert.h"
 #include "tandem/proto/kv_layout_check.h"
-#include "tandem/router/http_server.h"
+#include "tandem/http/http_server.h"
 #include "tandem/v1/prefill.grpc.pb.h"
 
 namespace tandem::prefill_worker {
@@ -254,7 +254,7 @@ class PrefillWorkerImpl final : public PrefillWorker {
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string grpc_address_;
-  std::unique_ptr<router::HttpServer> http_;
+  std::unique_ptr<http::HttpServer> http_;
 
   std::mutex peers_mu_;
   std::map<std::string, kvtransfer::PeerId> peers_;  // guarded by peers_mu_
@@ -311,23 +311,23 @@ absl::Status PrefillWorkerImpl::Start() {
 
   if (!options_.metrics_address.empty()) {
     TANDEM_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(options_.metrics_address));
-    router::HttpServerOptions http;
+    http::HttpServerOptions http;
     http.host = host_port.first;
     http.port = host_port.second;
     http.error_response = [](int status, const std::string& message) {
-      return router::HttpResponse{status, "text/plain", message + "\n", {}};
+      return http::HttpResponse{status, "text/plain", message + "\n", {}};
     };
     TANDEM_ASSIGN_OR_RETURN(
-        http_, router::HttpServer::Create(http, [this](std::shared_ptr<router::HttpExchange> ex) {
-          const router::HttpRequest& req = ex->request();
+        http_, http::HttpServer::Create(http, [this](std::shared_ptr<http::HttpExchange> ex) {
+          const http::HttpRequest& req = ex->request();
           if (req.path != "/metrics" && req.path != "/health") {
             ex->Reply({404, "text/plain", "not found\n", {}});
           } else if (req.method != "GET") {
             ex->Reply({405, "text/plain", "method not allowed\n", {{"Allow", "GET"}}});
           } else if (req.path == "/health") {
             std::lock_guard<std::mutex> lock(mu_);
-            ex->Reply(accepting_ ? router::HttpResponse{200, "text/plain", "ok\n", {}}
-                                 : router::HttpResponse{503, "text/plain", "shutting down\n", {}});
+            ex->Reply(accepting_ ? http::HttpResponse{200, "text/plain", "ok\n", {}}
+                                 : http::HttpResponse{503, "text/plain", "shutting down\n", {}});
           } else {
             ex->Reply({200, metrics::Registry::kContentType, metrics_.registry.Render(), {}});
           }

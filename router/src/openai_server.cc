@@ -237,7 +237,7 @@ int HttpStatusOf(const absl::Status& status, int overload_status) {
 class ApiServerImpl;
 
 // One generation request from acceptance to its last byte. Every method runs on the
-// connection's I/O thread (engine outputs are handed over with HttpExchange::Run), so it needs
+// connection's I/O thread (engine outputs are handed over with http::HttpExchange::Run), so it needs
 // no lock.
 struct Generation {
   struct Choice {
@@ -249,7 +249,7 @@ struct Generation {
   };
 
   ApiServerImpl* server = nullptr;  // outlives every request (see ApiServerImpl::Shutdown)
-  std::shared_ptr<HttpExchange> exchange;
+  std::shared_ptr<http::HttpExchange> exchange;
   ApiKind kind = ApiKind::kCompletion;
   std::string id;
   std::string model;
@@ -304,15 +304,15 @@ class ApiServerImpl : public ApiServer {
             absl::StrCat("the ", name, " SLO must be a finite number of seconds > 0, got ", *slo));
       }
     }
-    HttpServerOptions http = options_.http;
+    http::HttpServerOptions http = options_.http;
     http.error_response = [this](int status, const std::string& message) {
       metrics_.Http(status)->Increment();
       std::string code;
       if (status == 413) code = "request_too_large";
       if (status == 431) code = "request_header_fields_too_large";
-      return HttpResponse{status, "application/json", ErrorBody(status, message, "", code), {}};
+      return http::HttpResponse{status, "application/json", ErrorBody(status, message, "", code), {}};
     };
-    TANDEM_ASSIGN_OR_RETURN(http_, HttpServer::Create(http, [this](auto ex) { Handle(ex); }));
+    TANDEM_ASSIGN_OR_RETURN(http_, http::HttpServer::Create(http, [this](auto ex) { Handle(ex); }));
     return absl::OkStatus();
   }
 
@@ -351,15 +351,15 @@ class ApiServerImpl : public ApiServer {
     return engine_->tokenizer().TokenBytes(id);
   }
 
-  void Reply(HttpExchange& ex, int status, std::string body, HttpHeaders headers = {},
+  void Reply(http::HttpExchange& ex, int status, std::string body, http::HttpHeaders headers = {},
              std::string content_type = "application/json") {
     metrics_.Http(status)->Increment();
-    ex.Reply(HttpResponse{status, std::move(content_type), std::move(body), std::move(headers)});
+    ex.Reply(http::HttpResponse{status, std::move(content_type), std::move(body), std::move(headers)});
   }
 
-  void ReplyError(HttpExchange& ex, const absl::Status& status) {
+  void ReplyError(http::HttpExchange& ex, const absl::Status& status) {
     const int code = HttpStatusOf(status, options_.overload_status);
-    HttpHeaders headers;
+    http::HttpHeaders headers;
     if (status.code() == absl::StatusCode::kResourceExhausted ||
         status.code() == absl::StatusCode::kUnavailable) {
       headers.emplace_back("Retry-After", "1");
@@ -390,7 +390,7 @@ class ApiServerImpl : public ApiServer {
     Endpoint endpoint;
   };
 
-  void Handle(const std::shared_ptr<HttpExchange>& ex) {
+  void Handle(const std::shared_ptr<http::HttpExchange>& ex) {
     static constexpr Route kRoutes[] = {
         {"/health", "GET", Endpoint::kHealth},
         {"/ready", "GET", Endpoint::kReady},
@@ -401,7 +401,7 @@ class ApiServerImpl : public ApiServer {
         {"/tokenize", "POST", Endpoint::kTokenize},
         {"/detokenize", "POST", Endpoint::kDetokenize},
     };
-    const HttpRequest& req = ex->request();
+    const http::HttpRequest& req = ex->request();
     // Deny by default: only the probes (liveness, readiness) and metrics when made public skip
     // the key. /ready runs one cached one-token generation at most every 10 s, whoever asks.
     const bool is_public = req.path == "/health" || req.path == "/ready" ||
@@ -444,7 +444,7 @@ class ApiServerImpl : public ApiServer {
     }
   }
 
-  absl::Status CheckApiKey(const HttpRequest& req) const {
+  absl::Status CheckApiKey(const http::HttpRequest& req) const {
     std::optional<std::string> auth = req.header("authorization");
     if (!auth) {
       return WithErrorCode(absl::UnauthenticatedError(
@@ -465,7 +465,7 @@ class ApiServerImpl : public ApiServer {
     return absl::OkStatus();
   }
 
-  void MethodNotAllowed(HttpExchange& ex, const char* allowed) {
+  void MethodNotAllowed(http::HttpExchange& ex, const char* allowed) {
     std::string message =
         absl::StrCat("method ", Excerpt(ex.request().method), " is not allowed on ",
                      Excerpt(ex.request().path), "; use ", allowed);
@@ -490,7 +490,7 @@ class ApiServerImpl : public ApiServer {
     return WithErrorCode(s, "model_not_found");
   }
 
-  void HandleMetrics(HttpExchange& ex) {
+  void HandleMetrics(http::HttpExchange& ex) {
     engine::EngineStats stats = engine_->stats();
     metrics_.running->Set(stats.running);
     metrics_.waiting->Set(stats.waiting);
@@ -510,7 +510,7 @@ class ApiServerImpl : public ApiServer {
     metrics_.connections->Set(http_->num_connections());
     // Counted before rendering so the scrape includes itself.
     metrics_.Http(200)->Increment();
-    ex.Reply(HttpResponse{200, metrics::Registry::kContentType, metrics_.registry.Render(), {}});
+    ex.Reply(http::HttpResponse{200, metrics::Registry::kContentType, metrics_.registry.Render(), {}});
   }
 
   json ModelObject(const std::string& name) const {
@@ -522,13 +522,13 @@ class ApiServerImpl : public ApiServer {
             {"max_model_len", engine_->max_model_len()}};
   }
 
-  void HandleModels(HttpExchange& ex) {
+  void HandleModels(http::HttpExchange& ex) {
     json data = json::array();
     for (const std::string& name : options_.served_model_names) data.push_back(ModelObject(name));
     Reply(ex, 200, Dump({{"object", "list"}, {"data", data}}));
   }
 
-  void HandleModel(HttpExchange& ex, const std::string& name) {
+  void HandleModel(http::HttpExchange& ex, const std::string& name) {
     if (absl::Status s = CheckModelName(name); !s.ok()) return ReplyError(ex, s);
     Reply(ex, 200, Dump(ModelObject(name)));
   }
@@ -546,7 +546,7 @@ class ApiServerImpl : public ApiServer {
     return engine_->tokenizer().Encode(*text, add_special_tokens);
   }
 
-  void HandleTokenize(HttpExchange& ex) {
+  void HandleTokenize(http::HttpExchange& ex) {
     absl::StatusOr<json> body = ParseJsonObject(ex.request().body);
     if (!body.ok()) return ReplyError(ex, body.status());
     if (absl::Status s = CheckModel(*body); !s.ok()) return ReplyError(ex, s);
@@ -586,7 +586,7 @@ class ApiServerImpl : public ApiServer {
                 {"max_model_len", engine_->max_model_len()}}));
   }
 
-  void HandleDetokenize(HttpExchange& ex) {
+  void HandleDetokenize(http::HttpExchange& ex) {
     absl::StatusOr<json> body = ParseJsonObject(ex.request().body);
     if (!body.ok()) return ReplyError(ex, body.status());
     if (absl::Status s = CheckModel(*body); !s.ok()) return ReplyError(ex, s);
@@ -600,7 +600,7 @@ class ApiServerImpl : public ApiServer {
     Reply(ex, 200, Dump({{"prompt", text}}));
   }
 
-  void HandleReady(const std::shared_ptr<HttpExchange>& ex) {
+  void HandleReady(const std::shared_ptr<http::HttpExchange>& ex) {
     {
       std::lock_guard<std::mutex> lock(ready_mu_);
       if (ready_at_ && Clock::now() - *ready_at_ < options_.ready_cache) {
@@ -630,7 +630,7 @@ class ApiServerImpl : public ApiServer {
   }
 
   void ReadyDone(const absl::Status& status) {
-    std::vector<std::shared_ptr<HttpExchange>> waiters;
+    std::vector<std::shared_ptr<http::HttpExchange>> waiters;
     {
       std::lock_guard<std::mutex> lock(ready_mu_);
       waiters.swap(ready_waiters_);
@@ -647,7 +647,7 @@ class ApiServerImpl : public ApiServer {
     }
   }
 
-  void HandleGeneration(const std::shared_ptr<HttpExchange>& ex, ApiKind kind) {
+  void HandleGeneration(const std::shared_ptr<http::HttpExchange>& ex, ApiKind kind) {
     if (draining_) {
       return ReplyError(*ex, absl::UnavailableError("the server is shutting down"));
     }
@@ -750,14 +750,14 @@ class ApiServerImpl : public ApiServer {
   std::mutex ready_mu_;
   std::optional<Clock::time_point> ready_at_;                 // guarded by ready_mu_
   bool ready_probing_ = false;                                // guarded by ready_mu_
-  std::vector<std::shared_ptr<HttpExchange>> ready_waiters_;  // guarded by ready_mu_
+  std::vector<std::shared_ptr<http::HttpExchange>> ready_waiters_;  // guarded by ready_mu_
 
   std::mutex shutdown_mu_;
   bool shut_down_ = false;  // guarded by shutdown_mu_
 
   // The HTTP server is stopped before the engine goes, and destroyed after it (its I/O
   // context holds handlers that the engine's last callbacks posted).
-  std::unique_ptr<HttpServer> http_;
+  std::unique_ptr<http::HttpServer> http_;
   std::unique_ptr<engine::Generator> engine_;
 };
 

@@ -12,12 +12,12 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/engine/generator.h"
-#include "tandem/router/http_server.h"
+#include "tandem/http/http_server.h"
 
 namespace tandem::router {
 
 struct ApiServerOptions {
-  HttpServerOptions http;
+  http::HttpServerOptions http;
   // Names clients may use in "model"; the first is the one reported. Must not be empty.
   std::vector<std::string> served_model_names;
   // When non-empty, every route but /health (and /metrics with metrics_public) needs

@@ -14,7 +14,7 @@
 
 #include "absl/status/statusor.h"
 
-namespace tandem::router {
+namespace tandem::http {
 
 using HttpHeaders = std::vector<std::pair<std::string, std::string>>;
 
@@ -107,4 +107,4 @@ class HttpServer {
   virtual int num_responses_in_flight() const = 0;
 };
 
-}  // namespace tandem::router
+}  // namespace tandem::http

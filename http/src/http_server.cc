@@ -1,4 +1,4 @@
-#include "tandem/router/http_server.h"
+#include "tandem/http/http_server.h"
 
 #include <algorithm>
 #include <atomic>
@@ -12,11 +12,11 @@
 #include "boost/beast/core.hpp"
 #include "boost/beast/http.hpp"
 
-namespace tandem::router {
+namespace tandem::http {
 namespace {
 
 namespace beast = boost::beast;
-namespace http = beast::http;
+namespace bhttp = beast::http;
 namespace net = boost::asio;
 using tcp = net::ip::tcp;
 
@@ -30,7 +30,7 @@ constexpr std::chrono::milliseconds kDrainTime{1000};
 
 std::string ReasonPhrase(int status) {
   if (status == 529) return "Site Overloaded";
-  beast::string_view reason = http::obsolete_reason(http::int_to_status(status));
+  beast::string_view reason = bhttp::obsolete_reason(bhttp::int_to_status(status));
   if (reason.empty() || reason.front() == '<') return "Unknown";
   return std::string(reason);
 }
@@ -175,7 +175,7 @@ class Session : public std::enable_shared_from_this<Session> {
     parser_->header_limit(static_cast<uint32_t>(server_.options.max_header_bytes));
     parser_->body_limit(static_cast<uint64_t>(server_.options.max_body_bytes));
     stream_.expires_after(server_.options.request_timeout);
-    http::async_read_header(
+    bhttp::async_read_header(
         stream_, buffer_, *parser_,
         [self = shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
   }
@@ -190,11 +190,11 @@ class Session : public std::enable_shared_from_this<Session> {
     if (parser_->is_done()) return Dispatch();
     // Clients that wait for permission before sending a large body (curl does) get it here;
     // a body over the limit was already refused from its Content-Length.
-    auto expect = req.find(http::field::expect);
+    auto expect = req.find(bhttp::field::expect);
     const bool send_continue = expect != req.end() &&
                                beast::iequals(expect->value(), "100-continue") &&
                                req.version() >= 11;
-    http::async_read(stream_, buffer_, *parser_,
+    bhttp::async_read(stream_, buffer_, *parser_,
                      [self = shared_from_this()](beast::error_code ec, size_t) {
                        if (ec) return self->OnReadError(ec);
                        self->Dispatch();
@@ -204,18 +204,18 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void OnReadError(beast::error_code ec) {
-    if (ec == http::error::header_limit) {
+    if (ec == bhttp::error::header_limit) {
       return Refuse(
           431, absl::StrCat("request headers exceed ", server_.options.max_header_bytes, " bytes"));
     }
-    if (ec == http::error::body_limit) {
+    if (ec == bhttp::error::body_limit) {
       return Refuse(
           413, absl::StrCat("request body exceeds ", server_.options.max_body_bytes, " bytes"));
     }
     // Anything but a parse error means the client closed, reset or timed out: nobody is left
     // to answer.
-    const bool parse_error = ec.category() == beast::error_code(http::error::bad_target).category();
-    if (!parse_error || ec == http::error::end_of_stream || ec == http::error::partial_message) {
+    const bool parse_error = ec.category() == beast::error_code(bhttp::error::bad_target).category();
+    if (!parse_error || ec == bhttp::error::end_of_stream || ec == bhttp::error::partial_message) {
       return Close();
     }
     Refuse(400, absl::StrCat("malformed HTTP request (", ec.message(), ")"));
@@ -246,7 +246,7 @@ class Session : public std::enable_shared_from_this<Session> {
     request.body = std::move(req.body());
     http11_ = req.version() >= 11;
     keep_alive_ = http11_ && req.keep_alive();
-    head_request_ = req.method() == http::verb::head;
+    head_request_ = req.method() == bhttp::verb::head;
     parser_.reset();
 
     ++exchange_id_;
@@ -396,7 +396,7 @@ class Session : public std::enable_shared_from_this<Session> {
   ServerState& server_;  // not owned; outlives every session
   beast::flat_buffer buffer_;
   beast::flat_buffer drain_buffer_;
-  std::optional<http::request_parser<http::string_body>> parser_;
+  std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
 
   uint64_t exchange_id_ = 0;  // the exchange allowed to write; bumped per request
   bool http11_ = true;
@@ -560,4 +560,4 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Create(const HttpServerO
   return std::unique_ptr<HttpServer>(std::move(server));
 }
 
-}  // namespace tandem::router
+}  // namespace tandem::http
