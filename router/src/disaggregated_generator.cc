@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "absl/strings/str_format.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/cluster/membership.h"
@@ -42,6 +43,7 @@ struct WorkerState {
   std::string address;
   std::shared_ptr<grpc::Channel> channel;
   bool up = false;
+  bool answered_once = false;  // some Stats call of the poller's was answered
   tandem::v1::WorkerStats stats;
   // Work sent since the last Stats, so that a burst of requests between two polls spreads:
   // prompt tokens on a prefill worker, reserved blocks on a decode worker.
@@ -135,16 +137,14 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       poller_ = std::thread([this] { PollLoop(); });
       return absl::OkStatus();
     }
-    // Every worker must answer once before the router serves.
-    const absl::Time deadline = absl::Now() + options_.connect_timeout;
-    for (;;) {
-      std::string missing = PollOnce(absl::Milliseconds(500));
-      if (missing.empty()) break;
-      if (absl::Now() >= deadline) {
-        return absl::UnavailableError(absl::StrCat("no answer from worker ", missing, " within ",
-                                                   absl::FormatDuration(options_.connect_timeout)));
-      }
-      absl::SleepFor(absl::Milliseconds(100));
+    // The router serves with the workers that answer; one that does not yet is skipped until
+    // the poller finds it up.
+    const std::vector<std::string> missing = PollOnce(absl::Seconds(1));
+    for (const std::string& worker : missing) {
+      std::fprintf(stderr,
+                   "tandem router: worker %s does not answer yet; serving with the others and "
+                   "taking it in when it answers\n",
+                   worker.c_str());
     }
     poller_ = std::thread([this] { PollLoop(); });
     return absl::OkStatus();
@@ -229,9 +229,9 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   const engine::ChatFormatter& chat_formatter() const override { return *chat_formatter_; }
   int max_model_len() const override { return max_model_len_; }
 
-  // Asks every worker afresh (a scrape of /metrics must not show a value one poll old).
+  // The pools as of the poller's last round (every stats_interval): a scrape of /metrics does
+  // no I/O, so a hung worker cannot slow it down.
   engine::EngineStats stats() const override {
-    PollOnce(absl::Milliseconds(500));
     std::lock_guard<std::mutex> lock(stats_mu_);
     engine::EngineStats total;
     for (const auto& w : decode_) {
@@ -932,22 +932,16 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
                         absl::StrCat("prefill worker ", prefill->address, ": ", failed.message()));
   }
 
-  // Polls every worker's Stats once; returns "ADDRESS (why)" of one that did not answer, or "".
-  std::string PollOnce(absl::Duration timeout) const {
-    std::string missing;
-    auto poll = [&](WorkerState& w, auto& stub) {
+  // Asks every worker for its Stats at once (gRPC's callback API: no thread per worker, and a
+  // hung worker delays nobody else's answer) and waits up to `timeout` for the answers. Returns
+  // "ADDRESS (why)" of each worker that did not answer.
+  std::vector<std::string> PollOnce(absl::Duration timeout) const {
+    struct Poll {
+      WorkerState* worker = nullptr;
+      grpc::ClientContext context;
       tandem::v1::StatsRequest request;
       tandem::v1::WorkerStats stats;
-      grpc::ClientContext context;
-      context.set_deadline(GrpcDeadline(absl::Now() + timeout));
-      grpc::Status status = stub->Stats(&context, request, &stats);
-      std::lock_guard<std::mutex> lock(stats_mu_);
-      w.up = status.ok();
-      if (status.ok()) {
-        w.stats = stats;
-      } else if (missing.empty()) {
-        missing = absl::StrCat(w.address, " (", status.error_message(), ")");
-      }
+      grpc::Status status;
     };
     std::vector<std::shared_ptr<DecodeWorkerState>> decode;
     std::vector<std::shared_ptr<PrefillWorkerState>> prefill;
@@ -956,8 +950,40 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       decode = decode_;
       prefill = prefill_;
     }
-    for (auto& w : decode) poll(*w, w->stub);
-    for (auto& w : prefill) poll(*w, w->stub);
+    std::vector<std::unique_ptr<Poll>> polls;
+    absl::BlockingCounter answered(static_cast<int>(decode.size() + prefill.size()));
+    auto ask = [&](WorkerState& w, auto& stub) {
+      Poll& poll = *polls.emplace_back(std::make_unique<Poll>());
+      poll.worker = &w;
+      poll.context.set_deadline(GrpcDeadline(absl::Now() + timeout));
+      // gRPC runs the callback by the deadline at the latest.
+      stub->async()->Stats(&poll.context, &poll.request, &poll.stats,
+                           [&poll, &answered](grpc::Status status) {
+                             poll.status = std::move(status);
+                             answered.DecrementCount();
+                           });
+    };
+    for (auto& w : decode) ask(*w, w->stub);
+    for (auto& w : prefill) ask(*w, w->stub);
+    answered.Wait();
+    std::vector<std::string> missing;
+    std::lock_guard<std::mutex> lock(stats_mu_);
+    for (const std::unique_ptr<Poll>& poll : polls) {
+      WorkerState& w = *poll->worker;
+      const bool was_seen = w.answered_once;
+      const bool was_up = w.up;
+      w.up = poll->status.ok();
+      if (w.up) {
+        w.stats = poll->stats;
+        w.answered_once = true;
+        if (!was_seen && !was_up && polled_once_) {
+          std::fprintf(stderr, "tandem router: worker %s answers; taken in\n", w.address.c_str());
+        }
+      } else {
+        missing.push_back(absl::StrCat(w.address, " (", poll->status.error_message(), ")"));
+      }
+    }
+    polled_once_ = true;
     return missing;
   }
 
@@ -984,7 +1010,8 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   // The pools; a worker that leaves is dropped here, and lives on while a request uses it.
   std::vector<std::shared_ptr<DecodeWorkerState>> decode_;    // guarded by stats_mu_
   std::vector<std::shared_ptr<PrefillWorkerState>> prefill_;  // guarded by stats_mu_
-  mutable std::mutex stats_mu_;  // guards the pools and every WorkerState's up, stats, pending_*
+  mutable std::mutex stats_mu_;
+  mutable bool polled_once_ = false;  // guarded by stats_mu_  // guards the pools and every WorkerState's up, stats, pending_*
 
   std::atomic<int64_t> prefill_retries_{0};
   std::atomic<int64_t> migrations_{0};

@@ -265,7 +265,12 @@ TEST(ApiServerTest, ClientDisconnectMidStreamFreesKvBlocks) {
   std::string received;
   int fd = StartStream(port, body, &received);
   ASSERT_GE(fd, 0) << "the stream did not start: " << received;
-  EXPECT_GT(MetricValue(Metrics(port), "tandem_kv_cache_blocks_used").value_or(0), 0)
+  // Disaggregated, the router's /metrics shows its last Stats poll (every 100 ms), so wait for
+  // the blocks to show; the stream goes on for far longer.
+  const std::string streaming = WaitForMetrics(port, [](const std::string& m) {
+    return MetricValue(m, "tandem_kv_cache_blocks_used").value_or(0) > 0;
+  });
+  EXPECT_GT(MetricValue(streaming, "tandem_kv_cache_blocks_used").value_or(0), 0)
       << "the request should hold KV blocks while it streams";
   close(fd);
 

@@ -43,8 +43,6 @@ struct DisaggregatedOptions {
   proto::TlsFiles tls;
   // Context length; 0: the model's. Workers refuse longer requests too.
   int max_model_len = 0;
-  // How long Create waits for every worker to answer Stats.
-  absl::Duration connect_timeout = absl::Seconds(30);
   // How long a request may wait for KV room on some decode worker before it is refused with
   // ResourceExhausted (HTTP 529/503).
   absl::Duration admission_timeout = absl::Seconds(30);
@@ -62,15 +60,17 @@ struct DisaggregatedOptions {
   // (queued prefill tokens + its own) x seconds per prompt token, the latter learned per
   // prefill worker from the requests it served (refusals start after 8 of them).
   std::optional<double> admission_ttft_seconds;
-  // How often each worker's Stats are polled for routing and /metrics.
+  // How often each worker's Stats are polled (all at once) for routing and /metrics; /metrics
+  // shows the last round.
   absl::Duration stats_interval = absl::Milliseconds(100);
 };
 
 class DisaggregatedGenerator : public engine::Generator {
  public:
-  // Loads the tokenizer and config, connects to every listed worker and waits until each
-  // answers Stats (Unavailable naming the worker otherwise); with etcd, reads the registered
-  // workers and starts following them instead (none need be registered yet).
+  // Loads the tokenizer and config, connects to every listed worker and asks each for its Stats
+  // once: the router serves with those that answered and takes the others in when they answer
+  // (each is named on stderr meanwhile); with etcd, reads the registered workers and starts
+  // following them instead (none need be registered yet).
   static absl::StatusOr<std::unique_ptr<DisaggregatedGenerator>> Create(
       const DisaggregatedOptions& options);
 };
