@@ -6,6 +6,9 @@ separate processes, KV pages over UCX, driven through the OpenAI API.
   1..32 concurrent requests, prompts longer than one prefill chunk).
 - Abort storm: 300 concurrent streams with long prompts, cut mid-prefill and mid-decode, four
   times; afterwards a request succeeds and every worker's /metrics shows 0 KV blocks in use.
+  The decode worker runs with --step-delay-ms, so a stream cut after its first tokens still
+  has seconds of generation left on any machine: the cuts are mid-decode (the router counts
+  them as aborts), not after a stream that already ended.
 - Prefill and decode in two network namespaces joined by a veth pair, so the KV crosses a real
   TCP link (needs CAP_NET_ADMIN; skipped, and said so, without it).
 
@@ -159,7 +162,8 @@ def comparable(response):
              c["finish_reason"]) for c in sorted(response["choices"], key=lambda c: c["index"])]
 
 
-def wait_for_zero(url, name, timeout=20):
+def wait_for_zero(url, name, timeout=60):
+    """Polls a gauge until it reads 0; returns the last value (`timeout` only catches a hang)."""
     deadline = time.time() + timeout
     value = None
     while time.time() < deadline:
@@ -171,9 +175,12 @@ def wait_for_zero(url, name, timeout=20):
 
 
 class DisaggregatedServing(unittest.TestCase):
+    # The decode worker's --step-delay-ms: a 200-token storm stream runs at least 4 s.
+    DECODE_DELAY_MS = 20
+
     @classmethod
     def setUpClass(cls):
-        cls.decode = start_worker("decode")
+        cls.decode = start_worker("decode", extra=["--step-delay-ms", str(cls.DECODE_DELAY_MS)])
         cls.prefill = start_worker("prefill")
         cls.router = start_router(cls.prefill.address, cls.decode.address)
         cls.colocated = start_colocated()
@@ -204,18 +211,27 @@ class DisaggregatedServing(unittest.TestCase):
                ).encode() + body
         outcomes = {"mid_prefill": 0, "mid_decode": 0}
         lock = threading.Lock()
+        router_metrics = self.router.url + "/metrics"
+        aborts = 'tandem_requests_total{finish_reason="abort"}'
+        completed = 'tandem_requests_total{finish_reason="length"}'
+        aborted_before = metric(router_metrics, aborts) or 0
+        completed_before = metric(router_metrics, completed) or 0
 
         def client(i):
             s = socket.create_connection((host, int(port)), timeout=120)
             try:
                 s.sendall(raw)
                 if i % 2 == 0:
-                    time.sleep(random.uniform(0, 0.05))  # cut during queueing / prefill
+                    # Cut at a random moment soon after sending: while queued or in prefill
+                    # (mostly; where it falls is not what this test checks).
+                    time.sleep(random.uniform(0, 0.05))
                     with lock:
                         outcomes["mid_prefill"] += 1
                     return
                 data = b""
-                while data.count(b"data: ") < 3:  # cut after a few decoded tokens
+                # Cut after a few decoded tokens, with at least 197 * DECODE_DELAY_MS of the
+                # stream still to come.
+                while data.count(b"data: ") < 3:
                     chunk = s.recv(65536)
                     if not chunk:
                         break
@@ -233,6 +249,12 @@ class DisaggregatedServing(unittest.TestCase):
             for t in threads:
                 t.join()
         self.assertEqual(outcomes["mid_decode"], 600)
+        # Every storm stream was cut while it ran: once the router is done with them all, each
+        # one cut after its first tokens counts as an abort, and none ran to its end.
+        self.assertEqual(wait_for_zero(router_metrics, "tandem_api_requests_in_flight"), 0)
+        self.assertGreaterEqual((metric(router_metrics, aborts) or 0) - aborted_before, 600)
+        self.assertEqual(metric(router_metrics, completed) or 0, completed_before,
+                         "a storm stream ran to its end: its client's cut went unnoticed")
         # The next request is served in full.
         r = post(self.router.url, {"model": "tiny", "prompt": "after the storm", "max_tokens": 8,
                                    "ignore_eos": True, "temperature": 0})

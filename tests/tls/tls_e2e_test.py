@@ -52,7 +52,7 @@ class TlsEtcd:
                  "--cert-file", os.path.join(CERTS, "server.pem"),
                  "--key-file", os.path.join(CERTS, "server.key")],
                 stdout=log, stderr=log)
-        deadline = time.time() + 30
+        deadline = time.time() + 60  # only a hung etcd takes this long
         while time.time() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", client_port), timeout=1):
@@ -66,8 +66,9 @@ class TlsEtcd:
         self.proc.wait()
 
 
-def serve_one(url, timeout=20):
-    """One greedy request, retried while the router has no worker yet (etcd discovery)."""
+def serve_one(url, timeout=60):
+    """One greedy request, retried while the router has no worker up yet (etcd discovery, the
+    first stats poll); `timeout` only catches a router that never gets one."""
     body = {"model": "tiny", "prompt": "the quiet harbor keeps its lamps lit", "max_tokens": 8,
             "ignore_eos": True, "temperature": 0}
     deadline = time.time() + timeout
