@@ -823,9 +823,18 @@ TEST_P(DecodeWorkerTest, DrainHandsKvToAnotherWorker) {
       const int layers = colocated->config().num_layers;
       const int64_t block_bytes = engine::ModelRunner::KvBytesPerBlock(colocated->config(), 16);
       EXPECT_EQ(moved.kv_transfer_bytes(), block_bytes * ((kv_tokens + 15) / 16)) << layers;
-      // A second handoff of the same sample finds nothing.
-      EXPECT_EQ(Handoff(*stub_a, c.name, s.index(), target, i).error_code(),
-                grpc::StatusCode::NOT_FOUND);
+      // A second handoff of the same sample finds nothing. After the last one nothing is
+      // parked, so the draining worker may already be stopping its server: the call is then
+      // refused (UNAVAILABLE) or cut (CANCELLED) instead.
+      const grpc::StatusCode again = Handoff(*stub_a, c.name, s.index(), target, i).error_code();
+      if (i + 1 < c.n) {
+        EXPECT_EQ(again, grpc::StatusCode::NOT_FOUND);
+      } else {
+        EXPECT_TRUE(again == grpc::StatusCode::NOT_FOUND ||
+                    again == grpc::StatusCode::UNAVAILABLE ||
+                    again == grpc::StatusCode::CANCELLED)
+            << again;
+      }
       tandem::v1::PrefilledChoice* choice = cont.add_choices();
       choice->set_index(i);
       choice->set_sampler_state(s.sampler_state());
@@ -925,7 +934,8 @@ TEST_P(DecodeWorkerTest, HandoffRefusesBadRequestsAndParkedKvExpires) {
   absl::SleepFor(absl::FromUnixMillis(handoff.expires_unix_ms()) - absl::Now() +
                  absl::Milliseconds(100));
   const grpc::StatusCode late = Handoff(*stub_a, "expiring", 0, fits).error_code();
-  EXPECT_TRUE(late == grpc::StatusCode::NOT_FOUND || late == grpc::StatusCode::UNAVAILABLE)
+  EXPECT_TRUE(late == grpc::StatusCode::NOT_FOUND || late == grpc::StatusCode::UNAVAILABLE ||
+              late == grpc::StatusCode::CANCELLED)
       << late;
   // With nothing parked any more the drain ends.
   drain.join();

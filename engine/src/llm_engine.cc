@@ -65,6 +65,10 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
   }
   std::unique_ptr<LlmEngine> engine(new LlmEngine());
   engine->options_ = options;
+  engine->telemetry_ = StepTelemetry(options.step_trace,
+                                     options.role == EngineRole::kPrefill  ? "prefill"
+                                     : options.role == EngineRole::kDecode ? "decode"
+                                                                           : "colocated");
   TANDEM_ASSIGN_OR_RETURN(engine->checkpoint_, Checkpoint::Open(options.model_dir));
   TANDEM_ASSIGN_OR_RETURN(engine->tokenizer_,
                           Tokenizer::FromFile(options.model_dir + "/tokenizer.json"));
@@ -276,37 +280,33 @@ void LlmEngine::ReleaseHeld(const Request& request, Choice& choice, std::string&
   }
 }
 
+// The serving loop's one step: schedule, execute, sample, process the outputs. What is measured
+// about it lives in telemetry_, what a role does with finished prompts in ProcessToken.
 absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   std::vector<RequestOutput> outputs;
   outputs.swap(pending_outputs_);
   if (!scheduler_->has_work()) return outputs;
   if (options_.before_step && !options_.before_step()) return outputs;
-  const auto step_start = std::chrono::steady_clock::now();
-  if (pending_after_last_step_) {
-    const double gap = std::min(
-        1.0, std::chrono::duration<double>(step_start - last_step_end_).count());
-    step_gap_seconds_ = 0.9 * step_gap_seconds_ + 0.1 * gap;
-  }
+  telemetry_.BeginStep();
+  TANDEM_ASSIGN_OR_RETURN(SchedulerStep step, ScheduleStep());
+  TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits, ExecuteStep(step));
+  SampleStep(step, logits, outputs);
+  telemetry_.EndStep(scheduler_->has_work());
+  FinishOutputs(outputs);
+  return outputs;
+}
+
+absl::StatusOr<SchedulerStep> LlmEngine::ScheduleStep() {
   ApplySloLimits();
   SchedulerStep step = scheduler_->Schedule();
   if (step.empty()) {
     return absl::InternalError("scheduler made no progress with requests pending");
   }
-  // The step's shape for the latency model: tokens, sequences, and the context attention reads.
-  int64_t step_context = 0;
-  int64_t step_prefill_tokens = 0;
-  for (const ScheduledSequence& s : step.seqs) {
-    step_context += s.seq->num_computed_tokens + s.num_new_tokens;
-    step_prefill_tokens += std::clamp<int64_t>(
-        s.seq->num_prompt_tokens - s.seq->num_computed_tokens, 0, s.num_new_tokens);
-  }
-  const double gap_seconds =
-      pending_after_last_step_
-          ? std::chrono::duration<double>(step_start - last_step_end_).count()
-          : -1.0;
-  first_token_requests_.clear();
-  const int step_tokens = step.num_tokens;
-  const int step_seqs = static_cast<int>(step.seqs.size());
+  telemetry_.Scheduled(step);
+  return step;
+}
+
+absl::StatusOr<std::span<const float>> LlmEngine::ExecuteStep(const SchedulerStep& step) {
   if (options_.on_layer_kv_written) {
     step_writes_.clear();
     for (const ScheduledSequence& s : step.seqs) {
@@ -317,7 +317,11 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   }
   TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits, runner_->Execute(step));
   scheduler_->Commit(step);
+  return logits;
+}
 
+void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> logits,
+                           std::vector<RequestOutput>& outputs) {
   const int vocab = checkpoint_->config().vocab_size;
   std::vector<float> row(vocab);
   std::map<std::string, size_t> output_index;
@@ -339,42 +343,18 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
       outputs.back().num_prompt_tokens = request.num_prompt_tokens;
     }
     RequestOutput& out = outputs[it->second];
-    if (options_.step_trace != nullptr && !request.first_token_traced) {
+    if (telemetry_.tracing() && !request.first_token_traced) {
       request.first_token_traced = true;
-      first_token_requests_.push_back({request.id, request.num_prompt_tokens, request.added});
+      telemetry_.FirstToken(request.id, request.num_prompt_tokens, request.added);
     }
     out.choices.emplace_back();
     out.choices.back().index = seq.choice_index;
     ProcessToken(request, choice, token, out.choices.back());
     out.num_generation_tokens = request.num_generation_tokens;
   }
-  // Measured from Schedule through sampling and output processing: what a decode step adds to
-  // every running request's time per output token.
-  last_step_seconds_ =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
-  last_predicted_step_seconds_ =
-      latency_model_.ready() ? latency_model_.Predict(step_tokens, step_seqs, step_context) : 0;
-  latency_model_.Observe(step_tokens, step_seqs, step_context, last_step_seconds_);
-  ++steps_;
-  last_step_seqs_ = step_seqs;
-  last_step_end_ = std::chrono::steady_clock::now();
-  if (options_.step_trace != nullptr) {
-    const std::string_view role = options_.role == EngineRole::kPrefill  ? "prefill"
-                                  : options_.role == EngineRole::kDecode ? "decode"
-                                                                         : "colocated";
-    options_.step_trace->RecordStep(role, {.seconds = last_step_seconds_,
-                                     .gap_seconds = gap_seconds,
-                                     .tokens = step_tokens,
-                                     .prefill_tokens = step_prefill_tokens,
-                                     .seqs = step_seqs,
-                                     .context = step_context});
-    for (const FirstToken& f : first_token_requests_) {
-      options_.step_trace->RecordFirstToken(
-          role, f.request_id, f.prompt_tokens,
-          std::chrono::duration<double>(last_step_end_ - f.added).count());
-    }
-  }
-  pending_after_last_step_ = scheduler_->has_work();
+}
+
+void LlmEngine::FinishOutputs(std::vector<RequestOutput>& outputs) {
   for (RequestOutput& out : outputs) {
     auto it = requests_.find(out.request_id);
     if (it == requests_.end()) continue;  // already reported finished
@@ -385,7 +365,6 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
       requests_.erase(it);
     }
   }
-  return outputs;
 }
 
 std::vector<PrefillHandoff> LlmEngine::TakeHandoffs() {
@@ -552,17 +531,17 @@ void LlmEngine::ApplySloLimits() {
       contexts.push_back(seq->num_computed_tokens + 1);
     }
     // What the caller's loop spends between steps is part of every token's time too.
-    const double step_target = kTpotMargin * options_.tpot_slo_seconds - step_gap_seconds_;
+    const double step_target = kTpotMargin * options_.tpot_slo_seconds - telemetry_.step_gap_seconds();
     decode_batch_limit_ =
-        DecodeBatchLimit(latency_model_, contexts, options_.max_num_seqs, step_target);
+        DecodeBatchLimit(telemetry_.latency_model(), contexts, options_.max_num_seqs, step_target);
     // Sequences that ran in the last step (the front of the running list) keep running when
     // the cap drops: parking one would add its wait to its own time per token. The batch comes
     // down as they finish, while nothing new joins above the cap.
-    const int keep = std::min(last_step_seqs_, scheduler_->num_running());
+    const int keep = std::min(telemetry_.last_step_seqs(), scheduler_->num_running());
     scheduler_->set_max_running(std::max(decode_batch_limit_, keep));
   }
   if (options_.ttft_slo_seconds > 0 && options_.role != EngineRole::kDecode) {
-    scheduler_->set_token_budget(PrefillTokenBudget(latency_model_, options_.max_num_batched_tokens,
+    scheduler_->set_token_budget(PrefillTokenBudget(telemetry_.latency_model(), options_.max_num_batched_tokens,
                                                     options_.block_size, options_.block_size,
                                                     kTtftStepShare * options_.ttft_slo_seconds));
   }
@@ -577,13 +556,13 @@ EngineStats LlmEngine::stats() const {
   stats.preemptions = scheduler_->num_preemptions();
   stats.batch_limit = decode_batch_limit_ > 0 ? decode_batch_limit_ : scheduler_->max_running();
   stats.token_budget = scheduler_->token_budget();
-  stats.steps = steps_;
-  stats.last_step_seconds = last_step_seconds_;
-  stats.last_predicted_step_seconds = last_predicted_step_seconds_;
-  stats.step_gap_seconds = step_gap_seconds_;
-  stats.step_model = latency_model_.coefficients();
-  stats.step_model_samples = latency_model_.num_observed();
-  stats.step_model_error_ratio = latency_model_.error_ratio();
+  stats.steps = telemetry_.steps();
+  stats.last_step_seconds = telemetry_.last_step_seconds();
+  stats.last_predicted_step_seconds = telemetry_.last_predicted_step_seconds();
+  stats.step_gap_seconds = telemetry_.step_gap_seconds();
+  stats.step_model = telemetry_.latency_model().coefficients();
+  stats.step_model_samples = telemetry_.latency_model().num_observed();
+  stats.step_model_error_ratio = telemetry_.latency_model().error_ratio();
   return stats;
 }
 

@@ -21,6 +21,7 @@
 #include "tandem/engine/sampling_params.h"
 #include "tandem/engine/scheduler.h"
 #include "tandem/engine/step_latency_model.h"
+#include "tandem/engine/step_telemetry.h"
 #include "tandem/engine/step_trace.h"
 #include "tandem/engine/tokenizer.h"
 #include "tandem/kernels/backend.h"
@@ -229,7 +230,7 @@ class LlmEngine {
   const ChatFormatter& chat_formatter() const { return *chat_formatter_; }
   int max_model_len() const { return max_model_len_; }
   EngineStats stats() const;
-  const StepLatencyModel& step_latency_model() const { return latency_model_; }
+  const StepLatencyModel& step_latency_model() const { return telemetry_.latency_model(); }
 
  private:
   struct Choice;
@@ -245,6 +246,13 @@ class LlmEngine {
   void ReleaseHeld(const Request& request, Choice& choice, std::string& text);
   // Sets the scheduler's dynamic limits from the SLO targets and the latency model.
   void ApplySloLimits();
+  // The stages of Step(): plan the step, run the forward pass (and commit the KV), sample and
+  // process each sampling sequence's token into `outputs`, mark finished requests.
+  absl::StatusOr<SchedulerStep> ScheduleStep();
+  absl::StatusOr<std::span<const float>> ExecuteStep(const SchedulerStep& step);
+  void SampleStep(const SchedulerStep& step, std::span<const float> logits,
+                  std::vector<RequestOutput>& outputs);
+  void FinishOutputs(std::vector<RequestOutput>& outputs);
 
   EngineOptions options_;
   std::unique_ptr<Checkpoint> checkpoint_;
@@ -261,22 +269,8 @@ class LlmEngine {
   std::vector<PrefillHandoff> handoffs_;        // prefill role: not yet taken
   std::vector<RequestOutput> pending_outputs_;  // decode role: first tokens of AddPrefilled
   std::vector<KvWritten> step_writes_;          // of the running step, for on_layer_kv_written
-  StepLatencyModel latency_model_;
-  int64_t steps_ = 0;
-  double last_step_seconds_ = 0;
-  double last_predicted_step_seconds_ = 0;
-  double step_gap_seconds_ = 0;
   int decode_batch_limit_ = 0;  // the TPOT controller's cap; 0 without one
-  int last_step_seqs_ = 0;
-  std::chrono::steady_clock::time_point last_step_end_;
-  bool pending_after_last_step_ = false;
-  // Requests whose first token the current step sampled, for the step trace.
-  struct FirstToken {
-    std::string request_id;
-    int64_t prompt_tokens = 0;
-    std::chrono::steady_clock::time_point added;
-  };
-  std::vector<FirstToken> first_token_requests_;
+  StepTelemetry telemetry_{nullptr, "colocated"};  // set up by Create
 };
 
 // The checks of a request that need only the model (so a router without an engine makes them
