@@ -249,6 +249,17 @@ def busy(w, role):
     return running + (metric(w.metrics_url, "tandem_num_requests_waiting") or 0) > 0
 
 
+def generated(w):
+    """Tokens a decode worker has generated (and streamed on to the router) so far."""
+    return metric(w.metrics_url, "tandem_generation_tokens_total") or 0
+
+
+# Tokens a long stream's decode worker must have generated before it is killed or drained: the
+# router then holds some of the stream's text, so it is moved (migrated, or handed off), not
+# started over; over 200 of its 20 ms steps remain.
+STARTED_TOKENS = 16
+
+
 def run_scenario(name, action, reference, seconds, clients, etcd=None, ttl=LEASE_TTL,
                  decode_extra=(), prefill_extra=()):
     """One topology, steady load, `action` halfway; etcd: workers register, the router
@@ -404,9 +415,10 @@ def two_sample_migration(reference):
         t = threading.Thread(target=lambda: result.update(
             r=stream_once(router.url, n=2, max_tokens=LONG_TOKENS)), daemon=True)
         t.start()
-        # Kill whichever decode worker holds the request once it is decoding (it goes on
-        # for seconds more: DECODE_DELAY).
-        victim = wait_until(lambda: next((d for d in decodes if busy(d, "decode")), None),
+        # Kill whichever decode worker holds the request once it has streamed some tokens
+        # (it goes on for seconds more: DECODE_DELAY).
+        victim = wait_until(lambda: next((d for d in decodes if busy(d, "decode") and
+                                          generated(d) >= STARTED_TOKENS), None),
                             "the 2-sample stream decoding")
         killed_at = time.time()
         victim.proc.kill()
@@ -452,15 +464,16 @@ def drain_handoff(reference):
         for t in threads:
             t.start()
 
-        # Drain the decode worker that holds both requests' samples once they decode (the
-        # router puts them on one worker when the other is busier); if they are spread over
-        # both, the one holding more.
+        # Drain the decode worker that holds both requests' samples once they decode and it
+        # has streamed some tokens (the router puts them on one worker when the other is
+        # busier); if they are spread over both, the one holding more.
         def pick():
             running = {id(d): metric(d.metrics_url, "tandem_num_requests_running") or 0
                        for d in decodes}
             if sum(running.values()) < 3:
                 return None
-            return max(decodes, key=lambda d: running[id(d)])
+            busiest = max(decodes, key=lambda d: running[id(d)])
+            return busiest if generated(busiest) >= STARTED_TOKENS else None
         victim = wait_until(pick, "the three samples decoding")
         drained_at = time.time()
         victim.proc.send_signal(signal.SIGTERM)
