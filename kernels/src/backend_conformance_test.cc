@@ -1,0 +1,963 @@
+// Operator conformance: one table of cases covering every operator of the Backend interface, run
+// on each backend the test binary names (see backend_conformance.h) against the scalar reference.
+//
+// A case is data: an operator, its shapes, a tolerance (largest relative error; 0 means bitwise
+// equal) and a seed (derived from the case's name, so it does not change when cases are added).
+// Every tensor the operator sees lives in the backend's own memory (Allocate, CopyToDevice), with
+// a guard region of 64 floats' worth of a sentinel byte on either side. Outputs start as NaN.
+// After the call the harness copies every tensor back with its guards and fails the case when
+// - a guard byte changed (a write before or after a tensor),
+// - an input the operator must only read changed,
+// - an output element is NaN or infinite (not written, or overflowed),
+// - an output differs from the reference by more than the tolerance,
+// - Synchronize reports an error.
+#include "kernels/src/backend_conformance.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <numeric>
+#include <ostream>
+#include <random>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gtest/gtest-spi.h"
+#include "gtest/gtest.h"
+#include "kernels/src/cpu/reference.h"
+#include "kernels/src/kernel_test_support.h"
+#include "tandem/kernels/backend.h"
+
+namespace tandem::kernels::conformance {
+namespace {
+
+using test_support::kNaN;
+using test_support::Random;
+
+// ------------------------------------------------------------------------------------------------
+// Harness: tensors in operator memory between guard regions.
+
+constexpr size_t kGuardBytes = 64 * sizeof(float);
+constexpr unsigned char kGuardByte = 0xA5;
+
+// One tensor in a backend's operator memory, laid out [guard][contents][guard].
+class GuardedTensor {
+ public:
+  enum class Role { kInput, kInOut, kOutput };
+
+  GuardedTensor(std::string name, Role role, DeviceBuffer buffer, std::vector<unsigned char> host)
+      : name_(std::move(name)),
+        role_(role),
+        buffer_(std::move(buffer)),
+        uploaded_(std::move(host)) {}
+
+  const std::string& name() const { return name_; }
+  Role role() const { return role_; }
+  void* data() const { return buffer_.as<unsigned char>() + kGuardBytes; }
+  // What was uploaded, guards included.
+  const std::vector<unsigned char>& uploaded() const { return uploaded_; }
+  const DeviceBuffer& buffer() const { return buffer_; }
+  // Filled by Harness::Finish: the tensor and its guards as the backend left them.
+  std::vector<unsigned char>& read_back() { return read_back_; }
+
+  size_t content_bytes() const { return uploaded_.size() - 2 * kGuardBytes; }
+
+ private:
+  std::string name_;
+  Role role_;
+  DeviceBuffer buffer_;
+  std::vector<unsigned char> uploaded_;
+  std::vector<unsigned char> read_back_;
+};
+
+// The tensors of one case on one backend. Failures to allocate or copy are test failures.
+class Harness {
+ public:
+  Harness(Backend& backend, const ConformanceBackend& info) : backend_(backend), info_(info) {}
+
+  Backend& backend() { return backend_; }
+  const ConformanceBackend& info() const { return info_; }
+
+  // Operator memory holding `host`; the operator must leave it unchanged.
+  template <typename T>
+  T* Input(std::string name, const std::vector<T>& host) {
+    return static_cast<T*>(
+        Add(std::move(name), GuardedTensor::Role::kInput, host.data(), host.size() * sizeof(T)));
+  }
+  // Operator memory holding `host`, which the operator updates.
+  template <typename T>
+  T* InOut(std::string name, const std::vector<T>& host) {
+    return static_cast<T*>(
+        Add(std::move(name), GuardedTensor::Role::kInOut, host.data(), host.size() * sizeof(T)));
+  }
+  // Operator memory for `size` floats, all NaN.
+  float* Output(std::string name, int64_t size) {
+    const std::vector<float> poison(size, kNaN);
+    return static_cast<float*>(Add(std::move(name), GuardedTensor::Role::kOutput, poison.data(),
+                                   poison.size() * sizeof(float)));
+  }
+
+  // Copies every tensor back with its guards, waits, and checks the guards and the inputs.
+  // Returns false (after recording failures) when the results cannot be trusted.
+  bool Finish() {
+    for (auto& t : tensors_) {
+      t->read_back().assign(t->uploaded().size(), 0);
+      backend_.CopyToHost(t->read_back().data(), t->buffer().data(), t->read_back().size());
+    }
+    const absl::Status status = backend_.Synchronize();
+    EXPECT_TRUE(status.ok()) << "Synchronize after the operator: " << status;
+    if (!status.ok()) return false;
+    bool good = true;
+    for (auto& t : tensors_) {
+      const std::vector<unsigned char>& got = t->read_back();
+      const size_t end = got.size() - kGuardBytes;
+      for (size_t i = 0; i < got.size(); i = (i + 1 == kGuardBytes ? end : i + 1)) {
+        if (got[i] != kGuardByte) {
+          const bool before = i < kGuardBytes;
+          const int64_t offset = before
+                                     ? static_cast<int64_t>(i) - static_cast<int64_t>(kGuardBytes)
+                                     : static_cast<int64_t>(i - end);
+          ADD_FAILURE() << "guard of " << t->name() << " overwritten: byte " << (before ? "" : "+")
+                        << offset << (before ? " before the tensor" : " past its end");
+          good = false;
+          break;
+        }
+      }
+      if (t->role() == GuardedTensor::Role::kInput &&
+          std::memcmp(got.data(), t->uploaded().data(), got.size()) != 0) {
+        ADD_FAILURE() << "input " << t->name() << " changed by the operator";
+        good = false;
+      }
+    }
+    return good;
+  }
+
+  // The contents of the tensor at `data` after Finish.
+  template <typename T>
+  std::vector<T> Result(const T* data) {
+    for (auto& t : tensors_) {
+      if (t->data() == data) {
+        std::vector<T> out(t->content_bytes() / sizeof(T));
+        std::memcpy(out.data(), t->read_back().data() + kGuardBytes, t->content_bytes());
+        return out;
+      }
+    }
+    ADD_FAILURE() << "no tensor at that address";
+    return {};
+  }
+
+  bool ok() const { return ok_; }
+
+ private:
+  void* Add(std::string name, GuardedTensor::Role role, const void* contents, size_t bytes) {
+    std::vector<unsigned char> host(bytes + 2 * kGuardBytes, kGuardByte);
+    if (bytes > 0) std::memcpy(host.data() + kGuardBytes, contents, bytes);
+    absl::StatusOr<DeviceBuffer> buffer = backend_.Allocate(host.size());
+    if (!buffer.ok()) {
+      ADD_FAILURE() << "Allocate " << host.size() << " bytes for " << name << ": "
+                    << buffer.status();
+      ok_ = false;
+      return nullptr;
+    }
+    backend_.CopyToDevice(buffer->data(), host.data(), host.size());
+    tensors_.push_back(std::make_unique<GuardedTensor>(std::move(name), role,
+                                                       std::move(buffer).value(), std::move(host)));
+    return tensors_.back()->data();
+  }
+
+  Backend& backend_;
+  const ConformanceBackend& info_;
+  std::vector<std::unique_ptr<GuardedTensor>> tensors_;
+  bool ok_ = true;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Comparison
+
+// Expects `actual` finite everywhere and within `tolerance` of `expected`, the error of element i
+// being |actual - expected| / denominator[i]; tolerance 0 asks for bitwise equality.
+void ExpectMatches(std::string_view what, const std::vector<float>& actual,
+                   const std::vector<float>& expected, const std::vector<double>& denominator,
+                   double tolerance) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  double worst = 0.0;
+  size_t worst_at = 0;
+  for (size_t i = 0; i < actual.size(); ++i) {
+    if (!std::isfinite(actual[i])) {
+      ADD_FAILURE() << what << "[" << i << "] is " << actual[i] << " (not written?), expected "
+                    << expected[i];
+      return;
+    }
+    if (tolerance == 0.0) {
+      if (std::memcmp(&actual[i], &expected[i], sizeof(float)) != 0) {
+        ADD_FAILURE() << what << "[" << i << "] is " << actual[i] << ", expected exactly "
+                      << expected[i];
+        return;
+      }
+      continue;
+    }
+    const double error = std::abs(double{actual[i]} - expected[i]) / denominator[i];
+    if (error > worst) {
+      worst = error;
+      worst_at = i;
+    }
+  }
+  EXPECT_LE(worst, tolerance) << what << ": worst relative error at element " << worst_at << " ("
+                              << actual[worst_at] << " vs " << expected[worst_at] << ")";
+}
+
+// The usual measure: relative to |expected| + floor, the floor keeping values near zero from
+// dominating.
+void ExpectClose(std::string_view what, const std::vector<float>& actual,
+                 const std::vector<float>& expected, double tolerance, double floor) {
+  std::vector<double> denominator(expected.size());
+  for (size_t i = 0; i < expected.size(); ++i)
+    denominator[i] = std::abs(double{expected[i]}) + floor;
+  ExpectMatches(what, actual, expected, denominator, tolerance);
+}
+
+// FNV-1a of the case name: a seed that stays the same when other cases are added.
+uint32_t SeedOf(std::string_view name) {
+  uint32_t h = 2166136261u;
+  for (char c : name) h = (h ^ static_cast<unsigned char>(c)) * 16777619u;
+  return h;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Cases
+
+class OpCase {
+ public:
+  OpCase(std::string name, double tolerance)
+      : name_(std::move(name)), tolerance_(tolerance), seed_(SeedOf(name_)) {}
+  virtual ~OpCase() = default;
+
+  // Unique in the table; letters, digits and '_'.
+  const std::string& name() const { return name_; }
+  double tolerance() const { return tolerance_; }
+  uint32_t seed() const { return seed_; }
+
+  // Empty when `info`'s backend implements this case, else why not.
+  virtual std::string Unsupported(const ConformanceBackend&) const { return ""; }
+
+  // Uploads random inputs, runs the operator on h.backend() and the reference, compares.
+  virtual void Check(Harness& h) const = 0;
+
+ private:
+  std::string name_;
+  double tolerance_;
+  uint32_t seed_;
+};
+
+std::string Str(int v) { return std::to_string(v); }
+
+class LinearCase : public OpCase {
+ public:
+  LinearCase(int m, int n, int k, bool bias, double tolerance)
+      : OpCase("Linear_m" + Str(m) + "_n" + Str(n) + "_k" + Str(k) + (bias ? "_bias" : ""),
+               tolerance),
+        m_(m),
+        n_(n),
+        k_(k),
+        bias_(bias) {}
+
+  void Check(Harness& h) const override {
+    const std::vector<float> x = Random(int64_t{m_} * k_, seed());
+    const std::vector<float> w = Random(int64_t{n_} * k_, seed() + 1);
+    const std::vector<float> bias = Random(n_, seed() + 2);
+    const float* d_x = h.Input("x", x);
+    const float* d_bias = bias_ ? h.Input("bias", bias) : nullptr;
+    float* d_y = h.Output("y", int64_t{m_} * n_);
+    ASSERT_TRUE(h.ok());
+    std::unique_ptr<PackedWeight> packed = h.backend().PackWeight(w.data(), n_, k_);
+    ASSERT_EQ(packed->n(), n_);
+    ASSERT_EQ(packed->k(), k_);
+    h.backend().Linear(d_x, m_, *packed, d_bias, d_y);
+    if (!h.Finish()) return;
+
+    std::vector<float> expected(int64_t{m_} * n_);
+    reference::Linear(x.data(), m_, w.data(), n_, k_, bias_ ? bias.data() : nullptr,
+                      expected.data());
+    // Error relative to sum |x| |w| (+ |bias|), the scale of a dot product's rounding error
+    // whatever cancellation leaves of the result; an element from the wrong row or column is off
+    // by about 1 / sqrt(k) of it.
+    std::vector<float> abs_x(x.size()), abs_w(w.size()), abs_bias(bias.size());
+    for (size_t i = 0; i < x.size(); ++i) abs_x[i] = std::abs(x[i]);
+    for (size_t i = 0; i < w.size(); ++i) abs_w[i] = std::abs(w[i]);
+    for (size_t i = 0; i < bias.size(); ++i) abs_bias[i] = std::abs(bias[i]);
+    std::vector<float> scale(expected.size());
+    reference::Linear(abs_x.data(), m_, abs_w.data(), n_, k_, bias_ ? abs_bias.data() : nullptr,
+                      scale.data());
+    std::vector<double> denominator(scale.begin(), scale.end());
+    for (double& d : denominator) d += 1e-30;
+    ExpectMatches("y", h.Result(d_y), expected, denominator, tolerance());
+  }
+
+ private:
+  int m_, n_, k_;
+  bool bias_;
+};
+
+class RmsNormCase : public OpCase {
+ public:
+  RmsNormCase(int rows, int dim, bool in_place, double tolerance)
+      : OpCase("RmsNorm_rows" + Str(rows) + "_dim" + Str(dim) + (in_place ? "_in_place" : ""),
+               tolerance),
+        rows_(rows),
+        dim_(dim),
+        in_place_(in_place) {}
+
+  void Check(Harness& h) const override {
+    const std::vector<float> x = Random(int64_t{rows_} * dim_, seed(), -3.0f, 3.0f);
+    const std::vector<float> weight = Random(dim_, seed() + 1, 0.5f, 1.5f);
+    const float* d_weight = h.Input("weight", weight);
+    float* d_x = in_place_ ? h.InOut("x", x) : h.Input("x", x);
+    float* d_y = in_place_ ? d_x : h.Output("y", x.size());
+    ASSERT_TRUE(h.ok());
+    h.backend().RmsNorm(d_x, d_weight, 1e-5f, rows_, dim_, d_y);
+    if (!h.Finish()) return;
+    std::vector<float> expected(x.size());
+    reference::RmsNorm(x.data(), weight.data(), 1e-5f, rows_, dim_, expected.data());
+    ExpectClose("y", h.Result(d_y), expected, tolerance(), 1e-3);
+  }
+
+ private:
+  int rows_, dim_;
+  bool in_place_;
+};
+
+class AddRmsNormCase : public OpCase {
+ public:
+  AddRmsNormCase(int rows, int dim, double tolerance)
+      : OpCase("AddRmsNorm_rows" + Str(rows) + "_dim" + Str(dim), tolerance),
+        rows_(rows),
+        dim_(dim) {}
+
+  void Check(Harness& h) const override {
+    const std::vector<float> residual = Random(int64_t{rows_} * dim_, seed(), -2.0f, 2.0f);
+    const std::vector<float> x = Random(residual.size(), seed() + 1);
+    const std::vector<float> weight = Random(dim_, seed() + 2, 0.5f, 1.5f);
+    float* d_residual = h.InOut("residual", residual);
+    const float* d_x = h.Input("x", x);
+    const float* d_weight = h.Input("weight", weight);
+    float* d_y = h.Output("y", residual.size());
+    ASSERT_TRUE(h.ok());
+    h.backend().AddRmsNorm(d_residual, d_x, d_weight, 1e-6f, rows_, dim_, d_y);
+    if (!h.Finish()) return;
+    std::vector<float> expected_residual = residual;
+    std::vector<float> expected(residual.size());
+    reference::AddRmsNorm(expected_residual.data(), x.data(), weight.data(), 1e-6f, rows_, dim_,
+                          expected.data());
+    // A single fp32 add on every backend.
+    ExpectMatches("residual", h.Result<float>(d_residual), expected_residual, {}, 0.0);
+    ExpectClose("y", h.Result(d_y), expected, tolerance(), 1e-3);
+  }
+
+ private:
+  int rows_, dim_;
+};
+
+class RopeCase : public OpCase {
+ public:
+  RopeCase(int tokens, int heads, int head_dim, bool llama3, double tolerance)
+      : OpCase("Rope_tokens" + Str(tokens) + "_heads" + Str(heads) + "_hd" + Str(head_dim) +
+                   (llama3 ? "_llama3" : ""),
+               tolerance),
+        tokens_(tokens),
+        heads_(heads),
+        head_dim_(head_dim),
+        llama3_(llama3) {}
+
+  void Check(Harness& h) const override {
+    const RopeConfig config = llama3_ ? RopeConfig{.head_dim = head_dim_,
+                                                   .theta = 500000.0f,
+                                                   .llama3_scaling = true,
+                                                   .factor = 8.0f,
+                                                   .low_freq_factor = 1.0f,
+                                                   .high_freq_factor = 4.0f,
+                                                   .original_max_position = 8192}
+                                      : RopeConfig{.head_dim = head_dim_, .theta = 10000.0f};
+    const std::vector<float> inv_freq = RopeInverseFrequencies(config);
+    std::vector<int32_t> positions(tokens_);
+    for (int t = 0; t < tokens_; ++t) positions[t] = (t * 977) % 40000;  // far positions too
+    const std::vector<float> x = Random(int64_t{tokens_} * heads_ * head_dim_, seed());
+    float* d_x = h.InOut("x", x);
+    const int32_t* d_positions = h.Input("positions", positions);
+    const float* d_inv_freq = h.Input("inv_freq", inv_freq);
+    ASSERT_TRUE(h.ok());
+    h.backend().Rope(d_x, d_positions, tokens_, heads_, head_dim_, d_inv_freq);
+    if (!h.Finish()) return;
+    std::vector<float> expected = x;
+    reference::Rope(expected.data(), positions.data(), tokens_, heads_, head_dim_, inv_freq.data());
+    ExpectClose("x", h.Result<float>(d_x), expected, tolerance(), 0.1);
+  }
+
+ private:
+  int tokens_, heads_, head_dim_;
+  bool llama3_;
+};
+
+class SiluMulCase : public OpCase {
+ public:
+  SiluMulCase(int rows, int inter, double tolerance)
+      : OpCase("SiluMul_rows" + Str(rows) + "_inter" + Str(inter), tolerance),
+        rows_(rows),
+        inter_(inter) {}
+
+  void Check(Harness& h) const override {
+    // Gates far into both tails, where exp overflows or underflows.
+    const std::vector<float> gate_up = Random(int64_t{rows_} * 2 * inter_, seed(), -100.0f, 100.0f);
+    const float* d_gate_up = h.Input("gate_up", gate_up);
+    float* d_out = h.Output("out", int64_t{rows_} * inter_);
+    ASSERT_TRUE(h.ok());
+    h.backend().SiluMul(d_gate_up, rows_, inter_, d_out);
+    if (!h.Finish()) return;
+    std::vector<float> expected(int64_t{rows_} * inter_);
+    reference::SiluMul(gate_up.data(), rows_, inter_, expected.data());
+    ExpectClose("out", h.Result(d_out), expected, tolerance(), 1e-3);
+  }
+
+ private:
+  int rows_, inter_;
+};
+
+class EmbeddingCase : public OpCase {
+ public:
+  EmbeddingCase(int vocab, int dim, int tokens)
+      : OpCase("Embedding_vocab" + Str(vocab) + "_dim" + Str(dim) + "_tokens" + Str(tokens), 0.0),
+        vocab_(vocab),
+        dim_(dim),
+        tokens_(tokens) {}
+
+  void Check(Harness& h) const override {
+    const std::vector<float> table = Random(int64_t{vocab_} * dim_, seed());
+    // The last row of the table first, then ids spread over it with repeats.
+    std::vector<int32_t> ids(tokens_);
+    for (int t = 0; t < tokens_; ++t) ids[t] = t == 0 ? vocab_ - 1 : (t * 31 + 5) % vocab_;
+    const float* d_table = h.Input("table", table);
+    const int32_t* d_ids = h.Input("ids", ids);
+    float* d_out = h.Output("out", int64_t{tokens_} * dim_);
+    ASSERT_TRUE(h.ok());
+    h.backend().Embedding(d_table, d_ids, tokens_, dim_, d_out);
+    if (!h.Finish()) return;
+    std::vector<float> expected(int64_t{tokens_} * dim_);
+    reference::Embedding(table.data(), ids.data(), tokens_, dim_, expected.data());
+    ExpectMatches("out", h.Result(d_out), expected, {}, 0.0);
+  }
+
+ private:
+  int vocab_, dim_, tokens_;
+};
+
+// Tokens [start, start + tokens) of one sequence whose blocks are scattered over the cache, as
+// a prefill chunk or a decode step writes them; with `padding`, every fifth token is padding
+// (slot -1).
+class WriteKvCase : public OpCase {
+ public:
+  WriteKvCase(int block_size, int kv_heads, int head_dim, int start, int tokens, bool padding)
+      : OpCase("WriteKv_bs" + Str(block_size) + "_kv" + Str(kv_heads) + "_hd" + Str(head_dim) +
+                   "_pos" + Str(start) + "_tokens" + Str(tokens) + (padding ? "_padding" : ""),
+               0.0),
+        layout_{.num_blocks = (start + tokens + block_size - 1) / block_size + 2,
+                .block_size = block_size,
+                .num_kv_heads = kv_heads,
+                .head_dim = head_dim},
+        start_(start),
+        tokens_(tokens),
+        padding_(padding) {}
+
+  void Check(Harness& h) const override {
+    std::vector<int32_t> physical(layout_.num_blocks);
+    std::iota(physical.begin(), physical.end(), 0);
+    std::shuffle(physical.begin(), physical.end(), std::mt19937(seed()));
+    std::vector<int32_t> slots(tokens_);
+    for (int t = 0; t < tokens_; ++t) {
+      const int pos = start_ + t;
+      slots[t] = padding_ && t % 5 == 4 ? -1
+                                        : physical[pos / layout_.block_size] * layout_.block_size +
+                                              pos % layout_.block_size;
+    }
+    const int64_t row = int64_t{layout_.num_kv_heads} * layout_.head_dim;
+    const std::vector<float> k = Random(tokens_ * row, seed() + 1);
+    const std::vector<float> v = Random(tokens_ * row, seed() + 2);
+    // Random old contents: a store to the wrong slot shows wherever it lands.
+    const std::vector<float> cache = Random(layout_.LayerElements(), seed() + 3);
+    const float* d_k = h.Input("k", k);
+    const float* d_v = h.Input("v", v);
+    const int32_t* d_slots = h.Input("slot_mapping", slots);
+    float* d_cache = h.InOut("layer_cache", cache);
+    ASSERT_TRUE(h.ok());
+    h.backend().WriteKv(d_k, d_v, d_slots, tokens_, layout_, d_cache);
+    if (!h.Finish()) return;
+    std::vector<float> expected = cache;
+    reference::WriteKv(k.data(), v.data(), slots.data(), tokens_, layout_, expected.data());
+    ExpectMatches("layer_cache", h.Result<float>(d_cache), expected, {}, 0.0);
+  }
+
+ private:
+  KvLayout layout_;
+  int start_, tokens_;
+  bool padding_;
+};
+
+struct AttentionSeq {
+  int q_len;
+  int context_len;
+};
+
+// One PagedAttention call over a batch of sequences whose blocks are scattered over the cache;
+// every slot no sequence owns is NaN, so reading one poisons the output.
+class PagedAttentionCase : public OpCase {
+ public:
+  PagedAttentionCase(int head_dim, int kv_heads, int group, int block_size,
+                     std::vector<AttentionSeq> seqs, double tolerance)
+      : OpCase(Name(head_dim, kv_heads, group, block_size, seqs), tolerance),
+        head_dim_(head_dim),
+        kv_heads_(kv_heads),
+        group_(group),
+        block_size_(block_size),
+        seqs_(std::move(seqs)) {}
+
+  std::string Unsupported(const ConformanceBackend& info) const override {
+    const std::vector<int>& dims = info.attention_head_dims;
+    if (dims.empty() || std::find(dims.begin(), dims.end(), head_dim_) != dims.end()) return "";
+    return info.name + " has no PagedAttention for head_dim " + Str(head_dim_);
+  }
+
+  void Check(Harness& h) const override {
+    const int num_heads = kv_heads_ * group_;
+    int total_blocks = 0, max_blocks = 1;
+    for (const AttentionSeq& s : seqs_) {
+      const int blocks = (s.context_len + block_size_ - 1) / block_size_;
+      total_blocks += blocks;
+      max_blocks = std::max(max_blocks, blocks);
+    }
+    const KvLayout layout{.num_blocks = total_blocks + 3,
+                          .block_size = block_size_,
+                          .num_kv_heads = kv_heads_,
+                          .head_dim = head_dim_};
+    std::vector<int32_t> physical(layout.num_blocks);
+    std::iota(physical.begin(), physical.end(), 0);
+    std::shuffle(physical.begin(), physical.end(), std::mt19937(seed()));
+    std::vector<float> cache(layout.LayerElements(), kNaN);
+    std::vector<int32_t> block_table(seqs_.size() * max_blocks, -1);
+    std::vector<int32_t> query_start = {0}, context_len;
+    const int64_t slot_floats = int64_t{kv_heads_} * head_dim_;
+    std::mt19937 gen(seed() + 1);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    int next = 0;
+    for (size_t s = 0; s < seqs_.size(); ++s) {
+      for (int b = 0; b * block_size_ < seqs_[s].context_len; ++b) {
+        block_table[s * max_blocks + b] = physical[next++];
+      }
+      for (int pos = 0; pos < seqs_[s].context_len; ++pos) {
+        const int64_t slot =
+            int64_t{block_table[s * max_blocks + pos / block_size_]} * block_size_ +
+            pos % block_size_;
+        for (int64_t i = 0; i < slot_floats; ++i) {
+          cache[slot * slot_floats + i] = dist(gen);
+          cache[layout.HalfElements() + slot * slot_floats + i] = dist(gen);
+        }
+      }
+      query_start.push_back(query_start.back() + seqs_[s].q_len);
+      context_len.push_back(seqs_[s].context_len);
+    }
+    const std::vector<float> q =
+        Random(int64_t{query_start.back()} * num_heads * head_dim_, seed() + 2, -2.0f, 2.0f);
+    // The batch description is host memory on every backend.
+    const PagedAttentionBatch batch{.num_seqs = static_cast<int>(seqs_.size()),
+                                    .query_start = query_start.data(),
+                                    .context_len = context_len.data(),
+                                    .block_table = block_table.data(),
+                                    .max_blocks_per_seq = max_blocks};
+    const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
+    const float* d_q = h.Input("q", q);
+    const float* d_cache = h.Input("layer_cache", cache);
+    float* d_out = h.Output("out", q.size());
+    ASSERT_TRUE(h.ok());
+    h.backend().PagedAttention(d_q, d_cache, layout, batch, num_heads, scale, d_out);
+    if (!h.Finish()) return;
+    std::vector<float> expected(q.size());
+    reference::PagedAttention(q.data(), cache.data(), layout, batch, num_heads, scale,
+                              expected.data());
+    ExpectClose("out", h.Result(d_out), expected, tolerance(), 0.05);
+  }
+
+ private:
+  static std::string Name(int head_dim, int kv_heads, int group, int block_size,
+                          const std::vector<AttentionSeq>& seqs) {
+    const bool decode =
+        std::all_of(seqs.begin(), seqs.end(), [](const AttentionSeq& s) { return s.q_len == 1; });
+    std::string name = std::string("PagedAttention_") + (decode ? "decode" : "prefill") + "_hd" +
+                       Str(head_dim) + "_kv" + Str(kv_heads) + "_g" + Str(group) + "_bs" +
+                       Str(block_size);
+    for (const AttentionSeq& s : seqs) name += "_q" + Str(s.q_len) + "c" + Str(s.context_len);
+    return name;
+  }
+
+  int head_dim_, kv_heads_, group_, block_size_;
+  std::vector<AttentionSeq> seqs_;
+};
+
+class GatherAddCase : public OpCase {
+ public:
+  GatherAddCase(int rows, int dim, int num_rows)
+      : OpCase("GatherAdd_rows" + Str(rows) + "_dim" + Str(dim) + "_gather" + Str(num_rows), 0.0),
+        rows_(rows),
+        dim_(dim),
+        num_rows_(num_rows) {}
+
+  void Check(Harness& h) const override {
+    const std::vector<float> a = Random(int64_t{rows_} * dim_, seed());
+    const std::vector<float> b = Random(int64_t{rows_} * dim_, seed() + 1);
+    // The last row first, then random rows with repeats.
+    std::mt19937 gen(seed() + 2);
+    std::vector<int32_t> chosen(num_rows_);
+    for (int i = 0; i < num_rows_; ++i) {
+      chosen[i] = i == 0 ? rows_ - 1 : static_cast<int32_t>(gen() % rows_);
+    }
+    const float* d_a = h.Input("a", a);
+    const float* d_b = h.Input("b", b);
+    const int32_t* d_rows = h.Input("rows", chosen);
+    float* d_out = h.Output("out", int64_t{num_rows_} * dim_);
+    ASSERT_TRUE(h.ok());
+    h.backend().GatherAdd(d_a, d_b, d_rows, num_rows_, dim_, d_out);
+    if (!h.Finish()) return;
+    std::vector<float> expected(int64_t{num_rows_} * dim_);
+    reference::GatherAdd(a.data(), b.data(), chosen.data(), num_rows_, dim_, expected.data());
+    // A single fp32 add on every backend.
+    ExpectMatches("out", h.Result(d_out), expected, {}, 0.0);
+  }
+
+ private:
+  int rows_, dim_, num_rows_;
+};
+
+// The columns [offset, offset + narrow) of every row of a [rows, wide] tensor into a dense
+// [rows, narrow] one, as the model runner splits a fused projection. No reference op: the
+// expected result is the definition itself.
+class CopyRowsCase : public OpCase {
+ public:
+  CopyRowsCase(int rows, int wide, int narrow, int offset)
+      : OpCase("CopyRows_rows" + Str(rows) + "_wide" + Str(wide) + "_narrow" + Str(narrow) +
+                   "_offset" + Str(offset),
+               0.0),
+        rows_(rows),
+        wide_(wide),
+        narrow_(narrow),
+        offset_(offset) {}
+
+  void Check(Harness& h) const override {
+    const std::vector<float> src = Random(int64_t{rows_} * wide_, seed());
+    const float* d_src = h.Input("src", src);
+    float* d_dst = h.Output("dst", int64_t{rows_} * narrow_);
+    ASSERT_TRUE(h.ok());
+    h.backend().CopyRows(d_dst, narrow_ * sizeof(float), d_src + offset_, wide_ * sizeof(float),
+                         narrow_ * sizeof(float), rows_);
+    if (!h.Finish()) return;
+    std::vector<float> expected(int64_t{rows_} * narrow_);
+    for (int r = 0; r < rows_; ++r) {
+      std::copy_n(src.begin() + int64_t{r} * wide_ + offset_, narrow_,
+                  expected.begin() + int64_t{r} * narrow_);
+    }
+    ExpectMatches("dst", h.Result(d_dst), expected, {}, 0.0);
+  }
+
+ private:
+  int rows_, wide_, narrow_, offset_;
+};
+
+// ------------------------------------------------------------------------------------------------
+// The table
+
+// Tolerances are the largest relative error allowed on any backend; the reference accumulates
+// in double.
+constexpr double kLinearTolerance = 2e-6;  // of sum |x||w|: a few ulp; a wrong element is ~1e-2
+constexpr double kRowOpTolerance = 1e-5;
+constexpr double kRopeTolerance = 1e-5;
+constexpr double kAttentionTolerance = 2e-5;
+
+std::vector<std::shared_ptr<const OpCase>> AllCases() {
+  std::vector<std::shared_ptr<const OpCase>> cases;
+  auto add = [&](auto op) { cases.push_back(std::make_shared<decltype(op)>(std::move(op))); };
+
+  // Linear: m = 1 (decode), n and k straddling the CPU's 16/32-column panels and 256-deep k
+  // blocks, k = 5000 (several deep blocks), m past a 128-row tile.
+  for (auto [m, n, k, bias] : std::vector<std::tuple<int, int, int, bool>>{
+           {1, 1, 1, false},
+           {1, 45, 300, true},
+           {3, 100, 13, false},
+           {7, 257, 517, true},
+           {64, 33, 1030, true},
+           {130, 70, 77, false},
+           {130, 129, 300, true},
+           {1, 50, 5000, false},
+           {13, 31, 5000, true},
+           {200, 17, 9, true},
+           {1, 1024, 256, false},
+       }) {
+    add(LinearCase(m, n, k, bias, kLinearTolerance));
+  }
+
+  // RmsNorm and AddRmsNorm: dims below, at and past vector widths and block sizes.
+  for (int dim : {1, 7, 64, 100, 2048, 4099}) {
+    for (int rows : {1, 3, 130}) add(RmsNormCase(rows, dim, false, kRowOpTolerance));
+  }
+  for (int dim : {7, 2048, 4099}) add(RmsNormCase(3, dim, true, kRowOpTolerance));
+  for (int dim : {5, 64, 2048, 3001}) {
+    for (int rows : {1, 7, 64}) add(AddRmsNormCase(rows, dim, kRowOpTolerance));
+  }
+
+  // Rope: the smallest head_dim, one that is not a vector multiple, and the usual ones.
+  for (int head_dim : {2, 20, 64, 128}) {
+    for (bool llama3 : {false, true}) add(RopeCase(37, 5, head_dim, llama3, kRopeTolerance));
+  }
+  add(RopeCase(1, 32, 128, true, kRopeTolerance));
+  add(RopeCase(130, 8, 64, false, kRopeTolerance));
+
+  for (int inter : {1, 9, 64, 1000, 8193}) {
+    for (int rows : {1, 3, 64}) add(SiluMulCase(rows, inter, kRowOpTolerance));
+  }
+
+  add(EmbeddingCase(50, 37, 70));
+  add(EmbeddingCase(97, 1, 1));
+  add(EmbeddingCase(97, 4096, 3));
+  add(EmbeddingCase(1000, 129, 130));
+
+  // WriteKv: page sizes 8/16/32, a decode token, chunks crossing block boundaries, padding.
+  for (int block_size : {8, 16, 32}) {
+    add(WriteKvCase(block_size, 2, 64, 0, 1, false));
+    add(WriteKvCase(block_size, 1, 128, 37, 1, false));
+    add(WriteKvCase(block_size, 3, 20, 5, 70, true));
+    add(WriteKvCase(block_size, 8, 128, block_size - 1, 2 * block_size + 3, false));
+  }
+
+  // PagedAttention: decode batches (q_len 1) and prefill batches (whole prompts, and chunks
+  // whose context includes earlier chunks), over GQA ratios 1 to 8 and page sizes 8/16/32;
+  // contexts of one token, ending on and past block boundaries, and past 512 (the CUDA backend
+  // splits keys into 512-token partitions and merges them).
+  const std::vector<std::vector<AttentionSeq>> decode_batches = {
+      {{1, 1}},
+      {{1, 700}},
+      {{1, 17}, {1, 33}, {1, 256}, {1, 5}, {1, 512}},
+      {{1, 1100}, {1, 32}},
+  };
+  const std::vector<std::vector<AttentionSeq>> prefill_batches = {
+      {{37, 37}},
+      {{64, 300}, {1, 90}, {19, 19}, {1, 700}, {100, 164}},
+      {{40, 300}, {1, 1100}, {17, 17}, {3, 513}},
+  };
+  struct AttentionShape {
+    int head_dim, kv_heads, group, block_size;
+  };
+  for (const AttentionShape& s : std::vector<AttentionShape>{
+           {64, 2, 1, 8},
+           {128, 2, 2, 16},
+           {64, 1, 4, 32},
+           {128, 2, 4, 16},
+           {128, 1, 8, 32},
+           {80, 1, 3, 8},  // not a power of two: the CPU backend only
+       }) {
+    for (const auto* batches : {&decode_batches, &prefill_batches}) {
+      for (const std::vector<AttentionSeq>& seqs : *batches) {
+        add(PagedAttentionCase(s.head_dim, s.kv_heads, s.group, s.block_size, seqs,
+                               kAttentionTolerance));
+      }
+    }
+  }
+
+  add(GatherAddCase(40, 33, 5));
+  add(GatherAddCase(1, 1, 1));
+  add(GatherAddCase(130, 1000, 44));
+  add(GatherAddCase(7, 2048, 7));
+
+  add(CopyRowsCase(9, 24, 10, 6));
+  add(CopyRowsCase(1, 1, 1, 0));
+  add(CopyRowsCase(130, 340, 333, 7));
+  add(CopyRowsCase(3, 2048, 2048, 0));
+  return cases;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The parameterised test: every case on every backend.
+
+struct Param {
+  ConformanceBackend backend;
+  std::shared_ptr<const OpCase> op;
+};
+
+void PrintTo(const Param& p, std::ostream* os) {
+  *os << p.backend.name << " " << p.op->name() << " (seed " << p.op->seed() << ", tolerance "
+      << p.op->tolerance() << ")";
+}
+
+std::vector<Param> AllParams() {
+  std::vector<Param> params;
+  const std::vector<std::shared_ptr<const OpCase>> cases = AllCases();
+  for (const ConformanceBackend& backend : ConformanceBackends()) {
+    for (const auto& op : cases) params.push_back({backend, op});
+  }
+  return params;
+}
+
+class BackendConformanceTest : public ::testing::TestWithParam<Param> {};
+
+TEST_P(BackendConformanceTest, MatchesReference) {
+  const Param& p = GetParam();
+  if (const std::string why = p.backend.unavailable ? p.backend.unavailable() : ""; !why.empty()) {
+    GTEST_SKIP() << why;
+  }
+  if (const std::string why = p.op->Unsupported(p.backend); !why.empty()) GTEST_SKIP() << why;
+  absl::StatusOr<std::unique_ptr<Backend>> backend = p.backend.create();
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  SCOPED_TRACE(testing::Message() << "seed " << p.op->seed());
+  Harness harness(**backend, p.backend);
+  p.op->Check(harness);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ops, BackendConformanceTest, ::testing::ValuesIn(AllParams()),
+                         [](const ::testing::TestParamInfo<Param>& info) {
+                           return info.param.backend.name + "_" + info.param.op->name();
+                         });
+
+// ------------------------------------------------------------------------------------------------
+// The harness itself: a backend that writes past an output, leaves an element unwritten or
+// writes an input must fail the case.
+
+// The CPU backend with one fault injected into chosen operators. Its memory is host memory.
+class FaultyBackend : public Backend {
+ public:
+  enum class Fault { kOverrunAfter, kOverrunBefore, kSkipLastElement, kWriteInput };
+
+  FaultyBackend(std::unique_ptr<Backend> inner, Fault fault)
+      : inner_(std::move(inner)), fault_(fault) {}
+
+  std::string_view name() const override { return "faulty"; }
+  bool host_memory() const override { return true; }
+  void CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+  }
+  void CopyToHost(void* dst, const void* src, size_t bytes) override {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+  }
+  void CopyRows(void* dst, size_t dst_stride, const void* src, size_t src_stride, size_t row_bytes,
+                int rows) override {
+    inner_->CopyRows(dst, dst_stride, src, src_stride, row_bytes, rows);
+  }
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+  std::unique_ptr<PackedWeight> PackWeight(const float* w, int n, int k) override {
+    return inner_->PackWeight(w, n, k);
+  }
+  void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
+    inner_->Linear(x, m, w, bias, y);
+  }
+  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim,
+               float* y) override {
+    const float last = y[int64_t{rows} * dim - 1];
+    inner_->RmsNorm(x, weight, eps, rows, dim, y);
+    switch (fault_) {
+      case Fault::kOverrunAfter:
+        y[int64_t{rows} * dim + 3] = 0.0f;
+        break;
+      case Fault::kOverrunBefore:
+        y[-1] = 0.0f;
+        break;
+      case Fault::kSkipLastElement:
+        y[int64_t{rows} * dim - 1] = last;
+        break;
+      case Fault::kWriteInput:
+        const_cast<float*>(weight)[0] += 1.0f;
+        break;
+    }
+  }
+  void AddRmsNorm(float* residual, const float* x, const float* weight, float eps, int rows,
+                  int dim, float* y) override {
+    inner_->AddRmsNorm(residual, x, weight, eps, rows, dim, y);
+  }
+  void Rope(float* x, const int32_t* positions, int tokens, int heads, int head_dim,
+            const float* inv_freq) override {
+    inner_->Rope(x, positions, tokens, heads, head_dim, inv_freq);
+  }
+  void SiluMul(const float* gate_up, int rows, int inter, float* out) override {
+    inner_->SiluMul(gate_up, rows, inter, out);
+  }
+  void Embedding(const float* table, const int32_t* ids, int tokens, int dim, float* out) override {
+    inner_->Embedding(table, ids, tokens, dim, out);
+  }
+  void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
+               const KvLayout& layout, float* layer_cache) override {
+    inner_->WriteKv(k, v, slot_mapping, tokens, layout, layer_cache);
+  }
+  void PagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
+                      const PagedAttentionBatch& batch, int num_heads, float scale,
+                      float* out) override {
+    inner_->PagedAttention(q, layer_cache, layout, batch, num_heads, scale, out);
+  }
+  void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
+                 float* out) override {
+    inner_->GatherAdd(a, b, rows, num_rows, dim, out);
+  }
+
+ protected:
+  absl::StatusOr<void*> AllocateBytes(size_t bytes) override {
+    return ::operator new (std::max<size_t>(bytes, 1), std::align_val_t{64});
+  }
+  void FreeBytes(void* data) override { ::operator delete (data, std::align_val_t{64}); }
+
+ private:
+  std::unique_ptr<Backend> inner_;
+  Fault fault_;
+};
+
+void RunRmsNormOn(FaultyBackend::Fault fault) {
+  auto cpu = CreateCpuBackend({.num_threads = 1});
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  FaultyBackend faulty(std::move(cpu).value(), fault);
+  const ConformanceBackend info{.name = "Faulty"};
+  Harness harness(faulty, info);
+  RmsNormCase(3, 100, false, kRowOpTolerance).Check(harness);
+}
+
+TEST(ConformanceHarnessTest, CatchesAWritePastAnOutput) {
+  EXPECT_NONFATAL_FAILURE(RunRmsNormOn(FaultyBackend::Fault::kOverrunAfter),
+                          "guard of y overwritten: byte +12 past its end");
+}
+
+TEST(ConformanceHarnessTest, CatchesAWriteBeforeAnOutput) {
+  EXPECT_NONFATAL_FAILURE(RunRmsNormOn(FaultyBackend::Fault::kOverrunBefore),
+                          "guard of y overwritten: byte -4 before the tensor");
+}
+
+TEST(ConformanceHarnessTest, CatchesAnUnwrittenElement) {
+  EXPECT_NONFATAL_FAILURE(RunRmsNormOn(FaultyBackend::Fault::kSkipLastElement),
+                          "y[299] is nan (not written?)");
+}
+
+TEST(ConformanceHarnessTest, CatchesAWrittenInput) {
+  EXPECT_NONFATAL_FAILURE(RunRmsNormOn(FaultyBackend::Fault::kWriteInput),
+                          "input weight changed by the operator");
+}
+
+TEST(ConformanceHarnessTest, CaseNamesAreUniqueAndEveryOperatorIsCovered) {
+  std::vector<std::string> names;
+  for (const auto& op : AllCases()) names.push_back(op->name());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(std::adjacent_find(names.begin(), names.end()), names.end());
+  for (const char* prefix :
+       {"Linear_", "RmsNorm_", "AddRmsNorm_", "Rope_", "SiluMul_", "Embedding_", "WriteKv_",
+        "PagedAttention_decode_", "PagedAttention_prefill_", "GatherAdd_", "CopyRows_"}) {
+    EXPECT_TRUE(std::any_of(names.begin(), names.end(), [&](const std::string& n) {
+      return n.rfind(prefix, 0) == 0;
+    })) << prefix;
+  }
+}
+
+}  // namespace
+}  // namespace tandem::kernels::conformance
