@@ -29,8 +29,8 @@
 #include "tandem/metrics/registry.h"
 #include "tandem/proto/convert.h"
 #include "tandem/proto/kv_layout_check.h"
-#include "tandem/http/http_server.h"
 #include "tandem/v1/decode.grpc.pb.h"
+#include "tandem/worker/status_server.h"
 
 namespace tandem::decode_worker {
 namespace {
@@ -256,7 +256,8 @@ class DecodeWorkerImpl final : public DecodeWorker {
   // Engine-thread view of the worker's state.
   tandem::v1::WorkerStats ComputeStats() const;
   void PublishStats();
-  void HandleHttp(std::shared_ptr<http::HttpExchange> exchange);
+  // The /metrics exposition, its KV and batch series refreshed from the published snapshot.
+  std::string RenderMetrics();
 
   DecodeWorkerOptions options_;
   std::string grpc_address_;
@@ -277,7 +278,7 @@ class DecodeWorkerImpl final : public DecodeWorker {
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
   Metrics metrics_;
-  std::unique_ptr<http::HttpServer> metrics_server_;
+  std::unique_ptr<worker::StatusServer> metrics_server_;  // /health and /metrics
 
   // Refuses Reserve and Start once false. Set by Shutdown, read on the engine thread.
   std::atomic<bool> accepting_{true};
@@ -335,33 +336,15 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
   grpc_address_ = std::move(started.address);
 
   if (!options_.metrics_address.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(auto metrics_host_port, SplitHostPort(options_.metrics_address));
-    http::HttpServerOptions http;
-    http.host = metrics_host_port.first;
-    http.port = metrics_host_port.second;
-    http.num_threads = 1;
-    TANDEM_ASSIGN_OR_RETURN(
-        metrics_server_,
-        http::HttpServer::Create(
-            http, [this](std::shared_ptr<http::HttpExchange> ex) { HandleHttp(std::move(ex)); }));
+    TANDEM_ASSIGN_OR_RETURN(metrics_server_, worker::StatusServer::Create(
+                                                 options_.metrics_address,
+                                                 [this] { return !accepting_.load(); },
+                                                 [this] { return RenderMetrics(); }));
   }
   return absl::OkStatus();
 }
 
-void DecodeWorkerImpl::HandleHttp(std::shared_ptr<http::HttpExchange> exchange) {
-  const http::HttpRequest& request = exchange->request();
-  if (request.method != "GET") {
-    exchange->Reply({405, "text/plain", "only GET\n", {}});
-    return;
-  }
-  if (request.path == "/health") {
-    exchange->Reply({200, "application/json", R"({"status":"ok"})", {}});
-    return;
-  }
-  if (request.path != "/metrics") {
-    exchange->Reply({404, "text/plain", "not found\n", {}});
-    return;
-  }
+std::string DecodeWorkerImpl::RenderMetrics() {
   const tandem::v1::WorkerStats stats = Stats();
   // From the published snapshot (reservations included), not the engine's own counts.
   metrics_.engine.kv_used.Set(stats.kv_blocks_used());
@@ -371,7 +354,7 @@ void DecodeWorkerImpl::HandleHttp(std::shared_ptr<http::HttpExchange> exchange) 
   metrics::AdvanceTo(metrics_.engine.preemptions, static_cast<double>(stats.preemptions_total()));
   metrics_.kv_reserved->Set(stats.kv_blocks_reserved());
   metrics_.reservations->Set(stats.reservations());
-  exchange->Reply({200, metrics::Registry::kContentType, metrics_.registry.Render(), {}});
+  return metrics_.registry.Render();
 }
 
 // --- the engine loop --------------------------------------------------------------------------

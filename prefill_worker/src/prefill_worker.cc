@@ -31,8 +31,8 @@
 #include "tandem/metrics/registry.h"
 #include "tandem/proto/convert.h"
 #include "tandem/proto/kv_layout_check.h"
-#include "tandem/http/http_server.h"
 #include "tandem/v1/prefill.grpc.pb.h"
+#include "tandem/worker/status_server.h"
 
 namespace tandem::prefill_worker {
 namespace {
@@ -254,7 +254,7 @@ class PrefillWorkerImpl final : public PrefillWorker {
   std::unique_ptr<Service> service_;
   std::unique_ptr<grpc::Server> server_;
   std::string grpc_address_;
-  std::unique_ptr<http::HttpServer> http_;
+  std::unique_ptr<worker::StatusServer> http_;  // /health and /metrics
 
   std::mutex peers_mu_;
   std::map<std::string, kvtransfer::PeerId> peers_;  // guarded by peers_mu_
@@ -310,28 +310,13 @@ absl::Status PrefillWorkerImpl::Start() {
   UpdateStats();
 
   if (!options_.metrics_address.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(auto host_port, SplitHostPort(options_.metrics_address));
-    http::HttpServerOptions http;
-    http.host = host_port.first;
-    http.port = host_port.second;
-    http.error_response = [](int status, const std::string& message) {
-      return http::HttpResponse{status, "text/plain", message + "\n", {}};
-    };
-    TANDEM_ASSIGN_OR_RETURN(
-        http_, http::HttpServer::Create(http, [this](std::shared_ptr<http::HttpExchange> ex) {
-          const http::HttpRequest& req = ex->request();
-          if (req.path != "/metrics" && req.path != "/health") {
-            ex->Reply({404, "text/plain", "not found\n", {}});
-          } else if (req.method != "GET") {
-            ex->Reply({405, "text/plain", "method not allowed\n", {{"Allow", "GET"}}});
-          } else if (req.path == "/health") {
-            std::lock_guard<std::mutex> lock(mu_);
-            ex->Reply(accepting_ ? http::HttpResponse{200, "text/plain", "ok\n", {}}
-                                 : http::HttpResponse{503, "text/plain", "shutting down\n", {}});
-          } else {
-            ex->Reply({200, metrics::Registry::kContentType, metrics_.registry.Render(), {}});
-          }
-        }));
+    TANDEM_ASSIGN_OR_RETURN(http_, worker::StatusServer::Create(
+                                       options_.metrics_address,
+                                       [this] {
+                                         std::lock_guard<std::mutex> lock(mu_);
+                                         return !accepting_;
+                                       },
+                                       [this] { return metrics_.registry.Render(); }));
   }
 
   // The loop runs before the first call can arrive, so every accepted call gets its answer.
