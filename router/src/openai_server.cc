@@ -313,6 +313,7 @@ class ApiServerImpl : public ApiServer {
       return http::HttpResponse{status, "application/json", ErrorBody(status, message, "", code), {}};
     };
     TANDEM_ASSIGN_OR_RETURN(http_, http::HttpServer::Create(http, [this](auto ex) { Handle(ex); }));
+    http_for_handlers_.store(http_.get(), std::memory_order_release);
     return absl::OkStatus();
   }
 
@@ -507,7 +508,9 @@ class ApiServerImpl : public ApiServer {
     metrics_.workers[1][0]->Set(counters.decode_workers_up);
     metrics_.workers[1][1]->Set(counters.decode_workers - counters.decode_workers_up);
     metrics_.in_flight->Set(active_.load());
-    metrics_.connections->Set(http_->num_connections());
+    if (const http::HttpServer* server = http_for_handlers_.load(std::memory_order_acquire)) {
+      metrics_.connections->Set(server->num_connections());
+    }
     // Counted before rendering so the scrape includes itself.
     metrics_.Http(200)->Increment();
     ex.Reply(http::HttpResponse{200, metrics::Registry::kContentType, metrics_.registry.Render(), {}});
@@ -758,6 +761,9 @@ class ApiServerImpl : public ApiServer {
   // The HTTP server is stopped before the engine goes, and destroyed after it (its I/O
   // context holds handlers that the engine's last callbacks posted).
   std::unique_ptr<http::HttpServer> http_;
+  // http_ for the request handlers: the server accepts (and may dispatch a request) as soon as
+  // it is bound, before Create returns and http_ is assigned on the starting thread.
+  std::atomic<http::HttpServer*> http_for_handlers_{nullptr};
   std::unique_ptr<engine::Generator> engine_;
 };
 
