@@ -264,13 +264,16 @@ def run_scenario(name, action, reference, seconds, clients, etcd=None, ttl=LEASE
                  decode_extra=(), prefill_extra=()):
     """One topology, steady load, `action` halfway; etcd: workers register, the router
     discovers them, and the action may also restart etcd or the router. `decode_extra`,
-    `prefill_extra`: more flags for the workers (the decode workers always run DECODE_DELAY).
+    `prefill_extra`: more flags for the workers (the decode workers run DECODE_DELAY unless
+    `decode_extra` sets its own --step-delay-ms).
 
     The load runs `seconds / 2` before the failure, which then waits until the worker it hits
     (a decode worker for etcd and router restarts) holds work; after it, the load goes on for
     `seconds / 2` and until every client has had a request start after the failure and finish,
     however long that takes on this machine."""
-    decode_extra = DECODE_DELAY + list(decode_extra)
+    decode_extra = list(decode_extra)
+    if "--step-delay-ms" not in decode_extra:
+        decode_extra = DECODE_DELAY + decode_extra
     prefill_extra = list(prefill_extra)
     topology = {"etcd": etcd}
     if etcd is None:
@@ -572,7 +575,10 @@ def main():
     parser.add_argument("--json")
     a = parser.parse_args()
     cluster.TANDEM = a.tandem
-    no_grace = ["--drain-grace", "0"]
+    # No grace, and streams that outlast the SIGTERM's path to the drain (with etcd the worker
+    # unregisters first): a MAX_TOKENS stream decodes for at least 4.8 s at 100 ms a step, so
+    # the streams the victim held when it was signalled are still running when it parks them.
+    no_grace = ["--drain-grace", "0", "--step-delay-ms", "100"]
     # (name, action, with etcd, extra decode flags, extra prefill flags)
     scenarios = [
         ("SIGKILL decode worker", kill("decode", signal.SIGKILL), False, (), ()),
