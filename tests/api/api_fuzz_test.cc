@@ -371,7 +371,7 @@ std::vector<Case> HttpCases(std::mt19937& rng) {
            "\r\n\r\n",
            "GET / HTTP/1.1\r\nNoColon\r\n\r\n",
            "GET / HTTP/1.1\r\nBad Name: v\r\n\r\n",
-           std::string("GET / HTTP/1.1\r\nX: a\0b\r\n\r\n", 29),
+           std::string("GET / HTTP/1.1\r\nX: a\0b\r\n\r\n", 26),
            "GET / HTTP/1.1\r\nX: a\r\n folded\r\n\r\n",
            "POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n{}",
            "POST /v1/completions HTTP/1.1\r\nContent-Length: -1\r\n\r\n{}",

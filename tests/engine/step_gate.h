@@ -16,14 +16,17 @@
 //   gate->Open();                   // or Allow(1) to step once more
 #pragma once
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 
-#include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
 #include "absl/time/time.h"
 
+// std::mutex rather than absl::Mutex: ThreadSanitizer sees the former's happens-before edges
+// (Debian's abseil is not built with TSan, so its locks are invisible to it).
 namespace tandem::testing {
 
 class StepGate : public std::enable_shared_from_this<StepGate> {
@@ -35,39 +38,47 @@ class StepGate : public std::enable_shared_from_this<StepGate> {
 
   // Lets `steps` more steps run, then pauses. Allow(0) pauses before the next step.
   void Allow(int64_t steps) {
-    absl::MutexLock lock(&mu_);
-    allowed_ = steps;
-    if (steps != 0) paused_ = false;  // a later WaitPaused waits for the next pause
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      allowed_ = steps;
+      if (steps != 0) paused_ = false;  // a later WaitPaused waits for the next pause
+    }
+    changed_.notify_all();
   }
 
   // Lets every step run from now on.
   void Open() {
-    absl::MutexLock lock(&mu_);
-    allowed_ = -1;
-    paused_ = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      allowed_ = -1;
+      paused_ = false;
+    }
+    changed_.notify_all();
   }
 
   // Waits until the engine has skipped a step at the gate (it has work and is paused); false
   // if that does not happen within `timeout`, a bound for a hang, not a speed assumption.
   bool WaitPaused(absl::Duration timeout = absl::Seconds(120)) {
-    absl::MutexLock lock(&mu_);
-    return mu_.AwaitWithTimeout(absl::Condition(&paused_), timeout);
+    std::unique_lock<std::mutex> lock(mu_);
+    return changed_.wait_for(lock, absl::ToChronoNanoseconds(timeout), [&] { return paused_; });
   }
 
   // Steps that have run so far.
   int64_t passed() const {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     return passed_;
   }
 
   // Engine side: true when the step may run, false to skip it. A paused engine is asked again
   // at most every millisecond, so its loop stays responsive without spinning.
   bool Pass() {
-    absl::MutexLock lock(&mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (allowed_ == 0) {
-      paused_ = true;
-      if (!mu_.AwaitWithTimeout(absl::Condition(this, &StepGate::Released),
-                                absl::Milliseconds(1))) {
+      if (!paused_) {
+        paused_ = true;
+        changed_.notify_all();
+      }
+      if (!changed_.wait_for(lock, std::chrono::milliseconds(1), [&] { return allowed_ != 0; })) {
         return false;
       }
     }
@@ -77,9 +88,8 @@ class StepGate : public std::enable_shared_from_this<StepGate> {
   }
 
  private:
-  bool Released() const { return allowed_ != 0; }
-
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;
+  std::condition_variable changed_;
   int64_t allowed_ = -1;  // -1: open; otherwise steps still allowed before pausing
   bool paused_ = false;   // the engine skipped a step since the last Allow/Open
   int64_t passed_ = 0;
