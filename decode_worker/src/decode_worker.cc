@@ -468,7 +468,7 @@ void DecodeWorkerImpl::FreeReservation(Reservation& reservation) {
 
 void DecodeWorkerImpl::RecordStepMetrics() {
   const engine::EngineStats stats = engine_->stats();
-  metrics_.engine.Record(stats);
+  metrics_.engine.RecordSteps(stats);  // the counts come from the snapshot at each scrape
   metrics_.batch_limit->Set(stats.batch_limit);
   metrics_.step_gap->Set(stats.step_gap_seconds);
 }

@@ -37,6 +37,10 @@ void EngineMetrics::Record(const EngineStats& stats) {
   running.Set(stats.running);
   waiting.Set(stats.waiting);
   metrics::AdvanceTo(preemptions, static_cast<double>(stats.preemptions));
+  RecordSteps(stats);
+}
+
+void EngineMetrics::RecordSteps(const EngineStats& stats) {
   if (stats.steps == steps_seen_) return;
   steps_seen_ = stats.steps;
   step_seconds_.Observe(stats.last_step_seconds);

@@ -44,6 +44,7 @@ struct WorkerState {
   std::shared_ptr<grpc::Channel> channel;
   bool up = false;
   bool answered_once = false;  // some Stats call of the poller's was answered
+  bool missed_first = false;   // a Stats call failed before any was answered
   tandem::v1::WorkerStats stats;
   // Work sent since the last Stats, so that a burst of requests between two polls spreads:
   // prompt tokens on a prefill worker, reserved blocks on a decode worker.
@@ -970,20 +971,18 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     std::lock_guard<std::mutex> lock(stats_mu_);
     for (const std::unique_ptr<Poll>& poll : polls) {
       WorkerState& w = *poll->worker;
-      const bool was_seen = w.answered_once;
-      const bool was_up = w.up;
       w.up = poll->status.ok();
       if (w.up) {
         w.stats = poll->stats;
-        w.answered_once = true;
-        if (!was_seen && !was_up && polled_once_) {
+        if (!w.answered_once && w.missed_first) {
           std::fprintf(stderr, "tandem router: worker %s answers; taken in\n", w.address.c_str());
         }
+        w.answered_once = true;
       } else {
+        if (!w.answered_once) w.missed_first = true;
         missing.push_back(absl::StrCat(w.address, " (", poll->status.error_message(), ")"));
       }
     }
-    polled_once_ = true;
     return missing;
   }
 
@@ -1010,8 +1009,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   // The pools; a worker that leaves is dropped here, and lives on while a request uses it.
   std::vector<std::shared_ptr<DecodeWorkerState>> decode_;    // guarded by stats_mu_
   std::vector<std::shared_ptr<PrefillWorkerState>> prefill_;  // guarded by stats_mu_
-  mutable std::mutex stats_mu_;
-  mutable bool polled_once_ = false;  // guarded by stats_mu_  // guards the pools and every WorkerState's up, stats, pending_*
+  mutable std::mutex stats_mu_;  // guards the pools and every WorkerState's up, stats, pending_*
 
   std::atomic<int64_t> prefill_retries_{0};
   std::atomic<int64_t> migrations_{0};

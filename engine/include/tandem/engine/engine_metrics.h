@@ -25,13 +25,14 @@ class EngineMetrics {
   // samples,error_ratio}.
   explicit EngineMetrics(metrics::Registry& registry);
 
-  // Sets the KV, batch and preemption series from `stats`, and observes the steps run since the
-  // last call (the last one's time stands for any missed). Not thread-safe: call from one
-  // thread.
+  // Sets the KV, batch and preemption series from `stats`, then RecordSteps(stats).
   void Record(const EngineStats& stats);
+  // Observes the steps run since the last call (the last one's time stands for any missed) and
+  // refreshes the latency model's gauges. Not thread-safe: call from one thread.
+  void RecordSteps(const EngineStats& stats);
 
   // The KV, batch and preemption series, for an owner that keeps the counts elsewhere (a decode
-  // worker's published snapshot).
+  // worker's published snapshot) and calls RecordSteps only.
   prometheus::Gauge& kv_used;
   prometheus::Gauge& kv_capacity;
   prometheus::Gauge& running;
