@@ -23,12 +23,12 @@
 #include "grpcpp/grpcpp.h"
 #include "tandem/base/host_port.h"
 #include "tandem/base/status_macros.h"
-#include "tandem/engine/model_runner.h"
 #include "tandem/engine/engine_metrics.h"
+#include "tandem/engine/model_runner.h"
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/metrics/registry.h"
-#include "tandem/proto/convert.h"
 #include "tandem/proto/kv_layout_check.h"
+#include "tandem/proto/wire.h"
 #include "tandem/v1/decode.grpc.pb.h"
 #include "tandem/worker/status_server.h"
 
@@ -309,7 +309,7 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
   }
   options_.engine.role = engine::EngineRole::kDecode;
   TANDEM_ASSIGN_OR_RETURN(engine_, engine::LlmEngine::Create(options_.engine));
-  layout_ = proto::EngineKvLayout(engine_->config(), engine_->kv_layout());
+  layout_ = proto::EngineKvLayout(engine_->config(), engine_->kv_layout().block_size);
 
   kvtransfer::AgentOptions agent_options;
   agent_options.backend = options_.kv_backend;

@@ -29,8 +29,8 @@
 #include "tandem/engine/engine_metrics.h"
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/metrics/registry.h"
-#include "tandem/proto/convert.h"
 #include "tandem/proto/kv_layout_check.h"
+#include "tandem/proto/wire.h"
 #include "tandem/v1/prefill.grpc.pb.h"
 #include "tandem/worker/status_server.h"
 
@@ -290,7 +290,7 @@ absl::Status PrefillWorkerImpl::Start() {
   TANDEM_ASSIGN_OR_RETURN(engine_, engine::LlmEngine::Create(engine_options));
   cache_layout_ = engine_->cache_layout();
   num_layers_ = cache_layout_.num_layers;
-  layout_ = proto::EngineKvLayout(engine_->config(), engine_->kv_layout());
+  layout_ = proto::EngineKvLayout(engine_->config(), engine_->kv_layout().block_size);
 
   kvtransfer::AgentOptions agent_options;
   agent_options.backend = options_.kv_backend;

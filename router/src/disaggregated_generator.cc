@@ -13,11 +13,11 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/blocking_counter.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/blocking_counter.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/cluster/membership.h"
-#include "tandem/proto/convert.h"
+#include "tandem/proto/wire.h"
 #include "tandem/v1/decode.grpc.pb.h"
 #include "tandem/v1/prefill.grpc.pb.h"
 
