@@ -21,9 +21,9 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
-using text::TinyConfig;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using text::TinyConfig;
 
 // ---------------------------------------------------------------------------------------------
 // Helpers: checkpoints built with SafetensorsWriter (config.json from TinyConfig).

@@ -10,9 +10,6 @@
 
 namespace tandem::engine {
 
-static_assert(StepLatencyModel::kNumTerms == kStepModelTerms,
-              "EngineStats::step_model holds the latency model's coefficients");
-
 struct LlmEngine::Choice {
   std::unique_ptr<Sequence> seq;
   std::unique_ptr<text::IncrementalDetokenizer> detokenizer;

@@ -11,17 +11,17 @@ namespace tandem::text {
 // arch: "llama", "llama-bias" (attention_bias true), "mistral", "qwen2" or "qwen3".
 inline nlohmann::json TinyConfig(const std::string& arch) {
   nlohmann::json j = {{"vocab_size", 96},
-            {"hidden_size", 32},
-            {"intermediate_size", 48},
-            {"num_hidden_layers", 2},
-            {"num_attention_heads", 4},
-            {"num_key_value_heads", 2},
-            {"max_position_embeddings", 256},
-            {"rms_norm_eps", 1e-5},
-            {"bos_token_id", 1},
-            {"eos_token_id", 2},
-            {"torch_dtype", "bfloat16"},
-            {"hidden_act", "silu"}};
+                      {"hidden_size", 32},
+                      {"intermediate_size", 48},
+                      {"num_hidden_layers", 2},
+                      {"num_attention_heads", 4},
+                      {"num_key_value_heads", 2},
+                      {"max_position_embeddings", 256},
+                      {"rms_norm_eps", 1e-5},
+                      {"bos_token_id", 1},
+                      {"eos_token_id", 2},
+                      {"torch_dtype", "bfloat16"},
+                      {"hidden_act", "silu"}};
   if (arch == "llama" || arch == "llama-bias") {
     j["architectures"] = {"LlamaForCausalLM"};
     j["model_type"] = "llama";

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "tandem/engine/sampling_params.h"
+#include "tandem/engine/step_coefficients.h"
 #include "tandem/text/model_config.h"
 
 namespace tandem::engine {
@@ -57,9 +58,6 @@ struct RequestOutput {
   int num_generation_tokens = 0;  // over all choices, so far
 };
 
-// Terms of the engine's step latency model (StepLatencyModel::kNumTerms).
-inline constexpr int kStepModelTerms = 4;
-
 // A snapshot of an engine (or, from a Generator, summed over its workers).
 struct EngineStats {
   int running = 0;
@@ -82,7 +80,7 @@ struct EngineStats {
   double step_gap_seconds = 0;
   // The step latency model: coefficients (indexed by StepLatencyModel::Term), observations, and
   // recent mean |predicted - measured| / measured.
-  std::array<double, kStepModelTerms> step_model{};
+  StepCoefficients step_model;
   int64_t step_model_samples = 0;
   double step_model_error_ratio = 0;
 };
