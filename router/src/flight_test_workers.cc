@@ -32,9 +32,19 @@ void FakeDecode::AnswerHeldReserve() {
   if (answer) answer();
 }
 
-void FakeDecode::WaitFor(const std::function<bool()>& ready) {
+void FakeWorker::WaitFor(const std::function<bool()>& ready) {
   std::unique_lock<std::mutex> lock(mu);
   changed.wait(lock, ready);
+}
+
+grpc::ServerUnaryReactor* FakeWorker::CountAndAnswer(grpc::CallbackServerContext* context,
+                                                     int& counter) {
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ++counter;
+  }
+  changed.notify_all();
+  return Answer(context, grpc::Status::OK);
 }
 
 grpc::ServerUnaryReactor* FakeDecode::Reserve(grpc::CallbackServerContext* context,
@@ -85,12 +95,7 @@ grpc::ServerUnaryReactor* FakeDecode::Release(grpc::CallbackServerContext* conte
 grpc::ServerUnaryReactor* FakeDecode::Cancel(grpc::CallbackServerContext* context,
                                              const tandem::v1::CancelRequest* request,
                                              tandem::v1::CancelResponse* response) {
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    ++cancels;
-  }
-  changed.notify_all();
-  return Answer(context, grpc::Status::OK);
+  return CountAndAnswer(context, cancels);
 }
 
 grpc::ServerUnaryReactor* FakeDecode::Stats(grpc::CallbackServerContext* context,
@@ -107,14 +112,9 @@ grpc::ServerUnaryReactor* FakeDecode::Stats(grpc::CallbackServerContext* context
 grpc::ServerUnaryReactor* FakeDecode::Handoff(grpc::CallbackServerContext* context,
                                               const tandem::v1::HandoffRequest* request,
                                               tandem::v1::HandoffResponse* response) {
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    ++handoffs;
-  }
-  changed.notify_all();
   response->set_num_kv_tokens(1);
   response->set_kv_transfer_bytes(4096);
-  return Answer(context, grpc::Status::OK);
+  return CountAndAnswer(context, handoffs);
 }
 
 // Streams the request's tokens one event each, then ends as the worker's mode says.
@@ -261,11 +261,6 @@ grpc::ServerWriteReactor<tandem::v1::TokenEvent>* FakeDecode::Start(
   return new StartReactor(this, *request);
 }
 
-void FakePrefill::WaitFor(const std::function<bool()>& ready) {
-  std::unique_lock<std::mutex> lock(mu);
-  changed.wait(lock, ready);
-}
-
 // A Submit held until the router cancels it.
 class HeldSubmit : public grpc::ServerUnaryReactor {
  public:
@@ -304,14 +299,9 @@ grpc::ServerUnaryReactor* FakePrefill::Submit(grpc::CallbackServerContext* conte
 }
 
 grpc::ServerUnaryReactor* FakePrefill::Cancel(grpc::CallbackServerContext* context,
-                                              const tandem::v1::CancelRequest* request,
-                                              tandem::v1::CancelResponse* response) {
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    ++cancels;
-  }
-  changed.notify_all();
-  return Answer(context, grpc::Status::OK);
+                                             const tandem::v1::CancelRequest* request,
+                                             tandem::v1::CancelResponse* response) {
+  return CountAndAnswer(context, cancels);
 }
 
 grpc::ServerUnaryReactor* FakePrefill::Stats(grpc::CallbackServerContext* context,

@@ -32,7 +32,22 @@ enum class StreamMode {
   kHold,    // streams `after` tokens, then waits until the call is cancelled
 };
 
-class FakeDecode final : public tandem::v1::DecodeWorker::CallbackService {
+// What both fakes share: their lock, a condition to wait on, and counting a call.
+class FakeWorker {
+ public:
+  std::mutex mu;
+  std::condition_variable changed;
+  int cancels = 0;
+
+  // Waits until `ready` (checked under mu) holds.
+  void WaitFor(const std::function<bool()>& ready);
+
+ protected:
+  // Adds one to `counter` (a member, under mu) and answers OK.
+  grpc::ServerUnaryReactor* CountAndAnswer(grpc::CallbackServerContext* context, int& counter);
+};
+
+class FakeDecode final : public tandem::v1::DecodeWorker::CallbackService, public FakeWorker {
  public:
   // Scripting (set before the request starts, or under mu).
   int total_blocks = 1000;
@@ -42,13 +57,10 @@ class FakeDecode final : public tandem::v1::DecodeWorker::CallbackService {
   int after = 0;
 
   // What the router did; read under mu.
-  std::mutex mu;
-  std::condition_variable changed;
   std::set<std::string> live;  // reservations neither released, nor started and ended
   int reserves = 0;
   int releases = 0;
   int starts = 0;
-  int cancels = 0;
   int handoffs = 0;
   int stream_cancelled = 0;  // Start calls the router cancelled
   bool gone = false;         // answers nothing but UNAVAILABLE
@@ -56,8 +68,6 @@ class FakeDecode final : public tandem::v1::DecodeWorker::CallbackService {
   std::function<void()> held_reserve;  // set while a Reserve is held
 
   void AnswerHeldReserve();
-  // Waits until `ready` (checked under mu) holds.
-  void WaitFor(const std::function<bool()>& ready);
 
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* context,
                                     const tandem::v1::ReserveRequest* request,
@@ -82,18 +92,13 @@ class FakeDecode final : public tandem::v1::DecodeWorker::CallbackService {
   int next_reservation_ = 0;
 };
 
-class FakePrefill final : public tandem::v1::PrefillWorker::CallbackService {
+class FakePrefill final : public tandem::v1::PrefillWorker::CallbackService, public FakeWorker {
  public:
   bool hold_submit = false;  // Submit answers only when cancelled
 
-  std::mutex mu;
-  std::condition_variable changed;
   int submits = 0;
-  int cancels = 0;
   int held = 0;  // Submits being held now
   std::vector<int> prompt_lengths;
-
-  void WaitFor(const std::function<bool()>& ready);
 
   grpc::ServerUnaryReactor* Submit(grpc::CallbackServerContext* context,
                                    const tandem::v1::SubmitRequest* request,
