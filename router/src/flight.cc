@@ -43,7 +43,10 @@ std::shared_ptr<Flight> Flight::Launch(const FlightEnv* env, GenerateRequest req
                                        std::function<void()> on_done) {
   auto flight = std::make_shared<Flight>(env, std::move(request), std::move(callback),
                                          std::move(on_done));
-  flight->Attempt();
+  {
+    auto step = flight->Step();
+    flight->Attempt();
+  }
   return flight;
 }
 
@@ -319,6 +322,7 @@ void Flight::HandoffSample(std::shared_ptr<HandoffJob> job, size_t i) {
     job->parked.worker->decode->async()->Handoff(
         context.get(), &request, &response,
         [this, self = shared_from_this(), job, i, call, fail](grpc::Status status) {
+          auto step = Step();
           if (!status.ok() || Cancelled()) {
             absl::Status why = status.ok() ? absl::CancelledError("request aborted")
                                            : proto::FromGrpcStatus(status);

@@ -177,6 +177,15 @@ class Flight : public std::enable_shared_from_this<Flight> {
   const engine::OutputCallback callback_;
   std::function<void()> on_done_;
 
+  // Held by every step (each completion of a call or pause that continues the flight): steps
+  // come one at a time, on whichever gRPC thread, and this orders them for readers such as
+  // ThreadSanitizer that cannot see gRPC's own ordering. Recursive: a call may complete on the
+  // thread that starts it, inside the step that starts it.
+  std::unique_lock<std::recursive_mutex> Step() {
+    return std::unique_lock<std::recursive_mutex>(step_mu_);
+  }
+  std::recursive_mutex step_mu_;
+
   // Touched only by the step in progress (one at a time).
   engine::RequestOutput output_;
   std::vector<Sample> sample_;  // by the request's sample index

@@ -100,6 +100,7 @@ void Flight::ReserveNext(std::shared_ptr<ReserveJob> job) {
   w->decode->async()->Reserve(
       call->context.get(), &call->request, &call->response,
       [self = shared_from_this(), job, w, call](grpc::Status status) {
+        auto step = self->Step();
         if (status.ok()) {
           Reserved reserved{w, call->response.reservation()};
           if (self->Cancelled()) {
@@ -129,7 +130,10 @@ void Flight::Release(const Reserved& reserved, bool pending, Then then) {
   // Best effort: a reservation nobody releases expires on the worker.
   reserved.worker->decode->async()->Release(
       call->context.get(), &call->request, &call->response,
-      [self = shared_from_this(), call, then = std::move(then)](grpc::Status) { then(); });
+      [self = shared_from_this(), call, then = std::move(then)](grpc::Status) {
+        auto step = self->Step();
+        then();
+      });
 }
 
 void Flight::CancelOn(const WorkerHandle& worker, const std::string& request_id,
@@ -138,7 +142,10 @@ void Flight::CancelOn(const WorkerHandle& worker, const std::string& request_id,
   auto call = std::make_shared<Call>(absl::Now() + timeout);
   call->request.set_request_id(request_id);
   call->request.set_reason(reason);
-  auto done = [self = shared_from_this(), call, then = std::move(then)](grpc::Status) { then(); };
+  auto done = [self = shared_from_this(), call, then = std::move(then)](grpc::Status) {
+    auto step = self->Step();
+    then();
+  };
   if (worker.decode) {
     worker.decode->async()->Cancel(call->context.get(), &call->request, &call->response,
                                    std::move(done));
@@ -171,6 +178,7 @@ void Flight::Prefill(const engine::GenerateRequest& r,
       call->context.get(), &call->request, &call->response,
       [self = shared_from_this(), call, prefill, tokens, queued_ahead, sent,
        then = std::move(then)](grpc::Status status) {
+        auto step = self->Step();
         const double seconds = absl::ToDoubleSeconds(absl::Now() - sent);
         self->env_.pool->AddPending(*prefill, -tokens, -1);
         self->EndCall();
@@ -198,7 +206,10 @@ void Flight::Pause(absl::Duration d, Then then) {
   if (alarm == nullptr) return then();
   // Runs when the time is up, or at once (ok false) when Abort cancels it.
   alarm->Set(GrpcDeadline(absl::Now() + d),
-             [self = shared_from_this(), then = std::move(then)](bool) { then(); });
+             [self = shared_from_this(), then = std::move(then)](bool) {
+               auto step = self->Step();
+               then();
+             });
 }
 
 bool Flight::BeginCall(std::shared_ptr<grpc::ClientContext> context) {

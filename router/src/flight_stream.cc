@@ -31,6 +31,7 @@ class Flight::StartStream : public grpc::ClientReadReactor<tandem::v1::TokenEven
 
   void OnReadDone(bool ok) override {
     if (!ok) return;  // the stream ended: OnDone follows
+    auto step = flight_->Step();
     if (!stopped_) {
       end_.any_event = true;
       if (!flight_->OnEvent(event_, end_, aborted_)) {
@@ -43,10 +44,11 @@ class Flight::StartStream : public grpc::ClientReadReactor<tandem::v1::TokenEven
   }
 
   void OnDone(const grpc::Status& status) override {
+    std::shared_ptr<Flight> flight = flight_;
+    auto step = flight->Step();
     flight_->EndCall();
     StreamEnd end = flight_->OnStreamDone(std::move(end_), aborted_, status, *reserved_.worker);
     std::function<void(StreamEnd)> then = std::move(then_);
-    std::shared_ptr<Flight> flight = std::move(flight_);
     delete this;
     then(std::move(end));
   }
