@@ -26,6 +26,7 @@ usage: router_streams.py TANDEM [--standin BIN] [--backend standin|tiny] --strea
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import re
 import resource
@@ -39,7 +40,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "disagg"))
 import disagg_e2e_test as cluster  # noqa: E402
 
-STAMP = re.compile(r"s(\d+)w(\d+)")
+STAMP = re.compile(rb"s(\d+)w(\d+)")
+USAGE = re.compile(rb'"completion_tokens":(\d+)')
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -88,6 +90,7 @@ class ThreadSampler:
 class Stats:
     def __init__(self):
         self.completed = self.failed = self.tokens = self.active = self.max_active = 0
+        self.spans = []  # (start, end) of each completed stream, wall clock
         self.added_us = []
         self.lag_us = []
         self.errors = {}
@@ -100,6 +103,7 @@ class Stats:
 async def one_stream(host, port, body, want_tokens, stats, timestamps):
     stats.active += 1
     stats.max_active = max(stats.max_active, stats.active)
+    began = time.time()
     writer = None
     try:
         reader, writer = await asyncio.open_connection(host, port, limit=1 << 20)
@@ -109,58 +113,43 @@ async def one_stream(host, port, body, want_tokens, stats, timestamps):
         status = await reader.readline()
         if b" 200 " not in status:
             return stats.fail(status.decode(errors="replace").strip()[:60] or "no answer")
-        chunked = False
-        while True:
-            line = await reader.readline()
-            if line in (b"\r\n", b""):
-                break
-            if line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower():
-                chunked = True
+        # The SSE events are scanned as bytes, not parsed (the client must stay cheap next to
+        # the router): only complete events (up to the last blank line) are looked at.
         buffer = b""
         tokens = 0
         done = False
         while not done:
-            if chunked:
-                size_line = await reader.readline()
-                if not size_line:
-                    break
-                size = int(size_line.strip() or b"0", 16)
-                if size == 0:
-                    break
-                data = await reader.readexactly(size + 2)
-                data = data[:-2]
-            else:
-                data = await reader.read(65536)
-                if not data:
-                    break
+            data = await reader.read(1 << 16)
+            if not data:
+                break
             now_us = time.time_ns() // 1000
             buffer += data
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                if not event.startswith(b"data: "):
-                    continue
-                payload = event[6:]
-                if payload == b"[DONE]":
-                    done = True
-                    break
-                message = json.loads(payload)
-                if "error" in message:
-                    return stats.fail("error event: " + str(message["error"].get("message"))[:60])
-                for choice in message.get("choices", []):
-                    for s, w in STAMP.findall(choice.get("text", "")):
-                        tokens += 1
-                        if timestamps:
-                            stats.added_us.append(now_us - int(w))
-                            stats.lag_us.append(int(w) - int(s))
-                usage = message.get("usage")
-                if usage and not timestamps:
-                    tokens = usage.get("completion_tokens", tokens)
+            cut = buffer.rfind(b"\n\n")
+            if cut < 0:
+                continue
+            events, buffer = buffer[:cut], buffer[cut + 2:]
+            if b'"error"' in events:
+                for line in events.split(b"\n"):
+                    if line.startswith(b"data: {") and b'"error"' in line:
+                        message = json.loads(line[6:]).get("error", {}).get("message", "")
+                        return stats.fail("error event: " + re.sub(r"\d+", "N", message)[:100])
+                return stats.fail("error event")
+            if timestamps:
+                for s, w in STAMP.findall(events):
+                    tokens += 1
+                    stats.added_us.append(now_us - int(w))
+                    stats.lag_us.append(int(w) - int(s))
+            else:
+                for used in USAGE.findall(events):
+                    tokens = int(used)
+            done = b"data: [DONE]" in events
         if not done:
             return stats.fail("stream ended without [DONE]")
         if tokens != want_tokens:
             return stats.fail(f"{tokens} of {want_tokens} tokens")
         stats.tokens += tokens
         stats.completed += 1
+        stats.spans.append((began, time.time()))
     except (OSError, asyncio.IncompleteReadError, ValueError) as e:
         stats.fail(type(e).__name__ + ": " + str(e)[:60])
     finally:
@@ -169,7 +158,7 @@ async def one_stream(host, port, body, want_tokens, stats, timestamps):
             writer.close()
 
 
-async def run_streams(url, n, tokens, ramp_seconds, timestamps, model):
+async def run_streams(url, n, tokens, ramp_seconds, timestamps, model, offset=0.0):
     host, port = url.split("//")[1].split(":")
     port = int(port)
     stats = Stats()
@@ -180,12 +169,30 @@ async def run_streams(url, n, tokens, ramp_seconds, timestamps, model):
     start = time.perf_counter()
     for i in range(n):
         # Streams start spread over the ramp, so the listen backlog never overflows.
-        delay = start + ramp_seconds * i / n - time.perf_counter()
+        delay = start + ramp_seconds * (i + offset) / n - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(one_stream(host, port, body, tokens, stats, timestamps)))
     await asyncio.gather(*tasks)
     return stats, time.perf_counter() - start
+
+
+def client_process(args):
+    """One client process's share of the streams; returns its Stats, wall time and CPU."""
+    url, n, tokens, ramp_seconds, timestamps, model, offset = args
+    stats, wall = asyncio.run(run_streams(url, n, tokens, ramp_seconds, timestamps, model, offset))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return stats, wall, usage.ru_utime + usage.ru_stime
+
+
+def max_overlap(spans):
+    """The most streams open at one moment, over every client process."""
+    edges = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    open_now = peak = 0
+    for _, step in edges:
+        open_now += step
+        peak = max(peak, open_now)
+    return peak
 
 
 def percentile(values, p):
@@ -206,7 +213,13 @@ def main():
     parser.add_argument("--interval-ms", type=int, default=100)
     parser.add_argument("--ramp-seconds", type=float, default=5.0)
     parser.add_argument("--http-threads", type=int, default=2)
-    parser.add_argument("--decode-flags", default="", help="extra flags for `tandem decode`")
+    parser.add_argument("--clients", type=int, default=2, help="client processes")
+    parser.add_argument("--engine-flags",
+                        default="--threads 1 --kv-cache-bytes 268435456 --max-num-seqs 256",
+                        help="tiny backend: flags for `tandem prefill` and `tandem decode`")
+    parser.add_argument("--decode-extra", default="",
+                        help="tiny backend: more flags for `tandem decode` only (e.g. "
+                             "--step-delay-ms 200 to keep streams open longer)")
     parser.add_argument("--json")
     args = parser.parse_args()
     fd_limit = raise_fd_limit()
@@ -228,8 +241,9 @@ def main():
                 address = re.search(r"listening on (\S+),", standin.stdout.readline()).group(1)
                 prefill = decode = address
             else:
+                cluster.ENGINE_FLAGS = args.engine_flags.split()
                 p = cluster.start_worker("prefill")
-                d = cluster.start_worker("decode", extra=args.decode_flags.split())
+                d = cluster.start_worker("decode", extra=args.decode_extra.split())
                 processes += [p.proc, d.proc]
                 prefill, decode = p.address, d.address
             router = cluster.start_router(
@@ -241,9 +255,25 @@ def main():
             threads_idle = threads(pid)
             cpu_before = cpu_seconds(pid)
             sampler = ThreadSampler(pid)
-            stats, wall = asyncio.run(run_streams(router.url, args.streams, args.tokens,
-                                                  args.ramp_seconds, args.backend == "standin",
-                                                  "tiny"))
+            # Client processes share the streams (each an asyncio loop); their start times
+            # interleave over the one ramp.
+            k = args.clients
+            shares = [(router.url, args.streams // k + (1 if i < args.streams % k else 0),
+                       args.tokens, args.ramp_seconds, args.backend == "standin", "tiny", i / k)
+                      for i in range(k)]
+            with multiprocessing.Pool(k) as pool:
+                parts = pool.map(client_process, shares)
+            stats = Stats()
+            for part, _, _ in parts:
+                for name in ("completed", "failed", "tokens"):
+                    setattr(stats, name, getattr(stats, name) + getattr(part, name))
+                stats.spans += part.spans
+                stats.added_us += part.added_us
+                stats.lag_us += part.lag_us
+                for why, count in part.errors.items():
+                    stats.errors[why] = stats.errors.get(why, 0) + count
+            wall = max(w for _, w, _ in parts)
+            client_cpu = sum(c for _, _, c in parts)
             max_threads = sampler.finish()
             cpu = cpu_seconds(pid) - cpu_before
         finally:
@@ -259,7 +289,8 @@ def main():
         "backend": args.backend, "streams": args.streams, "tokens_per_stream": args.tokens,
         "interval_ms": args.interval_ms if args.backend == "standin" else None,
         "completed": stats.completed, "failed": stats.failed, "errors": stats.errors,
-        "client_max_concurrent": stats.max_active, "wall_seconds": round(wall, 2),
+        "max_concurrent_streams": max_overlap(stats.spans), "wall_seconds": round(wall, 2),
+        "client_processes": args.clients, "client_cpu_seconds": round(client_cpu, 2),
         "router_threads_idle": threads_idle, "router_threads_max": max_threads,
         "thread_budget": 4 * cores + 16, "cores": cores,
         "tokens_relayed": stats.tokens,
