@@ -255,6 +255,7 @@ def main():
             threads_idle = threads(pid)
             cpu_before = cpu_seconds(pid)
             sampler = ThreadSampler(pid)
+            decode_sampler = ThreadSampler(d.proc.pid) if args.backend == "tiny" else None
             # Client processes share the streams (each an asyncio loop); their start times
             # interleave over the one ramp.
             k = args.clients
@@ -275,6 +276,7 @@ def main():
             wall = max(w for _, w, _ in parts)
             client_cpu = sum(c for _, _, c in parts)
             max_threads = sampler.finish()
+            decode_threads = decode_sampler.finish() if decode_sampler else None
             cpu = cpu_seconds(pid) - cpu_before
         finally:
             for proc in reversed(processes):
@@ -293,6 +295,7 @@ def main():
         "client_processes": args.clients, "client_cpu_seconds": round(client_cpu, 2),
         "router_threads_idle": threads_idle, "router_threads_max": max_threads,
         "thread_budget": 4 * cores + 16, "cores": cores,
+        "decode_worker_threads_max": decode_threads,
         "tokens_relayed": stats.tokens,
         "router_cpu_seconds": round(cpu, 2),
         "router_cpu_seconds_per_1000_tokens":
