@@ -57,10 +57,23 @@ class FlightTest : public ::testing::Test {
       decode.push_back(servers_.back()->address());
     }
     servers_.push_back(std::make_unique<FakeServer>(&prefill_));
+    // A Stats answer is awaited for long, so that a slow machine never has a live fake counted
+    // down (a fake that is gone answers UNAVAILABLE at once).
     auto pool = WorkerPool::Create({.prefill_addresses = {servers_.back()->address()},
-                                    .decode_addresses = decode});
+                                    .decode_addresses = decode,
+                                    .stats_timeout = absl::Seconds(60)});
     ASSERT_TRUE(pool.ok()) << pool.status();
     pool_ = std::move(*pool);
+    // Every fake that is not gone is up before the request starts.
+    auto all_up = [&] {
+      std::shared_ptr<const PoolSnapshot> pools = pool_->Snapshot();
+      int up = 0;
+      for (const WorkerView& w : pools->decode) up += w.up ? 1 : 0;
+      for (const WorkerView& w : pools->prefill) up += w.up ? 1 : 0;
+      int expected = 1 + (decode_a_.gone ? 0 : 1) + (decode_workers > 1 ? 1 : 0);
+      return up == expected;
+    };
+    while (!all_up()) pool_->PollOnce(absl::Seconds(60));
     env_.pool = pool_.get();
     env_.counters = &counters_;
     env_.detokenize = [](const std::vector<int32_t>& tokens, bool) {

@@ -1,5 +1,6 @@
 #include "worker_pool.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <utility>
 
@@ -40,11 +41,11 @@ absl::Status WorkerPool::Init() {
                 Remove(role, id);
               }
             }));
-    PollOnce(absl::Milliseconds(500));
+    PollOnce(std::min(options_.stats_timeout, absl::Milliseconds(500)));
   } else {
     // The router serves with the workers that answer; one that does not yet is skipped until
     // the poller finds it up.
-    for (const std::string& worker : PollOnce(absl::Seconds(1))) {
+    for (const std::string& worker : PollOnce(options_.stats_timeout)) {
       std::fprintf(stderr,
                    "tandem router: worker %s does not answer yet; serving with the others and "
                    "taking it in when it answers\n",
@@ -224,7 +225,7 @@ void WorkerPool::PollLoop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
     lock.unlock();
-    PollOnce(absl::Seconds(1));
+    PollOnce(options_.stats_timeout);
     lock.lock();
     poll_wake_.wait_for(lock, absl::ToChronoMilliseconds(options_.stats_interval),
                         [&] { return stopping_; });

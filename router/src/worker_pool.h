@@ -48,8 +48,10 @@ struct WorkerPoolOptions {
   std::string etcd_endpoints;
   std::string cluster = "default";
   proto::TlsFiles tls;
-  // How often every worker's Stats are polled (all at once).
+  // How often every worker's Stats are polled (all at once), and how long a poll waits for an
+  // answer before the worker counts as down (until it answers again).
   absl::Duration stats_interval = absl::Milliseconds(100);
+  absl::Duration stats_timeout = absl::Seconds(1);
 };
 
 class WorkerPool {
