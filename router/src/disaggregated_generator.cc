@@ -49,10 +49,10 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
           "the router needs at least one prefill and one decode worker address, or etcd");
     }
     TANDEM_ASSIGN_OR_RETURN(config_,
-                            engine::ModelConfig::FromFile(options_.model_dir + "/config.json"));
+                            text::ModelConfig::FromFile(options_.model_dir + "/config.json"));
     TANDEM_ASSIGN_OR_RETURN(tokenizer_,
-                            engine::Tokenizer::FromFile(options_.model_dir + "/tokenizer.json"));
-    TANDEM_ASSIGN_OR_RETURN(chat_formatter_, engine::ChatFormatter::Load(options_.model_dir));
+                            text::Tokenizer::FromFile(options_.model_dir + "/tokenizer.json"));
+    TANDEM_ASSIGN_OR_RETURN(chat_formatter_, text::ChatFormatter::Load(options_.model_dir));
     max_model_len_ = config_.max_position_embeddings;
     if (options_.max_model_len > 0) max_model_len_ = std::min(max_model_len_, options_.max_model_len);
     TANDEM_ASSIGN_OR_RETURN(pool_, WorkerPool::Create({
@@ -120,9 +120,9 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     if (flight != nullptr) flight->Abort();
   }
 
-  const engine::ModelConfig& config() const override { return config_; }
-  const engine::Tokenizer& tokenizer() const override { return *tokenizer_; }
-  const engine::ChatFormatter& chat_formatter() const override { return *chat_formatter_; }
+  const text::ModelConfig& config() const override { return config_; }
+  const text::Tokenizer& tokenizer() const override { return *tokenizer_; }
+  const text::ChatFormatter& chat_formatter() const override { return *chat_formatter_; }
   int max_model_len() const override { return max_model_len_; }
 
   // The pools as of the poller's last round: a scrape of /metrics does no I/O, so a hung worker
@@ -171,9 +171,9 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   }
 
   DisaggregatedOptions options_;
-  engine::ModelConfig config_;
-  std::unique_ptr<engine::Tokenizer> tokenizer_;
-  std::unique_ptr<engine::ChatFormatter> chat_formatter_;
+  text::ModelConfig config_;
+  std::unique_ptr<text::Tokenizer> tokenizer_;
+  std::unique_ptr<text::ChatFormatter> chat_formatter_;
   int max_model_len_ = 0;
   std::unique_ptr<WorkerPool> pool_;
   FlightCounters counters_;
