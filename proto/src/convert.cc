@@ -94,10 +94,26 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return StatusFromCode(static_cast<int>(status.error_code()), status.error_message());
 }
 
+tandem::v1::KvDtype ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return tandem::v1::KV_DTYPE_F32;
+    case DType::kF16:
+      return tandem::v1::KV_DTYPE_F16;
+    case DType::kBF16:
+      return tandem::v1::KV_DTYPE_BF16;
+    case DType::kF8E4M3:
+      return tandem::v1::KV_DTYPE_FP8_E4M3;
+    case DType::kF8E5M2:
+      return tandem::v1::KV_DTYPE_FP8_E5M2;
+  }
+  return tandem::v1::KV_DTYPE_UNSPECIFIED;
+}
+
 tandem::v1::KvLayout EngineKvLayout(const engine::ModelConfig& config,
                                     const kernels::KvLayout& layout) {
   tandem::v1::KvLayout out;
-  out.set_dtype(tandem::v1::KV_DTYPE_F32);
+  out.set_dtype(ToProto(layout.dtype));
   out.set_block_size(layout.block_size);
   out.set_num_layers(config.num_layers);
   out.set_num_kv_heads(layout.num_kv_heads);

@@ -39,9 +39,12 @@ absl::Status FromProto(const tandem::v1::ErrorStatus& status);
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 
-// The layout of an engine's KV cache as the handshake states it: fp32 (the CPU runner's cache),
-// the engine's block size, layers, KV heads and head size, one unsharded rank, and the memory
-// order "layer[2][blocks][block_size][kv_heads][head_dim]".
+// The handshake's name for a KV cache element type.
+tandem::v1::KvDtype ToProto(DType dtype);
+
+// The layout of an engine's KV cache as the handshake states it: its element type
+// (--kv-cache-dtype), the engine's block size, layers, KV heads and head size, one unsharded
+// rank, and the memory order "layer[2][blocks][block_size][kv_heads][head_dim]".
 tandem::v1::KvLayout EngineKvLayout(const engine::ModelConfig& config,
                                     const kernels::KvLayout& layout);
 
