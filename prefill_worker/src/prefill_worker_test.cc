@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -20,10 +21,10 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "step_gate.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/proto/convert.h"
-#include "step_gate.h"
 #include "tandem/v1/prefill.grpc.pb.h"
 #include "test_models.h"
 
@@ -56,10 +57,12 @@ std::string SmallQwen3() { return testing::TinyModel("qwen3", DType::kBF16, "sma
 // continued with AddPrefilled. Thread-safe.
 class DecodeSide {
  public:
-  DecodeSide(const std::string& backend, const std::string& model, int64_t kv_bytes)
+  DecodeSide(const std::string& backend, const std::string& model, int64_t kv_bytes,
+             std::optional<DType> kv_cache_dtype = std::nullopt)
       : backend_(backend) {
-    auto engine =
-        engine::LlmEngine::Create(EngineOptionsFor(model, kv_bytes, engine::EngineRole::kDecode));
+    engine::EngineOptions options = EngineOptionsFor(model, kv_bytes, engine::EngineRole::kDecode);
+    options.kv_cache_dtype = kv_cache_dtype;
+    auto engine = engine::LlmEngine::Create(options);
     EXPECT_TRUE(engine.ok()) << engine.status();
     engine_ = std::move(engine).value();
     auto agent = kvtransfer::Agent::Create({.backend = backend, .name = "decode"});
@@ -523,6 +526,26 @@ TEST_P(PrefillWorkerTest, BadReservationsAreRefusedAndLeakNothing) {
   EXPECT_EQ(result.response.choices_size(), 2);
   EXPECT_EQ(result.response.kv_transfer_bytes(), 2 * PromptKvBytes(decode.engine(), 100));
   decode.Release("bad");
+  EXPECT_EQ(decode.blocks_used(), 0);
+  ExpectDrained(*stub);
+}
+
+// A decode worker whose KV cache holds another element type (--kv-cache-dtype fp8_e4m3 against
+// the prefill worker's fp32): the push would corrupt it, so the submit is refused, naming both.
+TEST_P(PrefillWorkerTest, ADecodeWorkerWithAnotherKvCacheDtypeIsRefused) {
+  const std::string backend = GetParam();
+  auto worker = MakeWorker(backend, TinyQwen3(), kTinyKvBytes);
+  ASSERT_NE(worker, nullptr);
+  DecodeSide decode(backend, TinyQwen3(), kTinyKvBytes, DType::kF8E4M3);
+  auto stub = Connect(*worker);
+  engine::GenerateRequest request{"fp8", RandomPrompt(40, 200, 3), {}};
+  request.params.temperature = 0;
+  const tandem::v1::KvReservation reservation = decode.Reserve("fp8", 40, 1);
+  EXPECT_EQ(reservation.endpoint().layout().dtype(), tandem::v1::KV_DTYPE_FP8_E4M3);
+  SubmitResult result = CallSubmit(*stub, MakeSubmit(request, reservation));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(result.status.error_message(), HasSubstr("dtype F32 vs FP8_E4M3"));
+  decode.Release("fp8");
   EXPECT_EQ(decode.blocks_used(), 0);
   ExpectDrained(*stub);
 }
