@@ -426,11 +426,12 @@ TEST_P(PrefillWorkerTest, BadReservationsAreRefusedAndLeakNothing) {
   {  // Another dtype and block size: both named.
     tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
     auto* layout = submit.mutable_reservation()->mutable_endpoint()->mutable_layout();
-    layout->set_dtype(tandem::v1::KV_DTYPE_BF16);
+    layout->set_dtype(tandem::v1::KV_DTYPE_F32);
     layout->set_block_size(32);
     SubmitResult result = CallSubmit(*stub, submit);
     EXPECT_EQ(result.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-    EXPECT_THAT(result.status.error_message(), HasSubstr("dtype F32 vs BF16"));
+    // The checkpoint is bf16, so is the worker's cache (--kv-cache-dtype auto).
+    EXPECT_THAT(result.status.error_message(), HasSubstr("dtype BF16 vs F32"));
     EXPECT_THAT(result.status.error_message(), HasSubstr("block_size 16 vs 32"));
   }
   {  // No layout at all.
@@ -531,7 +532,8 @@ TEST_P(PrefillWorkerTest, BadReservationsAreRefusedAndLeakNothing) {
 }
 
 // A decode worker whose KV cache holds another element type (--kv-cache-dtype fp8_e4m3 against
-// the prefill worker's fp32): the push would corrupt it, so the submit is refused, naming both.
+// the prefill worker's default, the bf16 checkpoint's type): the push would corrupt it, so the
+// submit is refused, naming both.
 TEST_P(PrefillWorkerTest, ADecodeWorkerWithAnotherKvCacheDtypeIsRefused) {
   const std::string backend = GetParam();
   auto worker = MakeWorker(backend, TinyQwen3(), kTinyKvBytes);
@@ -544,7 +546,7 @@ TEST_P(PrefillWorkerTest, ADecodeWorkerWithAnotherKvCacheDtypeIsRefused) {
   EXPECT_EQ(reservation.endpoint().layout().dtype(), tandem::v1::KV_DTYPE_FP8_E4M3);
   SubmitResult result = CallSubmit(*stub, MakeSubmit(request, reservation));
   EXPECT_EQ(result.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-  EXPECT_THAT(result.status.error_message(), HasSubstr("dtype F32 vs FP8_E4M3"));
+  EXPECT_THAT(result.status.error_message(), HasSubstr("dtype BF16 vs FP8_E4M3"));
   decode.Release("fp8");
   EXPECT_EQ(decode.blocks_used(), 0);
   ExpectDrained(*stub);
