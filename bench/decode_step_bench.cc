@@ -4,7 +4,10 @@
 // the same run.
 //
 //   tandem_bench_decode [--preset=small] [--context=256] [--dtypes=float32,bfloat16]
-//                       [--batches=1,4,16] [google benchmark flags]
+//                       [--batches=1,4,16] [--bandwidth-mib=256] [google benchmark flags]
+//
+// The bandwidth kernels stream --bandwidth-mib MiB: more than the last-level cache to measure
+// memory, as a preset whose weights do not fit it (medium) needs.
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -130,6 +133,7 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
   std::vector<tandem::DType> dtypes = {tandem::DType::kF32, tandem::DType::kBF16};
   std::vector<int64_t> batches = {1, 4, 16};
+  size_t bandwidth_bytes = size_t{256} << 20;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--preset=", 0) == 0) {
@@ -147,6 +151,8 @@ int main(int argc, char** argv) {
         }
         dtypes.push_back(*d);
       }
+    } else if (a.rfind("--bandwidth-mib=", 0) == 0) {
+      bandwidth_bytes = static_cast<size_t>(std::atol(a.c_str() + 16)) << 20;
     } else if (a.rfind("--batches=", 0) == 0) {
       batches.clear();
       for (absl::string_view b : absl::StrSplit(a.substr(10), ',')) {
@@ -157,11 +163,12 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  tandem::g_read_gbs = tandem::bench::MeasureReadBandwidthGBs();
-  tandem::g_copy_gbs = tandem::bench::MeasureCopyBandwidthGBs();
-  std::printf("read bandwidth (2 threads, read-only sum, same run): %.2f GB/s\n",
-              tandem::g_read_gbs);
-  std::printf("copy bandwidth (2 threads, same run): %.2f GB/s\n", tandem::g_copy_gbs);
+  tandem::g_read_gbs = tandem::bench::MeasureReadBandwidthGBs(2, bandwidth_bytes);
+  tandem::g_copy_gbs = tandem::bench::MeasureCopyBandwidthGBs(2, bandwidth_bytes);
+  std::printf("read bandwidth (2 threads, read-only sum of %zu MiB, same run): %.2f GB/s\n",
+              bandwidth_bytes >> 20, tandem::g_read_gbs);
+  std::printf("copy bandwidth (2 threads, %zu MiB, same run): %.2f GB/s\n", bandwidth_bytes >> 20,
+              tandem::g_copy_gbs);
   for (tandem::DType dtype : dtypes) {
     auto* b = benchmark::RegisterBenchmark(
         absl::StrCat("BM_DecodeStep/", tandem::DTypeFlagName(dtype)).c_str(),
