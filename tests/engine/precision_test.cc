@@ -3,6 +3,8 @@
 // count following the cache's element size.
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -243,6 +245,72 @@ TEST(KvCacheDTypeTest, AnEightBitWeightTypeIsRefusedWithAClearError) {
   ASSERT_FALSE(engine.ok());
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(engine.status().message().find("--dtype fp8_e4m3 is not a weight type"),
+            std::string::npos)
+      << engine.status();
+}
+
+// A copy of the tiny bf16 Llama whose checkpoint also holds vLLM's per-layer KV scales
+// (self_attn.k_scale / v_scale, one fp32 value each): layer l's are 0.25 * (l + 1) and 2 + l,
+// or `bad_k_scale` for layer 0's K when it is set.
+std::string ModelWithKvScales(const std::string& name, std::optional<float> bad_k_scale) {
+  const std::string source = testing::TinyModel("llama", DType::kBF16);
+  const std::string dir = absl::StrCat(source, "-", name);
+  std::filesystem::create_directories(dir);
+  for (const char* file : {"config.json", "tokenizer.json", "tokenizer_config.json"}) {
+    std::filesystem::copy_file(source + "/" + file, dir + "/" + file,
+                               std::filesystem::copy_options::overwrite_existing);
+  }
+  auto file = SafetensorsFile::Open(source + "/model.safetensors");
+  EXPECT_TRUE(file.ok()) << file.status();
+  if (!file.ok()) return dir;
+  SafetensorsWriter writer;
+  for (const auto& [tensor_name, view] : (*file)->tensors()) {
+    writer.Add(tensor_name, view.dtype, view.shape, view.data, view.nbytes);
+  }
+  auto config = Checkpoint::Open(source);
+  EXPECT_TRUE(config.ok());
+  for (int l = 0; config.ok() && l < (*config)->config().num_layers; ++l) {
+    const std::string p = absl::StrCat("model.layers.", l, ".self_attn.");
+    const float k = l == 0 && bad_k_scale ? *bad_k_scale : 0.25f * (l + 1);
+    writer.AddFloat(p + "k_scale", DType::kF32, {}, {k});
+    writer.AddFloat(p + "v_scale", DType::kF32, {}, {2.0f + l});
+  }
+  EXPECT_TRUE(writer.Write(dir + "/model.safetensors").ok());
+  return dir;
+}
+
+TEST(KvCacheDTypeTest, PerLayerFp8ScalesComeFromTheCheckpoint) {
+  const std::string model = ModelWithKvScales("kv-scales", std::nullopt);
+  auto checkpoint = Checkpoint::Open(model);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  auto backend = kernels::CreateCpuBackend({.num_threads = 1});
+  ASSERT_TRUE(backend.ok());
+  auto runner =
+      ModelRunner::Create(**checkpoint, backend->get(),
+                          {.num_kv_blocks = 8, .block_size = 16, .kv_cache_dtype = DType::kF8E4M3});
+  ASSERT_TRUE(runner.ok()) << runner.status();
+  for (int l = 0; l < (*checkpoint)->config().num_layers; ++l) {
+    EXPECT_EQ((*runner)->layer_kv_layout(l).dtype, DType::kF8E4M3);
+    EXPECT_EQ((*runner)->layer_kv_layout(l).k_scale, 0.25f * (l + 1)) << l;
+    EXPECT_EQ((*runner)->layer_kv_layout(l).v_scale, 2.0f + l) << l;
+  }
+  // Without scales in the checkpoint: 1.
+  auto plain = Checkpoint::Open(testing::TinyModel("llama", DType::kBF16));
+  ASSERT_TRUE(plain.ok());
+  auto plain_runner =
+      ModelRunner::Create(**plain, backend->get(), {.num_kv_blocks = 8, .block_size = 16});
+  ASSERT_TRUE(plain_runner.ok()) << plain_runner.status();
+  EXPECT_EQ((*plain_runner)->layer_kv_layout(0).k_scale, 1.0f);
+  EXPECT_EQ((*plain_runner)->layer_kv_layout(0).v_scale, 1.0f);
+}
+
+TEST(KvCacheDTypeTest, ANonPositiveKvScaleIsRefusedNamingTheTensor) {
+  const std::string model = ModelWithKvScales("bad-kv-scale", -1.0f);
+  auto engine =
+      LlmEngine::Create({.model_dir = model, .num_threads = 1, .kv_cache_dtype = DType::kF8E4M3});
+  ASSERT_FALSE(engine.ok());
+  EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(engine.status().message().find("model.layers.0.self_attn.k_scale must be one positive"),
             std::string::npos)
       << engine.status();
 }
