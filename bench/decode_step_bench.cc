@@ -52,9 +52,9 @@ std::string ModelDir() {
 }
 
 // Bytes a decode step must read from memory at least: every projection matrix and the LM head
-// once (of `weight_dtype`), one fp32 embedding row per token, and each sequence's KV (of
-// `kv_dtype`).
-double BytesPerStep(const engine::ModelConfig& c, int batch, int context, DType weight_dtype,
+// once (of `weight_dtype`), one embedding row per token (counted as fp32), and each sequence's KV
+// (of `kv_dtype`).
+double BytesPerStep(const text::ModelConfig& c, int batch, int context, DType weight_dtype,
                     DType kv_dtype) {
   const double hidden = c.hidden_size, inter = c.intermediate_size;
   const double q_dim = c.num_heads * c.head_dim, kv_dim = c.num_kv_heads * c.head_dim;
@@ -72,7 +72,7 @@ void BM_DecodeStep(benchmark::State& state, DType weight_dtype) {
     state.SkipWithError(std::string(checkpoint.status().message()).c_str());
     return;
   }
-  const engine::ModelConfig& c = (*checkpoint)->config();
+  const text::ModelConfig& c = (*checkpoint)->config();
   auto backend = kernels::CreateCpuBackend({.num_threads = 2});
   const int block_size = 16;
   const int blocks_per_seq = (context + 1 + block_size - 1) / block_size;

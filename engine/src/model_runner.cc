@@ -56,7 +56,7 @@ absl::StatusOr<float> ReadKvScale(const Checkpoint& checkpoint, const std::strin
 
 }  // namespace
 
-absl::StatusOr<RunnerDTypes> ResolveRunnerDTypes(const ModelConfig& config,
+absl::StatusOr<RunnerDTypes> ResolveRunnerDTypes(const text::ModelConfig& config,
                                                  std::optional<DType> weight_dtype,
                                                  std::optional<DType> kv_cache_dtype) {
   RunnerDTypes out;
@@ -73,7 +73,7 @@ absl::StatusOr<RunnerDTypes> ResolveRunnerDTypes(const ModelConfig& config,
 
 ModelRunner::~ModelRunner() = default;
 
-int64_t ModelRunner::KvBytesPerBlock(const ModelConfig& config, int block_size, DType kv_dtype) {
+int64_t ModelRunner::KvBytesPerBlock(const text::ModelConfig& config, int block_size, DType kv_dtype) {
   const KvCacheLayout layout{.num_layers = config.num_layers,
                              .num_blocks = 1,
                              .block_size = block_size,
@@ -95,7 +95,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   runner->config_ = checkpoint.config();
   runner->options_ = options;
   runner->backend_ = backend;
-  const ModelConfig& c = runner->config_;
+  const text::ModelConfig& c = runner->config_;
   TANDEM_ASSIGN_OR_RETURN(RunnerDTypes dtypes,
                           ResolveRunnerDTypes(c, options.weight_dtype, options.kv_cache_dtype));
   runner->cache_layout_ = {.num_layers = c.num_layers,
@@ -160,7 +160,7 @@ absl::StatusOr<kernels::DeviceBuffer> ModelRunner::Upload(const std::vector<floa
 }
 
 absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight_dtype) {
-  const ModelConfig& c = config_;
+  const text::ModelConfig& c = config_;
   weight_dtype_ = weight_dtype;
   // Reads a projection matrix (or several, stacked along n) as weight_dtype bytes.
   auto read_matrix =
@@ -247,7 +247,7 @@ void ModelRunner::CopyBlock(int32_t src, int32_t dst) {
 }
 
 absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep& step) {
-  const ModelConfig& c = config_;
+  const text::ModelConfig& c = config_;
   const int num_seqs = static_cast<int>(step.seqs.size());
   int tokens = 0;
   for (const ScheduledSequence& s : step.seqs) tokens += s.num_new_tokens;

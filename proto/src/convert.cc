@@ -110,7 +110,7 @@ tandem::v1::KvDtype ToProto(DType dtype) {
   return tandem::v1::KV_DTYPE_UNSPECIFIED;
 }
 
-tandem::v1::KvLayout EngineKvLayout(const engine::ModelConfig& config,
+tandem::v1::KvLayout EngineKvLayout(const text::ModelConfig& config,
                                     const kernels::KvLayout& layout) {
   tandem::v1::KvLayout out;
   out.set_dtype(ToProto(layout.dtype));

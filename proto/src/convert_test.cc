@@ -193,7 +193,7 @@ TEST(PrefilledChoiceConvertTest, RoundTripKeepsTheRandomStreamBitForBit) {
 // Every KV element type has its own name in the handshake, and two engines whose caches differ
 // only in element type are refused with both named.
 TEST(KvLayoutConvertTest, TheCacheDtypeCrossesTheHandshake) {
-  engine::ModelConfig config;
+  text::ModelConfig config;
   config.num_layers = 4;
   kernels::KvLayout layout{.num_blocks = 10, .block_size = 16, .num_kv_heads = 2, .head_dim = 64};
   std::set<int> names;

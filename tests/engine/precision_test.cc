@@ -36,7 +36,7 @@ std::vector<double> LogSoftmax(std::span<const T> logits) {
 
 // The prompts every case runs.
 std::vector<std::vector<int32_t>> TestPrompts(const std::string& model) {
-  auto tokenizer = Tokenizer::FromFile(model + "/tokenizer.json");
+  auto tokenizer = text::Tokenizer::FromFile(model + "/tokenizer.json");
   EXPECT_TRUE(tokenizer.ok()) << tokenizer.status();
   std::vector<std::vector<int32_t>> prompts;
   for (const char* text : {"The engine reads 42 pages; every page holds 16 tokens.",

@@ -34,7 +34,7 @@ struct RunnerDTypes {
   DType weights = DType::kF32;
   DType kv_cache = DType::kF32;
 };
-absl::StatusOr<RunnerDTypes> ResolveRunnerDTypes(const ModelConfig& config,
+absl::StatusOr<RunnerDTypes> ResolveRunnerDTypes(const text::ModelConfig& config,
                                                  std::optional<DType> weight_dtype,
                                                  std::optional<DType> kv_cache_dtype);
 
@@ -54,7 +54,7 @@ class ModelRunner {
   ~ModelRunner();
 
   // Bytes of KV cache one block takes across all layers, in a cache of `kv_dtype`.
-  static int64_t KvBytesPerBlock(const ModelConfig& config, int block_size,
+  static int64_t KvBytesPerBlock(const text::ModelConfig& config, int block_size,
                                  DType kv_dtype = DType::kF32);
 
   // Runs the step and returns logits [number of sampling sequences, vocab], one row per
@@ -70,7 +70,7 @@ class ModelRunner {
     layer_written_hook_ = std::move(hook);
   }
 
-  const ModelConfig& config() const { return config_; }
+  const text::ModelConfig& config() const { return config_; }
   const kernels::KvLayout& kv_layout() const { return kv_layout_; }
   // Every byte offset of the cache (kv_cache()).
   const KvCacheLayout& cache_layout() const { return cache_layout_; }
@@ -99,7 +99,7 @@ class ModelRunner {
   absl::StatusOr<kernels::DeviceBuffer> Upload(const std::vector<float>& values);
   void CopyBlock(int32_t src, int32_t dst);
 
-  ModelConfig config_;
+  text::ModelConfig config_;
   ModelRunnerOptions options_;
   std::function<void(int layer)> layer_written_hook_;
   kernels::Backend* backend_ = nullptr;  // not owned
