@@ -1,10 +1,7 @@
 #include "tandem/prefill_worker/prefill_worker.h"
 
-#include <unistd.h>
-
 #include <algorithm>
-#include <array>
-#include <chrono>
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -14,40 +11,30 @@
 #include <set>
 #include <span>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "grpcpp/grpcpp.h"
-#include "tandem/base/host_port.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/engine/engine_metrics.h"
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/metrics/registry.h"
 #include "tandem/proto/convert.h"
-#include "tandem/proto/kv_layout_check.h"
 #include "tandem/v1/prefill.grpc.pb.h"
-#include "tandem/worker/status_server.h"
+#include "tandem/worker/grpc_call.h"
 
 namespace tandem::prefill_worker {
 namespace {
 
 using engine::KvWritten;
 using engine::PrefillHandoff;
+using worker::UnaryCall;
 
-// The region id of the whole KV cache in this worker's agent.
-constexpr uint64_t kCacheRegion = 0;
-// The loop wakes at least this often, so deadlines are enforced with nothing else going on.
-constexpr absl::Duration kIdleWake = absl::Milliseconds(20);
 // How long the loop sleeps between polls when it only waits for transfers.
 constexpr absl::Duration kTransferPoll = absl::Microseconds(500);
-// A handler waiting for its request checks the call for cancellation this often.
-constexpr absl::Duration kCancelPoll = absl::Milliseconds(50);
 // The worker's own cap on a request's life (a Submit and reservation without deadlines).
 constexpr absl::Duration kMaxRequestTime = absl::Minutes(10);
 // Connecting to a decode worker's agent takes at most this (and never past the request's
@@ -57,9 +44,7 @@ constexpr absl::Duration kConnectTimeout = absl::Seconds(10);
 // are answered anyway; destroying the agent then cancels what is left.
 constexpr absl::Duration kShutdownDrain = absl::Seconds(5);
 
-absl::Time FromUnixMillisOrInfinite(int64_t ms) {
-  return ms > 0 ? absl::FromUnixMillis(ms) : absl::InfiniteFuture();
-}
+absl::Status ShuttingDown() { return absl::UnavailableError("the prefill worker is shutting down"); }
 
 // How a transfer failure fails its request: a decode worker that is gone (or a connection that
 // was closed) is UNAVAILABLE; a passed deadline stays DEADLINE_EXCEEDED; the rest keep their code.
@@ -74,21 +59,17 @@ absl::Status TransferFailure(const std::string& request_id, const absl::Status& 
                                          ": KV transfer failed: ", std::string(status.message())));
 }
 
-// A Submit call as its handler thread and the engine loop share it: the loop fills the result
-// and then notifies.
-struct Call {
-  absl::Notification done;
-  absl::Status status;
-  tandem::v1::SubmitResponse response;
-};
-
-// One request on the engine loop (owned by the loop thread once queued).
+// One request on the engine loop (owned by the loop thread once added).
 struct Job {
   std::string id;
+  uint64_t serial = 0;  // tells this Submit call from a later one with the same id
+  // Set (on a gRPC thread) when the client cancels the Submit call.
+  std::shared_ptr<std::atomic<bool>> call_cancelled = std::make_shared<std::atomic<bool>>(false);
   engine::GenerateRequest request;  // moved into the engine on admission
   int n = 1;
   int prompt_len = 0;
-  std::shared_ptr<Call> call;
+  UnaryCall<tandem::v1::SubmitResponse>* call = nullptr;        // answered once, by Complete
+  std::vector<UnaryCall<tandem::v1::CancelResponse>*> cancels;  // Cancel calls waiting for it
 
   // Where the KV goes.
   std::string peer_address;
@@ -123,14 +104,12 @@ struct Job {
   bool all_sampled() const { return static_cast<int>(handoffs.size()) == n; }
 };
 
-// What the handler threads ask of the loop.
-struct Command {
-  enum class Kind { kAdd, kCancel } kind = Kind::kAdd;
-  std::unique_ptr<Job> job;  // kAdd
-  std::string request_id;    // kCancel
-  absl::Status reason;       // kCancel
+// A finished job's answers, sent once the stats reflect its freed blocks.
+struct Answer {
+  UnaryCall<tandem::v1::SubmitResponse>* call;
+  absl::StatusOr<tandem::v1::SubmitResponse> result;
+  std::vector<UnaryCall<tandem::v1::CancelResponse>*> cancels;
 };
-
 struct Metrics {
   metrics::Registry registry;
   engine::EngineMetrics engine{registry};  // KV, batch, preemptions, step times
@@ -165,17 +144,22 @@ struct Metrics {
 
 class PrefillWorkerImpl;
 
-class Service final : public tandem::v1::PrefillWorker::Service {
+// The gRPC face, on the callback API: no call holds a thread while its request runs.
+class Service final : public tandem::v1::PrefillWorker::CallbackService {
  public:
   explicit Service(PrefillWorkerImpl* worker) : worker_(worker) {}
-  grpc::Status Submit(grpc::ServerContext* context, const tandem::v1::SubmitRequest* request,
-                      tandem::v1::SubmitResponse* response) override;
-  grpc::Status Cancel(grpc::ServerContext* context, const tandem::v1::CancelRequest* request,
-                      tandem::v1::CancelResponse* response) override;
-  grpc::Status Stats(grpc::ServerContext* context, const tandem::v1::StatsRequest* request,
-                     tandem::v1::WorkerStats* response) override;
-  grpc::Status Handshake(grpc::ServerContext* context, const tandem::v1::HandshakeRequest* request,
-                         tandem::v1::HandshakeResponse* response) override;
+  grpc::ServerUnaryReactor* Submit(grpc::CallbackServerContext* context,
+                                   const tandem::v1::SubmitRequest* request,
+                                   tandem::v1::SubmitResponse* response) override;
+  grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext* context,
+                                   const tandem::v1::CancelRequest* request,
+                                   tandem::v1::CancelResponse* response) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
+                                  const tandem::v1::StatsRequest* request,
+                                  tandem::v1::WorkerStats* response) override;
+  grpc::ServerUnaryReactor* Handshake(grpc::CallbackServerContext* context,
+                                      const tandem::v1::HandshakeRequest* request,
+                                      tandem::v1::HandshakeResponse* response) override;
 
  private:
   PrefillWorkerImpl* worker_;
@@ -183,45 +167,42 @@ class Service final : public tandem::v1::PrefillWorker::Service {
 
 class PrefillWorkerImpl final : public PrefillWorker {
  public:
-  explicit PrefillWorkerImpl(PrefillWorkerOptions options) : options_(std::move(options)) {
-    if (options_.worker_id.empty()) options_.worker_id = absl::StrCat("prefill-", getpid());
-  }
   ~PrefillWorkerImpl() override { Shutdown(absl::ZeroDuration()); }
 
-  absl::Status Start();
+  absl::Status Start(PrefillWorkerOptions options);
 
-  std::string grpc_address() const override { return grpc_address_; }
-  int metrics_port() const override { return http_ ? http_->port() : 0; }
+  std::string grpc_address() const override { return core_->grpc_address(); }
+  int metrics_port() const override { return core_->metrics_port(); }
   tandem::v1::WorkerStats Stats() const override {
     std::lock_guard<std::mutex> lock(mu_);
     tandem::v1::WorkerStats stats = stats_;
-    stats.set_draining(!accepting_);
+    stats.set_draining(!core_->accepting());
     return stats;
   }
   void Shutdown(absl::Duration grace) override;
 
-  // --- the gRPC handlers (any thread) ---
-  absl::StatusOr<tandem::v1::SubmitResponse> Submit(grpc::ServerContext& context,
-                                                    const tandem::v1::SubmitRequest& request);
-  absl::StatusOr<bool> Cancel(grpc::ServerContext& context, const std::string& request_id,
-                              const std::string& reason);
+  // --- the gRPC handlers (gRPC threads; each answers its call now or from the loop) ---
+  void Submit(const grpc::CallbackServerContext& context, const tandem::v1::SubmitRequest& request,
+              UnaryCall<tandem::v1::SubmitResponse>* call);
+  void Cancel(const tandem::v1::CancelRequest& request,
+              UnaryCall<tandem::v1::CancelResponse>* call);
   absl::StatusOr<tandem::v1::HandshakeResponse> Handshake(
-      const tandem::v1::HandshakeRequest& request) const;
+      const tandem::v1::HandshakeRequest& request) const {
+    return core_->kv().Handshake(request, core_->options().worker_id, /*this_side_sends=*/true);
+  }
 
  private:
   // Checks a Submit against this worker and builds its job (connecting to the decode worker).
-  absl::StatusOr<std::unique_ptr<Job>> PrepareJob(grpc::ServerContext& context,
+  absl::StatusOr<std::unique_ptr<Job>> PrepareJob(const grpc::CallbackServerContext& context,
                                                   const tandem::v1::SubmitRequest& request);
-  // A connection to the agent at `address`, cached; `fresh` replaces a cached one.
-  absl::StatusOr<kvtransfer::PeerId> PeerFor(const std::string& address, absl::Time deadline,
-                                             bool fresh);
-  // Forgets (and closes) a cached connection that failed.
-  void DropPeer(const std::string& address, kvtransfer::PeerId peer);
-  void Enqueue(Command command);
 
   // --- the engine loop (loop thread only) ---
-  void Loop();
-  void HandleCommand(Command& command);
+  absl::Duration Iterate();
+  void AddJob(std::unique_ptr<Job> job);
+  // Fails the request `id` (the Submit call `serial` when not 0) with `reason`; a Cancel call
+  // given as `waiter` is answered once the request is over.
+  void CancelJob(const std::string& id, uint64_t serial, absl::Status reason,
+                 UnaryCall<tandem::v1::CancelResponse>* waiter);
   // The on_layer_kv_written hook: posts the layer's new pages of every request it wrote.
   void OnLayerWritten(int layer, std::span<const KvWritten> written);
   void Post(Job& job, int layer, std::vector<kvtransfer::Range> ranges);
@@ -238,39 +219,24 @@ class PrefillWorkerImpl final : public PrefillWorker {
   // A transfer of the job failed.
   void HandleFailed(Job& job, const absl::Status& status);
   void AfterStep(const std::vector<engine::RequestOutput>& outputs);
-  // Answers every job that is done (or has failed and has nothing in flight any more). Returns
-  // the calls to notify once the stats reflect the freed blocks.
-  std::vector<std::shared_ptr<Call>> FinishJobs(bool force);
-  void Complete(Job& job, std::vector<std::shared_ptr<Call>>& notify);
+  // Ends every job that is done (or has failed and has nothing in flight any more); returns
+  // their answers, to send once the stats reflect the freed blocks.
+  std::vector<Answer> FinishJobs(bool force);
+  Answer Complete(Job& job);
   void UpdateStats();
 
-  PrefillWorkerOptions options_;
-  std::unique_ptr<engine::LlmEngine> engine_;  // destroyed last: the agent reads its cache
-  tandem::v1::KvLayout layout_;
+  std::unique_ptr<worker::WorkerCore> core_;  // engine, KV endpoint, loop, servers
+  engine::LlmEngine* engine_ = nullptr;       // core_'s
   engine::KvCacheLayout cache_layout_;  // this worker's cache; a decode worker's differs in size
   int num_layers_ = 0;
-  std::unique_ptr<kvtransfer::Agent> agent_;
   Metrics metrics_;
-  std::unique_ptr<Service> service_;
-  std::unique_ptr<grpc::Server> server_;
-  std::string grpc_address_;
-  std::unique_ptr<worker::StatusServer> http_;  // /health and /metrics
-
-  std::mutex peers_mu_;
-  std::map<std::string, kvtransfer::PeerId> peers_;  // guarded by peers_mu_
+  Service service_{this};
 
   mutable std::mutex mu_;
-  std::condition_variable wake_;                            // the loop: commands or stop
-  std::condition_variable idle_;                            // Shutdown: a call finished
-  std::vector<Command> commands_;                           // guarded by mu_
-  std::map<std::string, std::shared_ptr<Call>> in_flight_;  // guarded by mu_; by request id
-  bool accepting_ = true;                                   // guarded by mu_
-  bool stop_ = false;                                       // guarded by mu_
-  tandem::v1::WorkerStats stats_;                           // guarded by mu_
-
-  std::thread loop_;
-  std::mutex shutdown_mu_;
-  bool shut_down_ = false;  // guarded by shutdown_mu_
+  std::condition_variable idle_;      // Shutdown: a call finished
+  std::set<std::string> in_flight_;   // guarded by mu_; request ids of Submit calls
+  uint64_t next_serial_ = 1;          // guarded by mu_
+  tandem::v1::WorkerStats stats_;     // guarded by mu_
 
   // Loop thread only.
   std::map<std::string, std::unique_ptr<Job>, std::less<>> jobs_;
@@ -281,132 +247,53 @@ class PrefillWorkerImpl final : public PrefillWorker {
 // ---------------------------------------------------------------------------------------------
 // Start and shutdown
 
-absl::Status PrefillWorkerImpl::Start() {
-  engine::EngineOptions engine_options = options_.engine;
-  engine_options.role = engine::EngineRole::kPrefill;
-  engine_options.on_layer_kv_written = [this](int layer, std::span<const KvWritten> written) {
+absl::Status PrefillWorkerImpl::Start(PrefillWorkerOptions options) {
+  options.engine.on_layer_kv_written = [this](int layer, std::span<const KvWritten> written) {
     OnLayerWritten(layer, written);
   };
-  TANDEM_ASSIGN_OR_RETURN(engine_, engine::LlmEngine::Create(engine_options));
-  cache_layout_ = engine_->cache_layout();
+  TANDEM_ASSIGN_OR_RETURN(core_, worker::WorkerCore::Create(std::move(options),
+                                                            engine::EngineRole::kPrefill));
+  engine_ = &core_->engine();
+  cache_layout_ = core_->kv().cache_layout();
   num_layers_ = cache_layout_.num_layers;
-  layout_ = proto::EngineKvLayout(engine_->config(), engine_->kv_layout());
-
-  kvtransfer::AgentOptions agent_options;
-  agent_options.backend = options_.kv_backend;
-  agent_options.name = options_.worker_id;
-  agent_options.listen_host = options_.kv_listen_host;
-  TANDEM_ASSIGN_OR_RETURN(agent_, kvtransfer::Agent::Create(agent_options));
-  TANDEM_RETURN_IF_ERROR(
-      agent_->RegisterMemory(kCacheRegion, engine_->kv_cache(), engine_->kv_cache_bytes())
-          .status());
-
-  metrics_.ttft_target.Set(engine_options.ttft_slo_seconds);
+  metrics_.ttft_target.Set(core_->options().engine.ttft_slo_seconds);
   {
     std::lock_guard<std::mutex> lock(mu_);
     stats_.set_role(tandem::v1::WORKER_ROLE_PREFILL);
-    stats_.set_worker_id(options_.worker_id);
+    stats_.set_worker_id(core_->options().worker_id);
   }
   UpdateStats();
 
-  if (!options_.metrics_address.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(http_, worker::StatusServer::Create(
-                                       options_.metrics_address,
-                                       [this] {
-                                         std::lock_guard<std::mutex> lock(mu_);
-                                         return !accepting_;
-                                       },
-                                       [this] { return metrics_.registry.Render(); }));
-  }
-
-  // The loop runs before the first call can arrive, so every accepted call gets its answer.
-  loop_ = std::thread([this] { Loop(); });
-  service_ = std::make_unique<Service>(this);
-  TANDEM_ASSIGN_OR_RETURN(proto::StartedServer started,
-                          proto::StartGrpcServer(options_.grpc_address, service_.get(),
-                                                 options_.tls));
-  server_ = std::move(started.server);
-  grpc_address_ = std::move(started.address);
-
-  return absl::OkStatus();
+  worker::EngineLoop::Options loop;
+  loop.iterate = [this] { return Iterate(); };
+  loop.drained = [this] { return jobs_.empty(); };
+  return core_->Serve(std::move(loop), &service_, [this] { return metrics_.registry.Render(); });
 }
 
 void PrefillWorkerImpl::Shutdown(absl::Duration grace) {
-  std::lock_guard<std::mutex> shutdown_lock(shutdown_mu_);
-  if (shut_down_) return;
-  shut_down_ = true;
-  {
+  if (core_ == nullptr) return;
+  core_->Shutdown([&] {
+    // Requests in flight may finish within the grace period; the loop's drain then cancels the
+    // rest, waits for their transfers and answers every call.
     std::unique_lock<std::mutex> lock(mu_);
-    accepting_ = false;
-    // Requests in flight may finish within the grace period.
-    const auto until = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(grace);
-    idle_.wait_until(lock, until, [&] { return in_flight_.empty(); });
-    // The loop cancels the rest, waits for their transfers, answers every call and exits.
-    stop_ = true;
-  }
-  wake_.notify_all();
-  if (loop_.joinable()) loop_.join();
-  if (server_) {
-    // Every call has its answer now; handlers return within one cancellation poll.
-    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
-  }
-  if (http_) http_->Stop();
-  if (agent_) {
-    // Returns once no posted transfer reads the cache any more.
-    agent_->DeregisterMemory(kCacheRegion).IgnoreError();
-    agent_.reset();
-  }
-  abandoned_.clear();
+    idle_.wait_until(lock, std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(grace),
+                     [&] { return in_flight_.empty(); });
+  });
+  abandoned_.clear();  // after the agent: destroying it cancelled them
   UpdateStats();
 }
 
 // ---------------------------------------------------------------------------------------------
 // Handlers
 
-absl::StatusOr<kvtransfer::PeerId> PrefillWorkerImpl::PeerFor(const std::string& address,
-                                                              absl::Time deadline, bool fresh) {
-  std::optional<kvtransfer::PeerId> stale;
-  {
-    std::lock_guard<std::mutex> lock(peers_mu_);
-    auto it = peers_.find(address);
-    if (it != peers_.end()) {
-      if (!fresh) return it->second;
-      stale = it->second;
-      peers_.erase(it);
-    }
-  }
-  if (stale.has_value()) agent_->Disconnect(*stale).IgnoreError();
-  // Connect without holding the lock: a slow peer must not hold up connections to others.
-  TANDEM_ASSIGN_OR_RETURN(kvtransfer::PeerId peer, agent_->Connect(address, deadline));
-  std::lock_guard<std::mutex> lock(peers_mu_);
-  auto [it, inserted] = peers_.emplace(address, peer);
-  if (!inserted && it->second != peer) {
-    // Another request connected at the same time: use one connection.
-    agent_->Disconnect(peer).IgnoreError();
-  }
-  return it->second;
-}
-
-void PrefillWorkerImpl::DropPeer(const std::string& address, kvtransfer::PeerId peer) {
-  {
-    std::lock_guard<std::mutex> lock(peers_mu_);
-    auto it = peers_.find(address);
-    if (it == peers_.end() || it->second != peer) return;
-    peers_.erase(it);
-  }
-  agent_->Disconnect(peer).IgnoreError();
-}
-
 absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
-    grpc::ServerContext& context, const tandem::v1::SubmitRequest& request) {
+    const grpc::CallbackServerContext& context, const tandem::v1::SubmitRequest& request) {
   const tandem::v1::KvReservation& reservation = request.reservation();
   const tandem::v1::TransferEndpoint& endpoint = reservation.endpoint();
   if (request.request_id().empty()) {
     return absl::InvalidArgumentError("request_id must not be empty");
   }
-  TANDEM_RETURN_IF_ERROR(proto::CheckTransferEndpoint(layout_, options_.kv_backend, endpoint,
-                                                      "reservation.endpoint",
-                                                      "this prefill worker"));
+  TANDEM_RETURN_IF_ERROR(core_->kv().CheckReceiver(endpoint, "reservation.endpoint"));
 
   auto job = std::make_unique<Job>();
   job->received = absl::Now();
@@ -452,28 +339,26 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
   job->peer_address = endpoint.address();
 
   // The deadline: the Submit's, the reservation's expiry, the call's, and this worker's cap.
-  absl::Time deadline =
-      std::min({FromUnixMillisOrInfinite(request.deadline_unix_ms()),
-                FromUnixMillisOrInfinite(reservation.expires_unix_ms()),
-                absl::FromChrono(context.deadline()), job->received + kMaxRequestTime});
+  const absl::Time expiry = worker::FromUnixMillisOrInfinite(reservation.expires_unix_ms());
+  const absl::Time deadline =
+      std::min({worker::FromUnixMillisOrInfinite(request.deadline_unix_ms()), expiry,
+                worker::CallDeadline(context), job->received + kMaxRequestTime});
   if (deadline <= job->received) {
     return absl::DeadlineExceededError(
         absl::StrCat("request ", job->id, " arrived after its deadline"));
   }
   job->deadline = deadline;
-  job->transfer_deadline = std::min(FromUnixMillisOrInfinite(reservation.expires_unix_ms()),
-                                    job->received + kMaxRequestTime);
+  job->transfer_deadline = std::min(expiry, job->received + kMaxRequestTime);
   job->computed.assign(job->n, 0);
   job->sample_done.assign(job->n, false);
 
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!accepting_) return absl::UnavailableError("the prefill worker is shutting down");
     if (in_flight_.count(job->id) > 0) {
       return absl::AlreadyExistsError(absl::StrCat("request ", job->id, " is already in flight"));
     }
   }
-  auto peer = PeerFor(job->peer_address, std::min(deadline, absl::Now() + kConnectTimeout), false);
+  auto peer = core_->kv().Peer(job->peer_address, std::min(deadline, absl::Now() + kConnectTimeout));
   if (!peer.ok()) {
     return absl::Status(peer.status().code(),
                         absl::StrCat("request ", job->id, ": cannot reach the decode worker: ",
@@ -483,200 +368,143 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
   return job;
 }
 
-void PrefillWorkerImpl::Enqueue(Command command) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    commands_.push_back(std::move(command));
+void PrefillWorkerImpl::Submit(const grpc::CallbackServerContext& context,
+                               const tandem::v1::SubmitRequest& request,
+                               UnaryCall<tandem::v1::SubmitResponse>* call) {
+  if (!core_->accepting()) return call->Answer(ShuttingDown());
+  absl::StatusOr<std::unique_ptr<Job>> job = PrepareJob(context, request);
+  if (!job.ok()) return call->Answer(job.status());
+  Job& ref = **job;
+  ref.call = call;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!core_->accepting()) return call->Answer(ShuttingDown());
+  if (!in_flight_.insert(ref.id).second) {
+    return call->Answer(
+        absl::AlreadyExistsError(absl::StrCat("request ", ref.id, " is already in flight")));
   }
-  wake_.notify_all();
-}
-
-absl::StatusOr<tandem::v1::SubmitResponse> PrefillWorkerImpl::Submit(
-    grpc::ServerContext& context, const tandem::v1::SubmitRequest& request) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!accepting_) return absl::UnavailableError("the prefill worker is shutting down");
+  ref.serial = next_serial_++;
+  // A client that goes away (or whose deadline passes) cancels the request; the flag covers a
+  // cancellation that comes before the job reaches the loop.
+  call->OnCancelled([this, id = ref.id, serial = ref.serial, flag = ref.call_cancelled] {
+    flag->store(true);
+    core_->loop().Post([this, id, serial] {
+      CancelJob(id, serial,
+                absl::CancelledError(absl::StrCat("request ", id, ": the Submit call was cancelled")),
+                nullptr);
+    });
+  });
+  // Posted under mu_, so a Cancel that finds the id in flight is posted after it.
+  const std::string id = ref.id;
+  auto holder = std::make_shared<std::unique_ptr<Job>>(std::move(*job));
+  if (!core_->loop().Post([this, holder] { AddJob(std::move(*holder)); })) {
+    in_flight_.erase(id);
+    call->Answer(ShuttingDown());  // the loop has stopped
   }
-  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Job> job, PrepareJob(context, request));
-  std::shared_ptr<Call> call = std::make_shared<Call>();
-  job->call = call;
-  const std::string id = job->id;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!accepting_) return absl::UnavailableError("the prefill worker is shutting down");
-    if (!in_flight_.emplace(id, call).second) {
-      return absl::AlreadyExistsError(absl::StrCat("request ", id, " is already in flight"));
-    }
-    commands_.push_back({Command::Kind::kAdd, std::move(job), "", absl::OkStatus()});
+}
+
+void PrefillWorkerImpl::Cancel(const tandem::v1::CancelRequest& request,
+                               UnaryCall<tandem::v1::CancelResponse>* call) {
+  const std::string& id = request.request_id();
+  absl::Status reason = absl::CancelledError(absl::StrCat(
+      "request ", id, " was cancelled", request.reason().empty() ? "" : ": ", request.reason()));
+  tandem::v1::CancelResponse found;
+  found.set_found(true);
+  std::lock_guard<std::mutex> lock(mu_);
+  if (in_flight_.count(id) == 0) return call->Answer(tandem::v1::CancelResponse());
+  // Answered once the request is over (its transfers final, its blocks freed), so that the
+  // caller may release the reservation right after.
+  if (!core_->loop().Post([this, id, reason, call] { CancelJob(id, 0, reason, call); })) {
+    call->Answer(found);
   }
-  wake_.notify_all();
-
-  bool cancel_sent = false;
-  while (!call->done.WaitForNotificationWithTimeout(kCancelPoll)) {
-    if (!cancel_sent && context.IsCancelled()) {
-      Enqueue(
-          {Command::Kind::kCancel, nullptr, id,
-           absl::CancelledError(absl::StrCat("request ", id, ": the Submit call was cancelled"))});
-      cancel_sent = true;
-    }
-  }
-  if (!call->status.ok()) return call->status;
-  return call->response;
 }
 
-absl::StatusOr<bool> PrefillWorkerImpl::Cancel(grpc::ServerContext& context,
-                                               const std::string& request_id,
-                                               const std::string& reason) {
-  std::shared_ptr<Call> call;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = in_flight_.find(request_id);
-    if (it == in_flight_.end()) return false;
-    call = it->second;
-  }
-  Enqueue({Command::Kind::kCancel, nullptr, request_id,
-           absl::CancelledError(absl::StrCat("request ", request_id, " was cancelled",
-                                             reason.empty() ? "" : ": ", reason))});
-  // Answer once the request is over (its transfers final, its blocks freed), so that the caller
-  // may release the reservation right after.
-  while (!call->done.WaitForNotificationWithTimeout(kCancelPoll)) {
-    if (context.IsCancelled()) break;
-  }
-  return true;
+grpc::ServerUnaryReactor* Service::Submit(grpc::CallbackServerContext* context,
+                                          const tandem::v1::SubmitRequest* request,
+                                          tandem::v1::SubmitResponse* response) {
+  auto* call = new UnaryCall<tandem::v1::SubmitResponse>(response);
+  worker_->Submit(*context, *request, call);
+  return call;
 }
 
-absl::StatusOr<tandem::v1::HandshakeResponse> PrefillWorkerImpl::Handshake(
-    const tandem::v1::HandshakeRequest& request) const {
-  TANDEM_RETURN_IF_ERROR(proto::CheckLayoutCompatible(layout_, request.layout()));
-  tandem::v1::HandshakeResponse response;
-  response.set_worker_id(options_.worker_id);
-  *response.mutable_layout() = layout_;
-  return response;
+grpc::ServerUnaryReactor* Service::Cancel(grpc::CallbackServerContext*,
+                                          const tandem::v1::CancelRequest* request,
+                                          tandem::v1::CancelResponse* response) {
+  auto* call = new UnaryCall<tandem::v1::CancelResponse>(response);
+  worker_->Cancel(*request, call);
+  return call;
 }
 
-grpc::Status Service::Submit(grpc::ServerContext* context, const tandem::v1::SubmitRequest* request,
-                             tandem::v1::SubmitResponse* response) {
-  auto result = worker_->Submit(*context, *request);
-  if (!result.ok()) return proto::ToGrpcStatus(result.status());
-  *response = std::move(result).value();
-  return grpc::Status::OK;
+grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext*,
+                                         const tandem::v1::StatsRequest*,
+                                         tandem::v1::WorkerStats* response) {
+  return worker::AnswerNow(response, absl::StatusOr<tandem::v1::WorkerStats>(worker_->Stats()));
 }
 
-grpc::Status Service::Cancel(grpc::ServerContext* context, const tandem::v1::CancelRequest* request,
-                             tandem::v1::CancelResponse* response) {
-  auto found = worker_->Cancel(*context, request->request_id(), request->reason());
-  if (!found.ok()) return proto::ToGrpcStatus(found.status());
-  response->set_found(*found);
-  return grpc::Status::OK;
-}
-
-grpc::Status Service::Stats(grpc::ServerContext*, const tandem::v1::StatsRequest*,
-                            tandem::v1::WorkerStats* response) {
-  *response = worker_->Stats();
-  return grpc::Status::OK;
-}
-
-grpc::Status Service::Handshake(grpc::ServerContext*, const tandem::v1::HandshakeRequest* request,
-                                tandem::v1::HandshakeResponse* response) {
-  auto result = worker_->Handshake(*request);
-  if (!result.ok()) return proto::ToGrpcStatus(result.status());
-  *response = std::move(result).value();
-  return grpc::Status::OK;
+grpc::ServerUnaryReactor* Service::Handshake(grpc::CallbackServerContext*,
+                                             const tandem::v1::HandshakeRequest* request,
+                                             tandem::v1::HandshakeResponse* response) {
+  return worker::AnswerNow(response, worker_->Handshake(*request));
 }
 
 // ---------------------------------------------------------------------------------------------
 // The engine loop
 
-void PrefillWorkerImpl::Loop() {
-  std::optional<absl::Time> stop_since;
-  while (true) {
-    std::vector<Command> commands;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      const bool busy = engine_->has_unfinished() && !stop_;
-      const bool transfers = std::any_of(jobs_.begin(), jobs_.end(),
-                                         [](const auto& j) { return !j.second->handles.empty(); });
-      if (!busy && commands_.empty() && !stop_) {
-        wake_.wait_for(lock, absl::ToChronoNanoseconds(transfers ? kTransferPoll : kIdleWake));
-      }
-      commands.swap(commands_);
-      if (stop_ && !stop_since.has_value()) stop_since = absl::Now();
-    }
-    for (Command& command : commands) HandleCommand(command);
-
-    const absl::Time now = absl::Now();
+absl::Duration PrefillWorkerImpl::Iterate() {
+  worker::EngineLoop& loop = core_->loop();
+  if (loop.stopping()) {
     for (auto& [id, job] : jobs_) {
-      if (stop_since.has_value()) {
-        Fail(*job, absl::UnavailableError(
-                       absl::StrCat("request ", id, ": the prefill worker is shutting down")));
-      } else if (!job->failing() && now >= job->deadline) {
-        Fail(*job,
-             absl::DeadlineExceededError(absl::StrCat("request ", id, " passed its deadline (",
-                                                      absl::FormatTime(job->deadline), ")")));
+      Fail(*job, absl::UnavailableError(
+                     absl::StrCat("request ", id, ": the prefill worker is shutting down")));
+    }
+  } else if (engine_->has_unfinished()) {
+    step_start_ = absl::Now();
+    auto outputs = engine_->Step();
+    if (!outputs.ok() && WaitForHeldBlocks()) {
+      // The scheduler found no room because handed-off samples still hold blocks while their
+      // pages are in flight; those are free now, so the next step goes on.
+    } else if (!outputs.ok()) {
+      for (auto& [id, job] : jobs_) {
+        Fail(*job, absl::InternalError(absl::StrCat("request ", id, ": engine step failed: ",
+                                                    std::string(outputs.status().message()))));
       }
+    } else {
+      AfterStep(*outputs);
     }
+  }
 
-    if (engine_->has_unfinished() && !stop_since.has_value()) {
-      step_start_ = absl::Now();
-      auto outputs = engine_->Step();
-      if (!outputs.ok() && WaitForHeldBlocks()) {
-        // The scheduler found no room because handed-off samples still hold blocks while their
-        // pages are in flight; those are free now, so the next step goes on.
-      } else if (!outputs.ok()) {
-        for (auto& [id, job] : jobs_) {
-          Fail(*job, absl::InternalError(absl::StrCat("request ", id, ": engine step failed: ",
-                                                      std::string(outputs.status().message()))));
-        }
-      } else {
-        AfterStep(*outputs);
-      }
-    }
-
-    for (auto& [id, job] : jobs_) {
-      PollHandles(*job, job->failing());
-      ReleaseIdleHandoffs(*job);
-    }
-    const bool force = stop_since.has_value() && absl::Now() - *stop_since > kShutdownDrain;
-    std::vector<std::shared_ptr<Call>> notify = FinishJobs(force);
-    UpdateStats();
-    if (!notify.empty()) {
-      for (const std::shared_ptr<Call>& call : notify) call->done.Notify();
-      idle_.notify_all();
-    }
-    if (stop_since.has_value() && jobs_.empty()) break;
+  bool transfers = false;
+  for (auto& [id, job] : jobs_) {
+    PollHandles(*job, job->failing());
+    ReleaseIdleHandoffs(*job);
+    transfers = transfers || !job->handles.empty();
   }
-  // Submits queued after the last iteration are answered too.
-  std::vector<Command> commands;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    commands.swap(commands_);
+  const bool force = loop.stopping() && absl::Now() - *loop.stop_since() > kShutdownDrain;
+  std::vector<Answer> answers = FinishJobs(force);
+  UpdateStats();
+  for (Answer& answer : answers) {
+    answer.call->Answer(std::move(answer.result));
+    tandem::v1::CancelResponse found;
+    found.set_found(true);
+    for (UnaryCall<tandem::v1::CancelResponse>* cancel : answer.cancels) cancel->Answer(found);
   }
-  for (Command& command : commands) {
-    if (command.kind != Command::Kind::kAdd) continue;
-    command.job->call->status = absl::UnavailableError("the prefill worker is shutting down");
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      in_flight_.erase(command.job->id);
-    }
-    command.job->call->done.Notify();
-  }
-  idle_.notify_all();
+  if (!answers.empty()) idle_.notify_all();
+  if (engine_->has_unfinished() && !loop.stopping()) return absl::ZeroDuration();
+  return transfers ? kTransferPoll : absl::InfiniteDuration();
 }
 
-void PrefillWorkerImpl::HandleCommand(Command& command) {
-  if (command.kind == Command::Kind::kCancel) {
-    auto it = jobs_.find(command.request_id);
-    if (it != jobs_.end()) Fail(*it->second, command.reason);
-    return;
-  }
-  std::unique_ptr<Job> job = std::move(command.job);
+void PrefillWorkerImpl::AddJob(std::unique_ptr<Job> job) {
   Job& ref = *job;
-  auto [it, inserted] = jobs_.emplace(job->id, std::move(job));
-  if (!inserted) {  // in_flight_ refuses duplicates before they get here
-    ref.call->status = absl::AlreadyExistsError(absl::StrCat("request ", ref.id, " exists"));
-    ref.call->done.Notify();
-    return;
+  jobs_.emplace(job->id, std::move(job));  // in_flight_ refuses duplicates before they get here
+  if (core_->loop().stopping()) return Fail(ref, ShuttingDown());
+  if (ref.call_cancelled->load()) {
+    return Fail(ref, absl::CancelledError(
+                         absl::StrCat("request ", ref.id, ": the Submit call was cancelled")));
   }
+  core_->loop().SetDeadline(ref.id, ref.deadline, [this, &ref] {
+    if (ref.failing()) return;
+    Fail(ref, absl::DeadlineExceededError(absl::StrCat("request ", ref.id, " passed its deadline (",
+                                                       absl::FormatTime(ref.deadline), ")")));
+  });
   absl::Status added = engine_->AddRequest(ref.request);
   if (!added.ok()) {
     Fail(ref, added);
@@ -685,10 +513,24 @@ void PrefillWorkerImpl::HandleCommand(Command& command) {
   }
 }
 
+void PrefillWorkerImpl::CancelJob(const std::string& id, uint64_t serial, absl::Status reason,
+                                  UnaryCall<tandem::v1::CancelResponse>* waiter) {
+  auto it = jobs_.find(id);
+  if (it == jobs_.end() || (serial != 0 && it->second->serial != serial)) {
+    if (waiter != nullptr) {
+      tandem::v1::CancelResponse found;
+      found.set_found(true);  // it was in flight when asked, and is over now
+      waiter->Answer(found);
+    }
+    return;
+  }
+  Fail(*it->second, std::move(reason));
+  if (waiter != nullptr) it->second->cancels.push_back(waiter);
+}
+
 void PrefillWorkerImpl::Fail(Job& job, absl::Status status) {
   if (job.failure.ok()) job.failure = std::move(status);
 }
-
 void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> written) {
   // One transfer per request and layer, with a range per (K or V, block) piece of its tokens.
   std::map<Job*, std::vector<kvtransfer::Range>> posts;
@@ -748,7 +590,7 @@ void PrefillWorkerImpl::Post(Job& job, int layer, std::vector<kvtransfer::Range>
   uint64_t bytes = 0;
   for (const kvtransfer::Range& r : ranges) bytes += r.bytes;
   const absl::Time posted = absl::Now();
-  auto handle = agent_->Submit(job.peer, kCacheRegion, descriptor, ranges, job.transfer_deadline);
+  auto handle = core_->kv().Push(job.peer, descriptor, ranges, job.transfer_deadline);
   // NotFound: another request dropped the cached connection after it failed.
   auto gone = [](const absl::Status& s) {
     return s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kNotFound;
@@ -756,19 +598,18 @@ void PrefillWorkerImpl::Post(Job& job, int layer, std::vector<kvtransfer::Range>
   if (!handle.ok() && gone(handle.status()) && !job.reconnected) {
     // The cached connection is gone (e.g. closed after an earlier failure): connect once more.
     job.reconnected = true;
-    auto peer = PeerFor(job.peer_address, std::min(job.deadline, absl::Now() + kConnectTimeout),
+    auto peer = core_->kv().Peer(job.peer_address, std::min(job.deadline, absl::Now() + kConnectTimeout),
                         /*fresh=*/true);
     if (!peer.ok()) {
       Fail(job, TransferFailure(job.id, peer.status()));
       return;
     }
     job.peer = *peer;
-    handle = agent_->Submit(job.peer, kCacheRegion, descriptor, std::move(ranges),
-                            job.transfer_deadline);
+    handle = core_->kv().Push(job.peer, descriptor, std::move(ranges), job.transfer_deadline);
   }
   if (!handle.ok()) {
     if (handle.status().code() == absl::StatusCode::kUnavailable) {
-      DropPeer(job.peer_address, job.peer);
+      core_->kv().DropPeer(job.peer_address, job.peer);
     }
     Fail(job, TransferFailure(job.id, handle.status()));
     return;
@@ -833,7 +674,7 @@ void PrefillWorkerImpl::HandleFailed(Job& job, const absl::Status& status) {
   if (status.code() == absl::StatusCode::kUnavailable ||
       status.code() == absl::StatusCode::kCancelled ||
       status.code() == absl::StatusCode::kDeadlineExceeded) {
-    DropPeer(job.peer_address, job.peer);
+    core_->kv().DropPeer(job.peer_address, job.peer);
   }
   Fail(job, TransferFailure(job.id, status));
 }
@@ -878,8 +719,8 @@ void PrefillWorkerImpl::AfterStep(const std::vector<engine::RequestOutput>& outp
   }
 }
 
-std::vector<std::shared_ptr<Call>> PrefillWorkerImpl::FinishJobs(bool force) {
-  std::vector<std::shared_ptr<Call>> notify;
+std::vector<Answer> PrefillWorkerImpl::FinishJobs(bool force) {
+  std::vector<Answer> answers;
   for (auto it = jobs_.begin(); it != jobs_.end();) {
     Job& job = *it->second;
     const bool ready =
@@ -888,13 +729,14 @@ std::vector<std::shared_ptr<Call>> PrefillWorkerImpl::FinishJobs(bool force) {
       ++it;
       continue;
     }
-    Complete(job, notify);
+    answers.push_back(Complete(job));
     it = jobs_.erase(it);
   }
-  return notify;
+  return answers;
 }
 
-void PrefillWorkerImpl::Complete(Job& job, std::vector<std::shared_ptr<Call>>& notify) {
+Answer PrefillWorkerImpl::Complete(Job& job) {
+  core_->loop().ClearDeadline(job.id);
   // Nothing reads the request's blocks any more (or, forced at shutdown, destroying the agent
   // stops what still does before the cache goes away): free them.
   for (auto& handle : job.handles) abandoned_.push_back(std::move(handle));
@@ -903,15 +745,15 @@ void PrefillWorkerImpl::Complete(Job& job, std::vector<std::shared_ptr<Call>>& n
   for (const PrefillHandoff& handoff : job.handoffs) {
     if (!handoff.blocks.empty()) engine_->ReleaseHandoff(handoff);
   }
-  Call& call = *job.call;
+  Answer answer{job.call, tandem::v1::SubmitResponse(), std::move(job.cancels)};
   if (job.failing()) {
-    call.status = job.failure;
+    answer.result = job.failure;
   } else {
     std::sort(job.handoffs.begin(), job.handoffs.end(),
               [](const PrefillHandoff& a, const PrefillHandoff& b) {
                 return a.choice_index < b.choice_index;
               });
-    tandem::v1::SubmitResponse& response = call.response;
+    tandem::v1::SubmitResponse response;
     for (const PrefillHandoff& handoff : job.handoffs) {
       *response.add_choices() = proto::ToProto(handoff.choice_index, handoff);
     }
@@ -935,15 +777,15 @@ void PrefillWorkerImpl::Complete(Job& job, std::vector<std::shared_ptr<Call>>& n
     metrics_.transfer_seconds.Increment(transfer);
     metrics_.exposed_seconds.Increment(exposed);
     metrics_.prefill_seconds.Observe(response.prefill_seconds());
+    answer.result = std::move(response);
   }
-  metrics_.Requests(call.status.code()).Increment();
+  metrics_.Requests(answer.result.status().code()).Increment();
   {
     std::lock_guard<std::mutex> lock(mu_);
     in_flight_.erase(job.id);
   }
-  notify.push_back(job.call);
+  return answer;
 }
-
 void PrefillWorkerImpl::UpdateStats() {
   if (!engine_) return;
   const engine::EngineStats engine_stats = engine_->stats();
@@ -969,8 +811,8 @@ void PrefillWorkerImpl::UpdateStats() {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(PrefillWorkerOptions options) {
-  auto worker = std::make_unique<PrefillWorkerImpl>(std::move(options));
-  TANDEM_RETURN_IF_ERROR(worker->Start());
+  auto worker = std::make_unique<PrefillWorkerImpl>();
+  TANDEM_RETURN_IF_ERROR(worker->Start(std::move(options)));
   return worker;
 }
 

@@ -1,0 +1,115 @@
+// How the workers' gRPC services meet Tandem's types: absl::Status results, absl::Time
+// deadlines, and unary calls on gRPC's callback API answered later by the engine loop, so that
+// no gRPC thread waits for an engine.
+//
+//   grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext*, const StatsRequest*,
+//                                   WorkerStats* response) {
+//     return AnswerNow(response, worker->Stats());
+//   }
+//   grpc::ServerUnaryReactor* Submit(grpc::CallbackServerContext* context,
+//                                    const SubmitRequest* request, SubmitResponse* response) {
+//     auto* call = new UnaryCall<SubmitResponse>(response);
+//     call->OnCancelled([id = request->request_id()] { /* post a cancel to the loop */ });
+//     loop->Post([call] { call->Answer(RunIt()); });  // or call->Answer(error) at once
+//     return call;
+//   }
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
+#include "tandem/proto/convert.h"
+#include "tandem/worker/engine_loop.h"
+
+namespace tandem::worker {
+
+// A wire timestamp in unix milliseconds as absl::Time; 0 or less (unset) is InfiniteFuture.
+absl::Time FromUnixMillisOrInfinite(int64_t ms);
+// The wire form of `time` (unix milliseconds); InfiniteFuture becomes 0 (unset).
+int64_t ToUnixMillisOrZero(absl::Time time);
+// The deadline the client set on the call; InfiniteFuture when none.
+absl::Time CallDeadline(const grpc::ServerContextBase& context);
+
+// A synchronous handler's answer: the value moved into `*response`, or the status converted.
+template <typename T>
+grpc::Status Answer(absl::StatusOr<T> result, T* response) {
+  if (!result.ok()) return proto::ToGrpcStatus(result.status());
+  *response = std::move(result).value();
+  return grpc::Status::OK;
+}
+
+// A unary call on the callback API, answered once from any thread. gRPC owns it (it deletes
+// itself when the call is done); after Answer() nothing may touch it.
+template <typename Response>
+class UnaryCall final : public grpc::ServerUnaryReactor {
+ public:
+  // `response` is gRPC's response message of the call.
+  explicit UnaryCall(Response* response) : response_(response) {}
+
+  // Sends the value, or the error converted to a gRPC status. Exactly once.
+  void Answer(absl::StatusOr<Response> result) {
+    if (!result.ok()) {
+      Finish(proto::ToGrpcStatus(result.status()));
+      return;
+    }
+    *response_ = std::move(result).value();
+    Finish(grpc::Status::OK);
+  }
+
+  // Runs `fn` once (on a gRPC thread, or here if that already happened) when the client
+  // cancels the call or its deadline passes before it is answered. `fn` must not touch this
+  // object: capture what identifies the work instead.
+  void OnCancelled(std::function<void()> fn) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!cancelled_) {
+        on_cancel_ = std::move(fn);
+        return;
+      }
+    }
+    fn();
+  }
+
+ private:
+  void OnCancel() override {
+    std::function<void()> fn;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      fn.swap(on_cancel_);
+    }
+    if (fn) fn();
+  }
+  void OnDone() override { delete this; }
+
+  Response* response_;  // gRPC's
+  std::mutex mu_;
+  bool cancelled_ = false;           // guarded by mu_
+  std::function<void()> on_cancel_;  // guarded by mu_
+};
+
+// A callback-API handler's answer given at once: returns the reactor to hand back to gRPC.
+template <typename Response>
+grpc::ServerUnaryReactor* AnswerNow(Response* response, absl::StatusOr<Response> result) {
+  auto* call = new UnaryCall<Response>(response);
+  call->Answer(std::move(result));
+  return call;
+}
+
+// Runs `fn` on the engine loop and answers `call` with its result there, or with `if_stopped`
+// at once when the loop has finished. No gRPC thread waits meanwhile.
+template <typename Response>
+void AnswerOnLoop(EngineLoop& loop, UnaryCall<Response>* call,
+                  std::function<absl::StatusOr<Response>()> fn, absl::Status if_stopped) {
+  if (!loop.Post([call, fn = std::move(fn)] { call->Answer(fn()); })) {
+    call->Answer(std::move(if_stopped));
+  }
+}
+
+}  // namespace tandem::worker
