@@ -24,6 +24,18 @@ void Merge(tandem::v1::TokenEvent& into, tandem::v1::TokenEvent& next) {
 
 }  // namespace
 
+void QueueEvent(std::deque<tandem::v1::TokenEvent>& queue, tandem::v1::TokenEvent event) {
+  if (!event.has_usage() && !event.has_error() && !event.has_handoff()) {
+    for (auto it = queue.rbegin(); it != queue.rend(); ++it) {
+      if (it->index() != event.index()) continue;
+      if (Closes(*it)) break;
+      Merge(*it, event);
+      return;
+    }
+  }
+  queue.push_back(std::move(event));
+}
+
 class TokenStream::Reactor final : public grpc::ServerWriteReactor<tandem::v1::TokenEvent> {
  public:
   explicit Reactor(std::shared_ptr<TokenStream> stream) : stream_(std::move(stream)) {}
@@ -48,20 +60,7 @@ grpc::ServerWriteReactor<tandem::v1::TokenEvent>* TokenStream::reactor() { retur
 void TokenStream::Push(std::vector<tandem::v1::TokenEvent> events, bool last) {
   std::unique_lock<std::mutex> lock(mu_);
   if (finished_ || last_) return;
-  for (tandem::v1::TokenEvent& event : events) {
-    bool merged = false;
-    if (!event.has_usage() && !event.has_error() && !event.has_handoff()) {
-      for (auto it = queue_.rbegin(); it != queue_.rend(); ++it) {
-        if (it->index() != event.index()) continue;
-        if (!Closes(*it)) {
-          Merge(*it, event);
-          merged = true;
-        }
-        break;
-      }
-    }
-    if (!merged) queue_.push_back(std::move(event));
-  }
+  for (tandem::v1::TokenEvent& event : events) QueueEvent(queue_, std::move(event));
   last_ = last;
   Pump(std::move(lock));
 }

@@ -23,6 +23,12 @@
 
 namespace tandem::decode_worker {
 
+// Queues `event` behind `queue`, merged into the last queued event of its sample when that one
+// is still open (no finish reason, usage, error or handoff) and `event` carries no usage,
+// error or handoff: its tokens, text and logprobs are appended and its finish reason taken.
+// Events of other samples keep their own entries; a request's last event (usage) stays last.
+void QueueEvent(std::deque<tandem::v1::TokenEvent>& queue, tandem::v1::TokenEvent event);
+
 class TokenStream : public std::enable_shared_from_this<TokenStream> {
  public:
   // `on_abandoned` runs on a gRPC thread, at most once, when the call ends before its last
