@@ -44,7 +44,8 @@ void EngineMetrics::RecordSteps(const EngineStats& stats) {
   if (stats.steps == steps_seen_) return;
   steps_seen_ = stats.steps;
   step_seconds_.Observe(stats.last_step_seconds);
-  for (int i = 0; i < StepLatencyModel::kNumTerms; ++i) terms_[i]->Set(stats.step_model[i]);
+  const auto terms = stats.step_model.terms();
+  for (int i = 0; i < StepLatencyModel::kNumTerms; ++i) terms_[i]->Set(terms[i]);
   samples_.Set(static_cast<double>(stats.step_model_samples));
   error_ratio_.Set(stats.step_model_error_ratio);
 }

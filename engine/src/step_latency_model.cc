@@ -7,6 +7,116 @@
 
 namespace tandem::engine {
 
+double StepCoefficients::Seconds(double tokens, double seqs, double context) const {
+  return std::max(0.0,
+                  intercept + per_token * tokens + per_seq * seqs + per_context_token * context);
+}
+
+namespace {
+
+constexpr int kTerms = 4;
+
+std::array<double, kTerms> Features(const StepObservation& s) {
+  return {1.0, s.tokens, s.seqs, s.context};
+}
+
+// Solves the weighted normal equations over the terms in `active` (the others stay 0), columns
+// scaled to [0, 1] by their largest value so that one relative ridge fits every unit. Gaussian
+// elimination with partial pivoting. With no ridge, a term that is (numerically) a combination
+// of those before it, or that no step exercised, makes the solve fail and is named in `bad`.
+bool SolveActive(std::span<const StepObservation> steps, const std::vector<int>& active,
+                 double ridge, std::array<double, kTerms>& coef, int& bad) {
+  const size_t k = active.size();
+  std::array<double, kTerms> scale{};
+  for (const StepObservation& s : steps) {
+    if (!(s.weight > 0)) continue;
+    const auto x = Features(s);
+    for (size_t j = 0; j < k; ++j) scale[j] = std::max(scale[j], std::abs(x[active[j]]));
+  }
+  double a[kTerms][kTerms] = {};
+  double b[kTerms] = {};
+  double total_weight = 0;
+  for (const StepObservation& s : steps) {
+    if (!(s.weight > 0)) continue;
+    const auto f = Features(s);
+    std::array<double, kTerms> x{};
+    for (size_t j = 0; j < k; ++j) x[j] = scale[j] > 0 ? f[active[j]] / scale[j] : 0.0;
+    for (size_t r = 0; r < k; ++r) {
+      for (size_t c = 0; c < k; ++c) a[r][c] += s.weight * x[r] * x[c];
+      b[r] += s.weight * x[r] * s.seconds;
+    }
+    total_weight += s.weight;
+  }
+  for (size_t j = 0; j < k; ++j) a[j][j] += ridge * total_weight;
+  // A pivot this small relative to the total weight: the column adds nothing new.
+  const double tiny = ridge > 0 ? 1e-300 : 1e-10 * total_weight;
+  for (size_t col = 0; col < k; ++col) {
+    size_t pivot = col;
+    for (size_t r = col + 1; r < k; ++r) {
+      if (std::abs(a[r][col]) > std::abs(a[pivot][col])) pivot = r;
+    }
+    if (!(std::abs(a[pivot][col]) > tiny)) {
+      bad = active[col];
+      return false;
+    }
+    if (pivot != col) {
+      for (size_t c = 0; c < k; ++c) std::swap(a[col][c], a[pivot][c]);
+      std::swap(b[col], b[pivot]);
+    }
+    for (size_t r = col + 1; r < k; ++r) {
+      const double f = a[r][col] / a[col][col];
+      for (size_t c = col; c < k; ++c) a[r][c] -= f * a[col][c];
+      b[r] -= f * b[col];
+    }
+  }
+  std::array<double, kTerms> beta{};
+  for (size_t r = k; r-- > 0;) {
+    double v = b[r];
+    for (size_t c = r + 1; c < k; ++c) v -= a[r][c] * beta[c];
+    beta[r] = v / a[r][r];
+  }
+  coef = {};
+  for (size_t j = 0; j < k; ++j) {
+    if (!std::isfinite(beta[j])) {
+      bad = active[j];
+      return false;
+    }
+    coef[active[j]] = scale[j] > 0 ? beta[j] / scale[j] : 0.0;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::optional<StepCoefficients> FitStepCoefficients(std::span<const StepObservation> steps,
+                                                    const StepFitOptions& options) {
+  if (std::none_of(steps.begin(), steps.end(),
+                   [](const StepObservation& s) { return s.weight > 0; })) {
+    return std::nullopt;
+  }
+  std::vector<int> active = {0, 1, 2, 3};
+  std::array<double, kTerms> coef{};
+  while (!active.empty()) {
+    int bad = -1;
+    if (!SolveActive(steps, active, options.ridge, coef, bad)) {
+      // With a ridge every column is solvable: a failure is numerical, keep nothing.
+      if (options.ridge > 0) return std::nullopt;
+      active.erase(std::find(active.begin(), active.end(), bad));
+      coef = {};
+      continue;
+    }
+    if (!options.non_negative) break;
+    int most_negative = -1;
+    for (int j : active) {
+      if (coef[j] < 0 && (most_negative < 0 || coef[j] < coef[most_negative])) most_negative = j;
+    }
+    if (most_negative < 0) break;
+    active.erase(std::find(active.begin(), active.end(), most_negative));
+    coef = {};
+  }
+  return StepCoefficients{coef[0], coef[1], coef[2], coef[3]};
+}
+
 StepLatencyModel::StepLatencyModel(Options options) : options_(options) {
   TANDEM_CHECK(options_.window >= 4 && options_.decay > 0 && options_.decay <= 1);
   samples_.reserve(options_.window);
@@ -21,9 +131,8 @@ void StepLatencyModel::Observe(int64_t batch_tokens, int64_t batch_seqs, int64_t
     error_ratio_ = have_error_ ? 0.9 * error_ratio_ + 0.1 * error : error;
     have_error_ = true;
   }
-  Sample s{{1.0, static_cast<double>(batch_tokens), static_cast<double>(batch_seqs),
-            static_cast<double>(context_tokens)},
-           seconds};
+  const StepObservation s{static_cast<double>(batch_tokens), static_cast<double>(batch_seqs),
+                          static_cast<double>(context_tokens), seconds};
   if (static_cast<int>(samples_.size()) < options_.window) {
     samples_.push_back(s);
   } else {
@@ -35,67 +144,22 @@ void StepLatencyModel::Observe(int64_t batch_tokens, int64_t batch_seqs, int64_t
 }
 
 void StepLatencyModel::Refit() {
-  constexpr int k = kNumTerms;
+  // Each sample weighted decay^age, the newest 1; in a full ring the oldest sits at next_.
   const size_t n = samples_.size();
-  // Columns scaled to [0, 1] by their largest value, so one ridge term fits every unit.
-  std::array<double, k> scale{};
-  for (const Sample& s : samples_) {
-    for (int j = 0; j < k; ++j) scale[j] = std::max(scale[j], std::abs(s.x[j]));
-  }
-  for (double& v : scale) v = v > 0 ? v : 1.0;
-  // Oldest first: in a full ring the oldest sits at next_.
-  double a[k][k] = {};
-  double b[k] = {};
-  double total_weight = 0;
+  std::vector<StepObservation> weighted(samples_);
   double w = 1.0;
   for (size_t i = 0; i < n; ++i) {
-    const Sample& s = samples_[(next_ + n - 1 - i) % n];  // newest first
-    std::array<double, k> x;
-    for (int j = 0; j < k; ++j) x[j] = s.x[j] / scale[j];
-    for (int r = 0; r < k; ++r) {
-      for (int c = 0; c < k; ++c) a[r][c] += w * x[r] * x[c];
-      b[r] += w * x[r] * s.seconds;
-    }
-    total_weight += w;
+    weighted[(next_ + n - 1 - i) % n].weight = w;
     w *= options_.decay;
   }
-  const double ridge = 1e-7 * total_weight;
-  for (int j = 0; j < k; ++j) a[j][j] += ridge;
-  // Gaussian elimination with partial pivoting (the matrix is symmetric positive definite).
-  for (int col = 0; col < k; ++col) {
-    int pivot = col;
-    for (int r = col + 1; r < k; ++r) {
-      if (std::abs(a[r][col]) > std::abs(a[pivot][col])) pivot = r;
-    }
-    if (std::abs(a[pivot][col]) < 1e-300) return;  // keep the previous fit
-    if (pivot != col) {
-      for (int c = 0; c < k; ++c) std::swap(a[col][c], a[pivot][c]);
-      std::swap(b[col], b[pivot]);
-    }
-    for (int r = col + 1; r < k; ++r) {
-      const double f = a[r][col] / a[col][col];
-      for (int c = col; c < k; ++c) a[r][c] -= f * a[col][c];
-      b[r] -= f * b[col];
-    }
-  }
-  std::array<double, k> beta{};
-  for (int r = k - 1; r >= 0; --r) {
-    double v = b[r];
-    for (int c = r + 1; c < k; ++c) v -= a[r][c] * beta[c];
-    beta[r] = v / a[r][r];
-  }
-  for (int j = 0; j < k; ++j) {
-    if (!std::isfinite(beta[j])) return;
-  }
-  for (int j = 0; j < k; ++j) coef_[j] = beta[j] / scale[j];
+  // On a numerical failure the previous fit stays.
+  if (auto fit = FitStepCoefficients(weighted, {.ridge = 1e-7})) coef_ = *fit;
 }
 
 double StepLatencyModel::Predict(int64_t batch_tokens, int64_t batch_seqs,
                                  int64_t context_tokens) const {
-  const double t = coef_[kIntercept] + coef_[kPerToken] * static_cast<double>(batch_tokens) +
-                   coef_[kPerSeq] * static_cast<double>(batch_seqs) +
-                   coef_[kPerContextToken] * static_cast<double>(context_tokens);
-  return std::max(0.0, t);
+  return coef_.Seconds(static_cast<double>(batch_tokens), static_cast<double>(batch_seqs),
+                       static_cast<double>(context_tokens));
 }
 
 int DecodeBatchLimit(const StepLatencyModel& model, std::span<const int64_t> contexts, int max_seqs,

@@ -18,8 +18,7 @@ struct Truth {
 };
 
 // Feeds `n` steps of varied shapes (tokens, sequences and context vary independently).
-void Feed(StepLatencyModel& model, const Truth& truth, int n, std::mt19937& rng,
-          double noise = 0) {
+void Feed(StepLatencyModel& model, const Truth& truth, int n, std::mt19937& rng, double noise = 0) {
   std::uniform_int_distribution<int> seqs_dist(1, 64);
   std::uniform_int_distribution<int> extra_tokens(0, 448);
   std::uniform_int_distribution<int> context_per_seq(16, 2048);
@@ -42,10 +41,10 @@ TEST(StepLatencyModelTest, RecoversKnownCoefficients) {
   Feed(model, truth, 100, rng);
   ASSERT_TRUE(model.ready());
   const auto& coef = model.coefficients();
-  EXPECT_NEAR(coef[StepLatencyModel::kIntercept], truth.a, truth.a * 0.01);
-  EXPECT_NEAR(coef[StepLatencyModel::kPerToken], truth.b, truth.b * 0.01);
-  EXPECT_NEAR(coef[StepLatencyModel::kPerSeq], truth.c, truth.c * 0.01);
-  EXPECT_NEAR(coef[StepLatencyModel::kPerContextToken], truth.d, truth.d * 0.01);
+  EXPECT_NEAR(coef.intercept, truth.a, truth.a * 0.01);
+  EXPECT_NEAR(coef.per_token, truth.b, truth.b * 0.01);
+  EXPECT_NEAR(coef.per_seq, truth.c, truth.c * 0.01);
+  EXPECT_NEAR(coef.per_context_token, truth.d, truth.d * 0.01);
   EXPECT_NEAR(model.Predict(256, 32, 32000), truth(256, 32, 32000), truth(256, 32, 32000) * 0.01);
   EXPECT_LT(model.error_ratio(), 0.01);
 }
@@ -76,7 +75,7 @@ TEST(StepLatencyModelTest, AdaptsAfterAShift) {
   EXPECT_LT(std::abs(model.Predict(128, 64, 64000) - want), 0.5 * (want - was));
   Feed(model, after, 300, rng);
   EXPECT_NEAR(model.Predict(128, 64, 64000), want, want * 0.01);
-  EXPECT_NEAR(model.coefficients()[StepLatencyModel::kPerSeq], after.c, after.c * 0.01);
+  EXPECT_NEAR(model.coefficients().per_seq, after.c, after.c * 0.01);
 }
 
 TEST(StepLatencyModelTest, DecodeOnlyShapesStillPredictDecodeSteps) {
@@ -119,8 +118,8 @@ TEST(DecodeBatchLimitTest, LargestBatchUnderTheTarget) {
   StepLatencyModel model = Trained(truth);
   std::vector<int64_t> contexts(40, 500);
   EXPECT_EQ(DecodeBatchLimit(model, contexts, 64, 25.5e-3), 15);
-  EXPECT_EQ(DecodeBatchLimit(model, contexts, 64, 1.0), 64);      // everything fits
-  EXPECT_EQ(DecodeBatchLimit(model, contexts, 64, 1e-3), 1);      // never below one
+  EXPECT_EQ(DecodeBatchLimit(model, contexts, 64, 1.0), 64);    // everything fits
+  EXPECT_EQ(DecodeBatchLimit(model, contexts, 64, 1e-3), 1);    // never below one
   EXPECT_EQ(DecodeBatchLimit(model, contexts, 8, 25.5e-3), 8);  // never above max_num_seqs
 }
 
@@ -154,6 +153,35 @@ TEST(PrefillTokenBudgetTest, LargestBudgetUnderTheTarget) {
   EXPECT_EQ(PrefillTokenBudget(model, 512, 16, 16, 1e-3), 16);
   StepLatencyModel fresh;
   EXPECT_EQ(PrefillTokenBudget(fresh, 512, 16, 16, 1e-3), 512);
+}
+
+TEST(FitStepCoefficientsTest, WeightsNonNegativityAndTermsNoStepSeparates) {
+  // Steps whose time falls with the sequence count: plain least squares fits a negative cost
+  // per sequence, the non-negative fit (the planner's) fixes it at 0 and refits the rest.
+  std::vector<StepObservation> steps;
+  for (int seqs = 1; seqs <= 8; ++seqs) {
+    for (int tokens : {64, 128, 256}) {
+      steps.push_back({static_cast<double>(tokens), static_cast<double>(seqs), 0,
+                       1e-3 + 1e-5 * tokens - 1e-5 * seqs});
+    }
+  }
+  auto plain = FitStepCoefficients(steps, {});
+  ASSERT_TRUE(plain.has_value());
+  EXPECT_NEAR(plain->per_seq, -1e-5, 1e-9);
+  EXPECT_EQ(plain->per_context_token, 0);  // no step read any context
+  auto non_negative = FitStepCoefficients(steps, {.non_negative = true});
+  ASSERT_TRUE(non_negative.has_value());
+  EXPECT_EQ(non_negative->per_seq, 0);
+  EXPECT_GT(non_negative->per_token, 0);
+  // Weights: a step with weight 0 does not count; none with a positive weight is no fit.
+  std::vector<StepObservation> weighted = {
+      {10, 1, 0, 1.0, 1}, {20, 1, 0, 2.0, 1}, {30, 1, 0, 100.0, 0}};
+  auto fit = FitStepCoefficients(weighted, {});
+  ASSERT_TRUE(fit.has_value());
+  EXPECT_NEAR(fit->Seconds(30, 1, 0), 3.0, 1e-9);
+  for (auto& s : weighted) s.weight = 0;
+  EXPECT_FALSE(FitStepCoefficients(weighted, {}).has_value());
+  EXPECT_FALSE(FitStepCoefficients({}, {}).has_value());
 }
 
 }  // namespace

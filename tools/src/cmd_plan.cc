@@ -654,10 +654,12 @@ absl::Status CalibrateFromTrace(const Args& args) {
   TANDEM_ASSIGN_OR_RETURN(LatencyModel fit, FitLatencyModel(cal.samples, 0.2));
   std::printf("tandem plan calibrate: %zu traced steps, written to %s\n", cal.samples.size(),
               args.Get("out")->c_str());
-  std::printf("prefill: t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n", fit.prefill.a,
-              fit.prefill.b, fit.prefill.c, fit.prefill.d);
-  std::printf("decode:  t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n", fit.decode.a,
-              fit.decode.b, fit.decode.c, fit.decode.d);
+  std::printf("prefill: t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n",
+              fit.prefill.intercept, fit.prefill.per_token, fit.prefill.per_seq,
+              fit.prefill.per_context_token);
+  std::printf("decode:  t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n",
+              fit.decode.intercept, fit.decode.per_token, fit.decode.per_seq,
+              fit.decode.per_context_token);
   std::printf("gap between steps %.3f ms", cal.step_gap * 1e3);
   if (cal.request_overhead >= 0) {
     std::printf(", per-request overhead %.3f ms", cal.request_overhead * 1e3);
@@ -826,10 +828,12 @@ absl::Status Calibrate(int argc, char** argv) {
   TANDEM_ASSIGN_OR_RETURN(LatencyModel fit, FitLatencyModel(cal.samples, 0.2));
   std::printf("tandem plan calibrate: %zu steps timed on %s, written to %s\n", cal.samples.size(),
               cal.device.c_str(), args.Get("out")->c_str());
-  std::printf("prefill: t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n", fit.prefill.a,
-              fit.prefill.b, fit.prefill.c, fit.prefill.d);
-  std::printf("decode:  t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n", fit.decode.a,
-              fit.decode.b, fit.decode.c, fit.decode.d);
+  std::printf("prefill: t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n",
+              fit.prefill.intercept, fit.prefill.per_token, fit.prefill.per_seq,
+              fit.prefill.per_context_token);
+  std::printf("decode:  t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n",
+              fit.decode.intercept, fit.decode.per_token, fit.decode.per_seq,
+              fit.decode.per_context_token);
   return absl::OkStatus();
 }
 

@@ -25,63 +25,6 @@ std::string Lower(std::string s) {
   return s;
 }
 
-// Solves the normal equations of least squares over the columns in `active` (indices into the
-// four features); the other coefficients stay 0. Columns are scaled to unit norm first. Returns
-// false when a column is (numerically) a combination of the ones before it, naming it in `bad`.
-bool SolveActive(const std::vector<std::array<double, 4>>& x, const std::vector<double>& y,
-                 const std::vector<int>& active, std::array<double, 4>& coef, int& bad) {
-  const size_t k = active.size();
-  std::vector<double> scale(k, 0);
-  for (size_t j = 0; j < k; ++j) {
-    for (const auto& row : x) scale[j] += row[active[j]] * row[active[j]];
-    scale[j] = std::sqrt(scale[j]);
-    if (!(scale[j] > 0)) {
-      bad = active[j];
-      return false;
-    }
-  }
-  // Normal matrix of the scaled columns, and its Cholesky factor.
-  std::vector<std::vector<double>> a(k, std::vector<double>(k, 0));
-  std::vector<double> rhs(k, 0);
-  for (size_t r = 0; r < x.size(); ++r) {
-    for (size_t i = 0; i < k; ++i) {
-      const double xi = x[r][active[i]] / scale[i];
-      rhs[i] += xi * y[r];
-      for (size_t j = 0; j < k; ++j) a[i][j] += xi * x[r][active[j]] / scale[j];
-    }
-  }
-  std::vector<std::vector<double>> l(k, std::vector<double>(k, 0));
-  for (size_t i = 0; i < k; ++i) {
-    for (size_t j = 0; j <= i; ++j) {
-      double s = a[i][j];
-      for (size_t m = 0; m < j; ++m) s -= l[i][m] * l[j][m];
-      if (i == j) {
-        if (s < 1e-10) {
-          bad = active[i];
-          return false;
-        }
-        l[i][i] = std::sqrt(s);
-      } else {
-        l[i][j] = s / l[j][j];
-      }
-    }
-  }
-  std::vector<double> z(k), w(k);
-  for (size_t i = 0; i < k; ++i) {
-    double s = rhs[i];
-    for (size_t m = 0; m < i; ++m) s -= l[i][m] * z[m];
-    z[i] = s / l[i][i];
-  }
-  for (size_t ii = k; ii-- > 0;) {
-    double s = z[ii];
-    for (size_t m = ii + 1; m < k; ++m) s -= l[m][ii] * w[m];
-    w[ii] = s / l[ii][ii];
-  }
-  coef = {0, 0, 0, 0};
-  for (size_t j = 0; j < k; ++j) coef[active[j]] = w[j] / scale[j];
-  return true;
-}
-
 // The roofline shape of one of `tp` tensor-parallel shards: heads, KV heads (at least one, and
 // dividing the heads), MLP width and vocabulary divided by tp, rounded up.
 RooflineShape ShardShape(const RooflineShape& shape, int tp) {
@@ -101,52 +44,39 @@ RooflineShape ShardShape(const RooflineShape& shape, int tp) {
 
 double LatencyModel::StepSeconds(int64_t tokens, int64_t prefill_tokens, int64_t seqs,
                                  int64_t context) const {
-  const StepCoeffs& c = prefill_tokens > 0 ? prefill : decode;
+  const engine::StepCoefficients& c = prefill_tokens > 0 ? prefill : decode;
   return std::max(0.0, c.Seconds(static_cast<double>(tokens), static_cast<double>(seqs),
                                  static_cast<double>(context)));
 }
 
 json LatencyModel::ToJson() const {
-  auto coeffs = [](const StepCoeffs& c) {
-    return json{{"a", c.a}, {"b", c.b}, {"c", c.c}, {"d", c.d}};
+  auto coeffs = [](const engine::StepCoefficients& c) {
+    return json{{"a", c.intercept}, {"b", c.per_token}, {"c", c.per_seq},
+                {"d", c.per_context_token}};
   };
   return json{{"prefill", coeffs(prefill)}, {"decode", coeffs(decode)}};
 }
 
 namespace {
 
-absl::StatusOr<StepCoeffs> FitOnce(const std::vector<StepSample>& samples) {
-  if (samples.empty()) return absl::InvalidArgumentError("no step samples to fit");
-  std::vector<std::array<double, 4>> x;
-  std::vector<double> y;
+// Plain least squares, no coefficient negative.
+absl::StatusOr<engine::StepCoefficients> FitOnce(const std::vector<StepSample>& samples) {
+  std::vector<engine::StepObservation> steps;
+  steps.reserve(samples.size());
   for (const StepSample& s : samples) {
-    x.push_back({1.0, static_cast<double>(s.tokens), static_cast<double>(s.seqs),
-                 static_cast<double>(s.context)});
-    y.push_back(s.seconds);
+    steps.push_back({static_cast<double>(s.tokens), static_cast<double>(s.seqs),
+                     static_cast<double>(s.context), s.seconds});
   }
-  std::vector<int> active = {0, 1, 2, 3};
-  std::array<double, 4> coef{};
-  while (!active.empty()) {
-    int bad = -1;
-    if (!SolveActive(x, y, active, coef, bad)) {
-      active.erase(std::find(active.begin(), active.end(), bad));
-      continue;
-    }
-    int most_negative = -1;
-    for (int j : active) {
-      if (coef[j] < 0 && (most_negative < 0 || coef[j] < coef[most_negative])) most_negative = j;
-    }
-    if (most_negative < 0) break;
-    active.erase(std::find(active.begin(), active.end(), most_negative));
-    coef = {0, 0, 0, 0};
-  }
-  return StepCoeffs{coef[0], coef[1], coef[2], coef[3]};
+  auto fit = engine::FitStepCoefficients(steps, {.non_negative = true});
+  if (!fit) return absl::InvalidArgumentError("no step samples to fit");
+  return *fit;
 }
 
 }  // namespace
 
-absl::StatusOr<StepCoeffs> FitStepCoeffs(const std::vector<StepSample>& samples, double trim) {
-  TANDEM_ASSIGN_OR_RETURN(StepCoeffs fit, FitOnce(samples));
+absl::StatusOr<engine::StepCoefficients> FitStepCoeffs(const std::vector<StepSample>& samples,
+                                                       double trim) {
+  TANDEM_ASSIGN_OR_RETURN(engine::StepCoefficients fit, FitOnce(samples));
   if (!(trim > 0) || trim >= 1) return fit;
   const size_t keep = std::max<size_t>(
       1, static_cast<size_t>(std::ceil((1 - trim) * static_cast<double>(samples.size()))));
@@ -365,11 +295,11 @@ LatencyModel ScaleModelToTp(const LatencyModel& measured, const RooflineShape& s
     const double many = RooflineStepSeconds(shape, hardware, tp, tokens, seqs, context, prefill);
     return one > 0 ? many / one : 1.0;
   };
-  auto scaled = [](StepCoeffs c, double r) {
-    c.a *= r;
-    c.b *= r;
-    c.c *= r;
-    c.d *= r;
+  auto scaled = [](engine::StepCoefficients c, double r) {
+    c.intercept *= r;
+    c.per_token *= r;
+    c.per_seq *= r;
+    c.per_context_token *= r;
     return c;
   };
   LatencyModel m = measured;  // the gap and the noise carry over as they are

@@ -138,7 +138,7 @@ TEST(PlannerSim, DisaggregatedWithFreeTransferIsThePipeline) {
 }
 
 TEST(PlannerFit, RecoversKnownCoefficients) {
-  const StepCoeffs truth{3e-3, 2e-5, 4e-4, 1e-7};
+  const engine::StepCoefficients truth{3e-3, 2e-5, 4e-4, 1e-7};
   std::mt19937_64 rng(1);
   std::vector<StepSample> samples;
   for (int i = 0; i < 200; ++i) {
@@ -152,10 +152,10 @@ TEST(PlannerFit, RecoversKnownCoefficients) {
   }
   auto fit = FitStepCoeffs(samples);
   ASSERT_TRUE(fit.ok());
-  EXPECT_NEAR(fit->a, truth.a, 1e-9);
-  EXPECT_NEAR(fit->b, truth.b, 1e-11);
-  EXPECT_NEAR(fit->c, truth.c, 1e-10);
-  EXPECT_NEAR(fit->d, truth.d, 1e-12);
+  EXPECT_NEAR(fit->intercept, truth.intercept, 1e-9);
+  EXPECT_NEAR(fit->per_token, truth.per_token, 1e-11);
+  EXPECT_NEAR(fit->per_seq, truth.per_seq, 1e-10);
+  EXPECT_NEAR(fit->per_context_token, truth.per_context_token, 1e-12);
   // Decode samples have tokens == seqs: the fit still reproduces every sample.
   std::vector<StepSample> decode;
   for (int64_t b : {1, 2, 4, 8, 16, 32}) {

@@ -168,7 +168,7 @@ struct EngineStats {
   double step_gap_seconds = 0;
   // The step latency model: coefficients (indexed by StepLatencyModel::Term), observations, and
   // recent mean |predicted - measured| / measured.
-  std::array<double, StepLatencyModel::kNumTerms> step_model{};
+  StepCoefficients step_model;
   int64_t step_model_samples = 0;
   double step_model_error_ratio = 0;
 };

@@ -3,23 +3,61 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <vector>
 
 namespace tandem::engine {
 
 // Step time as a linear function of the step's shape,
-//   t = intercept + per_token * batch_tokens + per_seq * batch_seqs + per_context_token * context,
-// where `context` is the sum over the step's sequences of the tokens their attention reads
-// (computed tokens plus the step's new ones). Fitted by weighted least squares over the last
-// `window` measured steps, each weighted decay^age so that the fit follows a drifting machine
+//   t = intercept + per_token * tokens + per_seq * seqs + per_context_token * context,
+// where `tokens` are the step's new tokens (prompt chunks and decodes), `seqs` its sequences
+// and `context` the sum over those sequences of the tokens their attention reads (computed
+// tokens plus the step's new ones). The one model of step time: the engine's online fit
+// (StepLatencyModel) and the capacity planner's offline fit (`tandem plan`) both produce it.
+struct StepCoefficients {
+  double intercept = 0;          // seconds
+  double per_token = 0;          // seconds per batch token
+  double per_seq = 0;            // seconds per sequence
+  double per_context_token = 0;  // seconds per context token read
+  // Never negative.
+  double Seconds(double tokens, double seqs, double context) const;
+  // {intercept, per_token, per_seq, per_context_token}.
+  std::array<double, 4> terms() const { return {intercept, per_token, per_seq, per_context_token}; }
+};
+
+// One measured step, with its weight in a fit.
+struct StepObservation {
+  double tokens = 0;
+  double seqs = 0;
+  double context = 0;
+  double seconds = 0;
+  double weight = 1;
+};
+
+struct StepFitOptions {
+  // Ridge term, relative to the total weight, over columns scaled to [0, 1]: keeps the fit
+  // defined when the shapes seen do not separate the terms. 0: plain least squares, where a
+  // term the others explain (or that no step exercised) is left at 0 instead.
+  double ridge = 0;
+  // Fix a term the fit makes negative at 0 and refit the rest (an offline fit to noisy
+  // steps; a negative cost per token would extrapolate badly).
+  bool non_negative = false;
+};
+
+// Weighted least squares of the four coefficients to `steps`. nullopt when there is nothing to
+// fit (no step with positive weight) or the solve fails numerically.
+std::optional<StepCoefficients> FitStepCoefficients(std::span<const StepObservation> steps,
+                                                    const StepFitOptions& options);
+
+// StepCoefficients learnt online: fitted by weighted least squares over the last `window`
+// measured steps, each weighted decay^age so that the fit follows a drifting machine
 // (another engine on the same cores, a longer context), refitted on every observation (a 4x4
 // solve; nothing next to a forward pass). A tiny ridge term keeps the fit defined when the
 // shapes seen do not separate the terms (a decode-only engine has batch_tokens == batch_seqs):
 // predictions along the shapes seen stay right, and the terms seen apart are learnt apart.
 class StepLatencyModel {
  public:
-  enum Term { kIntercept = 0, kPerToken = 1, kPerSeq = 2, kPerContextToken = 3 };
   static constexpr int kNumTerms = 4;
 
   struct Options {
@@ -38,24 +76,19 @@ class StepLatencyModel {
   // Enough observations for the controllers to trust Predict.
   bool ready() const { return num_observed_ >= options_.min_samples; }
   int64_t num_observed() const { return num_observed_; }
-  // In seconds, seconds per token, per sequence, per context token (indexed by Term).
-  const std::array<double, kNumTerms>& coefficients() const { return coef_; }
+  const StepCoefficients& coefficients() const { return coef_; }
   // Mean of |predicted - measured| / measured over recent steps (exponentially weighted, 0.1
   // per step), each step predicted before it was added; 0 until ready().
   double error_ratio() const { return error_ratio_; }
 
  private:
-  struct Sample {
-    std::array<double, kNumTerms> x;
-    double seconds;
-  };
   void Refit();
 
   Options options_;
-  std::vector<Sample> samples_;  // ring buffer of the last `window`
-  size_t next_ = 0;              // where the next sample goes once full
+  std::vector<StepObservation> samples_;  // ring buffer of the last `window` (weights unused)
+  size_t next_ = 0;                       // where the next sample goes once full
   int64_t num_observed_ = 0;
-  std::array<double, kNumTerms> coef_{};
+  StepCoefficients coef_;
   double error_ratio_ = 0;
   bool have_error_ = false;
 };

@@ -17,22 +17,13 @@
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
+#include "tandem/engine/step_latency_model.h"
 #include "tandem/tools/load_generator.h"
 #include "tandem/tools/roofline.h"
 
 namespace tandem::tools {
 
 // --- latency model ---
-
-// Seconds of one engine step: a + b * tokens + c * seqs + d * context, where `tokens` is the
-// step's new tokens (prompt chunks and decodes), `seqs` the sequences in the batch and `context`
-// the sum over those sequences of the tokens they attend to (computed + new).
-struct StepCoeffs {
-  double a = 0, b = 0, c = 0, d = 0;
-  double Seconds(double tokens, double seqs, double context) const {
-    return a + b * tokens + c * seqs + d * context;
-  }
-};
 
 // One timed step.
 struct StepSample {
@@ -45,8 +36,8 @@ struct StepSample {
 
 // Step time of a worker: steps with any prompt tokens use `prefill`, decode-only steps `decode`.
 struct LatencyModel {
-  StepCoeffs prefill;
-  StepCoeffs decode;
+  engine::StepCoefficients prefill;
+  engine::StepCoefficients decode;
   // Seconds the serving loop spends between two steps while work is pending (streaming the
   // outputs, RPCs); the simulator adds it before every step that follows another at once.
   double step_gap = 0;
@@ -63,8 +54,8 @@ struct LatencyModel {
 // the unconstrained fit makes negative is fixed at 0 and the rest refitted). With trim > 0 the
 // fit is repeated twice without the `trim` share of samples that ran slowest relative to the
 // previous fit (steps slowed by other processes on a shared machine). Errors with no samples.
-absl::StatusOr<StepCoeffs> FitStepCoeffs(const std::vector<StepSample>& samples,
-                                         double trim = 0);
+absl::StatusOr<engine::StepCoefficients> FitStepCoeffs(const std::vector<StepSample>& samples,
+                                                       double trim = 0);
 // Fits `prefill` to the samples with prompt tokens and `decode` to the others; when one side has
 // no samples it takes the other's fit.
 absl::StatusOr<LatencyModel> FitLatencyModel(const std::vector<StepSample>& samples,
