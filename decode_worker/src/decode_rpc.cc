@@ -1,9 +1,8 @@
 // The decode worker's RPCs: their checks on the gRPC thread, their bodies on the engine loop.
-#include "decode_worker_impl.h"
-
 #include <utility>
 
 #include "absl/time/clock.h"
+#include "decode_worker_impl.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/proto/convert.h"
 
@@ -65,9 +64,8 @@ absl::StatusOr<tandem::v1::KvReservation> DecodeWorkerImpl::ReserveOnLoop(
   }
   if (OverBatchLimit(std::max(1, request.n()))) {
     metrics_.slo_refusals.Increment();
-    return absl::ResourceExhaustedError(
-        absl::StrCat("the running batch is at its TPOT limit of ", engine_->stats().batch_limit,
-                     " sequences"));
+    return absl::ResourceExhaustedError(absl::StrCat("the running batch is at its TPOT limit of ",
+                                                     engine_->stats().batch_limit, " sequences"));
   }
   Reservation reservation;
   reservation.request_id = request.request_id();
@@ -184,9 +182,9 @@ absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& reque
     const int prompt_len = request.prompt_token_ids_size();
     if (choice->generated.empty()) {
       if (prompt_len != reservation.num_prompt_tokens) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("the prompt has ", prompt_len, " tokens but the reservation is for ",
-                         reservation.num_prompt_tokens));
+        return absl::InvalidArgumentError(absl::StrCat("the prompt has ", prompt_len,
+                                                       " tokens but the reservation is for ",
+                                                       reservation.num_prompt_tokens));
       }
     } else {
       // A continuation after a KV handoff: the reservation holds the KV of the first
@@ -218,7 +216,6 @@ absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& reque
   PublishStats();
   return absl::OkStatus();
 }
-
 
 void DecodeWorkerImpl::AbandonStream(const std::string& request_id, const TokenStream* stream) {
   auto it = running_.find(request_id);
@@ -362,7 +359,8 @@ absl::StatusOr<tandem::v1::HandoffResponse> DecodeWorkerImpl::Handoff(
     // A connection of its own: closing it also cancels whatever a failed transfer still has in
     // flight, so nothing reads the parked blocks once they are given back.
     kvtransfer::Agent& agent = core_->kv().agent();
-    TANDEM_ASSIGN_OR_RETURN(kvtransfer::PeerId peer, agent.Connect(endpoint.address(), plan->deadline));
+    TANDEM_ASSIGN_OR_RETURN(kvtransfer::PeerId peer,
+                            agent.Connect(endpoint.address(), plan->deadline));
     auto handle = core_->kv().Push(peer, endpoint.region_descriptors(0), std::move(plan->ranges),
                                    plan->deadline);
     absl::Status status = handle.ok() ? (*handle)->Wait() : handle.status();
@@ -380,8 +378,8 @@ absl::StatusOr<tandem::v1::HandoffResponse> DecodeWorkerImpl::Handoff(
     const absl::StatusCode code = moved.code() == absl::StatusCode::kInvalidArgument
                                       ? absl::StatusCode::kInvalidArgument
                                       : absl::StatusCode::kUnavailable;
-    return absl::Status(code, absl::StrCat("handing off sample ", index, " of request ", id,
-                                           ": ", std::string(moved.message())));
+    return absl::Status(code, absl::StrCat("handing off sample ", index, " of request ", id, ": ",
+                                           std::string(moved.message())));
   }
   tandem::v1::HandoffResponse response;
   response.set_num_kv_tokens(plan->num_kv_tokens);
@@ -437,6 +435,5 @@ grpc::Status Service::Handoff(grpc::ServerContext*, const tandem::v1::HandoffReq
                               tandem::v1::HandoffResponse* response) {
   return worker::Answer(worker_->Handoff(*request), response);
 }
-
 
 }  // namespace tandem::decode_worker::internal

@@ -1,10 +1,9 @@
 #include "tandem/decode_worker/decode_worker.h"
 
-#include "decode_worker_impl.h"
-
 #include <utility>
 
 #include "absl/time/clock.h"
+#include "decode_worker_impl.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/proto/convert.h"
 
@@ -16,13 +15,13 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
     return absl::InvalidArgumentError("max_reservation_ttl must be positive");
   }
   if (options.handoff_ttl < absl::ZeroDuration() || options.handoff_ttl > kMaxHandoffTtl) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("handoff_ttl must be in [0, ", absl::FormatDuration(kMaxHandoffTtl),
-                     "], got ", absl::FormatDuration(options.handoff_ttl)));
+    return absl::InvalidArgumentError(absl::StrCat("handoff_ttl must be in [0, ",
+                                                   absl::FormatDuration(kMaxHandoffTtl), "], got ",
+                                                   absl::FormatDuration(options.handoff_ttl)));
   }
   options_ = options;
-  TANDEM_ASSIGN_OR_RETURN(core_, worker::WorkerCore::Create(std::move(options),
-                                                            engine::EngineRole::kDecode));
+  TANDEM_ASSIGN_OR_RETURN(
+      core_, worker::WorkerCore::Create(std::move(options), engine::EngineRole::kDecode));
   options_.worker_id = core_->options().worker_id;
   engine_ = &core_->engine();
   snapshot_ = ComputeStats();
@@ -162,7 +161,7 @@ void DecodeWorkerImpl::StepEngine() {
     std::shared_ptr<TokenStream> stream = running.stream;
     if (out.finished) {
       running_.erase(it);
-          // The engine has freed the request's blocks: Stats must say so before the client reads
+      // The engine has freed the request's blocks: Stats must say so before the client reads
       // the last event.
       PublishStats();
     }
@@ -309,11 +308,11 @@ void DecodeWorkerImpl::ShutdownImpl(absl::Duration grace, bool park) {
     // when handed off, cancelled or expired.
     std::unique_lock<std::mutex> lock(mu_);
     changed_.wait_for(
-        lock, absl::ToChronoNanoseconds(options_.handoff_ttl + kHandoffTransferMax + absl::Seconds(1)),
+        lock,
+        absl::ToChronoNanoseconds(options_.handoff_ttl + kHandoffTransferMax + absl::Seconds(1)),
         [&] { return num_parked_ == 0; });
   });
 }
-
 
 }  // namespace internal
 

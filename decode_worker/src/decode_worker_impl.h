@@ -25,7 +25,6 @@
 
 namespace tandem::decode_worker::internal {
 
-
 using worker::UnaryCall;
 
 // An expired reservation keeps its blocks this much longer, so that prefill transfers still in
@@ -41,7 +40,9 @@ inline constexpr absl::Duration kMaxHandoffTtl = absl::Seconds(30);
 inline constexpr absl::Duration kHandoffTransferMax = absl::Seconds(10);
 
 inline absl::Status Stopped() { return absl::UnavailableError("the decode worker has shut down"); }
-inline absl::Status ShuttingDown() { return absl::UnavailableError("the decode worker is shutting down"); }
+inline absl::Status ShuttingDown() {
+  return absl::UnavailableError("the decode worker is shutting down");
+}
 
 // Blocks set aside for a request whose prompt KV is being written by a prefill worker.
 struct Reservation {
@@ -80,8 +81,12 @@ struct Running {
 };
 
 // The deadline keys of the engine loop.
-inline std::string ReservationKey(const std::string& id) { return absl::StrCat("reservation/", id); }
-inline std::string ParkedKey(const std::string& request_id) { return absl::StrCat("parked/", request_id); }
+inline std::string ReservationKey(const std::string& id) {
+  return absl::StrCat("reservation/", id);
+}
+inline std::string ParkedKey(const std::string& request_id) {
+  return absl::StrCat("parked/", request_id);
+}
 
 class DecodeWorkerImpl;
 
@@ -152,8 +157,8 @@ struct Metrics {
       "Samples parked while draining whose KV a Handoff moved to another decode worker.");
   prometheus::Counter& handoff_bytes =
       registry.Counter("tandem_decode_kv_handoff_bytes_total", "KV bytes moved by Handoff calls.");
-  prometheus::Counter& handoff_seconds = registry.Counter(
-      "tandem_decode_kv_handoff_seconds_total", "Time spent moving KV in Handoff calls.");
+  prometheus::Counter& handoff_seconds = registry.Counter("tandem_decode_kv_handoff_seconds_total",
+                                                          "Time spent moving KV in Handoff calls.");
   prometheus::Counter& parked_expired = registry.Counter(
       "tandem_decode_parked_expired_total",
       "Samples parked while draining whose KV nobody took before handoff_ttl (freed).");
@@ -253,6 +258,5 @@ class DecodeWorkerImpl final : public DecodeWorker {
   int num_running_ = 0;               // guarded by mu_: started requests still running
   int num_parked_ = 0;                // guarded by mu_: samples parked for KV handoff
 };
-
 
 }  // namespace tandem::decode_worker::internal

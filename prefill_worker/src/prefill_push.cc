@@ -1,11 +1,10 @@
 // The prefill worker's engine loop: steps, the layer-by-layer KV push into the decode worker's
 // reserved blocks, and the answers once every page has landed.
-#include "prefill_worker_impl.h"
-
 #include <algorithm>
 #include <utility>
 
 #include "absl/time/clock.h"
+#include "prefill_worker_impl.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/proto/convert.h"
 
@@ -163,8 +162,9 @@ void PrefillWorkerImpl::Post(Job& job, int layer, std::vector<kvtransfer::Range>
   if (!handle.ok() && gone(handle.status()) && !job.reconnected) {
     // The cached connection is gone (e.g. closed after an earlier failure): connect once more.
     job.reconnected = true;
-    auto peer = core_->kv().Peer(job.peer_address, std::min(job.deadline, absl::Now() + kConnectTimeout),
-                        /*fresh=*/true);
+    auto peer =
+        core_->kv().Peer(job.peer_address, std::min(job.deadline, absl::Now() + kConnectTimeout),
+                         /*fresh=*/true);
     if (!peer.ok()) {
       Fail(job, TransferFailure(job.id, peer.status()));
       return;
@@ -372,6 +372,5 @@ void PrefillWorkerImpl::UpdateStats() {
   stats_.set_kv_blocks_total(engine_stats.kv_blocks_total);
   stats_.set_preemptions_total(engine_stats.preemptions);
 }
-
 
 }  // namespace tandem::prefill_worker::internal

@@ -1,11 +1,10 @@
 #include "tandem/prefill_worker/prefill_worker.h"
 
-#include "prefill_worker_impl.h"
-
 #include <algorithm>
 #include <utility>
 
 #include "absl/time/clock.h"
+#include "prefill_worker_impl.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/proto/convert.h"
 
@@ -19,8 +18,8 @@ absl::Status PrefillWorkerImpl::Start(PrefillWorkerOptions options) {
   options.engine.on_layer_kv_written = [this](int layer, std::span<const KvWritten> written) {
     OnLayerWritten(layer, written);
   };
-  TANDEM_ASSIGN_OR_RETURN(core_, worker::WorkerCore::Create(std::move(options),
-                                                            engine::EngineRole::kPrefill));
+  TANDEM_ASSIGN_OR_RETURN(
+      core_, worker::WorkerCore::Create(std::move(options), engine::EngineRole::kPrefill));
   engine_ = &core_->engine();
   cache_layout_ = core_->kv().cache_layout();
   num_layers_ = cache_layout_.num_layers;
@@ -126,7 +125,8 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
       return absl::AlreadyExistsError(absl::StrCat("request ", job->id, " is already in flight"));
     }
   }
-  auto peer = core_->kv().Peer(job->peer_address, std::min(deadline, absl::Now() + kConnectTimeout));
+  auto peer =
+      core_->kv().Peer(job->peer_address, std::min(deadline, absl::Now() + kConnectTimeout));
   if (!peer.ok()) {
     return absl::Status(peer.status().code(),
                         absl::StrCat("request ", job->id, ": cannot reach the decode worker: ",
@@ -156,9 +156,10 @@ void PrefillWorkerImpl::Submit(const grpc::CallbackServerContext& context,
   call->OnCancelled([this, id = ref.id, serial = ref.serial, flag = ref.call_cancelled] {
     flag->store(true);
     core_->loop().Post([this, id, serial] {
-      CancelJob(id, serial,
-                absl::CancelledError(absl::StrCat("request ", id, ": the Submit call was cancelled")),
-                nullptr);
+      CancelJob(
+          id, serial,
+          absl::CancelledError(absl::StrCat("request ", id, ": the Submit call was cancelled")),
+          nullptr);
     });
   });
   // Posted under mu_, so a Cancel that finds the id in flight is posted after it.

@@ -44,12 +44,13 @@ inline constexpr absl::Duration kConnectTimeout = absl::Seconds(10);
 // are answered anyway; destroying the agent then cancels what is left.
 inline constexpr absl::Duration kShutdownDrain = absl::Seconds(5);
 
-inline absl::Status ShuttingDown() { return absl::UnavailableError("the prefill worker is shutting down"); }
+inline absl::Status ShuttingDown() {
+  return absl::UnavailableError("the prefill worker is shutting down");
+}
 
 // How a transfer failure fails its request: a decode worker that is gone (or a connection that
 // was closed) is UNAVAILABLE; a passed deadline stays DEADLINE_EXCEEDED; the rest keep their code.
-inline absl::Status TransferFailure(const std::string& request_id,
-                                    const absl::Status& status) {
+inline absl::Status TransferFailure(const std::string& request_id, const absl::Status& status) {
   absl::StatusCode code = status.code();
   // A closed connection (Cancelled) or one another request already dropped (NotFound) both
   // mean the decode worker went away.
@@ -114,8 +115,8 @@ struct Answer {
 struct Metrics {
   metrics::Registry registry;
   engine::EngineMetrics engine{registry};  // KV, batch, preemptions, step times
-  prometheus::Gauge& queued_tokens = registry.Gauge(
-      "tandem_prefill_queued_tokens", "Prompt tokens accepted and not yet computed.");
+  prometheus::Gauge& queued_tokens = registry.Gauge("tandem_prefill_queued_tokens",
+                                                    "Prompt tokens accepted and not yet computed.");
   prometheus::Counter& prompt_tokens = registry.Counter(
       "tandem_prompt_tokens_total", "Prompt tokens of the requests prefilled successfully.");
   prometheus::Counter& transfer_bytes =
@@ -126,15 +127,16 @@ struct Metrics {
   prometheus::Counter& exposed_seconds = registry.Counter(
       "tandem_kv_transfer_exposed_seconds_total",
       "Of tandem_kv_transfer_seconds_total, the seconds after prefill compute ended.");
-  prometheus::Histogram& prefill_seconds = registry.Histogram(
-      "tandem_prefill_seconds", "Seconds from a request's first chunk scheduled to its first token.",
-      metrics::LatencyBuckets());
+  prometheus::Histogram& prefill_seconds =
+      registry.Histogram("tandem_prefill_seconds",
+                         "Seconds from a request's first chunk scheduled to its first token.",
+                         metrics::LatencyBuckets());
   prometheus::Gauge& token_budget = registry.Gauge(
       "tandem_prefill_token_budget",
       "Tokens a prefill step may take: max_num_batched_tokens, or the TTFT controller's lower "
       "budget.");
-  prometheus::Gauge& ttft_target = registry.Gauge(
-      "tandem_prefill_ttft_target_seconds", "The TTFT target steps are sized for (0: none).");
+  prometheus::Gauge& ttft_target = registry.Gauge("tandem_prefill_ttft_target_seconds",
+                                                  "The TTFT target steps are sized for (0: none).");
 
   prometheus::Counter& Requests(absl::StatusCode code) {
     return registry.Counter("tandem_prefill_requests_total",
@@ -234,16 +236,15 @@ class PrefillWorkerImpl final : public PrefillWorker {
   Service service_{this};
 
   mutable std::mutex mu_;
-  std::condition_variable idle_;      // Shutdown: a call finished
-  std::set<std::string> in_flight_;   // guarded by mu_; request ids of Submit calls
-  uint64_t next_serial_ = 1;          // guarded by mu_
-  tandem::v1::WorkerStats stats_;     // guarded by mu_
+  std::condition_variable idle_;     // Shutdown: a call finished
+  std::set<std::string> in_flight_;  // guarded by mu_; request ids of Submit calls
+  uint64_t next_serial_ = 1;         // guarded by mu_
+  tandem::v1::WorkerStats stats_;    // guarded by mu_
 
   // Loop thread only.
   std::map<std::string, std::unique_ptr<Job>, std::less<>> jobs_;
   absl::Time step_start_;                                               // of the step running
   std::vector<std::unique_ptr<kvtransfer::TransferHandle>> abandoned_;  // outlive the agent
 };
-
 
 }  // namespace tandem::prefill_worker::internal

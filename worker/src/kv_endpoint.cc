@@ -53,8 +53,9 @@ absl::StatusOr<tandem::v1::HandshakeResponse> KvEndpoint::Handshake(
   if (!compatible.ok()) {
     const std::string& sender = this_side_sends ? worker_id : request.worker_id();
     const std::string& receiver = this_side_sends ? request.worker_id() : worker_id;
-    return absl::Status(compatible.code(), absl::StrCat(std::string(compatible.message()),
-                                                        " (worker ", sender, " -> ", receiver, ")"));
+    return absl::Status(compatible.code(),
+                        absl::StrCat(std::string(compatible.message()), " (worker ", sender, " -> ",
+                                     receiver, ")"));
   }
   tandem::v1::HandshakeResponse response;
   response.set_worker_id(worker_id);
@@ -68,8 +69,8 @@ absl::Status KvEndpoint::CheckReceiver(const tandem::v1::TransferEndpoint& endpo
                                       absl::StrCat("this ", options_.role, " worker"));
 }
 
-absl::StatusOr<kvtransfer::PeerId> KvEndpoint::Peer(const std::string& address,
-                                                    absl::Time deadline, bool fresh) {
+absl::StatusOr<kvtransfer::PeerId> KvEndpoint::Peer(const std::string& address, absl::Time deadline,
+                                                    bool fresh) {
   std::optional<kvtransfer::PeerId> stale;
   {
     std::lock_guard<std::mutex> lock(peers_mu_);

@@ -108,7 +108,8 @@ TEST(KvEndpointTest, PushesBytesIntoThePeersCacheOverOneReusedConnection) {
   const uint64_t bytes = src.block_bytes();
   auto* from = reinterpret_cast<unsigned char*>(sender_engine->kv_cache());
   auto* to = reinterpret_cast<unsigned char*>(receiver_engine->kv_cache());
-  for (uint64_t i = 0; i < bytes; ++i) from[src.Offset(0, 0, 1, 0) + i] = static_cast<unsigned char>(i * 7 + 1);
+  for (uint64_t i = 0; i < bytes; ++i)
+    from[src.Offset(0, 0, 1, 0) + i] = static_cast<unsigned char>(i * 7 + 1);
   auto handle = sender->Push(*peer, there.region_descriptors(0),
                              {{src.Offset(0, 0, 1, 0), dst.Offset(0, 0, 3, 0), bytes}}, deadline);
   ASSERT_TRUE(handle.ok()) << handle.status();
@@ -130,8 +131,8 @@ TEST(KvEndpointTest, PushesBytesIntoThePeersCacheOverOneReusedConnection) {
 
 TEST(KvEndpointTest, RefusesAnUnknownBackend) {
   auto engine = TinyEngine();
-  auto endpoint = KvEndpoint::Create({.backend = "carrier-pigeon", .name = "x", .role = "decode"},
-                                     *engine);
+  auto endpoint =
+      KvEndpoint::Create({.backend = "carrier-pigeon", .name = "x", .role = "decode"}, *engine);
   EXPECT_EQ(endpoint.status().code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -32,12 +32,12 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(WorkerOptions opt
   options.engine.role = role;
   core->options_ = std::move(options);
   TANDEM_ASSIGN_OR_RETURN(core->engine_, engine::LlmEngine::Create(core->options_.engine));
-  TANDEM_ASSIGN_OR_RETURN(core->kv_, KvEndpoint::Create({.backend = core->options_.kv_backend,
-                                                         .name = core->options_.worker_id,
-                                                         .role = role_name,
-                                                         .listen_host =
-                                                             core->options_.kv_listen_host},
-                                                        *core->engine_));
+  TANDEM_ASSIGN_OR_RETURN(core->kv_,
+                          KvEndpoint::Create({.backend = core->options_.kv_backend,
+                                              .name = core->options_.worker_id,
+                                              .role = role_name,
+                                              .listen_host = core->options_.kv_listen_host},
+                                             *core->engine_));
   return core;
 }
 
@@ -54,10 +54,9 @@ absl::Status WorkerCore::Serve(EngineLoop::Options loop, grpc::Service* service,
   server_ = std::move(started.server);
   grpc_address_ = std::move(started.address);
   if (!options_.metrics_address.empty()) {
-    TANDEM_ASSIGN_OR_RETURN(status_,
-                            StatusServer::Create(
-                                options_.metrics_address, [this] { return !accepting(); },
-                                std::move(render_metrics)));
+    TANDEM_ASSIGN_OR_RETURN(status_, StatusServer::Create(
+                                         options_.metrics_address, [this] { return !accepting(); },
+                                         std::move(render_metrics)));
   }
   return absl::OkStatus();
 }

@@ -12,7 +12,8 @@
 //
 //   EngineLoop::Options options;
 //   options.iterate = [&] { StepEngine(); return engine->has_unfinished()
-//                                                   ? absl::ZeroDuration() : absl::InfiniteDuration(); };
+//                                                   ? absl::ZeroDuration() :
+//                                                   absl::InfiniteDuration(); };
 //   options.drained = [&] { return jobs.empty(); };
 //   auto loop = std::make_unique<EngineLoop>(std::move(options));
 //   loop->Start();
@@ -124,8 +125,8 @@ class EngineLoop {
     absl::Time when;
     std::function<void()> on_expiry;
   };
-  std::map<std::string, Deadline> deadlines_;                 // by key
-  std::set<std::pair<absl::Time, std::string>> by_time_;     // (when, key) of deadlines_
+  std::map<std::string, Deadline> deadlines_;             // by key
+  std::set<std::pair<absl::Time, std::string>> by_time_;  // (when, key) of deadlines_
   std::optional<absl::Time> stop_since_;
 
   std::thread thread_;

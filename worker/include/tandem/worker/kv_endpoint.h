@@ -59,9 +59,9 @@ class KvEndpoint {
   // The Handshake RPC of a worker named `worker_id`: OK with this side's id and layout when
   // pages can go from the sender to the receiver (this side sends when `this_side_sends`),
   // otherwise the layout check's error naming both workers.
-  absl::StatusOr<tandem::v1::HandshakeResponse> Handshake(const tandem::v1::HandshakeRequest& request,
-                                                          const std::string& worker_id,
-                                                          bool this_side_sends) const;
+  absl::StatusOr<tandem::v1::HandshakeResponse> Handshake(
+      const tandem::v1::HandshakeRequest& request, const std::string& worker_id,
+      bool this_side_sends) const;
   // Checks a receiver's endpoint before anything is pushed to it (proto::CheckTransferEndpoint
   // with this cache as the sender); `name` is how messages call it.
   absl::Status CheckReceiver(const tandem::v1::TransferEndpoint& endpoint,
