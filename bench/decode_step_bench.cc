@@ -43,7 +43,7 @@ std::string ModelDir() {
 
 // Bytes a decode step must read from memory at least: every weight the forward pass touches
 // (fp32; the embedding contributes one row per token) plus each sequence's KV.
-double BytesPerStep(const engine::ModelConfig& c, int batch, int context) {
+double BytesPerStep(const text::ModelConfig& c, int batch, int context) {
   const double hidden = c.hidden_size, inter = c.intermediate_size;
   const double q_dim = c.num_heads * c.head_dim, kv_dim = c.num_kv_heads * c.head_dim;
   double per_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter;
@@ -60,7 +60,7 @@ void BM_DecodeStep(benchmark::State& state) {
     state.SkipWithError(std::string(checkpoint.status().message()).c_str());
     return;
   }
-  const engine::ModelConfig& c = (*checkpoint)->config();
+  const text::ModelConfig& c = (*checkpoint)->config();
   auto backend = kernels::CreateCpuBackend({.num_threads = 2});
   const int block_size = 16;
   const int blocks_per_seq = (context + 1 + block_size - 1) / block_size;

@@ -35,44 +35,10 @@ absl::StatusOr<json> ReadJsonFile(const std::string& path) {
 
 }  // namespace
 
-std::map<std::string, std::vector<int64_t>> ExpectedTensors(const ModelConfig& c) {
-  const int64_t hidden = c.hidden_size;
-  const int64_t q_dim = int64_t{c.num_heads} * c.head_dim;
-  const int64_t kv_dim = int64_t{c.num_kv_heads} * c.head_dim;
-  const int64_t inter = c.intermediate_size;
-  std::map<std::string, std::vector<int64_t>> t;
-  t["model.embed_tokens.weight"] = {c.vocab_size, hidden};
-  for (int i = 0; i < c.num_layers; ++i) {
-    const std::string p = absl::StrCat("model.layers.", i, ".");
-    t[p + "input_layernorm.weight"] = {hidden};
-    t[p + "self_attn.q_proj.weight"] = {q_dim, hidden};
-    t[p + "self_attn.k_proj.weight"] = {kv_dim, hidden};
-    t[p + "self_attn.v_proj.weight"] = {kv_dim, hidden};
-    t[p + "self_attn.o_proj.weight"] = {hidden, q_dim};
-    if (c.o_proj_bias) t[p + "self_attn.o_proj.bias"] = {hidden};
-    if (c.attention_bias) {
-      t[p + "self_attn.q_proj.bias"] = {q_dim};
-      t[p + "self_attn.k_proj.bias"] = {kv_dim};
-      t[p + "self_attn.v_proj.bias"] = {kv_dim};
-    }
-    if (c.qk_norm) {
-      t[p + "self_attn.q_norm.weight"] = {c.head_dim};
-      t[p + "self_attn.k_norm.weight"] = {c.head_dim};
-    }
-    t[p + "post_attention_layernorm.weight"] = {hidden};
-    t[p + "mlp.gate_proj.weight"] = {inter, hidden};
-    t[p + "mlp.up_proj.weight"] = {inter, hidden};
-    t[p + "mlp.down_proj.weight"] = {hidden, inter};
-  }
-  t["model.norm.weight"] = {hidden};
-  if (!c.tie_word_embeddings) t["lm_head.weight"] = {c.vocab_size, hidden};
-  return t;
-}
-
 absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& dir) {
   auto ckpt = std::unique_ptr<Checkpoint>(new Checkpoint());
   ckpt->dir_ = dir;
-  TANDEM_ASSIGN_OR_RETURN(ckpt->config_, ModelConfig::FromFile(dir + "/config.json"));
+  TANDEM_ASSIGN_OR_RETURN(ckpt->config_, text::ModelConfig::FromFile(dir + "/config.json"));
 
   // transformers prefers the single file when both exist; so do we.
   const std::string single_path = absl::StrCat(dir, "/", kSingleFile);

@@ -13,7 +13,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "tandem/engine/model_config.h"
+#include "tandem/text/model_config.h"
 
 namespace tandem::engine {
 namespace {
@@ -114,7 +114,7 @@ class CheckpointTest : public ::testing::Test {
   void WriteCheckpoint(const json& config_json, DType dtype, int shards = 1,
                        const std::string& skip = "") {
     WriteText("config.json", config_json.dump(2));
-    auto config = ModelConfig::FromJson(config_json.dump(), "config.json");
+    auto config = text::ModelConfig::FromJson(config_json.dump(), "config.json");
     ASSERT_TRUE(config.ok()) << config.status();
     std::vector<SafetensorsWriter> writers(shards);
     json weight_map = json::object();
@@ -168,7 +168,7 @@ TEST_P(CheckpointLoadTest, LoadsEveryTensorWithItsValues) {
   ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig(p.arch), p.dtype, p.shards));
   auto ckpt = Checkpoint::Open(dir_);
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
-  const ModelConfig& c = (*ckpt)->config();
+  const text::ModelConfig& c = (*ckpt)->config();
   EXPECT_EQ(c.attention_bias, p.arch == "qwen2" || p.arch == "llama-bias");
   EXPECT_EQ(c.o_proj_bias, p.arch == "llama-bias");
   EXPECT_EQ(c.qk_norm, p.arch == "qwen3");
@@ -210,7 +210,7 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 TEST_F(CheckpointTest, IgnoresExtraTensors) {
-  auto config = ModelConfig::FromJson(TinyConfig("llama").dump(), "config.json");
+  auto config = text::ModelConfig::FromJson(TinyConfig("llama").dump(), "config.json");
   ASSERT_TRUE(config.ok());
   WriteText("config.json", TinyConfig("llama").dump());
   SafetensorsWriter writer;
@@ -233,9 +233,9 @@ TEST_F(CheckpointTest, IgnoresExtraTensors) {
 TEST(ModelConfigTest, ReadsLlama3RopeScalingAndEosList) {
   json j = TinyConfig("llama");
   j["eos_token_id"] = {128001, 128009};
-  auto c = ModelConfig::FromJson(j.dump(), "config.json");
+  auto c = text::ModelConfig::FromJson(j.dump(), "config.json");
   ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->architecture, Architecture::kLlama);
+  EXPECT_EQ(c->architecture, text::Architecture::kLlama);
   EXPECT_EQ(c->rope.head_dim, 8);
   EXPECT_FLOAT_EQ(c->rope.theta, 500000.0f);
   EXPECT_TRUE(c->rope.llama3_scaling);
@@ -254,7 +254,7 @@ TEST(ModelConfigTest, AppliesHuggingFaceDefaults) {
   j.erase("torch_dtype");
   j.erase("rms_norm_eps");
   j["bos_token_id"] = nullptr;
-  auto c = ModelConfig::FromJson(j.dump(), "config.json");
+  auto c = text::ModelConfig::FromJson(j.dump(), "config.json");
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_FLOAT_EQ(c->rope.theta, 10000.0f);
   EXPECT_FALSE(c->rope.llama3_scaling);
@@ -269,7 +269,7 @@ TEST(ModelConfigTest, AppliesHuggingFaceDefaults) {
 }
 
 TEST(ModelConfigTest, BiasesFollowTransformersPerArchitecture) {
-  auto qwen2 = ModelConfig::FromJson(TinyConfig("qwen2").dump(), "config.json");
+  auto qwen2 = text::ModelConfig::FromJson(TinyConfig("qwen2").dump(), "config.json");
   ASSERT_TRUE(qwen2.ok());
   EXPECT_TRUE(qwen2->attention_bias);
   EXPECT_FLOAT_EQ(qwen2->rope.theta, 1e6f);
@@ -278,7 +278,7 @@ TEST(ModelConfigTest, BiasesFollowTransformersPerArchitecture) {
 
   json j = TinyConfig("llama");
   j["attention_bias"] = true;
-  auto llama = ModelConfig::FromJson(j.dump(), "config.json");
+  auto llama = text::ModelConfig::FromJson(j.dump(), "config.json");
   ASSERT_TRUE(llama.ok());
   EXPECT_TRUE(llama->attention_bias);
   EXPECT_TRUE(llama->o_proj_bias);
@@ -293,14 +293,14 @@ TEST(ModelConfigTest, BiasesFollowTransformersPerArchitecture) {
   // MistralAttention has no biases whatever the config says.
   j = TinyConfig("mistral");
   j["attention_bias"] = true;
-  auto mistral = ModelConfig::FromJson(j.dump(), "config.json");
+  auto mistral = text::ModelConfig::FromJson(j.dump(), "config.json");
   ASSERT_TRUE(mistral.ok());
   EXPECT_FALSE(mistral->attention_bias);
   EXPECT_FALSE(ExpectedTensors(*mistral).count("model.layers.0.self_attn.q_proj.bias"));
 }
 
 TEST(ModelConfigTest, Qwen3ShapesFollowExplicitHeadDim) {
-  auto c = ModelConfig::FromJson(TinyConfig("qwen3").dump(), "config.json");
+  auto c = text::ModelConfig::FromJson(TinyConfig("qwen3").dump(), "config.json");
   ASSERT_TRUE(c.ok());
   EXPECT_TRUE(c->qk_norm);
   auto t = ExpectedTensors(*c);
@@ -315,9 +315,9 @@ TEST(ModelConfigTest, Qwen3ShapesFollowExplicitHeadDim) {
 
 TEST(ModelConfigTest, RoundTripsThroughToJson) {
   for (const char* arch : {"llama", "mistral", "qwen2", "qwen3"}) {
-    auto c = ModelConfig::FromJson(TinyConfig(arch).dump(), "config.json");
+    auto c = text::ModelConfig::FromJson(TinyConfig(arch).dump(), "config.json");
     ASSERT_TRUE(c.ok());
-    auto back = ModelConfig::FromJson(c->ToJson(), "round trip");
+    auto back = text::ModelConfig::FromJson(c->ToJson(), "round trip");
     ASSERT_TRUE(back.ok()) << back.status();
     EXPECT_EQ(back->ToJson(), c->ToJson()) << arch;
     EXPECT_EQ(back->attention_bias, c->attention_bias) << arch;
@@ -331,26 +331,26 @@ TEST(ModelConfigTest, RoundTripsThroughToJson) {
 TEST(ModelConfigTest, RefusesInconsistentShapes) {
   json j = TinyConfig("llama");
   j["num_key_value_heads"] = 3;
-  EXPECT_THAT(ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
+  EXPECT_THAT(text::ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
               AllOf(HasSubstr("m/config.json"), HasSubstr("num_key_value_heads (3)")));
   j = TinyConfig("llama");
   j["hidden_size"] = 30;
-  EXPECT_THAT(ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
+  EXPECT_THAT(text::ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
               HasSubstr("divisible by num_attention_heads"));
   j = TinyConfig("llama");
   j["num_hidden_layers"] = 0;
-  EXPECT_THAT(ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
+  EXPECT_THAT(text::ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
               HasSubstr("\"num_hidden_layers\" must be a positive integer"));
   j = TinyConfig("llama");
   j.erase("vocab_size");
-  EXPECT_THAT(ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
+  EXPECT_THAT(text::ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
               HasSubstr("missing required field \"vocab_size\""));
 }
 
 TEST(ModelConfigTest, RopeScalingDefaultTypeMeansNone) {
   json j = TinyConfig("llama");
   j["rope_scaling"] = {{"type", "default"}};
-  auto c = ModelConfig::FromJson(j.dump(), "config.json");
+  auto c = text::ModelConfig::FromJson(j.dump(), "config.json");
   ASSERT_TRUE(c.ok());
   EXPECT_FALSE(c->rope.llama3_scaling);
 }

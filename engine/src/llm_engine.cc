@@ -13,7 +13,7 @@ namespace tandem::engine {
 
 struct LlmEngine::Choice {
   std::unique_ptr<Sequence> seq;
-  std::unique_ptr<IncrementalDetokenizer> detokenizer;
+  std::unique_ptr<text::IncrementalDetokenizer> detokenizer;
   std::string held;  // decoded text not yet released: it may begin a stop string
   bool done = false;
 };
@@ -38,7 +38,7 @@ namespace {
 // The backend of `options.device`. CUDA's attention metadata and split-KV workspace are sized
 // for the longest context and the largest step this engine can run.
 absl::StatusOr<std::unique_ptr<kernels::Backend>> CreateBackend(const EngineOptions& options,
-                                                                const ModelConfig& config,
+                                                                const text::ModelConfig& config,
                                                                 int max_model_len,
                                                                 int num_blocks) {
   if (options.device == Device::kCpu) {
@@ -70,9 +70,9 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
   engine->telemetry_ = StepTelemetry(options.step_trace, engine->role_->name());
   TANDEM_ASSIGN_OR_RETURN(engine->checkpoint_, Checkpoint::Open(options.model_dir));
   TANDEM_ASSIGN_OR_RETURN(engine->tokenizer_,
-                          Tokenizer::FromFile(options.model_dir + "/tokenizer.json"));
-  TANDEM_ASSIGN_OR_RETURN(engine->chat_formatter_, ChatFormatter::Load(options.model_dir));
-  const ModelConfig& config = engine->checkpoint_->config();
+                          text::Tokenizer::FromFile(options.model_dir + "/tokenizer.json"));
+  TANDEM_ASSIGN_OR_RETURN(engine->chat_formatter_, text::ChatFormatter::Load(options.model_dir));
+  const text::ModelConfig& config = engine->checkpoint_->config();
   engine->max_model_len_ = config.max_position_embeddings;
   if (options.max_model_len > 0) {
     engine->max_model_len_ = std::min(engine->max_model_len_, options.max_model_len);
@@ -107,7 +107,7 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
   return engine;
 }
 
-absl::Status ValidateRequest(const GenerateRequest& request, const ModelConfig& config,
+absl::Status ValidateRequest(const GenerateRequest& request, const text::ModelConfig& config,
                              int max_model_len) {
   TANDEM_RETURN_IF_ERROR(request.params.Validate(config.vocab_size));
   const int prompt_len = static_cast<int>(request.prompt_tokens.size());
@@ -163,7 +163,7 @@ std::unique_ptr<LlmEngine::Request> LlmEngine::NewRequest(GenerateRequest& reque
     seq.num_prompt_tokens = req->num_prompt_tokens;
     seq.params = req->params;
     choice.detokenizer =
-        std::make_unique<IncrementalDetokenizer>(*tokenizer_, req->params->skip_special_tokens);
+        std::make_unique<text::IncrementalDetokenizer>(*tokenizer_, req->params->skip_special_tokens);
   }
   return req;
 }

@@ -24,7 +24,7 @@ struct ModelRunner::Layer {
 
 ModelRunner::~ModelRunner() = default;
 
-int64_t ModelRunner::KvBytesPerBlock(const ModelConfig& config, int block_size) {
+int64_t ModelRunner::KvBytesPerBlock(const text::ModelConfig& config, int block_size) {
   const KvCacheLayout layout{.num_layers = config.num_layers,
                              .num_blocks = 1,
                              .block_size = block_size,
@@ -45,7 +45,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   runner->config_ = checkpoint.config();
   runner->options_ = options;
   runner->backend_ = backend;
-  const ModelConfig& c = runner->config_;
+  const text::ModelConfig& c = runner->config_;
   runner->cache_layout_ = {.num_layers = c.num_layers,
                            .num_blocks = options.num_kv_blocks,
                            .block_size = options.block_size,
@@ -100,7 +100,7 @@ absl::StatusOr<kernels::DeviceBuffer> ModelRunner::Upload(const std::vector<floa
 }
 
 absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint) {
-  const ModelConfig& c = config_;
+  const text::ModelConfig& c = config_;
   // Reads a vector (norm weight, bias) into backend memory.
   auto read = [&](const std::string& name) -> absl::StatusOr<kernels::DeviceBuffer> {
     TANDEM_ASSIGN_OR_RETURN(std::vector<float> values, checkpoint.ReadFloat(name));
@@ -174,7 +174,7 @@ void ModelRunner::CopyBlock(int32_t src, int32_t dst) {
 }
 
 absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep& step) {
-  const ModelConfig& c = config_;
+  const text::ModelConfig& c = config_;
   const int num_seqs = static_cast<int>(step.seqs.size());
   int tokens = 0;
   for (const ScheduledSequence& s : step.seqs) tokens += s.num_new_tokens;

@@ -94,7 +94,7 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return StatusFromCode(static_cast<int>(status.error_code()), status.error_message());
 }
 
-tandem::v1::KvLayout EngineKvLayout(const engine::ModelConfig& config,
+tandem::v1::KvLayout EngineKvLayout(const text::ModelConfig& config,
                                     const kernels::KvLayout& layout) {
   tandem::v1::KvLayout out;
   out.set_dtype(tandem::v1::KV_DTYPE_F32);

@@ -98,10 +98,10 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
           "the router needs at least one prefill and one decode worker address, or etcd");
     }
     TANDEM_ASSIGN_OR_RETURN(config_,
-                            engine::ModelConfig::FromFile(options_.model_dir + "/config.json"));
+                            text::ModelConfig::FromFile(options_.model_dir + "/config.json"));
     TANDEM_ASSIGN_OR_RETURN(tokenizer_,
-                            engine::Tokenizer::FromFile(options_.model_dir + "/tokenizer.json"));
-    TANDEM_ASSIGN_OR_RETURN(chat_formatter_, engine::ChatFormatter::Load(options_.model_dir));
+                            text::Tokenizer::FromFile(options_.model_dir + "/tokenizer.json"));
+    TANDEM_ASSIGN_OR_RETURN(chat_formatter_, text::ChatFormatter::Load(options_.model_dir));
     max_model_len_ = config_.max_position_embeddings;
     if (options_.max_model_len > 0) max_model_len_ = std::min(max_model_len_, options_.max_model_len);
 
@@ -225,9 +225,9 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     if (it != flights_.end()) Cancel(*it->second);
   }
 
-  const engine::ModelConfig& config() const override { return config_; }
-  const engine::Tokenizer& tokenizer() const override { return *tokenizer_; }
-  const engine::ChatFormatter& chat_formatter() const override { return *chat_formatter_; }
+  const text::ModelConfig& config() const override { return config_; }
+  const text::Tokenizer& tokenizer() const override { return *tokenizer_; }
+  const text::ChatFormatter& chat_formatter() const override { return *chat_formatter_; }
   int max_model_len() const override { return max_model_len_; }
 
   // The pools as of the poller's last round (every stats_interval): a scrape of /metrics does
@@ -1001,9 +1001,9 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   // Plaintext, or mutual TLS from options_.tls; set by Init before any channel is made.
   std::shared_ptr<grpc::ChannelCredentials> channel_credentials_;
   std::unique_ptr<cluster::Membership> membership_;  // with etcd: keeps the pools current
-  engine::ModelConfig config_;
-  std::unique_ptr<engine::Tokenizer> tokenizer_;
-  std::unique_ptr<engine::ChatFormatter> chat_formatter_;
+  text::ModelConfig config_;
+  std::unique_ptr<text::Tokenizer> tokenizer_;
+  std::unique_ptr<text::ChatFormatter> chat_formatter_;
   int max_model_len_ = 0;
 
   // The pools; a worker that leaves is dropped here, and lives on while a request uses it.

@@ -345,7 +345,7 @@ class ApiServerImpl : public ApiServer {
   void RequestFinished() { active_.fetch_sub(1); }
   std::string TokenString(int32_t id) const {
     if (id < 0 || id >= engine_->tokenizer().vocab_size()) return "";
-    return engine::ReplaceInvalidUtf8(engine_->tokenizer().TokenBytes(id));
+    return text::ReplaceInvalidUtf8(engine_->tokenizer().TokenBytes(id));
   }
   std::string TokenBytes(int32_t id) const {
     if (id < 0 || id >= engine_->tokenizer().vocab_size()) return "";
@@ -802,7 +802,7 @@ json Generation::LogprobsFor(const engine::ChoiceDelta& delta, Choice& choice) c
     json bytes = json::array();
     for (unsigned char c : raw) bytes.push_back(static_cast<int>(c));
     return json{
-        {"token", engine::ReplaceInvalidUtf8(raw)}, {"logprob", JsonLogprob(lp)}, {"bytes", bytes}};
+        {"token", text::ReplaceInvalidUtf8(raw)}, {"logprob", JsonLogprob(lp)}, {"bytes", bytes}};
   };
   json content = json::array();
   for (size_t i = 0; i < count; ++i) {

@@ -15,13 +15,13 @@
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
-#include "tandem/engine/chat_template.h"
+#include "tandem/text/chat_template.h"
 
 namespace {
 
 using OrderedJson = nlohmann::ordered_json;
-using tandem::engine::ChatFormatter;
-using tandem::engine::JinjaTemplate;
+using tandem::text::ChatFormatter;
+using tandem::text::JinjaTemplate;
 
 absl::StatusOr<std::string> RenderCase(const OrderedJson& c) {
   if (c.contains("template")) {

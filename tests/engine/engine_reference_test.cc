@@ -50,7 +50,7 @@ TEST_P(ReferenceTest, LogitsAtEveryPositionAndGreedyTokensMatch) {
   const std::string model = testing::TinyModel(arch);
   auto checkpoint = Checkpoint::Open(model);
   ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
-  auto tokenizer = Tokenizer::FromFile(model + "/tokenizer.json");
+  auto tokenizer = text::Tokenizer::FromFile(model + "/tokenizer.json");
   ASSERT_TRUE(tokenizer.ok());
   std::vector<int32_t> prompt =
       (*tokenizer)->Encode("The engine reads 42 pages; every page holds 16 tokens.", true);

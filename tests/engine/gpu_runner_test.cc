@@ -52,7 +52,7 @@ class GpuRunnerTest : public ::testing::TestWithParam<std::string> {
 TEST_P(GpuRunnerTest, LogitsMatchCpuAndGreedyTokensAgree) {
   auto checkpoint = Checkpoint::Open(model_);
   ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
-  const ModelConfig& config = (*checkpoint)->config();
+  const text::ModelConfig& config = (*checkpoint)->config();
   auto cpu = kernels::CreateCpuBackend({});
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   auto gpu = kernels::CreateCudaBackend({.max_seqs = 8, .max_blocks_per_seq = 64});

@@ -1,7 +1,7 @@
 // Byte-level BPE training (see bpe_trainer.h).
 //
 // Words come from the same pre-tokenizer the trained tokenizer will use (loaded through
-// engine::Tokenizer), so merges never cross a boundary that encoding would not cross either.
+// text::Tokenizer), so merges never cross a boundary that encoding would not cross either.
 // Each step merges the most frequent adjacent pair over all words, weighted by word count.
 // Pair counts live in a hash map; a max-heap holds (count, pair) entries that are checked
 // against the map when popped, and only words that contain the merged pair are rewritten.
@@ -20,7 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "nlohmann/json.hpp"
 #include "tandem/base/status_macros.h"
-#include "tandem/engine/tokenizer.h"
+#include "tandem/text/tokenizer.h"
 
 namespace tandem::tools {
 namespace {
@@ -291,7 +291,7 @@ absl::StatusOr<std::string> TrainByteLevelBpe(std::string_view corpus, int vocab
   }
   absl::flat_hash_set<std::string> seen;
   for (const std::string& s : special_tokens) {
-    if (s.empty() || engine::ReplaceInvalidUtf8(s) != s) {
+    if (s.empty() || text::ReplaceInvalidUtf8(s) != s) {
       return absl::InvalidArgumentError("special tokens must be non-empty UTF-8");
     }
     if (!seen.insert(s).second) {
@@ -303,7 +303,7 @@ absl::StatusOr<std::string> TrainByteLevelBpe(std::string_view corpus, int vocab
   std::vector<std::string> bytes(256);
   for (int b = 0; b < 256; ++b) bytes[b] = std::string(1, static_cast<char>(b));
   TANDEM_ASSIGN_OR_RETURN(auto splitter,
-                          engine::Tokenizer::FromJson(TokenizerJson(bytes, {}, special_tokens)));
+                          text::Tokenizer::FromJson(TokenizerJson(bytes, {}, special_tokens)));
   absl::flat_hash_map<std::string, int64_t> counts;
   for (std::string& piece : splitter->PreTokenize(corpus)) ++counts[std::move(piece)];
   // Sorted so that the result does not depend on hash iteration order.
@@ -316,7 +316,7 @@ absl::StatusOr<std::string> TrainByteLevelBpe(std::string_view corpus, int vocab
   std::string json = TokenizerJson(learner.tokens(), learner.merges(), special_tokens);
 
   // What we hand out must load; a failure here is a bug in this file, reported rather than hidden.
-  auto check = engine::Tokenizer::FromJson(json);
+  auto check = text::Tokenizer::FromJson(json);
   if (!check.ok()) {
     return absl::InternalError(
         absl::StrCat("trained tokenizer does not load: ", check.status().message()));

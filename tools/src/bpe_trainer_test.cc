@@ -8,7 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
-#include "tandem/engine/tokenizer.h"
+#include "tandem/text/tokenizer.h"
 
 namespace tandem::tools {
 namespace {
@@ -20,12 +20,12 @@ const std::vector<std::string> kSpecials = {"<|begin_of_text|>", "<|end_of_text|
                                             "<|start_header_id|>", "<|end_header_id|>",
                                             "<|eot_id|>"};
 
-std::unique_ptr<engine::Tokenizer> Train(std::string_view corpus, int vocab_size,
+std::unique_ptr<text::Tokenizer> Train(std::string_view corpus, int vocab_size,
                                          const std::vector<std::string>& specials) {
   auto json = TrainByteLevelBpe(corpus, vocab_size, specials);
   EXPECT_TRUE(json.ok()) << json.status();
   if (!json.ok()) return nullptr;
-  auto tok = engine::Tokenizer::FromJson(*json);
+  auto tok = text::Tokenizer::FromJson(*json);
   EXPECT_TRUE(tok.ok()) << tok.status();
   return tok.ok() ? std::move(*tok) : nullptr;
 }

@@ -22,7 +22,7 @@
 #include "commands.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/engine/llm_engine.h"
-#include "tandem/engine/model_config.h"
+#include "tandem/text/model_config.h"
 #include "tandem/engine/model_runner.h"
 #include "tandem/tools/args.h"
 #include "tandem/tools/planner.h"
@@ -145,8 +145,8 @@ absl::StatusOr<Setup> SetupFromFlags(const Args& args, bool slo_required) {
   }
   if (args.Has("model")) {
     const std::filesystem::path dir = *args.Get("model");
-    absl::StatusOr<engine::ModelConfig> config =
-        engine::ModelConfig::FromFile((dir / "config.json").string());
+    absl::StatusOr<text::ModelConfig> config =
+        text::ModelConfig::FromFile((dir / "config.json").string());
     if (!config.ok()) {
       return absl::InvalidArgumentError(
           absl::StrCat(cmd, ": --model: ", config.status().message()));
@@ -638,8 +638,8 @@ absl::Status CalibrateFromTrace(const Args& args) {
     }
   }
   if (args.Has("model")) {
-    TANDEM_ASSIGN_OR_RETURN(engine::ModelConfig config,
-                            engine::ModelConfig::FromFile(*args.Get("model") + "/config.json"));
+    TANDEM_ASSIGN_OR_RETURN(text::ModelConfig config,
+                            text::ModelConfig::FromFile(*args.Get("model") + "/config.json"));
     cal.model = *args.Get("model");
     // Per token, every layer, K and V: what an engine's cache of this model holds (fp32).
     cal.kv_bytes_per_token =

@@ -8,7 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "commands.h"
 #include "tandem/base/status_macros.h"
-#include "tandem/engine/model_config.h"
+#include "tandem/text/model_config.h"
 #include "tandem/tools/args.h"
 #include "tandem/tools/roofline.h"
 
@@ -43,8 +43,8 @@ absl::StatusOr<RooflineShape> ShapeFromFlags(const Args& args) {
   if (args.Has("model")) {
     if (args.Has("preset")) return absl::InvalidArgumentError("give --model or --preset, not both");
     const std::filesystem::path dir = *args.Get("model");
-    TANDEM_ASSIGN_OR_RETURN(engine::ModelConfig config,
-                            engine::ModelConfig::FromFile((dir / "config.json").string()));
+    TANDEM_ASSIGN_OR_RETURN(text::ModelConfig config,
+                            text::ModelConfig::FromFile((dir / "config.json").string()));
     shape = ShapeFromConfig(config);
     shape.batch = TextbookShape().batch;
     shape.seq_len = TextbookShape().seq_len;

@@ -60,7 +60,7 @@ absl::Status Run(int argc, char** argv) {
       ++files;
     }
   }
-  const engine::ModelConfig& c = ckpt->config();
+  const text::ModelConfig& c = ckpt->config();
   std::printf(
       "wrote %s: %s (%s preset), %lld parameters, vocab %d, %s weights in %d file(s), "
       "%llu bytes\n",

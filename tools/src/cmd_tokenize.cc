@@ -13,7 +13,7 @@
 #include "commands.h"
 #include "nlohmann/json.hpp"
 #include "tandem/base/status_macros.h"
-#include "tandem/engine/tokenizer.h"
+#include "tandem/text/tokenizer.h"
 #include "tandem/tools/args.h"
 
 namespace tandem::tools {
@@ -53,7 +53,7 @@ absl::StatusOr<std::string> ParseText(const std::string& line, bool json_input) 
     }
     text = j.get<std::string>();
   }
-  if (engine::ReplaceInvalidUtf8(text) != text) {
+  if (text::ReplaceInvalidUtf8(text) != text) {
     return absl::InvalidArgumentError("text is not valid UTF-8");
   }
   return text;
@@ -70,7 +70,7 @@ absl::Status Run(int argc, char** argv) {
   if (args.HandleHelp()) return absl::OkStatus();
   std::optional<std::string> path = args.Get("tokenizer");
   if (!path) return absl::InvalidArgumentError("--tokenizer FILE is required");
-  TANDEM_ASSIGN_OR_RETURN(auto tokenizer, engine::Tokenizer::FromFile(*path));
+  TANDEM_ASSIGN_OR_RETURN(auto tokenizer, text::Tokenizer::FromFile(*path));
 
   const bool decode = args.Switch("decode");
   const bool special = !args.Switch("no-special");

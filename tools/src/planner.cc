@@ -220,7 +220,7 @@ absl::StatusOr<RooflineShape> PlannerShape(const std::string& name) {
   if (lower == "small") {
     // The synthetic `small` preset as `tandem synth-model` writes it (its trained tokenizer
     // has about 4096 tokens).
-    TANDEM_ASSIGN_OR_RETURN(engine::ModelConfig config, SyntheticConfig("small", "llama", 4096));
+    TANDEM_ASSIGN_OR_RETURN(text::ModelConfig config, SyntheticConfig("small", "llama", 4096));
     return ShapeFromConfig(config);
   }
   if (lower == "llama3-8b") return Llama3_8BShape();

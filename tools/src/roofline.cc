@@ -255,7 +255,7 @@ absl::StatusOr<RooflineShape> FindShape(const std::string& name) {
       absl::StrCat("unknown model preset '", name, "' (textbook, llama-3-8b)"));
 }
 
-RooflineShape ShapeFromConfig(const engine::ModelConfig& config) {
+RooflineShape ShapeFromConfig(const text::ModelConfig& config) {
   RooflineShape s;
   s.hidden = config.hidden_size;
   s.heads = config.num_heads;

@@ -23,8 +23,8 @@
 namespace tandem::tools {
 namespace {
 
-using engine::Architecture;
-using engine::ModelConfig;
+using text::Architecture;
+using text::ModelConfig;
 using nlohmann::json;
 namespace fs = std::filesystem;
 
@@ -130,7 +130,7 @@ Init InitFor(const std::string& name, const std::vector<int64_t>& shape, const M
 // Tensors in checkpoint order (embedding, layers by number, final norm, lm_head), which is the
 // order a reader streams them in and the order shards are filled.
 std::vector<std::pair<std::string, std::vector<int64_t>>> OrderedTensors(const ModelConfig& c) {
-  auto expected = engine::ExpectedTensors(c);
+  auto expected = text::ExpectedTensors(c);
   std::vector<std::pair<std::string, std::vector<int64_t>>> out(expected.begin(), expected.end());
   auto rank = [](const std::string& name) -> int64_t {
     if (name == "model.embed_tokens.weight") return -1;

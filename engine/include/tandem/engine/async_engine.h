@@ -35,9 +35,9 @@ class AsyncEngine : public Generator {
   void Abort(const std::string& request_id) override;
 
   // Immutable after Create: safe from any thread.
-  const ModelConfig& config() const override { return engine_->config(); }
-  const Tokenizer& tokenizer() const override { return engine_->tokenizer(); }
-  const ChatFormatter& chat_formatter() const override { return engine_->chat_formatter(); }
+  const text::ModelConfig& config() const override { return engine_->config(); }
+  const text::Tokenizer& tokenizer() const override { return engine_->tokenizer(); }
+  const text::ChatFormatter& chat_formatter() const override { return engine_->chat_formatter(); }
   int max_model_len() const override { return engine_->max_model_len(); }
 
   // Snapshot taken after the latest step.

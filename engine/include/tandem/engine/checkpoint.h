@@ -12,7 +12,7 @@
 #include "absl/status/statusor.h"
 #include "tandem/base/half.h"
 #include "tandem/base/mapped_file.h"
-#include "tandem/engine/model_config.h"
+#include "tandem/text/model_config.h"
 
 namespace tandem::engine {
 
@@ -74,10 +74,6 @@ class SafetensorsWriter {
   std::vector<Entry> entries_;
 };
 
-// Every tensor a checkpoint of `config` must hold, with its shape, in HF naming
-// ("model.layers.0.self_attn.q_proj.weight", ...).
-std::map<std::string, std::vector<int64_t>> ExpectedTensors(const ModelConfig& config);
-
 // An opened, fully validated checkpoint directory.
 //   TANDEM_ASSIGN_OR_RETURN(auto ckpt, Checkpoint::Open("/models/llama"));
 //   TANDEM_ASSIGN_OR_RETURN(TensorView w, ckpt->Tensor("model.norm.weight"));
@@ -87,7 +83,7 @@ class Checkpoint {
   // unknown architecture, missing a tensor, or holding an unsupported dtype.
   static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& dir);
 
-  const ModelConfig& config() const { return config_; }
+  const text::ModelConfig& config() const { return config_; }
   const std::string& dir() const { return dir_; }
   absl::StatusOr<TensorView> Tensor(const std::string& name) const;
   // The tensor converted to fp32.
@@ -95,7 +91,7 @@ class Checkpoint {
 
  private:
   std::string dir_;
-  ModelConfig config_;
+  text::ModelConfig config_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const TensorView*> index_;
 };

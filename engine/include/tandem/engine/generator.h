@@ -8,10 +8,10 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "tandem/engine/chat_template.h"
+#include "tandem/text/chat_template.h"
 #include "tandem/engine/llm_engine.h"
-#include "tandem/engine/model_config.h"
-#include "tandem/engine/tokenizer.h"
+#include "tandem/text/model_config.h"
+#include "tandem/text/tokenizer.h"
 
 namespace tandem::engine {
 
@@ -46,9 +46,9 @@ class Generator {
   virtual void Abort(const std::string& request_id) = 0;
 
   // Immutable after creation: safe from any thread.
-  virtual const ModelConfig& config() const = 0;
-  virtual const Tokenizer& tokenizer() const = 0;
-  virtual const ChatFormatter& chat_formatter() const = 0;
+  virtual const text::ModelConfig& config() const = 0;
+  virtual const text::Tokenizer& tokenizer() const = 0;
+  virtual const text::ChatFormatter& chat_formatter() const = 0;
   virtual int max_model_len() const = 0;
 
   // The latest snapshot of running/waiting requests and KV blocks (summed over workers).

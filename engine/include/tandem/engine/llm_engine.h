@@ -14,7 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/engine/block_manager.h"
-#include "tandem/engine/chat_template.h"
+#include "tandem/text/chat_template.h"
 #include "tandem/engine/checkpoint.h"
 #include "tandem/engine/model_runner.h"
 #include "tandem/engine/sampler.h"
@@ -23,7 +23,7 @@
 #include "tandem/engine/step_latency_model.h"
 #include "tandem/engine/step_telemetry.h"
 #include "tandem/engine/step_trace.h"
-#include "tandem/engine/tokenizer.h"
+#include "tandem/text/tokenizer.h"
 #include "tandem/kernels/backend.h"
 
 namespace tandem::engine {
@@ -228,9 +228,9 @@ class LlmEngine {
   // Every byte offset of kv_cache() (what KV transfers and handoffs address).
   const KvCacheLayout& cache_layout() const { return runner_->cache_layout(); }
 
-  const ModelConfig& config() const { return checkpoint_->config(); }
-  const Tokenizer& tokenizer() const { return *tokenizer_; }
-  const ChatFormatter& chat_formatter() const { return *chat_formatter_; }
+  const text::ModelConfig& config() const { return checkpoint_->config(); }
+  const text::Tokenizer& tokenizer() const { return *tokenizer_; }
+  const text::ChatFormatter& chat_formatter() const { return *chat_formatter_; }
   int max_model_len() const { return max_model_len_; }
   EngineStats stats() const;
   const StepLatencyModel& step_latency_model() const { return telemetry_.latency_model(); }
@@ -263,8 +263,8 @@ class LlmEngine {
 
   EngineOptions options_;
   std::unique_ptr<Checkpoint> checkpoint_;
-  std::unique_ptr<Tokenizer> tokenizer_;
-  std::unique_ptr<ChatFormatter> chat_formatter_;
+  std::unique_ptr<text::Tokenizer> tokenizer_;
+  std::unique_ptr<text::ChatFormatter> chat_formatter_;
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<BlockManager> blocks_;
   std::unique_ptr<Scheduler> scheduler_;
@@ -284,7 +284,7 @@ class LlmEngine {
 // The checks of a request that need only the model (so a router without an engine makes them
 // too): sampling fields, token ids inside the vocabulary, a non-empty prompt, and prompt plus
 // max_tokens within max_model_len. InvalidArgument naming the field otherwise.
-absl::Status ValidateRequest(const GenerateRequest& request, const ModelConfig& config,
+absl::Status ValidateRequest(const GenerateRequest& request, const text::ModelConfig& config,
                              int max_model_len);
 
 // Appends one step's delta of a choice to what that choice produced so far.

@@ -38,7 +38,7 @@ class ModelRunner {
   ~ModelRunner();
 
   // Bytes of KV cache one block takes across all layers (fp32 cache).
-  static int64_t KvBytesPerBlock(const ModelConfig& config, int block_size);
+  static int64_t KvBytesPerBlock(const text::ModelConfig& config, int block_size);
 
   // Runs the step and returns logits [number of sampling sequences, vocab], one row per
   // sequence with `samples` set, in step order (host memory). The span is valid until the next
@@ -53,7 +53,7 @@ class ModelRunner {
     layer_written_hook_ = std::move(hook);
   }
 
-  const ModelConfig& config() const { return config_; }
+  const text::ModelConfig& config() const { return config_; }
   const kernels::KvLayout& kv_layout() const { return kv_layout_; }
   // Every byte offset of the cache (kv_cache()).
   const KvCacheLayout& cache_layout() const { return cache_layout_; }
@@ -76,7 +76,7 @@ class ModelRunner {
   absl::StatusOr<kernels::DeviceBuffer> Upload(const std::vector<float>& values);
   void CopyBlock(int32_t src, int32_t dst);
 
-  ModelConfig config_;
+  text::ModelConfig config_;
   ModelRunnerOptions options_;
   std::function<void(int layer)> layer_written_hook_;
   kernels::Backend* backend_ = nullptr;  // not owned

@@ -27,6 +27,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "tandem/base/rope_config.h"
 
 namespace tandem::kernels {
 
@@ -58,15 +59,7 @@ struct PagedAttentionBatch {
 };
 
 // Rotary embedding settings (HF `rope_theta`, `rope_scaling` of type "llama3").
-struct RopeConfig {
-  int head_dim = 0;
-  float theta = 10000.0f;
-  bool llama3_scaling = false;
-  float factor = 8.0f;
-  float low_freq_factor = 1.0f;
-  float high_freq_factor = 4.0f;
-  int original_max_position = 8192;
-};
+using ::tandem::RopeConfig;
 
 // Inverse frequencies [head_dim / 2] for RopeConfig, with llama3 scaling applied.
 std::vector<float> RopeInverseFrequencies(const RopeConfig& config);

@@ -42,7 +42,7 @@ grpc::Status ToGrpcStatus(const absl::Status& status);
 // The layout of an engine's KV cache as the handshake states it: fp32 (the CPU runner's cache),
 // the engine's block size, layers, KV heads and head size, one unsharded rank, and the memory
 // order "layer[2][blocks][block_size][kv_heads][head_dim]".
-tandem::v1::KvLayout EngineKvLayout(const engine::ModelConfig& config,
+tandem::v1::KvLayout EngineKvLayout(const text::ModelConfig& config,
                                     const kernels::KvLayout& layout);
 
 // Finish reasons on the wire. kPrefilled never crosses it (it becomes NONE); an unknown value

@@ -18,7 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
-#include "tandem/engine/model_config.h"
+#include "tandem/text/model_config.h"
 
 namespace tandem::tools {
 
@@ -71,7 +71,7 @@ RooflineShape Llama3_8BShape();
 absl::StatusOr<RooflineShape> FindShape(const std::string& name);
 // The model dimensions of a config.json (batch, seq_len and dtype_bytes are left at defaults,
 // dtype_bytes from torch_dtype).
-RooflineShape ShapeFromConfig(const engine::ModelConfig& config);
+RooflineShape ShapeFromConfig(const text::ModelConfig& config);
 
 // What limits an operator on a given profile.
 enum class Bound { kCompute, kBandwidth };

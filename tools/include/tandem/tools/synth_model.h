@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tandem/base/half.h"
-#include "tandem/engine/model_config.h"
+#include "tandem/text/model_config.h"
 
 namespace tandem::tools {
 
@@ -43,7 +43,7 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options);
 // The config of `preset` for `arch` with `vocab_size` tokens. The llama3-8b preset keeps its
 // real 128256-row embedding when the tokenizer is smaller (the extra rows are never produced by
 // the tokenizer, as in checkpoints whose embedding is padded).
-absl::StatusOr<engine::ModelConfig> SyntheticConfig(const std::string& preset,
+absl::StatusOr<text::ModelConfig> SyntheticConfig(const std::string& preset,
                                                     const std::string& arch, int vocab_size);
 
 }  // namespace tandem::tools
