@@ -393,17 +393,14 @@ absl::StatusOr<tandem::v1::HandoffResponse> DecodeWorkerImpl::Handoff(
 grpc::ServerUnaryReactor* Service::Reserve(grpc::CallbackServerContext*,
                                            const tandem::v1::ReserveRequest* request,
                                            tandem::v1::ReserveResponse* response) {
-  auto* call = new UnaryCall<tandem::v1::ReserveResponse>(response);
-  worker_->Reserve(*request, call);
-  return call;
+  return worker::AnswerLater(response, [&](auto* call) { worker_->Reserve(*request, call); });
 }
 
 grpc::ServerUnaryReactor* Service::Release(grpc::CallbackServerContext*,
                                            const tandem::v1::ReleaseRequest* request,
                                            tandem::v1::ReleaseResponse* response) {
-  auto* call = new UnaryCall<tandem::v1::ReleaseResponse>(response);
-  worker_->Release(request->reservation_id(), call);
-  return call;
+  return worker::AnswerLater(
+      response, [&](auto* call) { worker_->Release(request->reservation_id(), call); });
 }
 
 grpc::ServerWriteReactor<tandem::v1::TokenEvent>* Service::Start(
@@ -414,9 +411,8 @@ grpc::ServerWriteReactor<tandem::v1::TokenEvent>* Service::Start(
 grpc::ServerUnaryReactor* Service::Cancel(grpc::CallbackServerContext*,
                                           const tandem::v1::CancelRequest* request,
                                           tandem::v1::CancelResponse* response) {
-  auto* call = new UnaryCall<tandem::v1::CancelResponse>(response);
-  worker_->Cancel(request->request_id(), call);
-  return call;
+  return worker::AnswerLater(response,
+                             [&](auto* call) { worker_->Cancel(request->request_id(), call); });
 }
 
 grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext*,

@@ -190,17 +190,14 @@ void PrefillWorkerImpl::Cancel(const tandem::v1::CancelRequest& request,
 grpc::ServerUnaryReactor* Service::Submit(grpc::CallbackServerContext* context,
                                           const tandem::v1::SubmitRequest* request,
                                           tandem::v1::SubmitResponse* response) {
-  auto* call = new UnaryCall<tandem::v1::SubmitResponse>(response);
-  worker_->Submit(*context, *request, call);
-  return call;
+  return worker::AnswerLater(response,
+                             [&](auto* call) { worker_->Submit(*context, *request, call); });
 }
 
 grpc::ServerUnaryReactor* Service::Cancel(grpc::CallbackServerContext*,
                                           const tandem::v1::CancelRequest* request,
                                           tandem::v1::CancelResponse* response) {
-  auto* call = new UnaryCall<tandem::v1::CancelResponse>(response);
-  worker_->Cancel(*request, call);
-  return call;
+  return worker::AnswerLater(response, [&](auto* call) { worker_->Cancel(*request, call); });
 }
 
 grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext*,

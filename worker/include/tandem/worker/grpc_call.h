@@ -102,6 +102,15 @@ grpc::ServerUnaryReactor* AnswerNow(Response* response, absl::StatusOr<Response>
   return call;
 }
 
+// A callback-API handler answered later: `start` is given the call and sees that it is answered
+// once (now, or from the engine loop). Returns the reactor to hand back to gRPC.
+template <typename Response, typename Start>
+grpc::ServerUnaryReactor* AnswerLater(Response* response, Start&& start) {
+  auto* call = new UnaryCall<Response>(response);
+  std::forward<Start>(start)(call);
+  return call;
+}
+
 // Runs `fn` on the engine loop and answers `call` with its result there, or with `if_stopped`
 // at once when the loop has finished. No gRPC thread waits meanwhile.
 template <typename Response>
