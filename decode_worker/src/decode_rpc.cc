@@ -415,18 +415,6 @@ grpc::ServerUnaryReactor* Service::Cancel(grpc::CallbackServerContext*,
                              [&](auto* call) { worker_->Cancel(request->request_id(), call); });
 }
 
-grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext*,
-                                         const tandem::v1::StatsRequest*,
-                                         tandem::v1::WorkerStats* response) {
-  return worker::AnswerNow(response, absl::StatusOr<tandem::v1::WorkerStats>(worker_->Stats()));
-}
-
-grpc::ServerUnaryReactor* Service::Handshake(grpc::CallbackServerContext*,
-                                             const tandem::v1::HandshakeRequest* request,
-                                             tandem::v1::HandshakeResponse* response) {
-  return worker::AnswerNow(response, worker_->Handshake(*request));
-}
-
 grpc::Status Service::Handoff(grpc::ServerContext*, const tandem::v1::HandoffRequest* request,
                               tandem::v1::HandoffResponse* response) {
   return worker::Answer(worker_->Handoff(*request), response);

@@ -100,9 +100,9 @@ using AsyncService = tandem::v1::DecodeWorker::WithCallbackMethod_Reserve<
                     tandem::v1::DecodeWorker::WithCallbackMethod_Handshake<
                         tandem::v1::DecodeWorker::Service>>>>>>;
 
-class Service final : public AsyncService {
+class Service final : public worker::WithStatsAndHandshake<AsyncService, DecodeWorkerImpl> {
  public:
-  explicit Service(DecodeWorkerImpl* worker) : worker_(worker) {}
+  using WithStatsAndHandshake::WithStatsAndHandshake;
 
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext*,
                                     const tandem::v1::ReserveRequest* request,
@@ -115,16 +115,8 @@ class Service final : public AsyncService {
   grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext*,
                                    const tandem::v1::CancelRequest* request,
                                    tandem::v1::CancelResponse* response) override;
-  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext*, const tandem::v1::StatsRequest*,
-                                  tandem::v1::WorkerStats* response) override;
-  grpc::ServerUnaryReactor* Handshake(grpc::CallbackServerContext*,
-                                      const tandem::v1::HandshakeRequest* request,
-                                      tandem::v1::HandshakeResponse* response) override;
   grpc::Status Handoff(grpc::ServerContext*, const tandem::v1::HandoffRequest* request,
                        tandem::v1::HandoffResponse* response) override;
-
- private:
-  DecodeWorkerImpl* worker_;
 };
 
 struct Metrics {

@@ -200,18 +200,6 @@ grpc::ServerUnaryReactor* Service::Cancel(grpc::CallbackServerContext*,
   return worker::AnswerLater(response, [&](auto* call) { worker_->Cancel(*request, call); });
 }
 
-grpc::ServerUnaryReactor* Service::Stats(grpc::CallbackServerContext*,
-                                         const tandem::v1::StatsRequest*,
-                                         tandem::v1::WorkerStats* response) {
-  return worker::AnswerNow(response, absl::StatusOr<tandem::v1::WorkerStats>(worker_->Stats()));
-}
-
-grpc::ServerUnaryReactor* Service::Handshake(grpc::CallbackServerContext*,
-                                             const tandem::v1::HandshakeRequest* request,
-                                             tandem::v1::HandshakeResponse* response) {
-  return worker::AnswerNow(response, worker_->Handshake(*request));
-}
-
 }  // namespace internal
 
 absl::StatusOr<std::unique_ptr<PrefillWorker>> PrefillWorker::Create(PrefillWorkerOptions options) {

@@ -148,24 +148,17 @@ struct Metrics {
 class PrefillWorkerImpl;
 
 // The gRPC face, on the callback API: no call holds a thread while its request runs.
-class Service final : public tandem::v1::PrefillWorker::CallbackService {
+class Service final
+    : public worker::WithStatsAndHandshake<tandem::v1::PrefillWorker::CallbackService,
+                                           PrefillWorkerImpl> {
  public:
-  explicit Service(PrefillWorkerImpl* worker) : worker_(worker) {}
+  using WithStatsAndHandshake::WithStatsAndHandshake;
   grpc::ServerUnaryReactor* Submit(grpc::CallbackServerContext* context,
                                    const tandem::v1::SubmitRequest* request,
                                    tandem::v1::SubmitResponse* response) override;
   grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext* context,
                                    const tandem::v1::CancelRequest* request,
                                    tandem::v1::CancelResponse* response) override;
-  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
-                                  const tandem::v1::StatsRequest* request,
-                                  tandem::v1::WorkerStats* response) override;
-  grpc::ServerUnaryReactor* Handshake(grpc::CallbackServerContext* context,
-                                      const tandem::v1::HandshakeRequest* request,
-                                      tandem::v1::HandshakeResponse* response) override;
-
- private:
-  PrefillWorkerImpl* worker_;
 };
 
 class PrefillWorkerImpl final : public PrefillWorker {

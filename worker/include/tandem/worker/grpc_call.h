@@ -25,6 +25,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "tandem/proto/convert.h"
+#include "tandem/v1/worker.pb.h"
 #include "tandem/worker/engine_loop.h"
 
 namespace tandem::worker {
@@ -120,5 +121,27 @@ void AnswerOnLoop(EngineLoop& loop, UnaryCall<Response>* call,
     call->Answer(std::move(if_stopped));
   }
 }
+
+// The two methods every worker service answers alike and at once: Stats from the worker's
+// Stats(), Handshake from its Handshake(request). `Base` is the role's generated service on the
+// callback API; the role's service derives from this and adds its protocol.
+template <typename Base, typename Worker>
+class WithStatsAndHandshake : public Base {
+ public:
+  explicit WithStatsAndHandshake(Worker* worker) : worker_(worker) {}
+
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext*, const tandem::v1::StatsRequest*,
+                                  tandem::v1::WorkerStats* response) override {
+    return AnswerNow(response, absl::StatusOr<tandem::v1::WorkerStats>(worker_->Stats()));
+  }
+  grpc::ServerUnaryReactor* Handshake(grpc::CallbackServerContext*,
+                                      const tandem::v1::HandshakeRequest* request,
+                                      tandem::v1::HandshakeResponse* response) override {
+    return AnswerNow(response, worker_->Handshake(*request));
+  }
+
+ protected:
+  Worker* worker_;  // outlives the service
+};
 
 }  // namespace tandem::worker
