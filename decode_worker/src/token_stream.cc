@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "tandem/proto/convert.h"
+#include "tandem/worker/grpc_call.h"
 
 namespace tandem::decode_worker {
 namespace {
@@ -41,9 +42,18 @@ class TokenStream::Reactor final : public grpc::ServerWriteReactor<tandem::v1::T
   explicit Reactor(std::shared_ptr<TokenStream> stream) : stream_(std::move(stream)) {}
 
  private:
-  void OnWriteDone(bool ok) override { stream_->OnWriteDone(ok); }
-  void OnCancel() override { stream_->OnCancel(); }
-  void OnDone() override { delete this; }
+  void OnWriteDone(bool ok) override {
+    worker::internal::TsanAcquired(this);
+    stream_->OnWriteDone(ok);
+  }
+  void OnCancel() override {
+    worker::internal::TsanAcquired(this);
+    stream_->OnCancel();
+  }
+  void OnDone() override {
+    worker::internal::TsanAcquired(this);
+    delete this;
+  }
 
   std::shared_ptr<TokenStream> stream_;
 };
@@ -71,6 +81,7 @@ void TokenStream::Fail(const absl::Status& status) {
   finished_ = true;
   on_abandoned_ = nullptr;
   lock.unlock();
+  worker::internal::TsanReleased(reactor_);
   reactor_->Finish(proto::ToGrpcStatus(status));
 }
 
@@ -87,6 +98,7 @@ void TokenStream::Pump(std::unique_lock<std::mutex> lock) {
     writing_ = true;
     ++writes_;
     lock.unlock();
+    worker::internal::TsanReleased(reactor_);
     reactor_->StartWrite(&in_flight_);  // nothing else touches in_flight_ until OnWriteDone
     return;
   }
@@ -94,6 +106,7 @@ void TokenStream::Pump(std::unique_lock<std::mutex> lock) {
   finished_ = true;
   on_abandoned_ = nullptr;
   lock.unlock();
+  worker::internal::TsanReleased(reactor_);
   reactor_->Finish(grpc::Status::OK);
 }
 
@@ -105,7 +118,10 @@ void TokenStream::Abandon(std::unique_lock<std::mutex> lock) {
   if (finish) finished_ = true;
   lock.unlock();
   if (on_abandoned) on_abandoned(this);
-  if (finish) reactor_->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the call was cancelled"));
+  if (finish) {
+    worker::internal::TsanReleased(reactor_);
+    reactor_->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the call was cancelled"));
+  }
 }
 
 void TokenStream::OnWriteDone(bool ok) {
