@@ -5,7 +5,7 @@
 #include "absl/time/clock.h"
 #include "decode_worker_impl.h"
 #include "tandem/base/status_macros.h"
-#include "tandem/proto/convert.h"
+#include "tandem/proto/wire.h"
 
 namespace tandem::decode_worker {
 namespace internal {

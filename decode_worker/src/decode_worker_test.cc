@@ -21,11 +21,11 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "step_gate.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/engine/model_runner.h"
 #include "tandem/kvtransfer/agent.h"
-#include "tandem/proto/convert.h"
-#include "step_gate.h"
+#include "tandem/proto/wire.h"
 #include "tandem/v1/decode.grpc.pb.h"
 #include "test_models.h"
 

@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "tandem/proto/convert.h"
+#include "tandem/proto/status.h"
 #include "tandem/worker/grpc_call.h"
 
 namespace tandem::decode_worker {

@@ -14,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tandem/text/model_config.h"
+#include "text/src/model_config_test_support.h"
 
 namespace tandem::engine {
 namespace {
@@ -22,58 +23,10 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 using ::testing::AllOf;
 using ::testing::HasSubstr;
+using text::TinyConfig;
 
 // ---------------------------------------------------------------------------------------------
-// Helpers: config.json as Hugging Face writes it, and checkpoints built with SafetensorsWriter.
-
-json TinyConfig(const std::string& arch) {
-  json j = {{"vocab_size", 96},
-            {"hidden_size", 32},
-            {"intermediate_size", 48},
-            {"num_hidden_layers", 2},
-            {"num_attention_heads", 4},
-            {"num_key_value_heads", 2},
-            {"max_position_embeddings", 256},
-            {"rms_norm_eps", 1e-5},
-            {"bos_token_id", 1},
-            {"eos_token_id", 2},
-            {"torch_dtype", "bfloat16"},
-            {"hidden_act", "silu"}};
-  if (arch == "llama" || arch == "llama-bias") {
-    j["architectures"] = {"LlamaForCausalLM"};
-    j["model_type"] = "llama";
-    j["rope_theta"] = 500000.0;
-    j["rope_scaling"] = {{"rope_type", "llama3"},
-                         {"factor", 8.0},
-                         {"low_freq_factor", 1.0},
-                         {"high_freq_factor", 4.0},
-                         {"original_max_position_embeddings", 32}};
-    j["attention_bias"] = arch == "llama-bias";
-    j["tie_word_embeddings"] = false;
-  } else if (arch == "mistral") {
-    j["architectures"] = {"MistralForCausalLM"};
-    j["model_type"] = "mistral";
-    j["rope_theta"] = 1000000.0;
-    j["sliding_window"] = 4096;
-  } else if (arch == "qwen2") {
-    // Qwen2 configs carry no attention_bias flag; the biases are implied.
-    j["architectures"] = {"Qwen2ForCausalLM"};
-    j["model_type"] = "qwen2";
-    j["rope_theta"] = 1000000.0;
-    j["tie_word_embeddings"] = true;
-    j["use_sliding_window"] = false;
-    j["sliding_window"] = 32768;
-    j["eos_token_id"] = {2, 3};
-  } else if (arch == "qwen3") {
-    j["architectures"] = {"Qwen3ForCausalLM"};
-    j["model_type"] = "qwen3";
-    j["rope_theta"] = 1000000.0;
-    j["head_dim"] = 16;  // not hidden / heads (8), as in Qwen3-0.6B
-    j["attention_bias"] = false;
-    j["tie_word_embeddings"] = false;
-  }
-  return j;
-}
+// Helpers: checkpoints built with SafetensorsWriter (config.json from TinyConfig).
 
 // A distinct value per (tensor, element), exactly representable in bf16 and f16.
 float ValueFor(const std::string& name, int64_t i) {
@@ -226,137 +179,6 @@ TEST_F(CheckpointTest, IgnoresExtraTensors) {
   ASSERT_TRUE(ckpt.ok()) << ckpt.status();
   EXPECT_EQ((*ckpt)->ReadFloat("model.norm.weight")->at(0), 0.5f);
 }
-
-// ---------------------------------------------------------------------------------------------
-// config.json.
-
-TEST(ModelConfigTest, ReadsLlama3RopeScalingAndEosList) {
-  json j = TinyConfig("llama");
-  j["eos_token_id"] = {128001, 128009};
-  auto c = text::ModelConfig::FromJson(j.dump(), "config.json");
-  ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_EQ(c->architecture, text::Architecture::kLlama);
-  EXPECT_EQ(c->rope.head_dim, 8);
-  EXPECT_FLOAT_EQ(c->rope.theta, 500000.0f);
-  EXPECT_TRUE(c->rope.llama3_scaling);
-  EXPECT_FLOAT_EQ(c->rope.factor, 8.0f);
-  EXPECT_FLOAT_EQ(c->rope.high_freq_factor, 4.0f);
-  EXPECT_EQ(c->rope.original_max_position, 32);
-  EXPECT_EQ(c->bos_token_id, 1);
-  EXPECT_EQ(c->eos_token_ids, (std::vector<int32_t>{128001, 128009}));
-  EXPECT_FLOAT_EQ(c->rms_norm_eps, 1e-5f);
-}
-
-TEST(ModelConfigTest, AppliesHuggingFaceDefaults) {
-  json j = TinyConfig("mistral");
-  j.erase("rope_theta");
-  j.erase("num_key_value_heads");
-  j.erase("torch_dtype");
-  j.erase("rms_norm_eps");
-  j["bos_token_id"] = nullptr;
-  auto c = text::ModelConfig::FromJson(j.dump(), "config.json");
-  ASSERT_TRUE(c.ok()) << c.status();
-  EXPECT_FLOAT_EQ(c->rope.theta, 10000.0f);
-  EXPECT_FALSE(c->rope.llama3_scaling);
-  EXPECT_EQ(c->num_kv_heads, 4);  // multi-head attention
-  EXPECT_EQ(c->head_dim, 8);      // hidden / heads
-  EXPECT_FALSE(c->tie_word_embeddings);
-  EXPECT_FALSE(c->attention_bias);
-  EXPECT_EQ(c->torch_dtype, DType::kBF16);
-  EXPECT_FLOAT_EQ(c->rms_norm_eps, 1e-6f);
-  EXPECT_EQ(c->bos_token_id, -1);
-  EXPECT_EQ(c->eos_token_ids, std::vector<int32_t>{2});
-}
-
-TEST(ModelConfigTest, BiasesFollowTransformersPerArchitecture) {
-  auto qwen2 = text::ModelConfig::FromJson(TinyConfig("qwen2").dump(), "config.json");
-  ASSERT_TRUE(qwen2.ok());
-  EXPECT_TRUE(qwen2->attention_bias);
-  EXPECT_FLOAT_EQ(qwen2->rope.theta, 1e6f);
-  EXPECT_TRUE(ExpectedTensors(*qwen2).count("model.layers.1.self_attn.v_proj.bias"));
-  EXPECT_FALSE(ExpectedTensors(*qwen2).count("lm_head.weight"));
-
-  json j = TinyConfig("llama");
-  j["attention_bias"] = true;
-  auto llama = text::ModelConfig::FromJson(j.dump(), "config.json");
-  ASSERT_TRUE(llama.ok());
-  EXPECT_TRUE(llama->attention_bias);
-  EXPECT_TRUE(llama->o_proj_bias);
-  EXPECT_FALSE(qwen2->o_proj_bias);
-  EXPECT_EQ(ExpectedTensors(*llama).at("model.layers.0.self_attn.k_proj.bias"),
-            (std::vector<int64_t>{16}));
-  // transformers' LlamaAttention biases o_proj as well under attention_bias.
-  EXPECT_EQ(ExpectedTensors(*llama).at("model.layers.1.self_attn.o_proj.bias"),
-            (std::vector<int64_t>{32}));
-  EXPECT_FALSE(ExpectedTensors(*qwen2).count("model.layers.0.self_attn.o_proj.bias"));
-
-  // MistralAttention has no biases whatever the config says.
-  j = TinyConfig("mistral");
-  j["attention_bias"] = true;
-  auto mistral = text::ModelConfig::FromJson(j.dump(), "config.json");
-  ASSERT_TRUE(mistral.ok());
-  EXPECT_FALSE(mistral->attention_bias);
-  EXPECT_FALSE(ExpectedTensors(*mistral).count("model.layers.0.self_attn.q_proj.bias"));
-}
-
-TEST(ModelConfigTest, Qwen3ShapesFollowExplicitHeadDim) {
-  auto c = text::ModelConfig::FromJson(TinyConfig("qwen3").dump(), "config.json");
-  ASSERT_TRUE(c.ok());
-  EXPECT_TRUE(c->qk_norm);
-  auto t = ExpectedTensors(*c);
-  EXPECT_EQ(t.at("model.layers.0.self_attn.q_proj.weight"), (std::vector<int64_t>{64, 32}));
-  EXPECT_EQ(t.at("model.layers.0.self_attn.o_proj.weight"), (std::vector<int64_t>{32, 64}));
-  EXPECT_EQ(t.at("model.layers.0.self_attn.k_norm.weight"), (std::vector<int64_t>{16}));
-  // embed 96x32; per layer: norms 2x32, q 64x32, k and v 32x32, o 32x64, q/k norms 2x16,
-  // mlp 3x48x32; final norm 32; lm_head 96x32.
-  int64_t per_layer = 64 + 2048 + 2 * 1024 + 2048 + 32 + 3 * 48 * 32;
-  EXPECT_EQ(c->NumParameters(), 96 * 32 + 2 * per_layer + 32 + 96 * 32);
-}
-
-TEST(ModelConfigTest, RoundTripsThroughToJson) {
-  for (const char* arch : {"llama", "mistral", "qwen2", "qwen3"}) {
-    auto c = text::ModelConfig::FromJson(TinyConfig(arch).dump(), "config.json");
-    ASSERT_TRUE(c.ok());
-    auto back = text::ModelConfig::FromJson(c->ToJson(), "round trip");
-    ASSERT_TRUE(back.ok()) << back.status();
-    EXPECT_EQ(back->ToJson(), c->ToJson()) << arch;
-    EXPECT_EQ(back->attention_bias, c->attention_bias) << arch;
-    EXPECT_EQ(back->rope.llama3_scaling, c->rope.llama3_scaling) << arch;
-    EXPECT_EQ(back->rms_norm_eps, c->rms_norm_eps) << arch;
-    EXPECT_EQ(back->eos_token_ids, c->eos_token_ids) << arch;
-    EXPECT_EQ(back->head_dim, c->head_dim) << arch;
-  }
-}
-
-TEST(ModelConfigTest, RefusesInconsistentShapes) {
-  json j = TinyConfig("llama");
-  j["num_key_value_heads"] = 3;
-  EXPECT_THAT(text::ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
-              AllOf(HasSubstr("m/config.json"), HasSubstr("num_key_value_heads (3)")));
-  j = TinyConfig("llama");
-  j["hidden_size"] = 30;
-  EXPECT_THAT(text::ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
-              HasSubstr("divisible by num_attention_heads"));
-  j = TinyConfig("llama");
-  j["num_hidden_layers"] = 0;
-  EXPECT_THAT(text::ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
-              HasSubstr("\"num_hidden_layers\" must be a positive integer"));
-  j = TinyConfig("llama");
-  j.erase("vocab_size");
-  EXPECT_THAT(text::ModelConfig::FromJson(j.dump(), "m/config.json").status().message(),
-              HasSubstr("missing required field \"vocab_size\""));
-}
-
-TEST(ModelConfigTest, RopeScalingDefaultTypeMeansNone) {
-  json j = TinyConfig("llama");
-  j["rope_scaling"] = {{"type", "default"}};
-  auto c = text::ModelConfig::FromJson(j.dump(), "config.json");
-  ASSERT_TRUE(c.ok());
-  EXPECT_FALSE(c->rope.llama3_scaling);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Malformed checkpoints: each refused with a message naming the file and what is wrong.
 
 TEST_F(CheckpointTest, RefusesTruncatedFile) {
   ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("llama"), DType::kBF16));

@@ -39,8 +39,7 @@ namespace {
 // for the longest context and the largest step this engine can run.
 absl::StatusOr<std::unique_ptr<kernels::Backend>> CreateBackend(const EngineOptions& options,
                                                                 const text::ModelConfig& config,
-                                                                int max_model_len,
-                                                                int num_blocks) {
+                                                                int max_model_len, int num_blocks) {
   if (options.device == Device::kCpu) {
     return kernels::CreateCpuBackend({.num_threads = options.num_threads});
   }
@@ -107,27 +106,6 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
   return engine;
 }
 
-absl::Status ValidateRequest(const GenerateRequest& request, const text::ModelConfig& config,
-                             int max_model_len) {
-  TANDEM_RETURN_IF_ERROR(request.params.Validate(config.vocab_size));
-  const int prompt_len = static_cast<int>(request.prompt_tokens.size());
-  if (prompt_len == 0) return absl::InvalidArgumentError("prompt must not be empty");
-  for (int32_t id : request.prompt_tokens) {
-    if (id < 0 || id >= config.vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "prompt token id ", id, " is outside the vocabulary [0, ", config.vocab_size, ")"));
-    }
-  }
-  const int64_t total = static_cast<int64_t>(prompt_len) + request.params.max_tokens;
-  if (total > max_model_len) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("this model's maximum context length is ", max_model_len,
-                     " tokens, but the prompt has ", prompt_len, " tokens and max_tokens is ",
-                     request.params.max_tokens, " (", total, " in all)"));
-  }
-  return absl::OkStatus();
-}
-
 absl::Status LlmEngine::Validate(const GenerateRequest& request) const {
   TANDEM_RETURN_IF_ERROR(ValidateRequest(request, checkpoint_->config(), max_model_len_));
   const int prompt_len = static_cast<int>(request.prompt_tokens.size());
@@ -162,8 +140,8 @@ std::unique_ptr<LlmEngine::Request> LlmEngine::NewRequest(GenerateRequest& reque
     seq.tokens = request.prompt_tokens;
     seq.num_prompt_tokens = req->num_prompt_tokens;
     seq.params = req->params;
-    choice.detokenizer =
-        std::make_unique<text::IncrementalDetokenizer>(*tokenizer_, req->params->skip_special_tokens);
+    choice.detokenizer = std::make_unique<text::IncrementalDetokenizer>(
+        *tokenizer_, req->params->skip_special_tokens);
   }
   return req;
 }
@@ -562,15 +540,6 @@ EngineStats LlmEngine::stats() const {
   stats.step_model_samples = telemetry_.latency_model().num_observed();
   stats.step_model_error_ratio = telemetry_.latency_model().error_ratio();
   return stats;
-}
-
-void AccumulateDelta(ChoiceDelta& total, const ChoiceDelta& delta) {
-  total.token_ids.insert(total.token_ids.end(), delta.token_ids.begin(), delta.token_ids.end());
-  total.text += delta.text;
-  total.logprobs.insert(total.logprobs.end(), delta.logprobs.begin(), delta.logprobs.end());
-  total.top_logprobs.insert(total.top_logprobs.end(), delta.top_logprobs.begin(),
-                            delta.top_logprobs.end());
-  if (delta.finish_reason != FinishReason::kNone) total.finish_reason = delta.finish_reason;
 }
 
 absl::StatusOr<std::vector<RequestOutput>> GenerateAll(LlmEngine& engine,

@@ -7,11 +7,6 @@
 
 namespace tandem::engine {
 
-double StepCoefficients::Seconds(double tokens, double seqs, double context) const {
-  return std::max(0.0,
-                  intercept + per_token * tokens + per_seq * seqs + per_context_token * context);
-}
-
 namespace {
 
 constexpr int kTerms = 4;

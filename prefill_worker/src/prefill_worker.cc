@@ -6,7 +6,7 @@
 #include "absl/time/clock.h"
 #include "prefill_worker_impl.h"
 #include "tandem/base/status_macros.h"
-#include "tandem/proto/convert.h"
+#include "tandem/proto/wire.h"
 
 namespace tandem::prefill_worker {
 namespace internal {

@@ -20,10 +20,10 @@
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "step_gate.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/kvtransfer/agent.h"
-#include "tandem/proto/convert.h"
-#include "step_gate.h"
+#include "tandem/proto/wire.h"
 #include "tandem/v1/prefill.grpc.pb.h"
 #include "test_models.h"
 
@@ -89,7 +89,8 @@ class DecodeSide {
     endpoint->set_address(address_);
     endpoint->add_region_descriptors(descriptor_);
     endpoint->set_num_blocks(engine_->kv_layout().num_blocks);
-    *endpoint->mutable_layout() = proto::EngineKvLayout(engine_->config(), engine_->kv_layout());
+    *endpoint->mutable_layout() =
+        proto::EngineKvLayout(engine_->config(), engine_->kv_layout().block_size);
     reservation.set_expires_unix_ms(absl::ToUnixMillis(absl::Now() + absl::Seconds(120)));
     return reservation;
   }

@@ -10,8 +10,8 @@
 #include "google/protobuf/util/message_differencer.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
-#include "tandem/proto/convert.h"
 #include "tandem/proto/kv_layout_check.h"
+#include "tandem/proto/wire.h"
 #include "tandem/v1/decode.grpc.pb.h"
 
 namespace tandem::proto {

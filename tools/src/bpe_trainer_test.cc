@@ -21,7 +21,7 @@ const std::vector<std::string> kSpecials = {"<|begin_of_text|>", "<|end_of_text|
                                             "<|eot_id|>"};
 
 std::unique_ptr<text::Tokenizer> Train(std::string_view corpus, int vocab_size,
-                                         const std::vector<std::string>& specials) {
+                                       const std::vector<std::string>& specials) {
   auto json = TrainByteLevelBpe(corpus, vocab_size, specials);
   EXPECT_TRUE(json.ok()) << json.status();
   if (!json.ok()) return nullptr;

@@ -22,8 +22,8 @@
 #include "commands.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/engine/llm_engine.h"
-#include "tandem/text/model_config.h"
 #include "tandem/engine/model_runner.h"
+#include "tandem/text/model_config.h"
 #include "tandem/tools/args.h"
 #include "tandem/tools/planner.h"
 

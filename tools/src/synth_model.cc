@@ -23,9 +23,9 @@
 namespace tandem::tools {
 namespace {
 
+using nlohmann::json;
 using text::Architecture;
 using text::ModelConfig;
-using nlohmann::json;
 namespace fs = std::filesystem;
 
 // The Llama 3 chat template, as shipped in Meta-Llama-3's tokenizer_config.json.

@@ -5,7 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
-#include "tandem/proto/convert.h"
+#include "tandem/proto/wire.h"
 #include "tandem/proto/kv_layout_check.h"
 
 namespace tandem::worker {
@@ -18,7 +18,7 @@ absl::StatusOr<std::unique_ptr<KvEndpoint>> KvEndpoint::Create(const Options& op
                                                                engine::LlmEngine& engine) {
   std::unique_ptr<KvEndpoint> endpoint(new KvEndpoint());
   endpoint->options_ = options;
-  endpoint->layout_ = proto::EngineKvLayout(engine.config(), engine.kv_layout());
+  endpoint->layout_ = proto::EngineKvLayout(engine.config(), engine.kv_layout().block_size);
   endpoint->cache_layout_ = engine.cache_layout();
   kvtransfer::AgentOptions agent_options;
   agent_options.backend = options.backend;

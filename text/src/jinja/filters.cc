@@ -17,12 +17,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "tandem/base/status_macros.h"
 #include "text/src/jinja/builtins.h"
 #include "text/src/jinja/json_dump.h"
 #include "text/src/jinja/renderer.h"
 #include "text/src/jinja/utf8.h"
 #include "text/src/jinja/value.h"
-#include "tandem/base/status_macros.h"
 
 namespace tandem::text::jinja {
 namespace {

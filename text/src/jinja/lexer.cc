@@ -13,8 +13,8 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
-#include "text/src/jinja/utf8.h"
 #include "tandem/base/status_macros.h"
+#include "text/src/jinja/utf8.h"
 
 namespace tandem::text::jinja {
 

@@ -11,10 +11,10 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "tandem/base/status_macros.h"
 #include "text/src/jinja/renderer.h"
 #include "text/src/jinja/utf8.h"
 #include "text/src/jinja/value.h"
-#include "tandem/base/status_macros.h"
 
 namespace tandem::text::jinja {
 namespace {

@@ -13,8 +13,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "text/src/jinja/builtins.h"
 #include "tandem/base/status_macros.h"
+#include "text/src/jinja/builtins.h"
 
 namespace tandem::text::jinja {
 namespace {

@@ -9,10 +9,10 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "text/src/jinja/render_test_support.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tandem/text/chat_template.h"
+#include "text/src/jinja/render_test_support.h"
 
 namespace tandem::text::jinja {
 namespace {

@@ -20,10 +20,10 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "text/src/jinja/ast.h"
-#include "text/src/jinja/value.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/text/chat_template.h"
+#include "text/src/jinja/ast.h"
+#include "text/src/jinja/value.h"
 
 namespace tandem::text::jinja {
 

@@ -6,11 +6,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "text/src/jinja/render_test_support.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
 #include "tandem/text/chat_template.h"
+#include "text/src/jinja/render_test_support.h"
 
 namespace tandem::text::jinja {
 namespace {

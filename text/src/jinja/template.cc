@@ -21,14 +21,14 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "nlohmann/json.hpp"
+#include "tandem/base/status_macros.h"
+#include "tandem/text/chat_template.h"
 #include "text/src/jinja/ast.h"
 #include "text/src/jinja/lexer.h"
 #include "text/src/jinja/parser.h"
 #include "text/src/jinja/renderer.h"
 #include "text/src/jinja/value.h"
-#include "nlohmann/json.hpp"
-#include "tandem/base/status_macros.h"
-#include "tandem/text/chat_template.h"
 
 namespace tandem::text {
 namespace jinja {

@@ -15,8 +15,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "text/src/jinja/utf8.h"
 #include "nlohmann/json.hpp"
+#include "text/src/jinja/utf8.h"
 
 namespace tandem::text::jinja {
 namespace {

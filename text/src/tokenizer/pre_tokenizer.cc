@@ -95,12 +95,12 @@ void Regex::FindAll(std::string_view text, std::vector<std::pair<size_t, size_t>
   auto subject = reinterpret_cast<PCRE2_SPTR>(text.empty() ? kEmpty : text.data());
   size_t offset = 0;
   while (offset <= text.size()) {
-    int rc = pcre2_match(code_.get(), subject, text.size(), offset, PCRE2_NO_UTF_CHECK,
-                         data.get(), nullptr);
+    int rc = pcre2_match(code_.get(), subject, text.size(), offset, PCRE2_NO_UTF_CHECK, data.get(),
+                         nullptr);
     if (rc == PCRE2_ERROR_JIT_STACKLIMIT) {
       // The interpreter keeps its backtracking state on the heap instead.
-      rc = pcre2_match(code_.get(), subject, text.size(), offset,
-                       PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT, data.get(), nullptr);
+      rc = pcre2_match(code_.get(), subject, text.size(), offset, PCRE2_NO_UTF_CHECK | PCRE2_NO_JIT,
+                       data.get(), nullptr);
     }
     // No match ends the scan; so does a resource limit, leaving the rest as one gap.
     if (rc < 0) return;

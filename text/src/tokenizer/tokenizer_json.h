@@ -27,8 +27,7 @@ std::string TypeOf(const Json& j);
 absl::StatusOr<bool> BoolField(const Json& obj, const char* key, bool fallback,
                                const std::string& where);
 
-absl::StatusOr<std::string> StringField(const Json& obj, const char* key,
-                                        const std::string& where);
+absl::StatusOr<std::string> StringField(const Json& obj, const char* key, const std::string& where);
 
 absl::StatusOr<int32_t> IdValue(const Json& value, const std::string& where);
 

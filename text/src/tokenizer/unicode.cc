@@ -1,9 +1,9 @@
 #include "text/src/tokenizer/unicode.h"
 
+#include <utf8proc.h>
+
 #include <algorithm>
 #include <cstdlib>
-
-#include <utf8proc.h>
 
 namespace tandem::text::bpe {
 

@@ -15,7 +15,9 @@
 namespace tandem::text::bpe {
 
 // The packaged Abseil has its own string_view type, distinct from std::string_view.
-inline absl::string_view ToAbsl(std::string_view s) { return absl::string_view(s.data(), s.size()); }
+inline absl::string_view ToAbsl(std::string_view s) {
+  return absl::string_view(s.data(), s.size());
+}
 
 // Outcome of reading one character at a position: `length` bytes form a valid character, or
 // (valid == false) the maximal ill-formed subpart to replace with one U+FFFD.

@@ -7,11 +7,9 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "tandem/engine/handoff.h"
 
 namespace tandem::engine {
-
-// A sequence's logical-to-physical block map: block i holds tokens [i*B, (i+1)*B).
-using BlockTable = std::vector<int32_t>;
 
 // Hands out physical block ids 0..num_blocks-1. Plain host code, no device.
 //   BlockManager blocks(/*num_blocks=*/1024, /*block_size=*/16);

@@ -8,8 +8,8 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "tandem/engine/request.h"
 #include "tandem/text/chat_template.h"
-#include "tandem/engine/llm_engine.h"
 #include "tandem/text/model_config.h"
 #include "tandem/text/tokenizer.h"
 

@@ -14,17 +14,19 @@
 
 #include "absl/status/statusor.h"
 #include "tandem/engine/block_manager.h"
-#include "tandem/text/chat_template.h"
 #include "tandem/engine/checkpoint.h"
+#include "tandem/engine/handoff.h"
 #include "tandem/engine/model_runner.h"
+#include "tandem/engine/request.h"
 #include "tandem/engine/sampler.h"
 #include "tandem/engine/sampling_params.h"
 #include "tandem/engine/scheduler.h"
 #include "tandem/engine/step_latency_model.h"
 #include "tandem/engine/step_telemetry.h"
 #include "tandem/engine/step_trace.h"
-#include "tandem/text/tokenizer.h"
 #include "tandem/kernels/backend.h"
+#include "tandem/text/chat_template.h"
+#include "tandem/text/tokenizer.h"
 
 namespace tandem::engine {
 namespace internal {
@@ -80,97 +82,6 @@ struct EngineOptions {
   // the owner's loop goes on taking commands; `--step-delay-ms` sleeps here (fault injection:
   // a slower device).
   std::function<bool()> before_step;
-};
-
-struct GenerateRequest {
-  std::string request_id;
-  std::vector<int32_t> prompt_tokens;
-  SamplingParams params;
-  // When the request reached the engine's owner (AsyncEngine::Submit, a worker's RPC), for the
-  // step trace's first-token time, which then includes the wait for the step running at that
-  // moment; unset (the epoch): when AddRequest took it.
-  std::chrono::steady_clock::time_point arrival{};
-};
-
-// What one of a request's samples produced since the previous Step().
-struct ChoiceDelta {
-  int index = 0;
-  std::vector<int32_t> token_ids;
-  // Text that is final: complete UTF-8, never part of a stop string. It can lag the tokens.
-  std::string text;
-  std::vector<float> logprobs;                          // per token, when requested
-  std::vector<std::vector<TokenLogprob>> top_logprobs;  // per token, when logprobs > 0
-  FinishReason finish_reason = FinishReason::kNone;
-};
-
-struct RequestOutput {
-  std::string request_id;
-  std::vector<ChoiceDelta> choices;  // only choices that progressed
-  bool finished = false;             // every choice has finished
-  int num_prompt_tokens = 0;
-  int num_generation_tokens = 0;  // over all choices, so far
-};
-
-// A sequence whose prompt a prefill-role engine has computed, ready to continue on a decode
-// engine: its first token, the sampler stream, and the blocks holding its prompt KV (valid
-// until LlmEngine::ReleaseHandoff).
-struct PrefillHandoff {
-  std::string request_id;
-  int choice_index = 0;
-  int32_t first_token = 0;
-  float first_logprob = 0.0f;
-  std::vector<TokenLogprob> first_top_logprobs;
-  std::array<uint64_t, 4> rng_state{};
-  BlockTable blocks;  // prefill engine's blocks: KV of the prompt tokens
-};
-
-// What a decode-role engine needs of one sample to continue it (see AddPrefilled).
-struct PrefilledChoice {
-  int32_t first_token = 0;
-  float first_logprob = 0.0f;
-  std::vector<TokenLogprob> first_top_logprobs;
-  std::array<uint64_t, 4> rng_state{};
-  BlockTable blocks;  // this engine's reserved blocks, now holding the prompt KV
-  // A continuation of a sample another decode engine parked (Park): every token it generated
-  // so far (first_token is then not used), and how many tokens of prompt + generated have their
-  // KV in `blocks` (at least one, fewer than all). The sample goes on from the next token.
-  std::vector<int32_t> generated;
-  int num_kv_tokens = 0;
-};
-
-// An unfinished sample taken out of a decode engine with its KV (LlmEngine::Park), in the form
-// AddPrefilled takes to continue it: `state.generated`, `state.num_kv_tokens`,
-// `state.rng_state` and `state.blocks` (now the caller's: free them with FreeReservation).
-// num_kv_tokens is 0 and blocks empty when the sample had been preempted (no KV to move).
-struct ParkedSample {
-  int choice_index = 0;
-  PrefilledChoice state;
-};
-
-struct EngineStats {
-  int running = 0;
-  int waiting = 0;
-  int kv_blocks_total = 0;
-  int kv_blocks_used = 0;
-  int64_t preemptions = 0;
-  // The batch cap (max_num_seqs unless the TPOT controller lowered it; sequences that already
-  // run keep running above it, new ones wait) and the token budget of a step
-  // (max_num_batched_tokens unless the TTFT controller lowered it).
-  int batch_limit = 0;
-  int token_budget = 0;
-  // Steps run, and the last one's measured time (Schedule through sampling) and its prediction
-  // made before it ran (0 while the latency model is not ready).
-  int64_t steps = 0;
-  double last_step_seconds = 0;
-  double last_predicted_step_seconds = 0;
-  // Recent mean time between one step's end and the next one's start while work was pending
-  // (the caller's loop: streaming, RPCs); the TPOT controller leaves it out of the step budget.
-  double step_gap_seconds = 0;
-  // The step latency model: coefficients (indexed by StepLatencyModel::Term), observations, and
-  // recent mean |predicted - measured| / measured.
-  StepCoefficients step_model;
-  int64_t step_model_samples = 0;
-  double step_model_error_ratio = 0;
 };
 
 // Single-threaded: one caller drives AddRequest / Abort / Step.
@@ -280,15 +191,6 @@ class LlmEngine {
   int decode_batch_limit_ = 0;  // the TPOT controller's cap; 0 without one
   StepTelemetry telemetry_{nullptr, "colocated"};  // set up by Create
 };
-
-// The checks of a request that need only the model (so a router without an engine makes them
-// too): sampling fields, token ids inside the vocabulary, a non-empty prompt, and prompt plus
-// max_tokens within max_model_len. InvalidArgument naming the field otherwise.
-absl::Status ValidateRequest(const GenerateRequest& request, const text::ModelConfig& config,
-                             int max_model_len);
-
-// Appends one step's delta of a choice to what that choice produced so far.
-void AccumulateDelta(ChoiceDelta& total, const ChoiceDelta& delta);
 
 // Runs `requests` to completion on `engine` and returns, per request in order, the final
 // output of each choice (all tokens, all text). For offline use and tests.

@@ -8,18 +8,12 @@
 #include <vector>
 
 #include "tandem/engine/block_manager.h"
+#include "tandem/engine/request.h"
 #include "tandem/engine/sampling_params.h"
 
 namespace tandem::engine {
 
 enum class SequenceStatus { kWaiting, kRunning, kFinished };
-
-// Why a sequence ended. kPrefilled: a prefill-role engine computed the prompt and the first
-// token and the sequence now waits for its KV to be handed to a decode engine.
-enum class FinishReason { kNone, kStop, kLength, kAbort, kPrefilled };
-
-// "stop", "length", "abort", ... as the API reports it.
-const char* FinishReasonName(FinishReason reason);
 
 // Per-sequence random stream (xoshiro256**). Deterministic for a seed, independent of what
 // else is batched with the sequence.
@@ -37,11 +31,6 @@ class SamplerRng {
  private:
   SamplerRng() = default;
   uint64_t s_[4];
-};
-
-struct TokenLogprob {
-  int32_t token = 0;
-  float logprob = 0.0f;
 };
 
 struct Sequence {

@@ -6,7 +6,10 @@
 // the prompt with that reservation (the prefill worker pushes the KV pages straight into the
 // reserved blocks); then Start the request on the decode worker and relay its token stream to
 // the callback. Abort cancels whichever call is in flight, which the workers see at once; every
-// error path releases the reservation, so no KV block is left behind.
+// error path releases the reservation, so no KV block is left behind. Each request is a state
+// machine on gRPC's callback API (router/src/flight.h), so no thread waits for a request; the
+// pools and their Stats poller are router/src/worker_pool.h, the choice of workers and admission
+// pure functions over the pools' snapshot (router/src/placement.h).
 //
 //   TANDEM_ASSIGN_OR_RETURN(auto generator, DisaggregatedGenerator::Create(
 //       {.model_dir = dir, .prefill_addresses = {"10.0.0.5:7001"},

@@ -44,6 +44,6 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options);
 // real 128256-row embedding when the tokenizer is smaller (the extra rows are never produced by
 // the tokenizer, as in checkpoints whose embedding is padded).
 absl::StatusOr<text::ModelConfig> SyntheticConfig(const std::string& preset,
-                                                    const std::string& arch, int vocab_size);
+                                                  const std::string& arch, int vocab_size);
 
 }  // namespace tandem::tools

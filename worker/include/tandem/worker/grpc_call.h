@@ -24,7 +24,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
-#include "tandem/proto/convert.h"
+#include "tandem/proto/status.h"
 #include "tandem/v1/worker.pb.h"
 #include "tandem/worker/engine_loop.h"
 

@@ -1,11 +1,11 @@
-// Conversions at the control-plane edge: engine types <-> wire messages, absl::Status <->
-// grpc::Status. Module code uses absl::Status throughout and converts only here.
+// tandem::wire: the engine API's types <-> control-plane messages (sampling params, finish
+// reasons, prefilled samples, the KV layout an engine states in the handshake). Links only the
+// engine API, so the router converts without the engine. Status conversions: status.h.
 //
 //   tandem::v1::SubmitRequest request;
 //   *request.mutable_sampling() = tandem::proto::ToProto(params);
 //   ...
 //   engine::SamplingParams params = tandem::proto::FromProto(request.sampling());
-//   return tandem::proto::ToGrpcStatus(engine->AddRequest(...));  // in a gRPC handler
 #pragma once
 
 #include <array>
@@ -14,9 +14,11 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "grpcpp/support/status.h"
-#include "tandem/engine/llm_engine.h"
+#include "tandem/engine/handoff.h"
+#include "tandem/engine/request.h"
 #include "tandem/engine/sampling_params.h"
+#include "tandem/proto/status.h"
+#include "tandem/text/model_config.h"
 #include "tandem/v1/kv_layout.pb.h"
 #include "tandem/v1/sampling.pb.h"
 #include "tandem/v1/worker.pb.h"
@@ -31,19 +33,10 @@ tandem::v1::SamplingParams ToProto(const engine::SamplingParams& params);
 // (SamplingParams::Validate), with the vocabulary size this layer does not know.
 engine::SamplingParams FromProto(const tandem::v1::SamplingParams& params);
 
-// The code (same numbering in absl, gRPC and ErrorStatus) and message. Payloads are dropped.
-tandem::v1::ErrorStatus ToProto(const absl::Status& status);
-// A code outside the canonical range [0, 16] (a newer peer) becomes Unknown, keeping the
-// message and naming the code.
-absl::Status FromProto(const tandem::v1::ErrorStatus& status);
-
-grpc::Status ToGrpcStatus(const absl::Status& status);
-
 // The layout of an engine's KV cache as the handshake states it: fp32 (the CPU runner's cache),
 // the engine's block size, layers, KV heads and head size, one unsharded rank, and the memory
 // order "layer[2][blocks][block_size][kv_heads][head_dim]".
-tandem::v1::KvLayout EngineKvLayout(const text::ModelConfig& config,
-                                    const kernels::KvLayout& layout);
+tandem::v1::KvLayout EngineKvLayout(const text::ModelConfig& config, int block_size);
 
 // Finish reasons on the wire. kPrefilled never crosses it (it becomes NONE); an unknown value
 // from a newer peer becomes kAbort.
@@ -58,6 +51,5 @@ tandem::v1::PrefilledChoice ToProto(int index, const engine::PrefillHandoff& han
 absl::StatusOr<engine::PrefilledChoice> FromProto(const tandem::v1::PrefilledChoice& choice);
 // A sampler RNG state as the 32 little-endian bytes of PrefilledChoice.sampler_state.
 std::string SamplerStateBytes(const std::array<uint64_t, 4>& rng_state);
-absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace tandem::proto

@@ -1,4 +1,4 @@
-#include "tandem/proto/convert.h"
+#include "tandem/proto/wire.h"
 
 #include <cstdint>
 #include <limits>
@@ -162,7 +162,6 @@ TEST(StatusConvertTest, UnknownCodeFromNewerPeerIsUnknownAndNamed) {
   EXPECT_THAT(std::string(status.message()), HasSubstr("42"));
   EXPECT_THAT(std::string(status.message()), HasSubstr("new failure"));
 }
-
 
 TEST(PrefilledChoiceConvertTest, RoundTripKeepsTheRandomStreamBitForBit) {
   engine::PrefillHandoff h;

@@ -1,0 +1,97 @@
+// The engine API's requests and outputs: what a caller asks of an engine (or of a pool of
+// workers behind the same interface, engine::Generator) and what it streams back. Plain data
+// plus the checks that need only the model; the engine's runtime is not needed to use them.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "tandem/engine/sampling_params.h"
+#include "tandem/engine/step_coefficients.h"
+#include "tandem/text/model_config.h"
+
+namespace tandem::engine {
+
+// Why a sequence ended. kPrefilled: a prefill-role engine computed the prompt and the first
+// token and the sequence now waits for its KV to be handed to a decode engine.
+enum class FinishReason { kNone, kStop, kLength, kAbort, kPrefilled };
+
+// "stop", "length", "abort", ... as the API reports it.
+const char* FinishReasonName(FinishReason reason);
+
+// One token and its log-probability (a chosen token or one of the top alternatives).
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0.0f;
+};
+
+struct GenerateRequest {
+  std::string request_id;
+  std::vector<int32_t> prompt_tokens;
+  SamplingParams params;
+  // When the request reached the engine's owner (AsyncEngine::Submit, a worker's RPC), for the
+  // step trace's first-token time, which then includes the wait for the step running at that
+  // moment; unset (the epoch): when AddRequest took it.
+  std::chrono::steady_clock::time_point arrival{};
+};
+
+// What one of a request's samples produced since the previous Step().
+struct ChoiceDelta {
+  int index = 0;
+  std::vector<int32_t> token_ids;
+  // Text that is final: complete UTF-8, never part of a stop string. It can lag the tokens.
+  std::string text;
+  std::vector<float> logprobs;                          // per token, when requested
+  std::vector<std::vector<TokenLogprob>> top_logprobs;  // per token, when logprobs > 0
+  FinishReason finish_reason = FinishReason::kNone;
+};
+
+struct RequestOutput {
+  std::string request_id;
+  std::vector<ChoiceDelta> choices;  // only choices that progressed
+  bool finished = false;             // every choice has finished
+  int num_prompt_tokens = 0;
+  int num_generation_tokens = 0;  // over all choices, so far
+};
+
+// A snapshot of an engine (or, from a Generator, summed over its workers).
+struct EngineStats {
+  int running = 0;
+  int waiting = 0;
+  int kv_blocks_total = 0;
+  int kv_blocks_used = 0;
+  int64_t preemptions = 0;
+  // The batch cap (max_num_seqs unless the TPOT controller lowered it; sequences that already
+  // run keep running above it, new ones wait) and the token budget of a step
+  // (max_num_batched_tokens unless the TTFT controller lowered it).
+  int batch_limit = 0;
+  int token_budget = 0;
+  // Steps run, and the last one's measured time (Schedule through sampling) and its prediction
+  // made before it ran (0 while the latency model is not ready).
+  int64_t steps = 0;
+  double last_step_seconds = 0;
+  double last_predicted_step_seconds = 0;
+  // Recent mean time between one step's end and the next one's start while work was pending
+  // (the caller's loop: streaming, RPCs); the TPOT controller leaves it out of the step budget.
+  double step_gap_seconds = 0;
+  // The step latency model: coefficients (indexed by StepLatencyModel::Term), observations, and
+  // recent mean |predicted - measured| / measured.
+  StepCoefficients step_model;
+  int64_t step_model_samples = 0;
+  double step_model_error_ratio = 0;
+};
+
+// The checks of a request that need only the model (so a router without an engine makes them
+// too): sampling fields, token ids inside the vocabulary, a non-empty prompt, and prompt plus
+// max_tokens within max_model_len. InvalidArgument naming the field otherwise.
+absl::Status ValidateRequest(const GenerateRequest& request, const text::ModelConfig& config,
+                             int max_model_len);
+
+// Appends one step's delta of a choice to what that choice produced so far.
+void AccumulateDelta(ChoiceDelta& total, const ChoiceDelta& delta);
+
+}  // namespace tandem::engine

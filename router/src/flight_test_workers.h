@@ -1,0 +1,126 @@
+// Test doubles of a decode and a prefill worker: in-process tandem.v1 servers on gRPC's callback
+// API whose behaviour each test scripts, and which count what the router asked of them. Tokens
+// follow one rule on every worker, so a request that moves keeps one sequence: the token at
+// generation position p is 100 + p, its text "<100+p>" (the prompt is kPromptLen tokens; a
+// continuation's prompt carries the tokens generated so far).
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "tandem/v1/decode.grpc.pb.h"
+#include "tandem/v1/prefill.grpc.pb.h"
+
+namespace tandem::router::fakes {
+
+inline constexpr int kPromptLen = 4;
+
+inline std::string TokenText(int token) { return "<" + std::to_string(token) + ">"; }
+
+// How a decode worker's Start stream ends.
+enum class StreamMode {
+  kFinish,  // streams every token the request has left, then its usage
+  kDie,     // streams `after` tokens, then the call fails UNAVAILABLE and the worker is gone
+  kDrain,   // streams `after` tokens, then parks the request for KV hand-off (error + handoff)
+  kHold,    // streams `after` tokens, then waits until the call is cancelled
+};
+
+// What both fakes share: their lock, a condition to wait on, and counting a call.
+class FakeWorker {
+ public:
+  std::mutex mu;
+  std::condition_variable changed;
+  int cancels = 0;
+
+  // Waits until `ready` (checked under mu) holds.
+  void WaitFor(const std::function<bool()>& ready);
+
+ protected:
+  // Adds one to `counter` (a member, under mu) and answers OK.
+  grpc::ServerUnaryReactor* CountAndAnswer(grpc::CallbackServerContext* context, int& counter);
+};
+
+class FakeDecode final : public tandem::v1::DecodeWorker::CallbackService, public FakeWorker {
+ public:
+  // Scripting (set before the request starts, or under mu).
+  int total_blocks = 1000;
+  grpc::StatusCode reserve_code = grpc::StatusCode::OK;
+  bool hold_reserve = false;  // Reserve answers only at AnswerHeldReserve()
+  StreamMode mode = StreamMode::kFinish;
+  int after = 0;
+
+  // What the router did; read under mu.
+  std::set<std::string> live;  // reservations neither released, nor started and ended
+  int reserves = 0;
+  int releases = 0;
+  int starts = 0;
+  int handoffs = 0;
+  int stream_cancelled = 0;  // Start calls the router cancelled
+  bool gone = false;         // answers nothing but UNAVAILABLE
+  std::vector<tandem::v1::StartRequest> started;
+  std::function<void()> held_reserve;  // set while a Reserve is held
+
+  void AnswerHeldReserve();
+
+  grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* context,
+                                    const tandem::v1::ReserveRequest* request,
+                                    tandem::v1::ReserveResponse* response) override;
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* context,
+                                    const tandem::v1::ReleaseRequest* request,
+                                    tandem::v1::ReleaseResponse* response) override;
+  grpc::ServerWriteReactor<tandem::v1::TokenEvent>* Start(
+      grpc::CallbackServerContext* context, const tandem::v1::StartRequest* request) override;
+  grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext* context,
+                                   const tandem::v1::CancelRequest* request,
+                                   tandem::v1::CancelResponse* response) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
+                                  const tandem::v1::StatsRequest* request,
+                                  tandem::v1::WorkerStats* response) override;
+  grpc::ServerUnaryReactor* Handoff(grpc::CallbackServerContext* context,
+                                    const tandem::v1::HandoffRequest* request,
+                                    tandem::v1::HandoffResponse* response) override;
+
+ private:
+  class StartReactor;
+  int next_reservation_ = 0;
+};
+
+class FakePrefill final : public tandem::v1::PrefillWorker::CallbackService, public FakeWorker {
+ public:
+  bool hold_submit = false;  // Submit answers only when cancelled
+
+  int submits = 0;
+  int held = 0;  // Submits being held now
+  std::vector<int> prompt_lengths;
+
+  grpc::ServerUnaryReactor* Submit(grpc::CallbackServerContext* context,
+                                   const tandem::v1::SubmitRequest* request,
+                                   tandem::v1::SubmitResponse* response) override;
+  grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext* context,
+                                   const tandem::v1::CancelRequest* request,
+                                   tandem::v1::CancelResponse* response) override;
+  grpc::ServerUnaryReactor* Stats(grpc::CallbackServerContext* context,
+                                  const tandem::v1::StatsRequest* request,
+                                  tandem::v1::WorkerStats* response) override;
+};
+
+// An in-process server for one service on 127.0.0.1 (a free port).
+class FakeServer {
+ public:
+  explicit FakeServer(grpc::Service* service);
+  ~FakeServer();
+  const std::string& address() const { return address_; }
+
+ private:
+  std::unique_ptr<grpc::Server> server_;
+  std::string address_;
+};
+
+}  // namespace tandem::router::fakes

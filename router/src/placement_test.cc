@@ -1,0 +1,135 @@
+#include "placement.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+namespace tandem::router {
+namespace {
+
+WorkerView Decode(const std::string& id, int total, int used, int running, bool up = true) {
+  WorkerView w;
+  w.id = id;
+  w.address = id;
+  w.up = up;
+  w.stats.set_kv_blocks_total(total);
+  w.stats.set_kv_blocks_used(used);
+  w.stats.set_running(running);
+  return w;
+}
+
+WorkerView Prefill(const std::string& id, int64_t queued, double seconds_per_token = 0.0,
+                   int samples = 0, bool up = true) {
+  WorkerView w;
+  w.id = id;
+  w.address = id;
+  w.up = up;
+  w.stats.set_queued_prefill_tokens(queued);
+  w.seconds_per_token = seconds_per_token;
+  w.samples = samples;
+  return w;
+}
+
+std::vector<std::string> Ids(const std::vector<const WorkerView*>& order) {
+  std::vector<std::string> ids;
+  for (const WorkerView* w : order) ids.push_back(w->id);
+  return ids;
+}
+
+TEST(PlacementTest, EstimatesBlocksPerSampleAtSixteenTokens) {
+  EXPECT_EQ(EstimateBlocks(1, 1), 1);
+  EXPECT_EQ(EstimateBlocks(16, 1), 1);
+  EXPECT_EQ(EstimateBlocks(17, 1), 2);
+  EXPECT_EQ(EstimateBlocks(17, 3), 6);
+}
+
+TEST(PlacementTest, DecodeWorkersWithRoomComeFirstThenTheSmallestBatch) {
+  PoolSnapshot pools;
+  pools.decode = {Decode("full", 100, 99, 0), Decode("busy", 100, 0, 8),
+                  Decode("idle", 100, 50, 1)};
+  // 4 blocks needed: "full" has 1 free; of the two with room, the smaller batch first.
+  EXPECT_THAT(Ids(RankDecode(pools, 4)), testing::ElementsAre("idle", "busy", "full"));
+}
+
+TEST(PlacementTest, AmongEqualBatchesTheMostFreeBlocksFirst) {
+  PoolSnapshot pools;
+  pools.decode = {Decode("a", 100, 60, 2), Decode("b", 100, 10, 2)};
+  EXPECT_THAT(Ids(RankDecode(pools, 1)), testing::ElementsAre("b", "a"));
+}
+
+TEST(PlacementTest, PendingWorkSinceTheLastPollCounts) {
+  PoolSnapshot pools;
+  pools.decode = {Decode("a", 100, 0, 0), Decode("b", 100, 0, 0)};
+  // Three requests went to "a" since its last Stats, taking 98 blocks: "b" is now the choice.
+  pools.decode[0].pending_load = 98;
+  pools.decode[0].pending_requests = 3;
+  EXPECT_THAT(Ids(RankDecode(pools, 4)), testing::ElementsAre("b", "a"));
+}
+
+TEST(PlacementTest, DownWorkersAreNeverChosen) {
+  PoolSnapshot pools;
+  pools.decode = {Decode("down", 100, 0, 0, /*up=*/false), Decode("up", 100, 90, 5)};
+  pools.prefill = {Prefill("down", 0, 0, 0, /*up=*/false), Prefill("up", 1000)};
+  EXPECT_THAT(Ids(RankDecode(pools, 1)), testing::ElementsAre("up"));
+  ASSERT_NE(PickPrefill(pools), nullptr);
+  EXPECT_EQ(PickPrefill(pools)->id, "up");
+}
+
+TEST(PlacementTest, NoWorkerUpMeansNoChoice) {
+  PoolSnapshot empty;
+  EXPECT_TRUE(RankDecode(empty, 1).empty());
+  EXPECT_EQ(PickPrefill(empty), nullptr);
+  PoolSnapshot all_down;
+  all_down.decode = {Decode("d", 100, 0, 0, false)};
+  all_down.prefill = {Prefill("p", 0, 0, 0, false)};
+  EXPECT_TRUE(RankDecode(all_down, 1).empty());
+  EXPECT_EQ(PickPrefill(all_down), nullptr);
+}
+
+TEST(PlacementTest, AllDecodeWorkersFullStillRanksThemForAWaitingReserve) {
+  PoolSnapshot pools;
+  pools.decode = {Decode("a", 10, 10, 3), Decode("b", 10, 9, 1)};
+  // None has the 4 blocks: they are still asked (a Reserve decides), smaller batch first.
+  EXPECT_THAT(Ids(RankDecode(pools, 4)), testing::ElementsAre("b", "a"));
+}
+
+TEST(PlacementTest, PrefillGoesToTheFewestQueuedTokensPendingIncluded) {
+  PoolSnapshot pools;
+  pools.prefill = {Prefill("a", 500), Prefill("b", 100), Prefill("c", 300)};
+  EXPECT_EQ(PickPrefill(pools)->id, "b");
+  pools.prefill[1].pending_load = 450;  // prompts sent to "b" since its last Stats
+  EXPECT_EQ(PickPrefill(pools)->id, "c");
+}
+
+TEST(AdmissionTest, RefusesWhenThePredictedTtftExceedsTheTarget) {
+  PoolSnapshot pools;
+  // 1 ms per queued token: 900 queued + 200 own = 1.1 s on the best worker.
+  pools.prefill = {Prefill("a", 900, 0.001, kMinModelSamples),
+                   Prefill("b", 2000, 0.001, kMinModelSamples)};
+  ASSERT_TRUE(PredictTtft(pools, 200).has_value());
+  EXPECT_NEAR(*PredictTtft(pools, 200), 1.1, 1e-9);
+  absl::Status refused = AdmitByTtft(pools, 200, 1.0);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_THAT(std::string(refused.message()), testing::HasSubstr("predicted time to first token"));
+  EXPECT_TRUE(AdmitByTtft(pools, 50, 1.0).ok());  // 0.95 s
+}
+
+TEST(AdmissionTest, AdmitsWithoutATargetOrAnUnlearnedWorker) {
+  PoolSnapshot pools;
+  pools.prefill = {Prefill("a", 1000000, 0.01, kMinModelSamples)};
+  EXPECT_TRUE(AdmitByTtft(pools, 10, std::nullopt).ok());
+  pools.prefill.push_back(Prefill("new", 0, 0.0, kMinModelSamples - 1));
+  EXPECT_FALSE(PredictTtft(pools, 10).has_value());
+  EXPECT_TRUE(AdmitByTtft(pools, 10, 0.001).ok());
+}
+
+TEST(AdmissionTest, NoPrefillWorkerOrOneDownGivesNoPrediction) {
+  PoolSnapshot none;
+  EXPECT_FALSE(PredictTtft(none, 10).has_value());
+  EXPECT_TRUE(AdmitByTtft(none, 10, 0.001).ok());
+  PoolSnapshot down;
+  down.prefill = {Prefill("a", 1000000, 0.01, kMinModelSamples, /*up=*/false)};
+  EXPECT_TRUE(AdmitByTtft(down, 10, 0.001).ok());
+}
+
+}  // namespace
+}  // namespace tandem::router
