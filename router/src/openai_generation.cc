@@ -1,0 +1,321 @@
+// The OpenAI server's completions and chat completions: accepting a request, then its engine
+// outputs rendered as server-sent events or as one response, and its metrics when it ends.
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "openai_server_impl.h"
+
+namespace tandem::router::detail {
+
+absl::StatusOr<std::vector<int32_t>> ApiServerImpl::ChatTokens(const json& messages,
+                                                               bool add_generation_prompt,
+                                                               bool add_special_tokens) const {
+  absl::StatusOr<std::string> text =
+      engine_->chat_formatter().Apply(messages, add_generation_prompt);
+  if (!text.ok()) {
+    return ParamError("messages", absl::StrCat("the chat template refused the messages: ",
+                                               text.status().message()));
+  }
+  return engine_->tokenizer().Encode(*text, add_special_tokens);
+}
+
+void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& ex, ApiKind kind) {
+  if (draining_) {
+    return ReplyError(*ex, absl::UnavailableError("the server is shutting down"));
+  }
+  absl::StatusOr<json> body = ParseJsonObject(ex->request().body);
+  if (!body.ok()) return ReplyError(*ex, body.status());
+  absl::StatusOr<CompletionRequest> parsed = ParseCompletionRequest(*body, kind, vocab_size_);
+  if (!parsed.ok()) return ReplyError(*ex, parsed.status());
+  CompletionRequest& r = *parsed;
+  if (r.model) {
+    if (absl::Status s = CheckModelName(*r.model); !s.ok()) return ReplyError(*ex, s);
+  }
+
+  std::vector<int32_t> prompt;
+  if (kind == ApiKind::kChat) {
+    absl::StatusOr<std::vector<int32_t>> tokens =
+        ChatTokens(r.messages, r.add_generation_prompt, r.add_special_tokens);
+    if (!tokens.ok()) return ReplyError(*ex, tokens.status());
+    prompt = std::move(*tokens);
+  } else if (r.prompt_text) {
+    prompt = engine_->tokenizer().Encode(*r.prompt_text, r.add_special_tokens);
+  } else {
+    prompt = std::move(r.prompt_tokens);
+  }
+  const int prompt_len = static_cast<int>(prompt.size());
+  if (r.max_tokens) {
+    r.params.max_tokens = *r.max_tokens;
+  } else if (kind == ApiKind::kChat) {
+    r.params.max_tokens = std::max(1, engine_->max_model_len() - prompt_len);
+  } else {
+    r.params.max_tokens = 16;
+  }
+
+  if (active_.fetch_add(1) >= options_.max_active_requests) {
+    active_.fetch_sub(1);
+    return ReplyError(
+        *ex, WithErrorCode(absl::ResourceExhaustedError(absl::StrCat(
+                               "the server is overloaded (", options_.max_active_requests,
+                               " requests in flight); retry shortly")),
+                           "overloaded"));
+  }
+  auto gen = std::make_shared<Generation>();
+  gen->server = this;
+  gen->exchange = ex;
+  gen->kind = kind;
+  gen->id = NewId(kind == ApiKind::kChat ? "chatcmpl-" : "cmpl-");
+  gen->model = options_.served_model_names.front();
+  gen->created = UnixSeconds();
+  gen->stream = r.stream;
+  gen->include_usage = r.include_usage;
+  gen->logprobs = r.params.logprobs;
+  gen->prompt_tokens = prompt_len;
+  gen->start = Clock::now();
+  gen->choices.resize(r.params.n);
+  const int n = r.params.n;
+
+  // Registered before Submit so that no output can be handled before it is in place.
+  ex->OnClientGone([gen] { gen->OnClientGone(); });
+  engine::GenerateRequest request{gen->id, std::move(prompt), r.params};
+  absl::Status submitted = engine_->Submit(
+      std::move(request), [gen](const engine::RequestOutput& out, const absl::Status& status) {
+        // On the engine thread: hand over and return at once.
+        gen->exchange->Run([gen, out, status] { gen->OnOutput(out, status); });
+      });
+  if (!submitted.ok()) {
+    gen->done = true;
+    RequestFinished();
+    return ReplyError(*ex, AttachParam(submitted, kind));
+  }
+  metrics_.prompt_tokens->Increment(prompt_len);
+  if (gen->stream) {
+    metrics_.Http(200)->Increment();
+    ex->BeginStream(200, "text/event-stream",
+                    {{"Cache-Control", "no-cache"}, {"X-Request-Id", gen->id}});
+    if (kind == ApiKind::kChat) {
+      // OpenAI opens each chat choice with the assistant role and empty content.
+      for (int i = 0; i < n; ++i) {
+        json choice = {{"index", i},
+                       {"delta", {{"role", "assistant"}, {"content", ""}}},
+                       {"logprobs", nullptr},
+                       {"finish_reason", nullptr}};
+        json chunk = {{"id", gen->id},
+                      {"object", "chat.completion.chunk"},
+                      {"created", gen->created},
+                      {"model", gen->model},
+                      {"choices", json::array({choice})}};
+        ex->Send(Sse(chunk));
+      }
+    }
+  }
+}
+
+json Generation::LogprobsFor(const engine::ChoiceDelta& delta, Choice& choice) const {
+  if (logprobs < 0 || delta.token_ids.empty()) return nullptr;
+  const size_t count = delta.token_ids.size();
+  auto top_at = [&](size_t i) -> const std::vector<engine::TokenLogprob>* {
+    return i < delta.top_logprobs.size() ? &delta.top_logprobs[i] : nullptr;
+  };
+  auto lp_at = [&](size_t i) { return i < delta.logprobs.size() ? delta.logprobs[i] : 0.0f; };
+  if (kind == ApiKind::kCompletion) {
+    json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
+         offsets = json::array();
+    for (size_t i = 0; i < count; ++i) {
+      std::string s = server->TokenString(delta.token_ids[i]);
+      tokens.push_back(s);
+      token_logprobs.push_back(JsonLogprob(lp_at(i)));
+      json alternatives = json::object();
+      if (const auto* t = top_at(i)) {
+        for (const engine::TokenLogprob& alt : *t) {
+          std::string alt_s = server->TokenString(alt.token);
+          if (!alternatives.contains(alt_s)) alternatives[alt_s] = JsonLogprob(alt.logprob);
+        }
+      }
+      top.push_back(std::move(alternatives));
+      offsets.push_back(choice.text_offset);
+      choice.text_offset += static_cast<int>(s.size());
+    }
+    return {{"tokens", tokens},
+            {"token_logprobs", token_logprobs},
+            {"top_logprobs", top},
+            {"text_offset", offsets}};
+  }
+  auto entry = [&](int32_t id, float lp) {
+    std::string raw = server->TokenBytes(id);
+    json bytes = json::array();
+    for (unsigned char c : raw) bytes.push_back(static_cast<int>(c));
+    return json{
+        {"token", text::ReplaceInvalidUtf8(raw)}, {"logprob", JsonLogprob(lp)}, {"bytes", bytes}};
+  };
+  json content = json::array();
+  for (size_t i = 0; i < count; ++i) {
+    json e = entry(delta.token_ids[i], lp_at(i));
+    json top = json::array();
+    if (const auto* t = top_at(i)) {
+      for (const engine::TokenLogprob& alt : *t) top.push_back(entry(alt.token, alt.logprob));
+    }
+    e["top_logprobs"] = std::move(top);
+    content.push_back(std::move(e));
+  }
+  return {{"content", content}, {"refusal", nullptr}};
+}
+
+void Generation::Merge(json& into, const json& delta) const {
+  if (delta.is_null()) return;
+  if (into.is_null()) {
+    into = delta;
+    return;
+  }
+  for (auto& [key, value] : delta.items()) {
+    if (!value.is_array()) continue;
+    for (const json& v : value) into[key].push_back(v);
+  }
+}
+
+json Generation::Chunk(json choices_json) const {
+  return {{"id", id},
+          {"object", kind == ApiKind::kChat ? "chat.completion.chunk" : "text_completion"},
+          {"created", created},
+          {"model", model},
+          {"choices", std::move(choices_json)}};
+}
+
+json Generation::Usage() const {
+  return {{"prompt_tokens", prompt_tokens},
+          {"completion_tokens", generation_tokens},
+          {"total_tokens", prompt_tokens + generation_tokens}};
+}
+
+void Generation::OnOutput(const engine::RequestOutput& out, const absl::Status& status) {
+  if (done) return;
+  if (!status.ok()) return Fail(status);
+  const Clock::time_point now = Clock::now();
+  size_t new_tokens = 0;
+  for (const engine::ChoiceDelta& d : out.choices)
+    new_tokens = std::max(new_tokens, d.token_ids.size());
+  ApiMetrics& m = server->metrics();
+  if (new_tokens > 0) {
+    if (!seen_token) {
+      m.ttft->Observe(Seconds(now - start));
+      first_token = now;
+      seen_token = true;
+    } else {
+      m.itl->Observe(Seconds(now - last_token) / static_cast<double>(new_tokens));
+    }
+    last_token = now;
+  }
+  generation_tokens = out.num_generation_tokens;
+  if (out.num_prompt_tokens > 0) prompt_tokens = out.num_prompt_tokens;
+
+  for (const engine::ChoiceDelta& d : out.choices) {
+    if (d.index < 0 || d.index >= static_cast<int>(choices.size())) continue;
+    Choice& c = choices[d.index];
+    c.tokens += static_cast<int>(d.token_ids.size());
+    json lp = LogprobsFor(d, c);
+    c.text += d.text;
+    if (d.finish_reason != engine::FinishReason::kNone) c.finish = d.finish_reason;
+    const bool finished = d.finish_reason != engine::FinishReason::kNone;
+    if (!stream) {
+      Merge(c.logprobs, lp);
+      continue;
+    }
+    if (d.text.empty() && !finished && lp.is_null()) continue;
+    json finish = finished ? json(engine::FinishReasonName(d.finish_reason)) : json(nullptr);
+    json choice;
+    if (kind == ApiKind::kChat) {
+      json delta = json::object();
+      if (!d.text.empty()) delta["content"] = d.text;
+      choice = {{"index", d.index}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish}};
+    } else {
+      choice = {{"index", d.index}, {"text", d.text}, {"logprobs", lp}, {"finish_reason", finish}};
+    }
+    exchange->Send(Sse(Chunk(json::array({choice}))));
+  }
+  if (!out.finished) return;
+
+  const std::string reason =
+      choices.empty() ? "stop" : engine::FinishReasonName(choices.front().finish);
+  if (stream) {
+    if (include_usage) {
+      json usage_chunk = Chunk(json::array());
+      usage_chunk["usage"] = Usage();
+      exchange->Send(Sse(usage_chunk));
+    }
+    exchange->Send("data: [DONE]\n\n");
+    exchange->EndStream();
+  } else {
+    json list = json::array();
+    for (size_t i = 0; i < choices.size(); ++i) {
+      const Choice& c = choices[i];
+      json finish = c.finish == engine::FinishReason::kNone
+                        ? json(nullptr)
+                        : json(engine::FinishReasonName(c.finish));
+      if (kind == ApiKind::kChat) {
+        list.push_back({{"index", i},
+                        {"message", {{"role", "assistant"}, {"content", c.text}}},
+                        {"logprobs", c.logprobs},
+                        {"finish_reason", finish}});
+      } else {
+        list.push_back(
+            {{"index", i}, {"text", c.text}, {"logprobs", c.logprobs}, {"finish_reason", finish}});
+      }
+    }
+    json response = {{"id", id},
+                     {"object", kind == ApiKind::kChat ? "chat.completion" : "text_completion"},
+                     {"created", created},
+                     {"model", model},
+                     {"choices", list},
+                     {"usage", Usage()}};
+    server->Reply(*exchange, 200, Dump(response));
+  }
+  Finalize(reason.empty() ? "stop" : reason);
+}
+
+void Generation::Fail(const absl::Status& status) {
+  if (stream) {
+    // The 200 and earlier chunks are already out: report the error in-band, as OpenAI does.
+    const int code = HttpStatusOf(status, 503);
+    json error = json::parse(
+        ErrorBody(code, std::string(status.message()), ParamOf(status), ErrorCodeOf(status)));
+    exchange->Send(absl::StrCat("event: error\ndata: ", Dump(error), "\n\n"));
+    exchange->Send("data: [DONE]\n\n");
+    exchange->EndStream();
+  } else {
+    server->ReplyError(*exchange, status);
+  }
+  Finalize("error");
+}
+
+void Generation::OnClientGone() {
+  if (done) return;
+  // Frees the request's KV blocks before the engine's next step.
+  server->engine().Abort(id);
+  Finalize("abort");
+}
+
+void Generation::Finalize(const std::string& reason) {
+  done = true;
+  const Clock::time_point now = Clock::now();
+  ApiMetrics& m = server->metrics();
+  m.Finished(reason)->Increment();
+  m.generation_tokens->Increment(generation_tokens);
+  const double e2e = Seconds(now - start);
+  m.e2e->Observe(e2e);
+  // Only requests that ran to their end are held to the SLOs: an abort (client gone) or an
+  // error says nothing about the latency the server would have given.
+  if (reason == "stop" || reason == "length") {
+    const double ttft = seen_token ? Seconds(first_token - start) : e2e;
+    int tokens = 0;
+    for (const Choice& c : choices) tokens = std::max(tokens, c.tokens);
+    std::optional<double> tpot;
+    if (tokens >= 2) tpot = (e2e - ttft) / static_cast<double>(tokens - 1);
+    m.Classify(ttft, tpot);
+  }
+  server->RequestFinished();
+}
+
+}  // namespace tandem::router::detail

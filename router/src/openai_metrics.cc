@@ -1,0 +1,115 @@
+// The OpenAI server's Prometheus metrics and its SLO accounting.
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "openai_server_impl.h"
+
+namespace tandem::router::detail {
+namespace {
+
+// Bucket bounds for time per output token: finer than LatencyBuckets() below 10 ms, where
+// GPU decode steps fall.
+std::vector<double> TpotBuckets() {
+  return {0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03,
+          0.04,   0.05,  0.075, 0.1,   0.15,  0.2,    0.3,  0.5,   0.75, 1.0,   2.5};
+}
+
+}  // namespace
+
+ApiMetrics::ApiMetrics(const ApiServerOptions& options)
+    : ttft_slo(options.ttft_slo_seconds), tpot_slo(options.tpot_slo_seconds) {
+  for (const char* reason : {"stop", "length", "abort", "error"}) Finished(reason);
+  prompt_tokens = &registry.Counter("tandem_prompt_tokens_total", "Prompt tokens processed.");
+  generation_tokens =
+      &registry.Counter("tandem_generation_tokens_total", "Tokens generated, all choices.");
+  ttft = &registry.Histogram("tandem_time_to_first_token_seconds",
+                               "Time from request arrival to its first generated token.",
+                               metrics::LatencyBuckets());
+  itl = &registry.Histogram("tandem_inter_token_latency_seconds",
+                              "Time between successive generated tokens of a request.",
+                              metrics::LatencyBuckets());
+  e2e = &registry.Histogram("tandem_e2e_request_latency_seconds",
+                              "Time from request arrival to its last token.", metrics::LatencyBuckets());
+  running =
+      &registry.Gauge("tandem_requests_running", "Requests in the engine's running batch.");
+  waiting = &registry.Gauge("tandem_requests_waiting", "Requests queued in the engine.");
+  kv_used = &registry.Gauge("tandem_kv_cache_blocks_used",
+                            "KV cache blocks in use (on a decode worker, reserved ones too).");
+  // Not "_total": Prometheus reserves that suffix for counters (promtool refuses a gauge).
+  kv_total = &registry.Gauge("tandem_kv_cache_blocks_capacity", "KV cache blocks in all.");
+  preemptions =
+      &registry.Counter("tandem_preemptions_total",
+                        "Sequences preempted (their KV dropped and recomputed).");
+  in_flight = &registry.Gauge("tandem_api_requests_in_flight",
+                                "Generation requests accepted by the API and not yet finished.");
+  connections = &registry.Gauge("tandem_http_connections", "Open HTTP connections.");
+  constexpr const char* kRetriesHelp =
+      "Requests that went on elsewhere after a worker went away under them (prefill: started "
+      "over before the first token; decode: continued mid-stream on another decode worker by "
+      "recomputing their KV; kv_handoff: samples a draining decode worker parked, moved with "
+      "their KV to another decode worker).";
+  prefill_retries =
+      &registry.Counter("tandem_request_retries_total", kRetriesHelp, {{"phase", "prefill"}});
+  migrations =
+      &registry.Counter("tandem_request_retries_total", kRetriesHelp, {{"phase", "decode"}});
+  kv_handoffs = &registry.Counter("tandem_request_retries_total", kRetriesHelp,
+                                    {{"phase", "kv_handoff"}});
+  kv_handoff_bytes = &registry.Counter(
+      "tandem_kv_handoff_bytes_total",
+      "KV bytes moved from draining decode workers to others by KV handoff.");
+  const char* roles[2] = {"prefill", "decode"};
+  const char* states[2] = {"up", "down"};
+  for (int r = 0; r < 2; ++r) {
+    for (int st = 0; st < 2; ++st) {
+      workers[r][st] = &registry.Gauge(
+          "tandem_workers",
+          "Workers in the router's pools, by role and by whether their last Stats answered.",
+          {{"role", roles[r]}, {"state", states[st]}});
+    }
+  }
+
+  tpot = &registry.Histogram(
+      "tandem_time_per_output_token_seconds",
+      "Per request that finished normally with at least 2 tokens: (end - first token) / "
+      "(tokens of its longest choice - 1).",
+      TpotBuckets());
+  auto pair = [&](const char* slo) {
+    return SloPair{
+        &registry.Counter("tandem_requests_slo_total", kSloHelp,
+                            {{"slo", slo}, {"result", "met"}}),
+        &registry.Counter("tandem_requests_slo_total", kSloHelp,
+                            {{"slo", slo}, {"result", "missed"}}),
+    };
+  };
+  if (ttft_slo) slo_ttft = pair("ttft");
+  if (tpot_slo) slo_tpot = pair("tpot");
+  if (ttft_slo || tpot_slo) slo_both = pair("both");
+  slo_met = &registry.Counter(
+      "tandem_requests_slo_met_total",
+      "Requests that finished normally (stop or length) meeting every configured service-level "
+      "objective (all of them when none is configured); its rate is the goodput.");
+  if (ttft_slo) {
+    registry.Gauge("tandem_slo_ttft_seconds", "The time-to-first-token objective.")
+        .Set(*ttft_slo);
+  }
+  if (tpot_slo) {
+    registry.Gauge("tandem_slo_tpot_seconds", "The time-per-output-token objective.")
+        .Set(*tpot_slo);
+  }
+}
+
+void ApiMetrics::Classify(double ttft_seconds, std::optional<double> tpot_seconds) {
+  if (tpot_seconds) tpot->Observe(*tpot_seconds);
+  bool all_met = true;
+  auto count = [&](const SloPair& pair, bool met) {
+    (met ? pair.met : pair.missed)->Increment();
+    all_met = all_met && met;
+  };
+  if (ttft_slo) count(slo_ttft, ttft_seconds <= *ttft_slo);
+  if (tpot_slo) count(slo_tpot, !tpot_seconds || *tpot_seconds <= *tpot_slo);
+  if (ttft_slo || tpot_slo) count(slo_both, all_met);
+  if (all_met) slo_met->Increment();
+}
+
+}  // namespace tandem::router::detail

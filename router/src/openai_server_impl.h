@@ -1,0 +1,241 @@
+// The OpenAI server's internals, shared by openai_server.cc (startup, routing, auth, errors),
+// openai_endpoints.cc (metrics, models, tokenize, readiness), openai_generation.cc (completions
+// and chat: requests, streaming, responses) and openai_metrics.cc. Nothing outside router/src
+// includes this.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+#include "tandem/metrics/registry.h"
+#include "tandem/router/openai_request.h"
+#include "tandem/router/openai_server.h"
+
+namespace tandem::router::detail {
+
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+std::string Dump(const json& j);
+std::string Sse(const json& j);
+double Seconds(Clock::duration d);
+int64_t UnixSeconds();
+
+// JSON has no -Infinity: a token the model rules out reports OpenAI's floor instead.
+double JsonLogprob(float lp);
+
+std::string NewId(const char* prefix);
+
+// A path or name from a request, cut short for an error message.
+std::string Excerpt(const std::string& s);
+
+int HttpStatusOf(const absl::Status& status, int overload_status);
+
+struct ApiMetrics {
+  metrics::Registry registry;
+  prometheus::Counter* prompt_tokens;
+  prometheus::Counter* generation_tokens;
+  prometheus::Histogram* ttft;
+  prometheus::Histogram* itl;
+  prometheus::Histogram* e2e;
+  prometheus::Histogram* tpot;
+  prometheus::Gauge* running;
+  prometheus::Gauge* waiting;
+  prometheus::Gauge* kv_used;
+  prometheus::Gauge* kv_total;
+  prometheus::Counter* preemptions;
+  prometheus::Gauge* in_flight;
+  prometheus::Gauge* connections;
+  // Disaggregated serving: the pools and failovers (zero with one engine).
+  prometheus::Counter* prefill_retries;
+  prometheus::Counter* migrations;
+  prometheus::Counter* kv_handoffs;
+  prometheus::Counter* kv_handoff_bytes;
+  prometheus::Gauge* workers[2][2];  // [prefill, decode][up, down]
+
+  // SLO accounting (see Classify). A pair is null where that objective is not configured;
+  // "both" exists when any is.
+  struct SloPair {
+    prometheus::Counter* met = nullptr;
+    prometheus::Counter* missed = nullptr;
+  };
+  std::optional<double> ttft_slo;
+  std::optional<double> tpot_slo;
+  SloPair slo_ttft, slo_tpot, slo_both;
+  prometheus::Counter* slo_met;
+
+  static constexpr const char* kRequestsHelp =
+      "Generation requests finished, by finish reason of their first choice (abort: the client "
+      "went away; error: the engine failed).";
+  static constexpr const char* kHttpHelp = "HTTP responses sent, by status code.";
+  static constexpr const char* kSloHelp =
+      "Requests that finished normally (stop or length), by service-level objective (ttft, "
+      "tpot, or both: every configured one) and whether they met it.";
+
+  explicit ApiMetrics(const ApiServerOptions& options);
+  // Accounts one request that finished normally: its time to first token and, for two tokens
+  // or more, its time per output token (a request with fewer meets any TPOT objective).
+  void Classify(double ttft_seconds, std::optional<double> tpot_seconds);
+  prometheus::Counter* Finished(const std::string& reason) {
+    return &registry.Counter("tandem_requests_total", kRequestsHelp, {{"finish_reason", reason}});
+  }
+  prometheus::Counter* Http(int code) {
+    return &registry.Counter("tandem_http_responses_total", kHttpHelp,
+                               {{"code", std::to_string(code)}});
+  }
+};
+
+class ApiServerImpl;
+
+// One generation request from acceptance to its last byte. Every method runs on the
+// connection's I/O thread (engine outputs are handed over with http::HttpExchange::Run), so it needs
+// no lock.
+struct Generation {
+  struct Choice {
+    std::string text;
+    engine::FinishReason finish = engine::FinishReason::kNone;
+    int text_offset = 0;
+    int tokens = 0;           // generated so far
+    json logprobs = nullptr;  // the API's logprobs object, grown token by token
+  };
+
+  ApiServerImpl* server = nullptr;  // outlives every request (see ApiServerImpl::Shutdown)
+  std::shared_ptr<http::HttpExchange> exchange;
+  ApiKind kind = ApiKind::kCompletion;
+  std::string id;
+  std::string model;
+  int64_t created = 0;
+  bool stream = false;
+  bool include_usage = false;
+  int logprobs = -1;
+  int prompt_tokens = 0;
+  int generation_tokens = 0;
+  Clock::time_point start;
+  Clock::time_point first_token;
+  Clock::time_point last_token;
+  bool seen_token = false;
+  bool done = false;
+  std::vector<Choice> choices;
+
+  void OnOutput(const engine::RequestOutput& out, const absl::Status& status);
+  void OnClientGone();
+
+ private:
+  json LogprobsFor(const engine::ChoiceDelta& delta, Choice& choice) const;
+  void Merge(json& into, const json& delta) const;
+  json Chunk(json choices) const;
+  json Usage() const;
+  void Fail(const absl::Status& status);
+  void Finalize(const std::string& reason);
+};
+
+class ApiServerImpl : public ApiServer {
+ public:
+  ApiServerImpl(ApiServerOptions options, std::unique_ptr<engine::Generator> engine)
+      : options_(std::move(options)),
+        metrics_(options_),
+        started_(UnixSeconds()),
+        engine_(std::move(engine)) {
+    vocab_size_ = std::min(engine_->config().vocab_size, engine_->tokenizer().vocab_size());
+  }
+  ~ApiServerImpl() override { Shutdown(std::chrono::milliseconds(0)); }
+
+  absl::Status Start();
+
+  int port() const override { return http_->port(); }
+
+  void Shutdown(std::chrono::milliseconds grace) override;
+
+  // --- used by Generation ---
+  ApiMetrics& metrics() { return metrics_; }
+  engine::Generator& engine() { return *engine_; }
+  void RequestFinished() { active_.fetch_sub(1); }
+  std::string TokenString(int32_t id) const {
+    if (id < 0 || id >= engine_->tokenizer().vocab_size()) return "";
+    return text::ReplaceInvalidUtf8(engine_->tokenizer().TokenBytes(id));
+  }
+  std::string TokenBytes(int32_t id) const {
+    if (id < 0 || id >= engine_->tokenizer().vocab_size()) return "";
+    return engine_->tokenizer().TokenBytes(id);
+  }
+
+  void Reply(http::HttpExchange& ex, int status, std::string body, http::HttpHeaders headers = {},
+             std::string content_type = "application/json") {
+    metrics_.Http(status)->Increment();
+    ex.Reply(http::HttpResponse{status, std::move(content_type), std::move(body), std::move(headers)});
+  }
+
+  void ReplyError(http::HttpExchange& ex, const absl::Status& status);
+
+ private:
+  enum class Endpoint {
+    kHealth,
+    kReady,
+    kMetrics,
+    kModels,
+    kCompletions,
+    kChatCompletions,
+    kTokenize,
+    kDetokenize
+  };
+  struct Route {
+    const char* path;
+    const char* method;
+    Endpoint endpoint;
+  };
+
+  void Handle(const std::shared_ptr<http::HttpExchange>& ex);
+  absl::Status CheckApiKey(const http::HttpRequest& req) const;
+  void MethodNotAllowed(http::HttpExchange& ex, const char* allowed);
+  absl::Status CheckModel(const json& body) const;
+  absl::Status CheckModelName(const std::string& name) const;
+  void HandleMetrics(http::HttpExchange& ex);
+  json ModelObject(const std::string& name) const;
+  void HandleModels(http::HttpExchange& ex);
+  void HandleModel(http::HttpExchange& ex, const std::string& name);
+  // Prompt tokens of a chat: the template's text, tokenized without adding special tokens
+  // unless asked (the template writes those it wants).
+  absl::StatusOr<std::vector<int32_t>> ChatTokens(const json& messages, bool add_generation_prompt,
+                                                  bool add_special_tokens) const;
+  void HandleTokenize(http::HttpExchange& ex);
+  void HandleDetokenize(http::HttpExchange& ex);
+  void HandleReady(const std::shared_ptr<http::HttpExchange>& ex);
+  void ReadyDone(const absl::Status& status);
+  void HandleGeneration(const std::shared_ptr<http::HttpExchange>& ex, ApiKind kind);
+
+  // Declared first, destroyed last: everything below may use them until it is gone.
+  ApiServerOptions options_;
+  ApiMetrics metrics_;
+  std::atomic<int> active_{0};
+  std::atomic<bool> draining_{false};
+  int vocab_size_ = 0;
+  int64_t started_ = 0;
+
+  std::mutex ready_mu_;
+  std::optional<Clock::time_point> ready_at_;                 // guarded by ready_mu_
+  bool ready_probing_ = false;                                // guarded by ready_mu_
+  std::vector<std::shared_ptr<http::HttpExchange>> ready_waiters_;  // guarded by ready_mu_
+
+  std::mutex shutdown_mu_;
+  bool shut_down_ = false;  // guarded by shutdown_mu_
+
+  // The HTTP server is stopped before the engine goes, and destroyed after it (its I/O
+  // context holds handlers that the engine's last callbacks posted).
+  std::unique_ptr<http::HttpServer> http_;
+  // http_ for the request handlers: the server accepts (and may dispatch a request) as soon as
+  // it is bound, before Create returns and http_ is assigned on the starting thread.
+  std::atomic<http::HttpServer*> http_for_handlers_{nullptr};
+  std::unique_ptr<engine::Generator> engine_;
+};
+
+}  // namespace tandem::router::detail
