@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "openai_server_impl.h"
 
-namespace tandem::router::detail {
+namespace tandem::router::internal {
 
 void ApiServerImpl::HandleMetrics(http::HttpExchange& ex) {
   engine::EngineStats stats = engine_->stats();
@@ -156,4 +156,4 @@ void ApiServerImpl::ReadyDone(const absl::Status& status) {
   }
 }
 
-}  // namespace tandem::router::detail
+}  // namespace tandem::router::internal

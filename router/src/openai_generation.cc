@@ -8,7 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "openai_server_impl.h"
 
-namespace tandem::router::detail {
+namespace tandem::router::internal {
 
 absl::StatusOr<std::vector<int32_t>> ApiServerImpl::ChatTokens(const json& messages,
                                                                bool add_generation_prompt,
@@ -318,4 +318,4 @@ void Generation::Finalize(const std::string& reason) {
   server->RequestFinished();
 }
 
-}  // namespace tandem::router::detail
+}  // namespace tandem::router::internal

@@ -5,7 +5,7 @@
 
 #include "openai_server_impl.h"
 
-namespace tandem::router::detail {
+namespace tandem::router::internal {
 namespace {
 
 // Bucket bounds for time per output token: finer than LatencyBuckets() below 10 ms, where
@@ -112,4 +112,4 @@ void ApiMetrics::Classify(double ttft_seconds, std::optional<double> tpot_second
   if (all_met) slo_met->Increment();
 }
 
-}  // namespace tandem::router::detail
+}  // namespace tandem::router::internal

@@ -19,7 +19,7 @@
 #include "tandem/base/status_macros.h"
 
 namespace tandem::router {
-namespace detail {
+namespace internal {
 namespace {
 
 // Compares without an early exit, so the time taken says nothing about the key.
@@ -244,12 +244,12 @@ absl::Status ApiServerImpl::CheckModelName(const std::string& name) const {
   return WithErrorCode(s, "model_not_found");
 }
 
-}  // namespace detail
+}  // namespace internal
 
 absl::StatusOr<std::unique_ptr<ApiServer>> ApiServer::Create(
     ApiServerOptions options, std::unique_ptr<engine::Generator> engine) {
   if (engine == nullptr) return absl::InvalidArgumentError("ApiServer needs an engine");
-  auto server = std::make_unique<detail::ApiServerImpl>(std::move(options), std::move(engine));
+  auto server = std::make_unique<internal::ApiServerImpl>(std::move(options), std::move(engine));
   TANDEM_RETURN_IF_ERROR(server->Start());
   return std::unique_ptr<ApiServer>(std::move(server));
 }

@@ -21,7 +21,7 @@
 #include "tandem/router/openai_request.h"
 #include "tandem/router/openai_server.h"
 
-namespace tandem::router::detail {
+namespace tandem::router::internal {
 
 using nlohmann::json;
 using Clock = std::chrono::steady_clock;
@@ -238,4 +238,4 @@ class ApiServerImpl : public ApiServer {
   std::unique_ptr<engine::Generator> engine_;
 };
 
-}  // namespace tandem::router::detail
+}  // namespace tandem::router::internal

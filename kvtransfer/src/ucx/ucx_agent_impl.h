@@ -1,6 +1,7 @@
 // The ucx agent's internals, shared by its core (ucx_agent.cc: setup, the progress thread,
 // memory, transfers) and its connection half (ucx_connections.cc: listener callbacks, the
-// handshake, Connect and Disconnect). Nothing outside kvtransfer/src/ucx includes this.
+// handshake, Connect and Disconnect). Nothing outside kvtransfer/src/ucx includes this. It uses
+// namespace ucx::detail: a ucx::internal would hide kvtransfer::internal from this code.
 #pragma once
 
 #include <sys/socket.h>
