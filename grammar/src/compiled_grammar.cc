@@ -1,0 +1,166 @@
+// CompiledGrammar: inlining small rules, flattening, and the context-independent token masks.
+#include <algorithm>
+
+#include "automaton.h"
+#include "tandem/base/status_macros.h"
+#include "tandem/grammar/matcher.h"
+
+namespace tandem::grammar {
+namespace {
+
+// Limits on inlining: a rule is copied into its callers when it is not recursive and small,
+// and the caller stays below kMaxAlternatives.
+constexpr size_t kMaxInlinedAlternatives = 16;
+constexpr size_t kMaxInlinedLength = 8;
+constexpr size_t kMaxAlternatives = 64;
+
+// Rules that can reach themselves through references.
+std::vector<bool> RecursiveRules(const Grammar& g) {
+  const int n = g.rules.size();
+  std::vector<bool> recursive(n, false);
+  for (int r = 0; r < n; ++r) {
+    std::vector<bool> seen(n, false);
+    std::vector<int> queue = {r};
+    while (!queue.empty() && !recursive[r]) {
+      int x = queue.back();
+      queue.pop_back();
+      for (const Sequence& seq : g.rules[x].alternatives) {
+        for (const Element& e : seq) {
+          if (e.kind != Element::Kind::kRule) continue;
+          if (e.rule == r) recursive[r] = true;
+          if (!seen[e.rule]) {
+            seen[e.rule] = true;
+            queue.push_back(e.rule);
+          }
+        }
+      }
+    }
+  }
+  return recursive;
+}
+
+// Replaces references to small non-recursive rules by their alternatives, so that e.g. the
+// characters of a string live in the string's repetition rule: the context-independent masks
+// then accept a whole token of string content instead of leaving it to the run-time check.
+Grammar InlineSmallRules(Grammar g) {
+  const std::vector<bool> recursive = RecursiveRules(g);
+  auto inlinable = [&](int r) {
+    const Rule& rule = g.rules[r];
+    if (recursive[r] || r == g.root || rule.alternatives.size() > kMaxInlinedAlternatives) {
+      return false;
+    }
+    for (const Sequence& seq : rule.alternatives) {
+      if (seq.size() > kMaxInlinedLength) return false;
+    }
+    return true;
+  };
+  for (int pass = 0; pass < 4; ++pass) {
+    bool changed = false;
+    for (size_t r = 0; r < g.rules.size(); ++r) {
+      std::vector<Sequence> out;
+      const std::vector<Sequence>& alternatives = g.rules[r].alternatives;
+      for (size_t a = 0; a < alternatives.size(); ++a) {
+        const Sequence& seq = alternatives[a];
+        size_t at = seq.size();
+        for (size_t i = 0; i < seq.size(); ++i) {
+          if (seq[i].kind == Element::Kind::kRule && inlinable(seq[i].rule) &&
+              out.size() + (alternatives.size() - a) - 1 +
+                      g.rules[seq[i].rule].alternatives.size() <=
+                  kMaxAlternatives) {
+            at = i;
+            break;
+          }
+        }
+        if (at == seq.size()) {
+          out.push_back(seq);
+          continue;
+        }
+        changed = true;
+        for (const Sequence& inner : g.rules[seq[at].rule].alternatives) {
+          Sequence s(seq.begin(), seq.begin() + at);
+          s.insert(s.end(), inner.begin(), inner.end());
+          s.insert(s.end(), seq.begin() + at + 1, seq.end());
+          out.push_back(std::move(s));
+        }
+      }
+      g.rules[r].alternatives = std::move(out);
+    }
+    if (!changed) break;
+  }
+  return g;
+}
+
+}  // namespace
+
+CompiledGrammar::~CompiledGrammar() = default;
+
+size_t CompiledGrammar::num_uncertain() const {
+  size_t n = 0;
+  for (const auto& u : uncertain_) n += u.size();
+  return n;
+}
+
+absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Create(
+    const Grammar& grammar, std::shared_ptr<const TokenVocabulary> vocabulary) {
+  if (grammar.root < 0 || grammar.root >= static_cast<int>(grammar.rules.size())) {
+    return absl::InvalidArgumentError("grammar: no root rule");
+  }
+  TANDEM_RETURN_IF_ERROR(grammar.CheckNoLeftRecursion());
+  std::shared_ptr<CompiledGrammar> compiled(new CompiledGrammar());
+  compiled->vocabulary_ = std::move(vocabulary);
+  compiled->flat_ =
+      std::make_unique<internal::FlatGrammar>(internal::FlatGrammar::Build(InlineSmallRules(grammar)));
+  const internal::FlatGrammar& flat = *compiled->flat_;
+  const TokenVocabulary& vocab = *compiled->vocabulary_;
+  const auto trie = vocab.trie();
+  const auto sorted = vocab.sorted_tokens();
+  const size_t words = (vocab.size() + 63) / 64;
+
+  // One arena for every position: the bottom frame (-1) stands for the unknown context.
+  internal::StackArena arena(flat);
+  compiled->slot_.assign(flat.positions.size(), -1);
+  struct Level {
+    std::vector<int32_t> tops;
+    bool ended_before = false;  // the rule could end after fewer bytes than this depth
+  };
+  std::vector<Level> levels;
+  internal::StackArena::Step step;
+  for (size_t pos = 0; pos < flat.positions.size(); ++pos) {
+    if (flat.positions[pos].kind != internal::FlatGrammar::Kind::kBytes || !flat.reachable[pos]) {
+      continue;
+    }
+    compiled->slot_[pos] = compiled->accepted_.size();
+    TokenMask accepted(words, 0);
+    std::vector<int32_t> uncertain;
+    levels.assign(1, Level{{arena.Intern(pos, -1)}, false});
+    for (size_t i = 1; i < trie.size();) {
+      const auto& node = trie[i];
+      const Level& parent = levels[node.depth - 1];
+      arena.Advance(parent.tops, node.byte, step);
+      if (!step.matched) {
+        // No token below this node is matched inside the rule; those that continue after
+        // the rule ended depend on the stack below.
+        if (parent.ended_before) {
+          for (int32_t k = trie[i].tokens_begin; k < trie[node.subtree_end - 1].tokens_end; ++k) {
+            uncertain.push_back(k);
+          }
+        }
+        i = node.subtree_end;
+        continue;
+      }
+      for (int32_t k = node.tokens_begin; k < node.tokens_end; ++k) {
+        const int32_t id = sorted[k];
+        accepted[id >> 6] |= uint64_t{1} << (id & 63);
+      }
+      if (static_cast<int>(levels.size()) <= node.depth) levels.resize(node.depth + 1);
+      levels[node.depth].tops = step.tops;
+      levels[node.depth].ended_before = parent.ended_before || step.ended;
+      ++i;
+    }
+    compiled->accepted_.push_back(std::move(accepted));
+    compiled->uncertain_.push_back(std::move(uncertain));
+  }
+  return std::shared_ptr<const CompiledGrammar>(std::move(compiled));
+}
+
+}  // namespace tandem::grammar
