@@ -406,7 +406,7 @@ class Parser {
         case 'u': return ParseHex(4);
         case 'U': return ParseHex(8);
         default:
-          --pos_;
+          pos_ -= 2;
           return Error(absl::StrCat("unknown escape '\\", std::string(1, e), "'"));
       }
     }
@@ -437,6 +437,7 @@ class Parser {
       uint32_t hi = lo;
       if (Peek() == '-' && Peek(1) != ']') {
         ++pos_;
+        if (AtEnd() || Peek() == '\n') return ErrorAt(start, "unterminated character class");
         TANDEM_ASSIGN_OR_RETURN(hi, ParseChar());
         if (hi < lo) return Error("character range is reversed");
       }

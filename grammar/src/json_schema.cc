@@ -158,10 +158,10 @@ class SchemaConverter {
                                    int fallback) {
     if (!s.contains(key)) return fallback;
     const json& v = s[key];
-    if (!v.is_number_unsigned() || v.get<uint64_t>() > 10000) {
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > 10000) {
       return Error(path, absl::StrCat("'", key, "' must be an integer from 0 to 10000"));
     }
-    return static_cast<int>(v.get<uint64_t>());
+    return static_cast<int>(v.get<int64_t>());
   }
 
   absl::StatusOr<std::string> VisitType(const json& s, const std::string& type,

@@ -176,6 +176,7 @@ class RegexParser {
           if (pos_ == std::string_view::npos) return Error("unterminated group name");
           ++pos_;
         } else {
+          --pos_;
           return Error("lookaround and inline flags are not supported");
         }
       }
