@@ -74,7 +74,7 @@ absl::Status GrammarMatcher::Rollback(int n) {
 // Walks the uncertain tokens of one stack in trie order, reusing the states of the prefix a
 // token shares with the previous one.
 void GrammarMatcher::CheckUncertain(int32_t top, std::span<const int32_t> ranks,
-                                    TokenMask& mask) {
+                                    const TokenMask& accepted, std::vector<int32_t>& allowed) {
   const TokenVocabulary& vocab = grammar_->vocabulary();
   const auto sorted = vocab.sorted_tokens();
   std::vector<std::vector<int32_t>> levels = {{top}};
@@ -84,7 +84,7 @@ void GrammarMatcher::CheckUncertain(int32_t top, std::span<const int32_t> ranks,
   const std::string* prev = nullptr;
   for (int32_t rank : ranks) {
     const int32_t id = sorted[rank];
-    if (MaskAllows(mask, id)) continue;
+    if (MaskAllows(accepted, id)) continue;
     const std::string& bytes = vocab.bytes(id);
     size_t common = 0;
     if (prev != nullptr) {
@@ -108,7 +108,7 @@ void GrammarMatcher::CheckUncertain(int32_t top, std::span<const int32_t> ranks,
       levels[d + 1] = step.tops;
       valid = d + 2;
     }
-    if (ok) mask[id >> 6] |= uint64_t{1} << (id & 63);
+    if (ok) allowed.push_back(id);
   }
 }
 
@@ -120,8 +120,15 @@ void GrammarMatcher::FillNextTokenMask(TokenMask& mask) {
     const TokenMask& accepted = grammar_->accepted(arena_->position(top));
     for (size_t w = 0; w < mask.size(); ++w) mask[w] |= accepted[w];
   }
+  // The uncertain tokens of a stack are checked once per matcher: stacks are hash-consed, so
+  // the same node is the same stack (inside a string, every character leaves the same one).
   for (int32_t top : state_.tops) {
-    CheckUncertain(top, grammar_->uncertain(arena_->position(top)), mask);
+    auto [it, added] = uncertain_allowed_.try_emplace(top);
+    if (added) {
+      const int32_t pos = arena_->position(top);
+      CheckUncertain(top, grammar_->uncertain(pos), grammar_->accepted(pos), it->second);
+    }
+    for (int32_t id : it->second) mask[id >> 6] |= uint64_t{1} << (id & 63);
   }
   if (state_.complete) {
     for (int32_t id : vocab.stop_ids()) mask[id >> 6] |= uint64_t{1} << (id & 63);

@@ -96,13 +96,16 @@ class GrammarMatcher {
     bool terminated = false;
   };
   bool Walk(const std::vector<int32_t>& start, std::string_view bytes, State& out);
-  void CheckUncertain(int32_t top, std::span<const int32_t> ranks, TokenMask& mask);
+  // Appends to `allowed` the tokens of `ranks` that `top` accepts and `accepted` does not hold.
+  void CheckUncertain(int32_t top, std::span<const int32_t> ranks, const TokenMask& accepted,
+                      std::vector<int32_t>& allowed);
 
   std::shared_ptr<const CompiledGrammar> grammar_;
   std::unique_ptr<internal::StackArena> arena_;
   int max_rollback_;
   State state_;
   std::deque<State> history_;
+  absl::flat_hash_map<int32_t, std::vector<int32_t>> uncertain_allowed_;  // stack node -> ids
 };
 
 // Compiled grammars by (kind, source, vocabulary), least recently used evicted past
