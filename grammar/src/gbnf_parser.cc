@@ -11,17 +11,16 @@
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/grammar/grammar.h"
+#include "char_ranges.h"
 
 namespace tandem::grammar {
 namespace {
 
-constexpr uint32_t kMaxCodepoint = 0x10FFFF;
+using internal::CodepointRange;
+using internal::kMaxCodepoint;
+
 // The largest bound accepted in {m,n}: each bound unrolls into rules.
 constexpr int kMaxRepetition = 10000;
-
-struct CodepointRange {
-  uint32_t lo, hi;
-};
 
 int Utf8Length(uint32_t cp) { return cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4; }
 
@@ -85,25 +84,8 @@ void SplitUtf8(uint32_t lo, uint32_t hi, std::vector<Sequence>& out) {
 
 // Sorted, merged ranges; surrogates removed (they are not characters in UTF-8).
 std::vector<CodepointRange> Normalize(std::vector<CodepointRange> ranges, bool negate) {
-  std::sort(ranges.begin(), ranges.end(), [](auto& x, auto& y) { return x.lo < y.lo; });
-  std::vector<CodepointRange> merged;
-  for (auto r : ranges) {
-    if (!merged.empty() && r.lo <= merged.back().hi + 1) {
-      merged.back().hi = std::max(merged.back().hi, r.hi);
-    } else {
-      merged.push_back(r);
-    }
-  }
-  if (negate) {
-    std::vector<CodepointRange> complement;
-    uint32_t next = 0;
-    for (auto r : merged) {
-      if (r.lo > next) complement.push_back({next, r.lo - 1});
-      next = r.hi + 1;
-    }
-    if (next <= kMaxCodepoint) complement.push_back({next, kMaxCodepoint});
-    merged = std::move(complement);
-  }
+  std::vector<CodepointRange> merged = internal::MergeRanges(std::move(ranges));
+  if (negate) merged = internal::ComplementRanges(merged);
   std::vector<CodepointRange> out;
   for (auto r : merged) {
     if (r.lo < 0xD800 && r.hi > 0xDFFF) {
@@ -375,11 +357,7 @@ class Parser {
   absl::StatusOr<uint32_t> ParseHex(int digits) {
     uint32_t value = 0;
     for (int i = 0; i < digits; ++i) {
-      char c = Peek();
-      int d = (c >= '0' && c <= '9')   ? c - '0'
-              : (c >= 'a' && c <= 'f') ? c - 'a' + 10
-              : (c >= 'A' && c <= 'F') ? c - 'A' + 10
-                                       : -1;
+      int d = internal::HexDigit(Peek());
       if (d < 0) return Error(absl::StrCat("expected ", digits, " hex digits"));
       value = value * 16 + d;
       ++pos_;
@@ -410,14 +388,9 @@ class Parser {
           return Error(absl::StrCat("unknown escape '\\", std::string(1, e), "'"));
       }
     }
-    int n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-    if (n == 0 || pos_ + n > text_.size()) return Error("invalid UTF-8 in the grammar");
-    uint32_t cp = n == 1 ? c : n == 2 ? (c & 0x1F) : n == 3 ? (c & 0x0F) : (c & 0x07);
-    for (int i = 1; i < n; ++i) {
-      uint8_t b = text_[pos_ + i];
-      if ((b & 0xC0) != 0x80) return Error("invalid UTF-8 in the grammar");
-      cp = (cp << 6) | (b & 0x3F);
-    }
+    uint32_t cp = 0;
+    const int n = internal::DecodeUtf8(text_, pos_, &cp);
+    if (n == 0) return Error("invalid UTF-8 in the grammar");
     pos_ += n;
     return cp;
   }

@@ -9,38 +9,16 @@
 #include "absl/strings/str_join.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/grammar/json_schema.h"
+#include "char_ranges.h"
 
 namespace tandem::grammar {
 namespace {
 
-struct Range {
-  uint32_t lo, hi;
-};
+using Range = internal::CodepointRange;
 using CharSet = std::vector<Range>;  // sorted, merged
 
-CharSet Normalize(CharSet s) {
-  std::sort(s.begin(), s.end(), [](auto& a, auto& b) { return a.lo < b.lo; });
-  CharSet out;
-  for (auto r : s) {
-    if (!out.empty() && r.lo <= out.back().hi + 1) {
-      out.back().hi = std::max(out.back().hi, r.hi);
-    } else {
-      out.push_back(r);
-    }
-  }
-  return out;
-}
-
-CharSet Complement(const CharSet& s) {
-  CharSet out;
-  uint32_t next = 0;
-  for (auto r : s) {
-    if (r.lo > next) out.push_back({next, r.lo - 1});
-    next = r.hi + 1;
-  }
-  if (next <= 0x10FFFF) out.push_back({next, 0x10FFFF});
-  return out;
-}
+CharSet Normalize(CharSet s) { return internal::MergeRanges(std::move(s)); }
+CharSet Complement(const CharSet& s) { return internal::ComplementRanges(s); }
 
 CharSet Subtract(const CharSet& a, const CharSet& b) {
   CharSet nb = Complement(b), out;
@@ -201,11 +179,9 @@ class RegexParser {
   }
 
   absl::StatusOr<uint32_t> ParseUtf8() {
-    uint8_t c = Peek();
-    int n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
-    if (n == 0 || pos_ + n > re_.size()) return Error("invalid UTF-8");
-    uint32_t cp = n == 1 ? c : n == 2 ? (c & 0x1F) : n == 3 ? (c & 0x0F) : (c & 0x07);
-    for (int i = 1; i < n; ++i) cp = (cp << 6) | (static_cast<uint8_t>(re_[pos_ + i]) & 0x3F);
+    uint32_t cp = 0;
+    const int n = internal::DecodeUtf8(re_, pos_, &cp);
+    if (n == 0) return Error("invalid UTF-8");
     pos_ += n;
     return cp;
   }
@@ -213,11 +189,7 @@ class RegexParser {
   absl::StatusOr<uint32_t> ParseHex(int digits) {
     uint32_t v = 0;
     for (int i = 0; i < digits; ++i) {
-      char c = Peek();
-      int d = (c >= '0' && c <= '9')   ? c - '0'
-              : (c >= 'a' && c <= 'f') ? c - 'a' + 10
-              : (c >= 'A' && c <= 'F') ? c - 'A' + 10
-                                       : -1;
+      int d = internal::HexDigit(Peek());
       if (d < 0) return Error("bad hex escape");
       v = v * 16 + d;
       ++pos_;
