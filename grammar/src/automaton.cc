@@ -38,9 +38,11 @@ FlatGrammar FlatGrammar::Build(const Grammar& grammar) {
           flat.positions.push_back({Kind::kBytes, it->second});
         }
         flat.reachable.push_back(live[r]);
+        flat.rule_of.push_back(r);
       }
       flat.positions.push_back({Kind::kEnd, 0});
       flat.reachable.push_back(live[r]);
+      flat.rule_of.push_back(r);
     }
   }
   return flat;

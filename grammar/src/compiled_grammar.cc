@@ -39,7 +39,7 @@ std::vector<bool> RecursiveRules(const Grammar& g) {
   return recursive;
 }
 
-// Replaces references to small non-recursive rules by their alternatives, so that e.g. the
+// Replaces leading references to small non-recursive rules by their alternatives, so that e.g. the
 // characters of a string live in the string's repetition rule: the context-independent masks
 // then accept a whole token of string content instead of leaving it to the run-time check.
 Grammar InlineSmallRules(Grammar g) {
@@ -61,17 +61,14 @@ Grammar InlineSmallRules(Grammar g) {
       const std::vector<Sequence>& alternatives = g.rules[r].alternatives;
       for (size_t a = 0; a < alternatives.size(); ++a) {
         const Sequence& seq = alternatives[a];
-        size_t at = seq.size();
-        for (size_t i = 0; i < seq.size(); ++i) {
-          if (seq[i].kind == Element::Kind::kRule && inlinable(seq[i].rule) &&
-              out.size() + (alternatives.size() - a) - 1 +
-                      g.rules[seq[i].rule].alternatives.size() <=
-                  kMaxAlternatives) {
-            at = i;
-            break;
-          }
-        }
-        if (at == seq.size()) {
+        // Only a leading reference: its alternatives then differ from the first byte on, so
+        // at most one of them is alive after a byte. Inlining a later reference would copy
+        // the alternative's prefix, keeping every copy alive in parallel until they differ.
+        const size_t at = 0;
+        if (seq.empty() || seq[0].kind != Element::Kind::kRule || !inlinable(seq[0].rule) ||
+            out.size() + (alternatives.size() - a) - 1 +
+                    g.rules[seq[0].rule].alternatives.size() >
+                kMaxAlternatives) {
           out.push_back(seq);
           continue;
         }
@@ -88,6 +85,64 @@ Grammar InlineSmallRules(Grammar g) {
     if (!changed) break;
   }
   return g;
+}
+
+// Per rule, the bytes that can come right after it ends, anywhere in the grammar (nothing
+// after the root). A token that leaves a rule must continue with one of them.
+std::vector<std::bitset<256>> FollowBytes(const internal::FlatGrammar& flat) {
+  using Kind = internal::FlatGrammar::Kind;
+  const size_t n = flat.rule_starts.size();
+  std::vector<bool> nullable(n, false);
+  std::vector<std::bitset<256>> first(n), follow(n);
+  // First bytes of the suffix starting at `pos`; `*rest_nullable` when it can match nothing.
+  auto suffix_first = [&](size_t pos, bool* rest_nullable) {
+    std::bitset<256> out;
+    for (;; ++pos) {
+      const auto& p = flat.positions[pos];
+      if (p.kind == Kind::kEnd) {
+        *rest_nullable = true;
+        return out;
+      }
+      if (p.kind == Kind::kBytes) {
+        *rest_nullable = false;
+        return out | flat.byte_sets[p.arg];
+      }
+      out |= first[p.arg];
+      if (!nullable[p.arg]) {
+        *rest_nullable = false;
+        return out;
+      }
+    }
+  };
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t r = 0; r < n; ++r) {
+      for (int32_t start : flat.rule_starts[r]) {
+        bool nul = false;
+        std::bitset<256> f = suffix_first(start, &nul);
+        if ((first[r] | f) != first[r]) {
+          first[r] |= f;
+          changed = true;
+        }
+        if (nul && !nullable[r]) nullable[r] = changed = true;
+      }
+    }
+  }
+  for (bool changed = true; changed;) {
+    changed = false;
+    for (size_t q = 0; q < flat.positions.size(); ++q) {
+      if (flat.positions[q].kind != Kind::kRule || !flat.reachable[q]) continue;
+      const int32_t r = flat.positions[q].arg;
+      bool nul = false;
+      std::bitset<256> f = suffix_first(q + 1, &nul);
+      if (nul) f |= follow[flat.rule_of[q]];
+      if ((follow[r] | f) != follow[r]) {
+        follow[r] |= f;
+        changed = true;
+      }
+    }
+  }
+  return follow;
 }
 
 }  // namespace
@@ -119,9 +174,11 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Create(
   // One arena for every position: the bottom frame (-1) stands for the unknown context.
   internal::StackArena arena(flat);
   compiled->slot_.assign(flat.positions.size(), -1);
+  const std::vector<std::bitset<256>> follow = FollowBytes(flat);
   struct Level {
     std::vector<int32_t> tops;
-    bool ended_before = false;  // the rule could end after fewer bytes than this depth
+    bool ended = false;        // the position's rule can end after exactly this many bytes
+    bool escaped = false;      // it can end after fewer, followed by a byte that may follow it
   };
   std::vector<Level> levels;
   internal::StackArena::Step step;
@@ -132,15 +189,17 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Create(
     compiled->slot_[pos] = compiled->accepted_.size();
     TokenMask accepted(words, 0);
     std::vector<int32_t> uncertain;
-    levels.assign(1, Level{{arena.Intern(pos, -1)}, false});
+    const std::bitset<256>& after = follow[flat.rule_of[pos]];
+    levels.assign(1, Level{{arena.Intern(pos, -1)}, false, false});
     for (size_t i = 1; i < trie.size();) {
       const auto& node = trie[i];
       const Level& parent = levels[node.depth - 1];
+      const bool escaped = parent.escaped || (parent.ended && after.test(node.byte));
       arena.Advance(parent.tops, node.byte, step);
       if (!step.matched) {
         // No token below this node is matched inside the rule; those that continue after
         // the rule ended depend on the stack below.
-        if (parent.ended_before) {
+        if (escaped) {
           for (int32_t k = trie[i].tokens_begin; k < trie[node.subtree_end - 1].tokens_end; ++k) {
             uncertain.push_back(k);
           }
@@ -154,7 +213,8 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Create(
       }
       if (static_cast<int>(levels.size()) <= node.depth) levels.resize(node.depth + 1);
       levels[node.depth].tops = step.tops;
-      levels[node.depth].ended_before = parent.ended_before || step.ended;
+      levels[node.depth].ended = step.ended;
+      levels[node.depth].escaped = escaped;
       ++i;
     }
     compiled->accepted_.push_back(std::move(accepted));
