@@ -150,9 +150,9 @@ void Masks(benchmark::State& state, Grammar (*make)(), bool long_document) {
   }
   state.counters["tokens"] = ids.size();
   // Rates are per CPU second of the benchmark thread.
-  state.counters["per_token"] = benchmark::Counter(
-      static_cast<double>(state.iterations() * ids.size()),
-      benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.counters["per_token"] =
+      benchmark::Counter(static_cast<double>(state.iterations() * ids.size()),
+                         benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
   state.SetLabel(s.source);
 }
 

@@ -49,8 +49,8 @@ FlatGrammar FlatGrammar::Build(const Grammar& grammar) {
 }
 
 int32_t StackArena::Intern(int32_t pos, int32_t parent) {
-  uint64_t key = (static_cast<uint64_t>(static_cast<uint32_t>(pos)) << 32) |
-                 static_cast<uint32_t>(parent);
+  uint64_t key =
+      (static_cast<uint64_t>(static_cast<uint32_t>(pos)) << 32) | static_cast<uint32_t>(parent);
   auto [it, added] = index_.try_emplace(key, static_cast<int32_t>(nodes_.size()));
   if (added) {
     nodes_.push_back({pos, parent});

@@ -22,8 +22,8 @@ struct FlatGrammar {
   std::vector<Position> positions;
   std::vector<std::bitset<256>> byte_sets;
   std::vector<std::vector<int32_t>> rule_starts;  // per rule, its alternatives' first positions
-  std::vector<bool> reachable;                     // per position: part of a rule reachable from root
-  std::vector<int32_t> rule_of;                    // per position: its rule
+  std::vector<bool> reachable;   // per position: part of a rule reachable from root
+  std::vector<int32_t> rule_of;  // per position: its rule
   int root = 0;
 
   static FlatGrammar Build(const Grammar& grammar);

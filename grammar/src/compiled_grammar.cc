@@ -66,8 +66,7 @@ Grammar InlineSmallRules(Grammar g) {
         // the alternative's prefix, keeping every copy alive in parallel until they differ.
         const size_t at = 0;
         if (seq.empty() || seq[0].kind != Element::Kind::kRule || !inlinable(seq[0].rule) ||
-            out.size() + (alternatives.size() - a) - 1 +
-                    g.rules[seq[0].rule].alternatives.size() >
+            out.size() + (alternatives.size() - a) - 1 + g.rules[seq[0].rule].alternatives.size() >
                 kMaxAlternatives) {
           out.push_back(seq);
           continue;
@@ -163,8 +162,8 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Create(
   TANDEM_RETURN_IF_ERROR(grammar.CheckNoLeftRecursion());
   std::shared_ptr<CompiledGrammar> compiled(new CompiledGrammar());
   compiled->vocabulary_ = std::move(vocabulary);
-  compiled->flat_ =
-      std::make_unique<internal::FlatGrammar>(internal::FlatGrammar::Build(InlineSmallRules(grammar)));
+  compiled->flat_ = std::make_unique<internal::FlatGrammar>(
+      internal::FlatGrammar::Build(InlineSmallRules(grammar)));
   const internal::FlatGrammar& flat = *compiled->flat_;
   const TokenVocabulary& vocab = *compiled->vocabulary_;
   const auto trie = vocab.trie();
@@ -177,8 +176,8 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Create(
   const std::vector<std::bitset<256>> follow = FollowBytes(flat);
   struct Level {
     std::vector<int32_t> tops;
-    bool ended = false;        // the position's rule can end after exactly this many bytes
-    bool escaped = false;      // it can end after fewer, followed by a byte that may follow it
+    bool ended = false;    // the position's rule can end after exactly this many bytes
+    bool escaped = false;  // it can end after fewer, followed by a byte that may follow it
   };
   std::vector<Level> levels;
   internal::StackArena::Step step;

@@ -9,9 +9,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "char_ranges.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/grammar/grammar.h"
-#include "char_ranges.h"
 
 namespace tandem::grammar {
 namespace {
@@ -26,14 +26,23 @@ int Utf8Length(uint32_t cp) { return cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x100
 
 void EncodeUtf8(uint32_t cp, uint8_t* out) {
   switch (Utf8Length(cp)) {
-    case 1: out[0] = cp; break;
-    case 2: out[0] = 0xC0 | (cp >> 6); out[1] = 0x80 | (cp & 0x3F); break;
+    case 1:
+      out[0] = cp;
+      break;
+    case 2:
+      out[0] = 0xC0 | (cp >> 6);
+      out[1] = 0x80 | (cp & 0x3F);
+      break;
     case 3:
-      out[0] = 0xE0 | (cp >> 12); out[1] = 0x80 | ((cp >> 6) & 0x3F); out[2] = 0x80 | (cp & 0x3F);
+      out[0] = 0xE0 | (cp >> 12);
+      out[1] = 0x80 | ((cp >> 6) & 0x3F);
+      out[2] = 0x80 | (cp & 0x3F);
       break;
     default:
-      out[0] = 0xF0 | (cp >> 18); out[1] = 0x80 | ((cp >> 12) & 0x3F);
-      out[2] = 0x80 | ((cp >> 6) & 0x3F); out[3] = 0x80 | (cp & 0x3F);
+      out[0] = 0xF0 | (cp >> 18);
+      out[1] = 0x80 | ((cp >> 12) & 0x3F);
+      out[2] = 0x80 | ((cp >> 6) & 0x3F);
+      out[3] = 0x80 | (cp & 0x3F);
   }
 }
 
@@ -170,8 +179,8 @@ class Parser {
   }
 
   static bool IsNameChar(char c) {
-    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-           c == '-' || c == '_';
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '-' ||
+           c == '_';
   }
 
   std::string_view ParseName() {
@@ -218,7 +227,8 @@ class Parser {
     pos_ += 3;
     SkipSpace(true);
     int index = RuleIndex(name);
-    if (defined_[index]) return ErrorAt(name_at, absl::StrCat("rule '", std::string(name), "' is defined twice"));
+    if (defined_[index])
+      return ErrorAt(name_at, absl::StrCat("rule '", std::string(name), "' is defined twice"));
     defined_[index] = true;
     TANDEM_ASSIGN_OR_RETURN(auto alternatives, ParseAlternatives(index, /*nested=*/false));
     grammar_.rules[index].alternatives = std::move(alternatives);
@@ -374,15 +384,29 @@ class Parser {
       char e = Peek();
       ++pos_;
       switch (e) {
-        case 'n': return '\n';
-        case 'r': return '\r';
-        case 't': return '\t';
-        case '0': return 0;
-        case '\\': case '"': case '[': case ']': case '-': case '^': case '\'': case '/':
+        case 'n':
+          return '\n';
+        case 'r':
+          return '\r';
+        case 't':
+          return '\t';
+        case '0':
+          return 0;
+        case '\\':
+        case '"':
+        case '[':
+        case ']':
+        case '-':
+        case '^':
+        case '\'':
+        case '/':
           return static_cast<uint8_t>(e);
-        case 'x': return ParseHex(2);
-        case 'u': return ParseHex(4);
-        case 'U': return ParseHex(8);
+        case 'x':
+          return ParseHex(2);
+        case 'u':
+          return ParseHex(4);
+        case 'U':
+          return ParseHex(8);
         default:
           pos_ -= 2;
           return Error(absl::StrCat("unknown escape '\\", std::string(1, e), "'"));

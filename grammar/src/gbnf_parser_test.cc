@@ -7,8 +7,8 @@
 namespace tandem::grammar {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::CompileGbnf;
+using ::testing::HasSubstr;
 using testing::Matches;
 
 TEST(GbnfParserTest, AlternativesSequencesAndGroups) {
@@ -29,10 +29,10 @@ e ::= "e"
 f ::= "f")");
   EXPECT_TRUE(Matches(g, "bddeff"));
   EXPECT_TRUE(Matches(g, "aaabbbcddeeefffff"));
-  EXPECT_FALSE(Matches(g, "ddeff"));       // b+ needs one
-  EXPECT_FALSE(Matches(g, "bdeff"));       // d{2}
-  EXPECT_FALSE(Matches(g, "bddeeeeff"));   // e{1,3}
-  EXPECT_FALSE(Matches(g, "bddef"));       // f{2,}
+  EXPECT_FALSE(Matches(g, "ddeff"));      // b+ needs one
+  EXPECT_FALSE(Matches(g, "bdeff"));      // d{2}
+  EXPECT_FALSE(Matches(g, "bddeeeeff"));  // e{1,3}
+  EXPECT_FALSE(Matches(g, "bddef"));      // f{2,}
   EXPECT_FALSE(Matches(g, "bbcceff"));
 }
 
@@ -41,9 +41,9 @@ TEST(GbnfParserTest, CharacterClassesAndEscapes) {
 )");
   EXPECT_TRUE(Matches(g, "ab9_X\n\t\"\\Aé日ê"));
   EXPECT_TRUE(Matches(g, "c%\n\t\"\\Aé\x01ë"));
-  EXPECT_FALSE(Matches(g, "d%\n\t\"\\Aéxë"));   // d not in [a-c0-9_]
-  EXPECT_FALSE(Matches(g, "ab\n\t\"\\Aéxë"));   // [^a-z] missing... 'b' is a letter
-  EXPECT_FALSE(Matches(g, "a%\n\t\"\\Aéxì"));   // ì outside [é-ë]
+  EXPECT_FALSE(Matches(g, "d%\n\t\"\\Aéxë"));  // d not in [a-c0-9_]
+  EXPECT_FALSE(Matches(g, "ab\n\t\"\\Aéxë"));  // [^a-z] missing... 'b' is a letter
+  EXPECT_FALSE(Matches(g, "a%\n\t\"\\Aéxì"));  // ì outside [é-ë]
   // `.` and negated classes match whole UTF-8 characters, never a lone byte.
   EXPECT_FALSE(Matches(g, "a%\n\t\"\\A\xC3\xA9\xE6\xEB"));
 }
@@ -86,8 +86,10 @@ TEST_P(GbnfErrorTest, NamesTheProblemAndWhere) {
 INSTANTIATE_TEST_SUITE_P(
     Errors, GbnfErrorTest,
     ::testing::Values(
-        BadGrammar{"root ::= \"a\" undefined-rule", "line 1, column 14: undefined rule 'undefined-rule'"},
-        BadGrammar{"root ::= \"a\"\nroot ::= \"b\"", "line 2, column 1: rule 'root' is defined twice"},
+        BadGrammar{"root ::= \"a\" undefined-rule",
+                   "line 1, column 14: undefined rule 'undefined-rule'"},
+        BadGrammar{"root ::= \"a\"\nroot ::= \"b\"",
+                   "line 2, column 1: rule 'root' is defined twice"},
         BadGrammar{"root = \"a\"", "line 1, column 6: expected '::='"},
         BadGrammar{"root ::= \"abc", "line 1, column 14: unterminated string literal"},
         BadGrammar{"root ::= [a-", "unterminated character class"},

@@ -1,10 +1,11 @@
 // Grammar printing and the left-recursion check.
+#include "tandem/grammar/grammar.h"
+
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "tandem/grammar/grammar.h"
 
 namespace tandem::grammar {
 namespace {
@@ -13,7 +14,8 @@ std::string ByteSetToString(const std::bitset<256>& set) {
   if (set.count() == 1) {
     for (int b = 0; b < 256; ++b) {
       if (set.test(b)) {
-        if (b >= 0x20 && b < 0x7F && b != '"' && b != '\\') return absl::StrCat("\"", std::string(1, char(b)), "\"");
+        if (b >= 0x20 && b < 0x7F && b != '"' && b != '\\')
+          return absl::StrCat("\"", std::string(1, char(b)), "\"");
         return absl::StrFormat("[\\x%02X]", b);
       }
     }
@@ -101,9 +103,9 @@ absl::Status Grammar::CheckNoLeftRecursion() const {
       }
       int s = corner[r][i++];
       if (colour[s] == 1) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "grammar: rule '", rules[s].name,
-            "' is left-recursive (it can expand to itself before matching any byte)"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("grammar: rule '", rules[s].name,
+                         "' is left-recursive (it can expand to itself before matching any byte)"));
       }
       if (colour[s] == 0) {
         colour[s] = 1;

@@ -15,7 +15,8 @@ struct GrammarCache::Entry {
 absl::StatusOr<std::shared_ptr<const CompiledGrammar>> GrammarCache::GetOrCompile(
     std::string_view kind, std::string_view source,
     const std::shared_ptr<const TokenVocabulary>& vocabulary, const Builder& build) {
-  std::string key = absl::StrCat(std::string(kind), "\n", vocabulary->fingerprint(), "\n", std::string(source));
+  std::string key =
+      absl::StrCat(std::string(kind), "\n", vocabulary->fingerprint(), "\n", std::string(source));
   std::promise<absl::StatusOr<std::shared_ptr<const CompiledGrammar>>> promise;
   std::shared_future<absl::StatusOr<std::shared_ptr<const CompiledGrammar>>> result;
   {
@@ -39,8 +40,8 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> GrammarCache::GetOrCompil
   }
   if (result.valid()) return result.get();
   // This call compiles; others asking for the same key wait on the future.
-  absl::StatusOr<std::shared_ptr<const CompiledGrammar>> compiled = [&]()
-      -> absl::StatusOr<std::shared_ptr<const CompiledGrammar>> {
+  absl::StatusOr<std::shared_ptr<const CompiledGrammar>> compiled =
+      [&]() -> absl::StatusOr<std::shared_ptr<const CompiledGrammar>> {
     TANDEM_ASSIGN_OR_RETURN(Grammar grammar, build());
     return CompiledGrammar::Create(grammar, vocabulary);
   }();

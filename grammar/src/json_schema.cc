@@ -1,4 +1,6 @@
 // JSON schema -> GBNF: one rule per subschema, shared rules for JSON's lexical pieces.
+#include "tandem/grammar/json_schema.h"
+
 #include <map>
 #include <set>
 #include <string>
@@ -9,7 +11,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "tandem/base/status_macros.h"
-#include "tandem/grammar/json_schema.h"
 
 namespace tandem::grammar {
 namespace {
@@ -31,12 +32,13 @@ array ::= "[" ws ( value ws ( "," ws value ws )* )? "]"
 
 // Keywords that only describe: ignored.
 const std::set<std::string> kAnnotations = {
-    "title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated",
-    "readOnly", "writeOnly", "format", "$defs", "definitions", "strict", "name",
-    "contentMediaType", "contentEncoding"};
-const std::set<std::string> kKnown = {"type", "properties", "required", "additionalProperties",
-                                      "enum", "const", "minLength", "maxLength", "pattern",
-                                      "items", "minItems", "maxItems", "anyOf", "$ref"};
+    "title",       "description", "default",  "examples",         "$schema",        "$id",
+    "$comment",    "deprecated",  "readOnly", "writeOnly",        "format",         "$defs",
+    "definitions", "strict",      "name",     "contentMediaType", "contentEncoding"};
+const std::set<std::string> kKnown = {"type",    "properties", "required",  "additionalProperties",
+                                      "enum",    "const",      "minLength", "maxLength",
+                                      "pattern", "items",      "minItems",  "maxItems",
+                                      "anyOf",   "$ref"};
 
 // `s` as a GBNF string literal.
 std::string Literal(std::string_view s) {
@@ -68,8 +70,8 @@ class SchemaConverter {
 
  private:
   static absl::Status Error(const std::string& path, std::string_view what) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("json schema: at '", path.empty() ? "#" : "#" + path, "': ", std::string(what)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "json schema: at '", path.empty() ? "#" : "#" + path, "': ", std::string(what)));
   }
 
   std::string NewRule(const std::string& path, std::string body) {
@@ -86,7 +88,9 @@ class SchemaConverter {
   absl::StatusOr<std::string> Resolve(const std::string& ref, const std::string& path) {
     auto it = refs_.find(ref);
     if (it != refs_.end()) return it->second;
-    if (ref.empty() || ref[0] != '#') return Error(path, absl::StrCat("$ref '", ref, "' is not local (only '#...' refs are supported)"));
+    if (ref.empty() || ref[0] != '#')
+      return Error(path,
+                   absl::StrCat("$ref '", ref, "' is not local (only '#...' refs are supported)"));
     const json* target = &root_;
     if (ref != "#") {
       try {
@@ -189,7 +193,8 @@ class SchemaConverter {
     TANDEM_ASSIGN_OR_RETURN(int max, Count(s, "maxLength", path, -1));
     if (min == 0 && max == -1) return std::string("string");
     if (max != -1 && max < min) return Error(path, "'maxLength' is below 'minLength'");
-    return NewRule(path, absl::StrCat("\"\\\"\" char{", min, ",", max == -1 ? "" : absl::StrCat(max), "} \"\\\"\""));
+    return NewRule(path, absl::StrCat("\"\\\"\" char{", min, ",",
+                                      max == -1 ? "" : absl::StrCat(max), "} \"\\\"\""));
   }
 
   absl::StatusOr<std::string> VisitArray(const json& s, const std::string& path) {
@@ -209,7 +214,8 @@ class SchemaConverter {
   }
 
   absl::StatusOr<std::string> VisitObject(const json& s, const std::string& path) {
-    const json* additional = s.contains("additionalProperties") ? &s["additionalProperties"] : nullptr;
+    const json* additional =
+        s.contains("additionalProperties") ? &s["additionalProperties"] : nullptr;
     bool closed = additional != nullptr && additional->is_boolean() && !additional->get<bool>();
     if (!s.contains("properties")) {
       if (s.contains("required") && !s["required"].empty()) {
@@ -218,7 +224,8 @@ class SchemaConverter {
       return closed ? NewRule(path, "\"{\" ws \"}\"") : std::string("object");
     }
     if (additional != nullptr && !closed) {
-      return Error(path, "'additionalProperties' must be false or absent when 'properties' is given");
+      return Error(path,
+                   "'additionalProperties' must be false or absent when 'properties' is given");
     }
     const json& props = s["properties"];
     if (!props.is_object()) return Error(path, "'properties' must be an object");
@@ -228,7 +235,8 @@ class SchemaConverter {
       for (const json& r : s["required"]) {
         if (!r.is_string()) return Error(path, "'required' entries must be strings");
         if (!props.contains(r.get<std::string>())) {
-          return Error(path, absl::StrCat("required property '", r.get<std::string>(), "' is not in 'properties'"));
+          return Error(path, absl::StrCat("required property '", r.get<std::string>(),
+                                          "' is not in 'properties'"));
         }
         required.insert(r.get<std::string>());
       }
@@ -238,15 +246,17 @@ class SchemaConverter {
     std::vector<std::string> pairs;
     std::vector<bool> must;
     for (const auto& [key, sub] : props.items()) {
-      TANDEM_ASSIGN_OR_RETURN(std::string value, Visit(sub, absl::StrCat(path, "/properties/", key)));
+      TANDEM_ASSIGN_OR_RETURN(std::string value,
+                              Visit(sub, absl::StrCat(path, "/properties/", key)));
       pairs.push_back(absl::StrCat(Literal(json(key).dump()), " ws \":\" ws ", value, " ws"));
       must.push_back(required.contains(key));
     }
     const size_t n = pairs.size();
     std::string after_next = "\"\"", first_next = "\"\"";
     for (size_t i = n; i-- > 0;) {
-      std::string after = must[i] ? absl::StrCat("\",\" ws ", pairs[i], " ", after_next)
-                                  : absl::StrCat("\",\" ws ", pairs[i], " ", after_next, " | ", after_next);
+      std::string after =
+          must[i] ? absl::StrCat("\",\" ws ", pairs[i], " ", after_next)
+                  : absl::StrCat("\",\" ws ", pairs[i], " ", after_next, " | ", after_next);
       std::string first = must[i] ? absl::StrCat(pairs[i], " ", after_next)
                                   : absl::StrCat(pairs[i], " ", after_next, " | ", first_next);
       after_next = NewRule(absl::StrCat(path, "-after", i), after);

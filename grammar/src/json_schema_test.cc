@@ -12,8 +12,8 @@
 namespace tandem::grammar {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::CompileGbnf;
+using ::testing::HasSubstr;
 using testing::Matches;
 using testing::ordered_json;
 
@@ -56,10 +56,17 @@ TEST(JsonSchemaTest, RandomSchemasAcceptValidAndRejectInvalidDocuments) {
         size_t at = fuzz.Uniform(0, text.size());
         char c = kAlphabet[fuzz.Uniform(0, kAlphabet.size() - 1)];
         switch (fuzz.Uniform(0, 3)) {
-          case 0: text.insert(at, 1, c); break;
-          case 1: if (at < text.size()) text.erase(at, 1); break;
-          case 2: if (at < text.size()) text[at] = c; break;
-          default: text.resize(at);
+          case 0:
+            text.insert(at, 1, c);
+            break;
+          case 1:
+            if (at < text.size()) text.erase(at, 1);
+            break;
+          case 2:
+            if (at < text.size()) text[at] = c;
+            break;
+          default:
+            text.resize(at);
         }
         bool expected = ExpectedValid(schema, text);
         invalid_seen += !expected;
@@ -86,7 +93,8 @@ TEST(JsonSchemaTest, RecursiveRefs) {
     "$ref": "#/$defs/node"})");
   auto g = CompileSchema(schema);
   ASSERT_NE(g, nullptr);
-  EXPECT_TRUE(Matches(g, R"({"value": 1, "children": [{"value": 2, "children": [{"value": 3}]}]})"));
+  EXPECT_TRUE(
+      Matches(g, R"({"value": 1, "children": [{"value": 2, "children": [{"value": 3}]}]})"));
   EXPECT_FALSE(Matches(g, R"({"value": 1, "children": [{"children": []}]})"));
 }
 
@@ -136,7 +144,8 @@ INSTANTIATE_TEST_SUITE_P(
                   "'additionalProperties' must be false or absent"},
         BadSchema{R"({"$ref": "#/$defs/missing"})", "$ref '#/$defs/missing' points nowhere"},
         BadSchema{R"({"$ref": "http://example.com/s.json"})", "is not local"},
-        BadSchema{R"({"type": "array", "minItems": 3, "maxItems": 1})", "'maxItems' is below 'minItems'"},
+        BadSchema{R"({"type": "array", "minItems": 3, "maxItems": 1})",
+                  "'maxItems' is below 'minItems'"},
         BadSchema{R"({"type": "array", "minItems": -1})", "'minItems' must be an integer"},
         BadSchema{R"({"enum": []})", "'enum' must be a non-empty array"},
         BadSchema{R"({"allOf": [{}]})", "keyword 'allOf' is not supported"},
@@ -146,8 +155,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(RegexTest, AgreesWithStdRegex) {
   const std::vector<std::string> patterns = {
-      "[a-c]+x?", "(ab|cd)*e", "\\d{2,4}-\\w+", "[^0-9]{1,3}", "a.c", "(?:x|y|z){3}",
-      "^\\s*[A-Z][a-z]*\\.$", "(foo|bar)?baz+", "[\\d.]+", "a{2,}b{0,1}"};
+      "[a-c]+x?", "(ab|cd)*e",    "\\d{2,4}-\\w+",        "[^0-9]{1,3}",
+      "a.c",      "(?:x|y|z){3}", "^\\s*[A-Z][a-z]*\\.$", "(foo|bar)?baz+",
+      "[\\d.]+",  "a{2,}b{0,1}"};
   testing::SchemaFuzzer fuzz(7);
   const std::string alphabet = "abcdexyzABZ019.- _\n\t";
   for (const std::string& pattern : patterns) {
@@ -166,7 +176,8 @@ TEST(RegexTest, AgreesWithStdRegex) {
 }
 
 TEST(RegexTest, RefusesWhatItCannotExpress) {
-  EXPECT_THAT(std::string(RegexToGbnf("a(?=b)").status().message()), HasSubstr("column 2: lookaround"));
+  EXPECT_THAT(std::string(RegexToGbnf("a(?=b)").status().message()),
+              HasSubstr("column 2: lookaround"));
   EXPECT_THAT(std::string(RegexToGbnf("\\bword").status().message()), HasSubstr("not supported"));
   EXPECT_THAT(std::string(RegexToGbnf("(ab").status().message()), HasSubstr("missing ')'"));
   EXPECT_THAT(std::string(RegexToGbnf("ab)").status().message()), HasSubstr("unbalanced ')'"));

@@ -1,9 +1,10 @@
 // GrammarMatcher: the pushdown matcher over bytes and its token masks.
+#include "tandem/grammar/matcher.h"
+
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
 #include "automaton.h"
-#include "tandem/grammar/matcher.h"
 
 namespace tandem::grammar {
 
@@ -20,8 +21,7 @@ GrammarMatcher::GrammarMatcher(std::shared_ptr<const CompiledGrammar> grammar,
 GrammarMatcher::~GrammarMatcher() = default;
 GrammarMatcher::GrammarMatcher(GrammarMatcher&&) noexcept = default;
 
-bool GrammarMatcher::Walk(const std::vector<int32_t>& start, std::string_view bytes,
-                          State& out) {
+bool GrammarMatcher::Walk(const std::vector<int32_t>& start, std::string_view bytes, State& out) {
   internal::StackArena::Step step;
   out.tops = start;
   out.complete = state_.complete;
@@ -61,8 +61,8 @@ bool GrammarMatcher::AcceptToken(int32_t id) {
 
 absl::Status GrammarMatcher::Rollback(int n) {
   if (n < 0 || n > static_cast<int>(history_.size())) {
-    return absl::InvalidArgumentError(absl::StrCat("grammar: cannot roll back ", n,
-                                                   " tokens, ", history_.size(), " kept"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("grammar: cannot roll back ", n, " tokens, ", history_.size(), " kept"));
   }
   for (int i = 0; i < n; ++i) {
     state_ = std::move(history_.back());
@@ -78,7 +78,7 @@ void GrammarMatcher::CheckUncertain(int32_t top, std::span<const int32_t> ranks,
   const TokenVocabulary& vocab = grammar_->vocabulary();
   const auto sorted = vocab.sorted_tokens();
   std::vector<std::vector<int32_t>> levels = {{top}};
-  size_t valid = 1;           // levels[0, valid) hold the states of prev's prefixes
+  size_t valid = 1;               // levels[0, valid) hold the states of prev's prefixes
   size_t dead_prefix = SIZE_MAX;  // prev's prefix of this length matches nothing
   internal::StackArena::Step step;
   const std::string* prev = nullptr;

@@ -25,10 +25,10 @@ std::shared_ptr<const TokenVocabulary> SyntheticVocabulary() {
     for (int c = 0x20; c < 0x7F; ++c) tokens.push_back(std::string(1, char(c)));
     tokens.insert(tokens.end(), {"\n", "\t", "\xC3", "\xA9", "\xE6\x97", "\xA5"});
     const std::vector<std::string> pieces = {
-        "{\"", "\"}", "\":", "\", \"", "\": \"", "true", "false", "null", "nul", "1", "23",
-        "0.", "e+", "\n  ", "  ", "\\n", "\\u00e9", "\\\"", "é", "日本", "abc", "k0", "k1",
-        "k2", "red", "gr", "een", "\": ", ", ", "[", "]", "},", "],", "[\"", "\"]", "-4", "7.5",
-        "\\", "😀", "date", " \"", "\"\n"};
+        "{\"", "\"}", "\":",  "\", \"", "\": \"", "true",    "false", "null", "nul",  "1",   "23",
+        "0.",  "e+",  "\n  ", "  ",     "\\n",    "\\u00e9", "\\\"",  "é",    "日本", "abc", "k0",
+        "k1",  "k2",  "red",  "gr",     "een",    "\": ",    ", ",    "[",    "]",    "},",  "],",
+        "[\"", "\"]", "-4",   "7.5",    "\\",     "😀",       "date",  " \"",  "\"\n"};
     tokens.insert(tokens.end(), pieces.begin(), pieces.end());
     std::mt19937 rng(5);
     for (int i = 0; i < 1500; ++i) {
@@ -104,7 +104,8 @@ TEST(GrammarMatcherTest, RandomWalksEndInValidDocuments) {
       std::vector<int32_t> allowed = Allowed(mask, vocab->size());
       ASSERT_FALSE(allowed.empty()) << schema.dump() << "\n" << text;
       EXPECT_FALSE(MaskAllows(mask, kSpecial));
-      int32_t id = m.IsComplete() && fuzz.Coin() ? kStop : allowed[fuzz.Uniform(0, allowed.size() - 1)];
+      int32_t id =
+          m.IsComplete() && fuzz.Coin() ? kStop : allowed[fuzz.Uniform(0, allowed.size() - 1)];
       ASSERT_TRUE(m.AcceptToken(id));
       if (id != kStop) text += vocab->bytes(id);
     }

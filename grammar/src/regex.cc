@@ -7,9 +7,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "char_ranges.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/grammar/json_schema.h"
-#include "char_ranges.h"
 
 namespace tandem::grammar {
 namespace {
@@ -63,11 +63,10 @@ class RegexParser {
 
  private:
   absl::Status Error(std::string_view what) const {
-    return absl::InvalidArgumentError(absl::StrCat("regex: column ", pos_ + 1, ": ", std::string(what)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("regex: column ", pos_ + 1, ": ", std::string(what)));
   }
-  char Peek(size_t ahead = 0) const {
-    return pos_ + ahead < re_.size() ? re_[pos_ + ahead] : '\0';
-  }
+  char Peek(size_t ahead = 0) const { return pos_ + ahead < re_.size() ? re_[pos_ + ahead] : '\0'; }
   bool AtEnd() const { return pos_ >= re_.size(); }
 
   // The GBNF of one character set, escaped for JSON strings in JSON mode.
@@ -203,18 +202,30 @@ class RegexParser {
     char e = Peek();
     ++pos_;
     switch (e) {
-      case 'd': return kDigit;
-      case 'D': return Complement(kDigit);
-      case 'w': return kWord;
-      case 'W': return Complement(kWord);
-      case 's': return kSpace;
-      case 'S': return Complement(kSpace);
-      case 'n': return CharSet{{'\n', '\n'}};
-      case 't': return CharSet{{'\t', '\t'}};
-      case 'r': return CharSet{{'\r', '\r'}};
-      case 'f': return CharSet{{'\f', '\f'}};
-      case 'v': return CharSet{{'\v', '\v'}};
-      case '0': return CharSet{{0, 0}};
+      case 'd':
+        return kDigit;
+      case 'D':
+        return Complement(kDigit);
+      case 'w':
+        return kWord;
+      case 'W':
+        return Complement(kWord);
+      case 's':
+        return kSpace;
+      case 'S':
+        return Complement(kSpace);
+      case 'n':
+        return CharSet{{'\n', '\n'}};
+      case 't':
+        return CharSet{{'\t', '\t'}};
+      case 'r':
+        return CharSet{{'\r', '\r'}};
+      case 'f':
+        return CharSet{{'\f', '\f'}};
+      case 'v':
+        return CharSet{{'\v', '\v'}};
+      case '0':
+        return CharSet{{0, 0}};
       case 'x': {
         TANDEM_ASSIGN_OR_RETURN(uint32_t v, ParseHex(2));
         return CharSet{{v, v}};
@@ -226,7 +237,10 @@ class RegexParser {
       case 'b':
         if (in_class) return CharSet{{'\b', '\b'}};
         [[fallthrough]];
-      case 'B': case 'A': case 'z': case 'Z':
+      case 'B':
+      case 'A':
+      case 'z':
+      case 'Z':
         --pos_;
         return Error("word boundaries and anchors are not supported");
       default:

@@ -17,11 +17,14 @@ absl::StatusOr<std::shared_ptr<const TokenVocabulary>> TokenVocabulary::Create(
   std::shared_ptr<TokenVocabulary> vocab(new TokenVocabulary());
   std::vector<char> hidden(n, 0);  // 1: special, 2: stop
   for (int32_t id : special_ids) {
-    if (id < 0 || id >= n) return absl::InvalidArgumentError(absl::StrCat("vocabulary: special id ", id, " out of range"));
+    if (id < 0 || id >= n)
+      return absl::InvalidArgumentError(
+          absl::StrCat("vocabulary: special id ", id, " out of range"));
     hidden[id] = 1;
   }
   for (int32_t id : stop_ids) {
-    if (id < 0 || id >= n) return absl::InvalidArgumentError(absl::StrCat("vocabulary: stop id ", id, " out of range"));
+    if (id < 0 || id >= n)
+      return absl::InvalidArgumentError(absl::StrCat("vocabulary: stop id ", id, " out of range"));
     hidden[id] = 2;
   }
   std::vector<int32_t> sorted;
@@ -69,7 +72,7 @@ absl::StatusOr<std::shared_ptr<const TokenVocabulary>> TokenVocabulary::Create(
     trie[path.back()].subtree_end = trie.size();
     path.pop_back();
   }
-  vocab->fingerprint_ = absl::Hash<std::vector<std::string>>{}(token_bytes) * 0x9E3779B97F4A7C15ull ^
+  vocab->fingerprint_ = absl::Hash<std::vector<std::string>>{}(token_bytes)*0x9E3779B97F4A7C15ull ^
                         absl::Hash<std::vector<char>>{}(hidden);
   vocab->sorted_tokens_ = std::move(sorted);
   vocab->token_bytes_ = std::move(token_bytes);

@@ -37,8 +37,9 @@ class SchemaFuzzer {
   }
 
   std::string RandomString(int min_len, int max_len) {
-    static const std::vector<std::string> kPieces = {"a", "b", "z", "Q", "0", "7", " ", "-", "\"",
-                                                     "\\", "\n", "\t", "/", "é", "日", "😀", "{", "}"};
+    static const std::vector<std::string> kPieces = {"a", "b", "z",  "Q",  "0",  "7",
+                                                     " ", "-", "\"", "\\", "\n", "\t",
+                                                     "/", "é", "日", "😀",  "{",  "}"};
     int n = Uniform(min_len, max_len);
     std::string s;
     for (int i = 0; i < n; ++i) s += kPieces[Uniform(0, kPieces.size() - 1)];
@@ -48,14 +49,17 @@ class SchemaFuzzer {
   // A document valid against `s` (`root` resolves $ref), keys in declaration order.
   ordered_json Document(const ordered_json& s, const ordered_json& root, int depth = 0) {
     if (s.contains("$ref")) {
-      return Document(root.at(ordered_json::json_pointer(s["$ref"].get<std::string>().substr(1))), root, depth);
+      return Document(root.at(ordered_json::json_pointer(s["$ref"].get<std::string>().substr(1))),
+                      root, depth);
     }
     if (s.contains("const")) return s["const"];
     if (s.contains("enum")) return s["enum"][Uniform(0, s["enum"].size() - 1)];
-    if (s.contains("anyOf")) return Document(s["anyOf"][Uniform(0, s["anyOf"].size() - 1)], root, depth);
+    if (s.contains("anyOf"))
+      return Document(s["anyOf"][Uniform(0, s["anyOf"].size() - 1)], root, depth);
     if (!s.contains("type")) return AnyValue(depth);
-    std::string type = s["type"].is_array() ? s["type"][Uniform(0, s["type"].size() - 1)].get<std::string>()
-                                            : s["type"].get<std::string>();
+    std::string type = s["type"].is_array()
+                           ? s["type"][Uniform(0, s["type"].size() - 1)].get<std::string>()
+                           : s["type"].get<std::string>();
     if (type == "null") return nullptr;
     if (type == "boolean") return Coin();
     if (type == "integer") return Uniform(-100000, 100000);
@@ -68,7 +72,9 @@ class SchemaFuzzer {
       int min = s.value("minItems", 0), max = s.value("maxItems", min + 3);
       ordered_json a = ordered_json::array();
       int n = Uniform(min, max);
-      for (int i = 0; i < n; ++i) a.push_back(s.contains("items") ? Document(s["items"], root, depth + 1) : AnyValue(depth + 1));
+      for (int i = 0; i < n; ++i)
+        a.push_back(s.contains("items") ? Document(s["items"], root, depth + 1)
+                                        : AnyValue(depth + 1));
       return a;
     }
     ordered_json o = ordered_json::object();
@@ -83,12 +89,18 @@ class SchemaFuzzer {
 
   ordered_json AnyValue(int depth) {
     switch (Uniform(0, depth > 2 ? 3 : 5)) {
-      case 0: return nullptr;
-      case 1: return Coin();
-      case 2: return Uniform(-50, 50);
-      case 3: return RandomString(0, 4);
-      case 4: return ordered_json::array({AnyValue(depth + 1), AnyValue(depth + 1)});
-      default: return ordered_json{{RandomString(1, 3), AnyValue(depth + 1)}};
+      case 0:
+        return nullptr;
+      case 1:
+        return Coin();
+      case 2:
+        return Uniform(-50, 50);
+      case 3:
+        return RandomString(0, 4);
+      case 4:
+        return ordered_json::array({AnyValue(depth + 1), AnyValue(depth + 1)});
+      default:
+        return ordered_json{{RandomString(1, 3), AnyValue(depth + 1)}};
     }
   }
 
@@ -102,31 +114,42 @@ class SchemaFuzzer {
       props[key] = Sub(depth + 1);
       if (Coin(0.6)) required.push_back(key);
     }
-    return {{"type", "object"}, {"properties", props}, {"required", required},
+    return {{"type", "object"},
+            {"properties", props},
+            {"required", required},
             {"additionalProperties", false}};
   }
 
   ordered_json Sub(int depth) {
     int kind = Uniform(0, depth >= 3 ? 6 : 10);
     switch (kind) {
-      case 0: return {{"type", "string"}};
+      case 0:
+        return {{"type", "string"}};
       case 1: {
         int min = Uniform(0, 3);
         return {{"type", "string"}, {"minLength", min}, {"maxLength", min + Uniform(0, 4)}};
       }
-      case 2: return {{"type", "integer"}};
-      case 3: return {{"type", "number"}};
-      case 4: return {{"type", "boolean"}};
-      case 5: return {{"enum", {"red", "gr\"een", 3, nullptr, true}}};
-      case 6: return {{"type", {"string", "null"}}, {"format", "date-time"}};
-      case 7: case 8: return ObjectSchema(depth);
+      case 2:
+        return {{"type", "integer"}};
+      case 3:
+        return {{"type", "number"}};
+      case 4:
+        return {{"type", "boolean"}};
+      case 5:
+        return {{"enum", {"red", "gr\"een", 3, nullptr, true}}};
+      case 6:
+        return {{"type", {"string", "null"}}, {"format", "date-time"}};
+      case 7:
+      case 8:
+        return ObjectSchema(depth);
       case 9: {
         ordered_json a = {{"type", "array"}, {"items", Sub(depth + 1)}};
         if (Coin()) a["minItems"] = Uniform(0, 2);
         if (Coin()) a["maxItems"] = a.value("minItems", 0) + Uniform(0, 3);
         return a;
       }
-      default: return {{"anyOf", {Sub(depth + 1), Sub(depth + 1)}}};
+      default:
+        return {{"anyOf", {Sub(depth + 1), Sub(depth + 1)}}};
     }
   }
 
@@ -145,7 +168,8 @@ inline size_t CodePoints(const std::string& s) {
 inline bool Validate(const ordered_json& s, const ordered_json& root, const ordered_json& doc) {
   if (s.is_boolean()) return s.get<bool>();
   if (s.contains("$ref")) {
-    return Validate(root.at(ordered_json::json_pointer(s["$ref"].get<std::string>().substr(1))), root, doc);
+    return Validate(root.at(ordered_json::json_pointer(s["$ref"].get<std::string>().substr(1))),
+                    root, doc);
   }
   if (s.contains("const") && doc != s["const"]) return false;
   if (s.contains("enum")) {

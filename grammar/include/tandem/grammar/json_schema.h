@@ -19,7 +19,8 @@ namespace tandem::grammar {
 // `definitions` (recursion allowed). Annotations (`title`, `description`, `default`,
 // `examples`, ...) are ignored. Other constraints (`minimum`, `allOf`, `oneOf`, ...) are an
 // InvalidArgument naming the keyword and its JSON pointer. No whitespace before or after the
-// document, at most 20 characters between tokens; integers have at most 18 digits, fractions 16, exponents 3.
+// document, at most 20 characters between tokens; integers have at most 18 digits, fractions 16,
+// exponents 3.
 absl::StatusOr<std::string> JsonSchemaToGbnf(const nlohmann::ordered_json& schema);
 // The same; a nlohmann::json object holds its keys sorted, so properties come sorted by name.
 absl::StatusOr<std::string> JsonSchemaToGbnf(const nlohmann::json& schema);

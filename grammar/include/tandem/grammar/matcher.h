@@ -27,7 +27,9 @@ class StackArena;
 
 // A token mask: bit `id % 64` of word `id / 64` is set when the token is allowed.
 using TokenMask = std::vector<uint64_t>;
-inline bool MaskAllows(const TokenMask& mask, int32_t id) { return (mask[id >> 6] >> (id & 63)) & 1; }
+inline bool MaskAllows(const TokenMask& mask, int32_t id) {
+  return (mask[id >> 6] >> (id & 63)) & 1;
+}
 
 // A grammar lowered to a pushdown automaton for one vocabulary. For every byte-set position
 // the vocabulary is split, walking its byte trie once, into tokens accepted whatever the stack

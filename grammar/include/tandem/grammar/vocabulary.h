@@ -16,15 +16,16 @@ namespace tandem::grammar {
 // grammar: their content is not text). Immutable; shared by every grammar compiled for it.
 //   std::vector<std::string> bytes;
 //   for (int id = 0; id < tok.vocab_size(); ++id) bytes.push_back(tok.TokenBytes(id));
-//   TANDEM_ASSIGN_OR_RETURN(auto vocab, TokenVocabulary::Create(std::move(bytes), {eos}, specials));
+//   TANDEM_ASSIGN_OR_RETURN(auto vocab, TokenVocabulary::Create(std::move(bytes), {eos},
+//   specials));
 class TokenVocabulary {
  public:
   // A node of the trie over every grammar-visible token's bytes, in depth-first pre-order:
   // node 0 is the root (the empty prefix); the subtree of node i is [i, subtree_end).
   struct TrieNode {
-    uint8_t byte = 0;         // the edge from the parent
-    int32_t depth = 0;        // bytes from the root
-    int32_t subtree_end = 0;  // one past the last node under this one
+    uint8_t byte = 0;          // the edge from the parent
+    int32_t depth = 0;         // bytes from the root
+    int32_t subtree_end = 0;   // one past the last node under this one
     int32_t tokens_begin = 0;  // ids whose bytes end here: sorted_tokens()[begin, end)
     int32_t tokens_end = 0;
   };
