@@ -1,13 +1,22 @@
-// CPU decode step of a synthetic checkpoint: time per step and the memory bandwidth it
-// achieves, as a fraction of a STREAM-like copy measured in the same run.
+// CPU decode step of a synthetic bf16 checkpoint, its weights held as float32 and as bfloat16
+// (and whatever --dtypes lists) in one run: time per step and the memory bandwidth it achieves,
+// as a fraction of a read-only streaming kernel and of a STREAM-like copy, both measured in
+// the same run.
 //
-//   tandem_bench_decode [--preset small] [--context 256] [google benchmark flags]
+//   tandem_bench_decode [--preset=small] [--context=256] [--dtypes=float32,bfloat16]
+//                       [--batches=1,4,16] [--bandwidth-mib=256] [google benchmark flags]
+//
+// The bandwidth kernels stream --bandwidth-mib MiB: more than the last-level cache to measure
+// memory, as a preset whose weights do not fit it (medium) needs.
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "bench/bandwidth.h"
 #include "benchmark/benchmark.h"
 #include "tandem/engine/block_manager.h"
@@ -22,6 +31,7 @@ namespace {
 std::string g_preset = "small";
 int g_context = 256;
 double g_copy_gbs = 0;
+double g_read_gbs = 0;
 
 std::string ModelDir() {
   std::string dir =
@@ -41,18 +51,20 @@ std::string ModelDir() {
   return dir;
 }
 
-// Bytes a decode step must read from memory at least: every weight the forward pass touches
-// (fp32; the embedding contributes one row per token) plus each sequence's KV.
-double BytesPerStep(const text::ModelConfig& c, int batch, int context) {
+// Bytes a decode step must read from memory at least: every projection matrix and the LM head
+// once (of `weight_dtype`), one embedding row per token (counted as fp32), and each sequence's KV
+// (of `kv_dtype`).
+double BytesPerStep(const text::ModelConfig& c, int batch, int context, DType weight_dtype,
+                    DType kv_dtype) {
   const double hidden = c.hidden_size, inter = c.intermediate_size;
   const double q_dim = c.num_heads * c.head_dim, kv_dim = c.num_kv_heads * c.head_dim;
   double per_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter;
   double weights = c.num_layers * per_layer + c.vocab_size * hidden;
   double kv = static_cast<double>(batch) * context * c.num_layers * 2 * kv_dim;
-  return 4.0 * (weights + kv + batch * hidden);
+  return DTypeSize(weight_dtype) * weights + DTypeSize(kv_dtype) * kv + 4.0 * batch * hidden;
 }
 
-void BM_DecodeStep(benchmark::State& state) {
+void BM_DecodeStep(benchmark::State& state, DType weight_dtype) {
   const int batch = static_cast<int>(state.range(0));
   const int context = g_context;
   auto checkpoint = engine::Checkpoint::Open(ModelDir());
@@ -69,7 +81,8 @@ void BM_DecodeStep(benchmark::State& state) {
                                             {.max_num_batched_tokens = std::max(batch, context),
                                              .max_num_seqs = batch,
                                              .num_kv_blocks = batch * blocks_per_seq,
-                                             .block_size = block_size});
+                                             .block_size = block_size,
+                                             .weight_dtype = weight_dtype});
   if (!runner.ok()) {
     state.SkipWithError(std::string(runner.status().message()).c_str());
     return;
@@ -98,14 +111,19 @@ void BM_DecodeStep(benchmark::State& state) {
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   const double step_s = seconds / static_cast<double>(state.iterations());
-  const double gbs = BytesPerStep(c, batch, context) / step_s / 1e9;
+  const DType kv_dtype = (*runner)->cache_layout().dtype;
+  const double bytes = BytesPerStep(c, batch, context, weight_dtype, kv_dtype);
+  const double gbs = bytes / step_s / 1e9;
   state.counters["step_ms"] = step_s * 1e3;
+  state.counters["MB_per_step"] = bytes / 1e6;
   state.counters["GB_per_s"] = gbs;
-  state.counters["copy_GB_per_s"] = g_copy_gbs;
+  state.counters["read_GB_per_s"] = g_read_gbs;
+  state.counters["of_read"] = gbs / g_read_gbs;
   state.counters["of_copy"] = gbs / g_copy_gbs;
   state.counters["tokens_per_s"] = batch / step_s;
-  state.SetLabel(
-      absl::StrCat(g_preset, " ", c.NumParameters() / 1000000, "M params, context ", context));
+  state.SetLabel(absl::StrCat(g_preset, " ", c.NumParameters() / 1000000, "M params, ",
+                              DTypeFlagName(weight_dtype), " weights, ", DTypeFlagName(kv_dtype),
+                              " KV, context ", context));
 }
 
 }  // namespace
@@ -113,25 +131,51 @@ void BM_DecodeStep(benchmark::State& state) {
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
+  std::vector<tandem::DType> dtypes = {tandem::DType::kF32, tandem::DType::kBF16};
+  std::vector<int64_t> batches = {1, 4, 16};
+  size_t bandwidth_bytes = size_t{256} << 20;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
-    if (a.rfind("--preset=", 0) == 0)
+    if (a.rfind("--preset=", 0) == 0) {
       tandem::g_preset = a.substr(9);
-    else if (a.rfind("--context=", 0) == 0)
+    } else if (a.rfind("--context=", 0) == 0) {
       tandem::g_context = std::atoi(a.c_str() + 10);
-    else {
+    } else if (a.rfind("--dtypes=", 0) == 0) {
+      dtypes.clear();
+      for (absl::string_view name : absl::StrSplit(a.substr(9), ',')) {
+        const std::optional<tandem::DType> d = tandem::ParseDTypeFlag(std::string(name));
+        if (!d.has_value() || tandem::DTypeSize(*d) == 1) {
+          std::fprintf(stderr, "tandem_bench_decode: --dtypes: not a weight type: %s\n",
+                       std::string(name).c_str());
+          return 2;
+        }
+        dtypes.push_back(*d);
+      }
+    } else if (a.rfind("--bandwidth-mib=", 0) == 0) {
+      bandwidth_bytes = static_cast<size_t>(std::atol(a.c_str() + 16)) << 20;
+    } else if (a.rfind("--batches=", 0) == 0) {
+      batches.clear();
+      for (absl::string_view b : absl::StrSplit(a.substr(10), ',')) {
+        batches.push_back(std::atoi(std::string(b).c_str()));
+      }
+    } else {
       std::fprintf(stderr, "tandem_bench_decode: unknown flag %s\n", argv[i]);
       return 2;
     }
   }
-  tandem::g_copy_gbs = tandem::bench::MeasureCopyBandwidthGBs();
-  std::printf("copy bandwidth (2 threads, same run): %.2f GB/s\n", tandem::g_copy_gbs);
-  benchmark::RegisterBenchmark("BM_DecodeStep", tandem::BM_DecodeStep)
-      ->Arg(1)
-      ->Arg(4)
-      ->Arg(16)
-      ->Unit(benchmark::kMillisecond)
-      ->UseRealTime();
+  tandem::g_read_gbs = tandem::bench::MeasureReadBandwidthGBs(2, bandwidth_bytes);
+  tandem::g_copy_gbs = tandem::bench::MeasureCopyBandwidthGBs(2, bandwidth_bytes);
+  std::printf("read bandwidth (2 threads, read-only sum of %zu MiB, same run): %.2f GB/s\n",
+              bandwidth_bytes >> 20, tandem::g_read_gbs);
+  std::printf("copy bandwidth (2 threads, %zu MiB, same run): %.2f GB/s\n", bandwidth_bytes >> 20,
+              tandem::g_copy_gbs);
+  for (tandem::DType dtype : dtypes) {
+    auto* b = benchmark::RegisterBenchmark(
+        absl::StrCat("BM_DecodeStep/", tandem::DTypeFlagName(dtype)).c_str(),
+        [dtype](benchmark::State& state) { tandem::BM_DecodeStep(state, dtype); });
+    for (int64_t batch : batches) b->Arg(batch);
+    b->Unit(benchmark::kMillisecond)->UseRealTime();
+  }
   benchmark::RunSpecifiedBenchmarks();
   return 0;
 }

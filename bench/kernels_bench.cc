@@ -88,7 +88,7 @@ void BM_Linear(benchmark::State& state) {
   const std::vector<float> w = Random(int64_t{n} * k, 1);
   const std::vector<float> x = Random(int64_t{m} * k, 2);
   std::vector<float> y(int64_t{m} * n);
-  auto packed = Cpu().PackWeight(w.data(), n, k);
+  auto packed = Cpu().PackWeight(w.data(), DType::kF32, n, k);
   LetOpenBlasPark();
   for (auto _ : state) {
     Cpu().Linear(x.data(), m, *packed, nullptr, y.data());
@@ -104,7 +104,8 @@ void BM_LinearColdWeights(benchmark::State& state) {
   std::vector<std::unique_ptr<kernels::PackedWeight>> weights;
   {
     const std::vector<float> w = Random(int64_t{n} * k, 1);
-    for (int i = 0; i < count; ++i) weights.push_back(Cpu().PackWeight(w.data(), n, k));
+    for (int i = 0; i < count; ++i)
+      weights.push_back(Cpu().PackWeight(w.data(), DType::kF32, n, k));
   }
   const std::vector<float> x = Random(int64_t{m} * k, 2);
   std::vector<float> y(int64_t{m} * n);

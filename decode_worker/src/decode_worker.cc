@@ -309,7 +309,8 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
   }
   options_.engine.role = engine::EngineRole::kDecode;
   TANDEM_ASSIGN_OR_RETURN(engine_, engine::LlmEngine::Create(options_.engine));
-  layout_ = proto::EngineKvLayout(engine_->config(), engine_->kv_layout().block_size);
+  layout_ = proto::EngineKvLayout(engine_->config(), engine_->kv_layout().block_size,
+                                  engine_->kv_layout().dtype);
 
   kvtransfer::AgentOptions agent_options;
   agent_options.backend = options_.kv_backend;

@@ -41,6 +41,9 @@ engine::EngineOptions EngineOptionsFor(engine::EngineRole role) {
   options.model_dir = testing::TinyModel("qwen3", DType::kBF16);
   options.num_threads = 2;
   options.kv_cache_bytes = kKvBytes;
+  // The block counts the tests work out (RefusesBadInput's full cache) are those of an fp32
+  // cache; --kv-cache-dtype auto would hold this bf16 checkpoint's KV in bf16, twice the blocks.
+  options.kv_cache_dtype = DType::kF32;
   options.max_num_batched_tokens = 64;  // prompts span several prefill chunks
   options.role = role;
   return options;
@@ -821,7 +824,8 @@ TEST_P(DecodeWorkerTest, DrainHandsKvToAnotherWorker) {
       ASSERT_TRUE(status.ok()) << status.error_message();
       EXPECT_EQ(moved.num_kv_tokens(), kv_tokens);
       const int layers = colocated->config().num_layers;
-      const int64_t block_bytes = engine::ModelRunner::KvBytesPerBlock(colocated->config(), 16);
+      const int64_t block_bytes = engine::ModelRunner::KvBytesPerBlock(
+          colocated->config(), 16, colocated->cache_layout().dtype);
       EXPECT_EQ(moved.kv_transfer_bytes(), block_bytes * ((kv_tokens + 15) / 16)) << layers;
       // A second handoff of the same sample finds nothing. After the last one nothing is
       // parked, so the draining worker may already be stopping its server: the call is then

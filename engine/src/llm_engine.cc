@@ -78,7 +78,10 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
     engine->max_model_len_ = std::min(engine->max_model_len_, options.max_model_len);
   }
 
-  const int64_t block_bytes = ModelRunner::KvBytesPerBlock(config, options.block_size);
+  TANDEM_ASSIGN_OR_RETURN(RunnerDTypes dtypes,
+                          ResolveRunnerDTypes(config, options.dtype, options.kv_cache_dtype));
+  const int64_t block_bytes =
+      ModelRunner::KvBytesPerBlock(config, options.block_size, dtypes.kv_cache);
   const int64_t num_blocks = options.kv_cache_bytes / block_bytes;
   if (num_blocks < 1) {
     return absl::InvalidArgumentError(absl::StrCat("KV cache budget of ", options.kv_cache_bytes,
@@ -93,10 +96,15 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
       engine->blocks_.get());
   TANDEM_ASSIGN_OR_RETURN(engine->backend_, CreateBackend(options, config, engine->max_model_len_,
                                                          engine->blocks_->num_blocks()));
-  TANDEM_ASSIGN_OR_RETURN(engine->runner_,
-                          ModelRunner::Create(*engine->checkpoint_, engine->backend_.get(),
-                                              {options.max_num_batched_tokens, options.max_num_seqs,
-                                               engine->blocks_->num_blocks(), options.block_size}));
+  TANDEM_ASSIGN_OR_RETURN(
+      engine->runner_,
+      ModelRunner::Create(*engine->checkpoint_, engine->backend_.get(),
+                          {.max_num_batched_tokens = options.max_num_batched_tokens,
+                           .max_num_seqs = options.max_num_seqs,
+                           .num_kv_blocks = engine->blocks_->num_blocks(),
+                           .block_size = options.block_size,
+                           .weight_dtype = dtypes.weights,
+                           .kv_cache_dtype = dtypes.kv_cache}));
   engine->sampler_ = std::make_unique<Sampler>(config.eos_token_ids);
   if (options.on_layer_kv_written) {
     LlmEngine* self = engine.get();

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
+#include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
@@ -22,14 +25,61 @@ struct ModelRunner::Layer {
   std::unique_ptr<kernels::PackedWeight> down;     // [hidden, intermediate]
 };
 
+namespace {
+
+// Tensor `name` as elements of `dtype` (host bytes): the stored bytes when the checkpoint holds
+// that type, else widened or rounded (to nearest even) from what it holds.
+absl::StatusOr<std::vector<unsigned char>> ReadAs(const Checkpoint& checkpoint,
+                                                  const std::string& name, DType dtype) {
+  TANDEM_ASSIGN_OR_RETURN(TensorView tensor, checkpoint.Tensor(name));
+  const auto* data = static_cast<const unsigned char*>(tensor.data);
+  if (tensor.dtype == dtype) return std::vector<unsigned char>(data, data + tensor.nbytes);
+  std::vector<float> values(tensor.NumElements());
+  tensor.ToFloat(values.data());
+  std::vector<unsigned char> out(values.size() * DTypeSize(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    StoreFromFloat(out.data(), dtype, static_cast<int64_t>(i), values[i]);
+  }
+  return out;
+}
+
+// A per-layer KV scale (vLLM's `self_attn.k_scale` / `v_scale` scalars) when the checkpoint has
+// one, else 1.
+absl::StatusOr<float> ReadKvScale(const Checkpoint& checkpoint, const std::string& name) {
+  if (!checkpoint.Tensor(name).ok()) return 1.0f;
+  TANDEM_ASSIGN_OR_RETURN(std::vector<float> values, checkpoint.ReadFloat(name));
+  if (values.size() != 1 || !(values[0] > 0.0f) || !std::isfinite(values[0])) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " must be one positive finite value"));
+  }
+  return values[0];
+}
+
+}  // namespace
+
+absl::StatusOr<RunnerDTypes> ResolveRunnerDTypes(const text::ModelConfig& config,
+                                                 std::optional<DType> weight_dtype,
+                                                 std::optional<DType> kv_cache_dtype) {
+  RunnerDTypes out;
+  out.weights = weight_dtype.value_or(config.torch_dtype);
+  if (DTypeSize(out.weights) == 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--dtype ", DTypeFlagName(out.weights),
+        " is not a weight type (auto, bfloat16, float16 or float32); 8-bit floats are for "
+        "--kv-cache-dtype"));
+  }
+  out.kv_cache = kv_cache_dtype.value_or(out.weights);
+  return out;
+}
+
 ModelRunner::~ModelRunner() = default;
 
-int64_t ModelRunner::KvBytesPerBlock(const text::ModelConfig& config, int block_size) {
+int64_t ModelRunner::KvBytesPerBlock(const text::ModelConfig& config, int block_size, DType kv_dtype) {
   const KvCacheLayout layout{.num_layers = config.num_layers,
                              .num_blocks = 1,
                              .block_size = block_size,
                              .num_kv_heads = config.num_kv_heads,
-                             .head_dim = config.head_dim};
+                             .head_dim = config.head_dim,
+                             .dtype = kv_dtype};
   return static_cast<int64_t>(layout.bytes_per_block());
 }
 
@@ -46,14 +96,24 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   runner->options_ = options;
   runner->backend_ = backend;
   const text::ModelConfig& c = runner->config_;
+  TANDEM_ASSIGN_OR_RETURN(RunnerDTypes dtypes,
+                          ResolveRunnerDTypes(c, options.weight_dtype, options.kv_cache_dtype));
   runner->cache_layout_ = {.num_layers = c.num_layers,
                            .num_blocks = options.num_kv_blocks,
                            .block_size = options.block_size,
                            .num_kv_heads = c.num_kv_heads,
-                           .head_dim = c.head_dim};
+                           .head_dim = c.head_dim,
+                           .dtype = dtypes.kv_cache};
   runner->kv_layout_ = runner->cache_layout_.kernel_layout();
+  for (int l = 0; l < c.num_layers; ++l) {
+    kernels::KvLayout layer = runner->kv_layout_;
+    const std::string p = absl::StrCat("model.layers.", l, ".self_attn.");
+    TANDEM_ASSIGN_OR_RETURN(layer.k_scale, ReadKvScale(checkpoint, p + "k_scale"));
+    TANDEM_ASSIGN_OR_RETURN(layer.v_scale, ReadKvScale(checkpoint, p + "v_scale"));
+    runner->layer_kv_layouts_.push_back(layer);
+  }
   TANDEM_ASSIGN_OR_RETURN(runner->inv_freq_, runner->Upload(kernels::RopeInverseFrequencies(c.rope)));
-  TANDEM_RETURN_IF_ERROR(runner->LoadWeights(checkpoint));
+  TANDEM_RETURN_IF_ERROR(runner->LoadWeights(checkpoint, dtypes.weights));
 
   TANDEM_ASSIGN_OR_RETURN(runner->kv_cache_,
                           backend->Allocate(runner->cache_layout_.total_bytes()));
@@ -99,25 +159,41 @@ absl::StatusOr<kernels::DeviceBuffer> ModelRunner::Upload(const std::vector<floa
   return buffer;
 }
 
-absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint) {
+absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight_dtype) {
   const text::ModelConfig& c = config_;
+  weight_dtype_ = weight_dtype;
+  // Reads a projection matrix (or several, stacked along n) as weight_dtype bytes.
+  auto read_matrix =
+      [&](std::initializer_list<std::string> names) -> absl::StatusOr<std::vector<unsigned char>> {
+    std::vector<unsigned char> out;
+    for (const std::string& name : names) {
+      TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> part,
+                              ReadAs(checkpoint, name, weight_dtype));
+      out.insert(out.end(), part.begin(), part.end());
+    }
+    return out;
+  };
+  auto pack = [&](const std::vector<unsigned char>& w, int n, int k) {
+    return backend_->PackWeight(w.data(), weight_dtype, n, k);
+  };
   // Reads a vector (norm weight, bias) into backend memory.
   auto read = [&](const std::string& name) -> absl::StatusOr<kernels::DeviceBuffer> {
     TANDEM_ASSIGN_OR_RETURN(std::vector<float> values, checkpoint.ReadFloat(name));
     return Upload(values);
   };
   {
-    TANDEM_ASSIGN_OR_RETURN(std::vector<float> embed,
-                            checkpoint.ReadFloat("model.embed_tokens.weight"));
-    TANDEM_ASSIGN_OR_RETURN(embed_, Upload(embed));
-    if (c.tie_word_embeddings) {
-      lm_head_ = backend_->PackWeight(embed.data(), c.vocab_size, c.hidden_size);
-    }
+    // The table stays in the weight type too; a step widens only the rows it looks up.
+    TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> embed,
+                            read_matrix({"model.embed_tokens.weight"}));
+    TANDEM_ASSIGN_OR_RETURN(embed_, backend_->Allocate(embed.size()));
+    backend_->CopyToDevice(embed_.data(), embed.data(), embed.size());
   }
   TANDEM_ASSIGN_OR_RETURN(final_norm_, read("model.norm.weight"));
-  if (!c.tie_word_embeddings) {
-    TANDEM_ASSIGN_OR_RETURN(std::vector<float> lm_head, checkpoint.ReadFloat("lm_head.weight"));
-    lm_head_ = backend_->PackWeight(lm_head.data(), c.vocab_size, c.hidden_size);
+  {
+    TANDEM_ASSIGN_OR_RETURN(
+        std::vector<unsigned char> lm_head,
+        read_matrix({c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight"}));
+    lm_head_ = pack(lm_head, c.vocab_size, c.hidden_size);
   }
   const int q_dim = c.num_heads * c.head_dim;
   const int kv_dim = c.num_kv_heads * c.head_dim;
@@ -127,39 +203,36 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint) {
     TANDEM_ASSIGN_OR_RETURN(layer->input_norm, read(p + "input_layernorm.weight"));
     TANDEM_ASSIGN_OR_RETURN(layer->post_attn_norm, read(p + "post_attention_layernorm.weight"));
     // q, k and v share their input, so one fused projection reads it once.
-    std::vector<float> qkv;
+    TANDEM_ASSIGN_OR_RETURN(
+        std::vector<unsigned char> qkv,
+        read_matrix({p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                     p + "self_attn.v_proj.weight"}));
     std::vector<float> qkv_bias;
-    qkv.reserve(static_cast<size_t>(q_dim + 2 * kv_dim) * c.hidden_size);
     for (const char* name : {"q_proj", "k_proj", "v_proj"}) {
-      TANDEM_ASSIGN_OR_RETURN(std::vector<float> w,
-                              checkpoint.ReadFloat(absl::StrCat(p, "self_attn.", name, ".weight")));
-      qkv.insert(qkv.end(), w.begin(), w.end());
       if (c.attention_bias) {
         TANDEM_ASSIGN_OR_RETURN(std::vector<float> b,
                                 checkpoint.ReadFloat(absl::StrCat(p, "self_attn.", name, ".bias")));
         qkv_bias.insert(qkv_bias.end(), b.begin(), b.end());
       }
     }
-    layer->qkv = backend_->PackWeight(qkv.data(), q_dim + 2 * kv_dim, c.hidden_size);
+    layer->qkv = pack(qkv, q_dim + 2 * kv_dim, c.hidden_size);
     TANDEM_ASSIGN_OR_RETURN(layer->qkv_bias, Upload(qkv_bias));
     if (c.qk_norm) {
       TANDEM_ASSIGN_OR_RETURN(layer->q_norm, read(p + "self_attn.q_norm.weight"));
       TANDEM_ASSIGN_OR_RETURN(layer->k_norm, read(p + "self_attn.k_norm.weight"));
     }
-    TANDEM_ASSIGN_OR_RETURN(std::vector<float> o,
-                            checkpoint.ReadFloat(p + "self_attn.o_proj.weight"));
-    layer->o = backend_->PackWeight(o.data(), c.hidden_size, q_dim);
+    TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> o,
+                            read_matrix({p + "self_attn.o_proj.weight"}));
+    layer->o = pack(o, c.hidden_size, q_dim);
     if (c.o_proj_bias) {
       TANDEM_ASSIGN_OR_RETURN(layer->o_bias, read(p + "self_attn.o_proj.bias"));
     }
-    TANDEM_ASSIGN_OR_RETURN(std::vector<float> gate_up,
-                            checkpoint.ReadFloat(p + "mlp.gate_proj.weight"));
-    TANDEM_ASSIGN_OR_RETURN(std::vector<float> up, checkpoint.ReadFloat(p + "mlp.up_proj.weight"));
-    gate_up.insert(gate_up.end(), up.begin(), up.end());
-    layer->gate_up = backend_->PackWeight(gate_up.data(), 2 * c.intermediate_size, c.hidden_size);
-    TANDEM_ASSIGN_OR_RETURN(std::vector<float> down,
-                            checkpoint.ReadFloat(p + "mlp.down_proj.weight"));
-    layer->down = backend_->PackWeight(down.data(), c.hidden_size, c.intermediate_size);
+    TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> gate_up,
+                            read_matrix({p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}));
+    layer->gate_up = pack(gate_up, 2 * c.intermediate_size, c.hidden_size);
+    TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> down,
+                            read_matrix({p + "mlp.down_proj.weight"}));
+    layer->down = pack(down, c.hidden_size, c.intermediate_size);
     layers_.push_back(std::move(layer));
   }
   return absl::OkStatus();
@@ -242,7 +315,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
   float* act = act_.as<float>();
   const float* inv_freq = inv_freq_.as<float>();
 
-  b.Embedding(embed_.as<float>(), d_token_ids, tokens, hidden, residual);
+  b.Embedding(embed_.data(), weight_dtype_, d_token_ids, tokens, hidden, residual);
   for (int l = 0; l < c.num_layers; ++l) {
     Layer& layer = *layers_[l];
     if (l == 0) {
@@ -266,13 +339,14 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     }
     b.Rope(q, d_positions, tokens, c.num_heads, c.head_dim, inv_freq);
     b.Rope(k, d_positions, tokens, c.num_kv_heads, c.head_dim, inv_freq);
-    float* cache = layer_cache(l);
-    b.WriteKv(k, v, d_slots, tokens, kv_layout_, cache);
+    void* cache = layer_cache(l);
+    const kernels::KvLayout& kv_layout = layer_kv_layouts_[l];
+    b.WriteKv(k, v, d_slots, tokens, kv_layout, cache);
     if (layer_written_hook_) {
       if (!b.host_memory()) TANDEM_RETURN_IF_ERROR(b.Synchronize());
       layer_written_hook_(l);
     }
-    b.PagedAttention(q, cache, kv_layout_, batch, c.num_heads, scale, attn);
+    b.PagedAttention(q, cache, kv_layout, batch, c.num_heads, scale, attn);
     b.Linear(attn, tokens, *layer.o, layer.o_bias.as<float>(), proj);
     b.AddRmsNorm(residual, proj, layer.post_attn_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
                  hidden_states);

@@ -58,6 +58,10 @@ void EncodeFloats(const float* in, int64_t n, DType dtype, unsigned char* out) {
         std::memcpy(out + 2 * i, &h, 2);
       }
       return;
+    case DType::kF8E4M3:
+    case DType::kF8E5M2:
+      for (int64_t i = 0; i < n; ++i) StoreFromFloat(out, dtype, i, in[i]);
+      return;
   }
 }
 
@@ -130,6 +134,10 @@ void TensorView::ToFloat(float* out) const {
         std::memcpy(&h, bytes + 2 * i, 2);
         out[i] = Bf16ToFloat(h);
       }
+      return;
+    case DType::kF8E4M3:
+    case DType::kF8E5M2:
+      for (int64_t i = 0; i < n; ++i) out[i] = LoadAsFloat(bytes, dtype, i);
       return;
   }
 }

@@ -258,32 +258,55 @@ class OpCase {
 
 std::string Str(int v) { return std::to_string(v); }
 
+// Case-name suffix of a dtype: "" for fp32 (the names of the fp32 cases stay as they were).
+std::string DTypeSuffix(DType dtype) {
+  return dtype == DType::kF32 ? "" : std::string("_") + DTypeFlagName(dtype);
+}
+
+// `values` encoded as `dtype` (rounded to nearest even; 8-bit floats of value / scale).
+std::vector<unsigned char> Encode(const std::vector<float>& values, DType dtype,
+                                  float scale = 1.0f) {
+  std::vector<unsigned char> bytes(values.size() * DTypeSize(dtype));
+  for (size_t i = 0; i < values.size(); ++i) {
+    StoreFromFloat(bytes.data(), dtype, static_cast<int64_t>(i), values[i] / scale);
+  }
+  return bytes;
+}
+
+// W of `w_dtype` (fp32, bf16, fp16): the reference reads the same encoded W, so the tolerance is
+// that of fp32 accumulation whatever the weight type.
 class LinearCase : public OpCase {
  public:
-  LinearCase(int m, int n, int k, bool bias, double tolerance)
-      : OpCase("Linear_m" + Str(m) + "_n" + Str(n) + "_k" + Str(k) + (bias ? "_bias" : ""),
+  LinearCase(int m, int n, int k, bool bias, double tolerance, DType w_dtype = DType::kF32)
+      : OpCase("Linear_m" + Str(m) + "_n" + Str(n) + "_k" + Str(k) + (bias ? "_bias" : "") +
+                   DTypeSuffix(w_dtype),
                tolerance),
         m_(m),
         n_(n),
         k_(k),
-        bias_(bias) {}
+        bias_(bias),
+        w_dtype_(w_dtype) {}
 
   void Check(Harness& h) const override {
     const std::vector<float> x = Random(int64_t{m_} * k_, seed());
-    const std::vector<float> w = Random(int64_t{n_} * k_, seed() + 1);
+    std::vector<float> w = Random(int64_t{n_} * k_, seed() + 1);
+    // The weights as stored, and their exact values (for the error scale below).
+    const std::vector<unsigned char> w_bytes = Encode(w, w_dtype_);
+    for (size_t i = 0; i < w.size(); ++i) w[i] = LoadAsFloat(w_bytes.data(), w_dtype_, i);
     const std::vector<float> bias = Random(n_, seed() + 2);
     const float* d_x = h.Input("x", x);
     const float* d_bias = bias_ ? h.Input("bias", bias) : nullptr;
     float* d_y = h.Output("y", int64_t{m_} * n_);
     ASSERT_TRUE(h.ok());
-    std::unique_ptr<PackedWeight> packed = h.backend().PackWeight(w.data(), n_, k_);
+    std::unique_ptr<PackedWeight> packed = h.backend().PackWeight(w_bytes.data(), w_dtype_, n_, k_);
     ASSERT_EQ(packed->n(), n_);
     ASSERT_EQ(packed->k(), k_);
+    ASSERT_EQ(packed->dtype(), w_dtype_);
     h.backend().Linear(d_x, m_, *packed, d_bias, d_y);
     if (!h.Finish()) return;
 
     std::vector<float> expected(int64_t{m_} * n_);
-    reference::Linear(x.data(), m_, w.data(), n_, k_, bias_ ? bias.data() : nullptr,
+    reference::Linear(x.data(), m_, w_bytes.data(), w_dtype_, n_, k_, bias_ ? bias.data() : nullptr,
                       expected.data());
     // Error relative to sum |x| |w| (+ |bias|), the scale of a dot product's rounding error
     // whatever cancellation leaves of the result; an element from the wrong row or column is off
@@ -293,8 +316,8 @@ class LinearCase : public OpCase {
     for (size_t i = 0; i < w.size(); ++i) abs_w[i] = std::abs(w[i]);
     for (size_t i = 0; i < bias.size(); ++i) abs_bias[i] = std::abs(bias[i]);
     std::vector<float> scale(expected.size());
-    reference::Linear(abs_x.data(), m_, abs_w.data(), n_, k_, bias_ ? abs_bias.data() : nullptr,
-                      scale.data());
+    reference::Linear(abs_x.data(), m_, abs_w.data(), DType::kF32, n_, k_,
+                      bias_ ? abs_bias.data() : nullptr, scale.data());
     std::vector<double> denominator(scale.begin(), scale.end());
     for (double& d : denominator) d += 1e-30;
     ExpectMatches("y", h.Result(d_y), expected, denominator, tolerance());
@@ -303,6 +326,7 @@ class LinearCase : public OpCase {
  private:
   int m_, n_, k_;
   bool bias_;
+  DType w_dtype_;
 };
 
 class RmsNormCase : public OpCase {
@@ -428,47 +452,59 @@ class SiluMulCase : public OpCase {
   int rows_, inter_;
 };
 
+// A table of fp32, bf16 or fp16: rows widened exactly.
 class EmbeddingCase : public OpCase {
  public:
-  EmbeddingCase(int vocab, int dim, int tokens)
-      : OpCase("Embedding_vocab" + Str(vocab) + "_dim" + Str(dim) + "_tokens" + Str(tokens), 0.0),
+  EmbeddingCase(int vocab, int dim, int tokens, DType dtype = DType::kF32)
+      : OpCase("Embedding_vocab" + Str(vocab) + "_dim" + Str(dim) + "_tokens" + Str(tokens) +
+                   DTypeSuffix(dtype),
+               0.0),
         vocab_(vocab),
         dim_(dim),
-        tokens_(tokens) {}
+        tokens_(tokens),
+        dtype_(dtype) {}
 
   void Check(Harness& h) const override {
-    const std::vector<float> table = Random(int64_t{vocab_} * dim_, seed());
+    const std::vector<unsigned char> table = Encode(Random(int64_t{vocab_} * dim_, seed()), dtype_);
     // The last row of the table first, then ids spread over it with repeats.
     std::vector<int32_t> ids(tokens_);
     for (int t = 0; t < tokens_; ++t) ids[t] = t == 0 ? vocab_ - 1 : (t * 31 + 5) % vocab_;
-    const float* d_table = h.Input("table", table);
+    const unsigned char* d_table = h.Input("table", table);
     const int32_t* d_ids = h.Input("ids", ids);
     float* d_out = h.Output("out", int64_t{tokens_} * dim_);
     ASSERT_TRUE(h.ok());
-    h.backend().Embedding(d_table, d_ids, tokens_, dim_, d_out);
+    h.backend().Embedding(d_table, dtype_, d_ids, tokens_, dim_, d_out);
     if (!h.Finish()) return;
     std::vector<float> expected(int64_t{tokens_} * dim_);
-    reference::Embedding(table.data(), ids.data(), tokens_, dim_, expected.data());
+    reference::Embedding(table.data(), dtype_, ids.data(), tokens_, dim_, expected.data());
     ExpectMatches("out", h.Result(d_out), expected, {}, 0.0);
   }
 
  private:
   int vocab_, dim_, tokens_;
+  DType dtype_;
 };
 
 // Tokens [start, start + tokens) of one sequence whose blocks are scattered over the cache, as
 // a prefill chunk or a decode step writes them; with `padding`, every fifth token is padding
 // (slot -1).
+// The cache of any KV dtype: stored bytes compared exactly (8-bit caches with a scale that is
+// not 1, values past the format's range saturating).
 class WriteKvCase : public OpCase {
  public:
-  WriteKvCase(int block_size, int kv_heads, int head_dim, int start, int tokens, bool padding)
+  WriteKvCase(int block_size, int kv_heads, int head_dim, int start, int tokens, bool padding,
+              DType dtype = DType::kF32)
       : OpCase("WriteKv_bs" + Str(block_size) + "_kv" + Str(kv_heads) + "_hd" + Str(head_dim) +
-                   "_pos" + Str(start) + "_tokens" + Str(tokens) + (padding ? "_padding" : ""),
+                   "_pos" + Str(start) + "_tokens" + Str(tokens) + (padding ? "_padding" : "") +
+                   DTypeSuffix(dtype),
                0.0),
         layout_{.num_blocks = (start + tokens + block_size - 1) / block_size + 2,
                 .block_size = block_size,
                 .num_kv_heads = kv_heads,
-                .head_dim = head_dim},
+                .head_dim = head_dim,
+                .dtype = dtype,
+                .k_scale = DTypeSize(dtype) == 1 ? 0.125f : 1.0f,
+                .v_scale = DTypeSize(dtype) == 1 ? 3.0f : 1.0f},
         start_(start),
         tokens_(tokens),
         padding_(padding) {}
@@ -485,20 +521,32 @@ class WriteKvCase : public OpCase {
                                               pos % layout_.block_size;
     }
     const int64_t row = int64_t{layout_.num_kv_heads} * layout_.head_dim;
-    const std::vector<float> k = Random(tokens_ * row, seed() + 1);
+    // K past E4M3's range once scaled by 0.125 (448 * 0.125 = 56), so saturation is checked.
+    const std::vector<float> k = Random(tokens_ * row, seed() + 1, -80.0f, 80.0f);
     const std::vector<float> v = Random(tokens_ * row, seed() + 2);
     // Random old contents: a store to the wrong slot shows wherever it lands.
-    const std::vector<float> cache = Random(layout_.LayerElements(), seed() + 3);
+    const std::vector<unsigned char> cache =
+        Encode(Random(layout_.LayerElements(), seed() + 3), layout_.dtype);
     const float* d_k = h.Input("k", k);
     const float* d_v = h.Input("v", v);
     const int32_t* d_slots = h.Input("slot_mapping", slots);
-    float* d_cache = h.InOut("layer_cache", cache);
+    unsigned char* d_cache = h.InOut("layer_cache", cache);
     ASSERT_TRUE(h.ok());
     h.backend().WriteKv(d_k, d_v, d_slots, tokens_, layout_, d_cache);
     if (!h.Finish()) return;
-    std::vector<float> expected = cache;
+    std::vector<unsigned char> expected = cache;
     reference::WriteKv(k.data(), v.data(), slots.data(), tokens_, layout_, expected.data());
-    ExpectMatches("layer_cache", h.Result<float>(d_cache), expected, {}, 0.0);
+    const std::vector<unsigned char> got = h.Result<unsigned char>(d_cache);
+    ASSERT_EQ(got.size(), expected.size());
+    const int element = DTypeSize(layout_.dtype);
+    for (size_t i = 0; i < got.size(); i += element) {
+      if (std::memcmp(&got[i], &expected[i], element) != 0) {
+        ADD_FAILURE() << "layer_cache element " << i / element << " is "
+                      << LoadAsFloat(got.data(), layout_.dtype, i / element) << ", expected "
+                      << LoadAsFloat(expected.data(), layout_.dtype, i / element);
+        return;
+      }
+    }
   }
 
  private:
@@ -516,14 +564,17 @@ struct AttentionSeq {
 // every slot no sequence owns is NaN, so reading one poisons the output.
 class PagedAttentionCase : public OpCase {
  public:
+  // A cache of `dtype`: the reference reads the same stored values, so the tolerance stays that
+  // of fp32 arithmetic.
   PagedAttentionCase(int head_dim, int kv_heads, int group, int block_size,
-                     std::vector<AttentionSeq> seqs, double tolerance)
-      : OpCase(Name(head_dim, kv_heads, group, block_size, seqs), tolerance),
+                     std::vector<AttentionSeq> seqs, double tolerance, DType dtype = DType::kF32)
+      : OpCase(Name(head_dim, kv_heads, group, block_size, seqs) + DTypeSuffix(dtype), tolerance),
         head_dim_(head_dim),
         kv_heads_(kv_heads),
         group_(group),
         block_size_(block_size),
-        seqs_(std::move(seqs)) {}
+        seqs_(std::move(seqs)),
+        dtype_(dtype) {}
 
   std::string Unsupported(const ConformanceBackend& info) const override {
     const std::vector<int>& dims = info.attention_head_dims;
@@ -539,10 +590,14 @@ class PagedAttentionCase : public OpCase {
       total_blocks += blocks;
       max_blocks = std::max(max_blocks, blocks);
     }
+    const bool fp8 = DTypeSize(dtype_) == 1;
     const KvLayout layout{.num_blocks = total_blocks + 3,
                           .block_size = block_size_,
                           .num_kv_heads = kv_heads_,
-                          .head_dim = head_dim_};
+                          .head_dim = head_dim_,
+                          .dtype = dtype_,
+                          .k_scale = fp8 ? 1.0f / 256 : 1.0f,
+                          .v_scale = fp8 ? 4.0f : 1.0f};
     std::vector<int32_t> physical(layout.num_blocks);
     std::iota(physical.begin(), physical.end(), 0);
     std::shuffle(physical.begin(), physical.end(), std::mt19937(seed()));
@@ -579,13 +634,21 @@ class PagedAttentionCase : public OpCase {
                                     .max_blocks_per_seq = max_blocks};
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
     const float* d_q = h.Input("q", q);
-    const float* d_cache = h.Input("layer_cache", cache);
+    // Stored as dtype_ (NaN stays NaN); for fp8, K stored 256 times larger (scale 1/256, up
+    // to E4M3's range), V 4 times smaller (scale 4, into its subnormals).
+    std::vector<unsigned char> stored(layout.LayerBytes());
+    for (int64_t i = 0; i < layout.LayerElements(); ++i) {
+      const bool is_k = i < layout.HalfElements();
+      const float cache_scale = fp8 ? (is_k ? layout.k_scale : layout.v_scale) : 1.0f;
+      StoreFromFloat(stored.data(), dtype_, i, cache[i] / cache_scale);
+    }
+    const unsigned char* d_cache = h.Input("layer_cache", stored);
     float* d_out = h.Output("out", q.size());
     ASSERT_TRUE(h.ok());
     h.backend().PagedAttention(d_q, d_cache, layout, batch, num_heads, scale, d_out);
     if (!h.Finish()) return;
     std::vector<float> expected(q.size());
-    reference::PagedAttention(q.data(), cache.data(), layout, batch, num_heads, scale,
+    reference::PagedAttention(q.data(), stored.data(), layout, batch, num_heads, scale,
                               expected.data());
     ExpectClose("out", h.Result(d_out), expected, tolerance(), 0.05);
   }
@@ -604,6 +667,7 @@ class PagedAttentionCase : public OpCase {
 
   int head_dim_, kv_heads_, group_, block_size_;
   std::vector<AttentionSeq> seqs_;
+  DType dtype_;
 };
 
 class GatherAddCase : public OpCase {
@@ -705,6 +769,20 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
        }) {
     add(LinearCase(m, n, k, bias, kLinearTolerance));
   }
+  // bf16 and fp16 weights, widened in registers: decode rows, a prefill tile, panel and k-block
+  // remainders.
+  for (DType w_dtype : {DType::kBF16, DType::kF16}) {
+    for (auto [m, n, k, bias] : std::vector<std::tuple<int, int, int, bool>>{
+             {1, 1, 1, false},
+             {1, 45, 300, true},
+             {7, 257, 517, true},
+             {130, 129, 300, true},
+             {1, 50, 5000, false},
+             {1, 1024, 256, false},
+         }) {
+      add(LinearCase(m, n, k, bias, kLinearTolerance, w_dtype));
+    }
+  }
 
   // RmsNorm and AddRmsNorm: dims below, at and past vector widths and block sizes.
   for (int dim : {1, 7, 64, 100, 2048, 4099}) {
@@ -730,6 +808,8 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
   add(EmbeddingCase(97, 1, 1));
   add(EmbeddingCase(97, 4096, 3));
   add(EmbeddingCase(1000, 129, 130));
+  add(EmbeddingCase(50, 37, 70, DType::kBF16));
+  add(EmbeddingCase(97, 4096, 3, DType::kF16));
 
   // WriteKv: page sizes 8/16/32, a decode token, chunks crossing block boundaries, padding.
   for (int block_size : {8, 16, 32}) {
@@ -737,6 +817,10 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
     add(WriteKvCase(block_size, 1, 128, 37, 1, false));
     add(WriteKvCase(block_size, 3, 20, 5, 70, true));
     add(WriteKvCase(block_size, 8, 128, block_size - 1, 2 * block_size + 3, false));
+  }
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF8E4M3, DType::kF8E5M2}) {
+    add(WriteKvCase(16, 2, 64, 0, 1, false, dtype));
+    add(WriteKvCase(8, 3, 20, 5, 70, true, dtype));
   }
 
   // PagedAttention: decode batches (q_len 1) and prefill batches (whole prompts, and chunks
@@ -771,6 +855,14 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
                                kAttentionTolerance));
       }
     }
+  }
+  // 16- and 8-bit caches: decode and prefill, a page size past the CPU backend's 32-key widening
+  // chunk, a head_dim that is not a vector multiple.
+  for (DType dtype : {DType::kBF16, DType::kF16, DType::kF8E4M3, DType::kF8E5M2}) {
+    add(PagedAttentionCase(128, 2, 4, 16, decode_batches[2], kAttentionTolerance, dtype));
+    add(PagedAttentionCase(64, 1, 4, 64, decode_batches[3], kAttentionTolerance, dtype));
+    add(PagedAttentionCase(128, 2, 2, 16, prefill_batches[1], kAttentionTolerance, dtype));
+    add(PagedAttentionCase(80, 1, 3, 8, prefill_batches[2], kAttentionTolerance, dtype));
   }
 
   add(GatherAddCase(40, 33, 5));
@@ -852,8 +944,8 @@ class FaultyBackend : public Backend {
     inner_->CopyRows(dst, dst_stride, src, src_stride, row_bytes, rows);
   }
   absl::Status Synchronize() override { return absl::OkStatus(); }
-  std::unique_ptr<PackedWeight> PackWeight(const float* w, int n, int k) override {
-    return inner_->PackWeight(w, n, k);
+  std::unique_ptr<PackedWeight> PackWeight(const void* w, DType dtype, int n, int k) override {
+    return inner_->PackWeight(w, dtype, n, k);
   }
   void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
     inner_->Linear(x, m, w, bias, y);
@@ -888,14 +980,15 @@ class FaultyBackend : public Backend {
   void SiluMul(const float* gate_up, int rows, int inter, float* out) override {
     inner_->SiluMul(gate_up, rows, inter, out);
   }
-  void Embedding(const float* table, const int32_t* ids, int tokens, int dim, float* out) override {
-    inner_->Embedding(table, ids, tokens, dim, out);
+  void Embedding(const void* table, DType table_dtype, const int32_t* ids, int tokens, int dim,
+                 float* out) override {
+    inner_->Embedding(table, table_dtype, ids, tokens, dim, out);
   }
   void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
-               const KvLayout& layout, float* layer_cache) override {
+               const KvLayout& layout, void* layer_cache) override {
     inner_->WriteKv(k, v, slot_mapping, tokens, layout, layer_cache);
   }
-  void PagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
+  void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                       const PagedAttentionBatch& batch, int num_heads, float scale,
                       float* out) override {
     inner_->PagedAttention(q, layer_cache, layout, batch, num_heads, scale, out);

@@ -290,7 +290,8 @@ absl::Status PrefillWorkerImpl::Start() {
   TANDEM_ASSIGN_OR_RETURN(engine_, engine::LlmEngine::Create(engine_options));
   cache_layout_ = engine_->cache_layout();
   num_layers_ = cache_layout_.num_layers;
-  layout_ = proto::EngineKvLayout(engine_->config(), engine_->kv_layout().block_size);
+  layout_ = proto::EngineKvLayout(engine_->config(), engine_->kv_layout().block_size,
+                                  engine_->kv_layout().dtype);
 
   kvtransfer::AgentOptions agent_options;
   agent_options.backend = options_.kv_backend;

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -56,10 +57,12 @@ std::string SmallQwen3() { return testing::TinyModel("qwen3", DType::kBF16, "sma
 // continued with AddPrefilled. Thread-safe.
 class DecodeSide {
  public:
-  DecodeSide(const std::string& backend, const std::string& model, int64_t kv_bytes)
+  DecodeSide(const std::string& backend, const std::string& model, int64_t kv_bytes,
+             std::optional<DType> kv_cache_dtype = std::nullopt)
       : backend_(backend) {
-    auto engine =
-        engine::LlmEngine::Create(EngineOptionsFor(model, kv_bytes, engine::EngineRole::kDecode));
+    engine::EngineOptions options = EngineOptionsFor(model, kv_bytes, engine::EngineRole::kDecode);
+    options.kv_cache_dtype = kv_cache_dtype;
+    auto engine = engine::LlmEngine::Create(options);
     EXPECT_TRUE(engine.ok()) << engine.status();
     engine_ = std::move(engine).value();
     auto agent = kvtransfer::Agent::Create({.backend = backend, .name = "decode"});
@@ -90,7 +93,8 @@ class DecodeSide {
     endpoint->add_region_descriptors(descriptor_);
     endpoint->set_num_blocks(engine_->kv_layout().num_blocks);
     *endpoint->mutable_layout() =
-        proto::EngineKvLayout(engine_->config(), engine_->kv_layout().block_size);
+        proto::EngineKvLayout(engine_->config(), engine_->kv_layout().block_size,
+                                  engine_->kv_layout().dtype);
     reservation.set_expires_unix_ms(absl::ToUnixMillis(absl::Now() + absl::Seconds(120)));
     return reservation;
   }
@@ -424,11 +428,12 @@ TEST_P(PrefillWorkerTest, BadReservationsAreRefusedAndLeakNothing) {
   {  // Another dtype and block size: both named.
     tandem::v1::SubmitRequest submit = MakeSubmit(request, good);
     auto* layout = submit.mutable_reservation()->mutable_endpoint()->mutable_layout();
-    layout->set_dtype(tandem::v1::KV_DTYPE_BF16);
+    layout->set_dtype(tandem::v1::KV_DTYPE_F32);
     layout->set_block_size(32);
     SubmitResult result = CallSubmit(*stub, submit);
     EXPECT_EQ(result.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
-    EXPECT_THAT(result.status.error_message(), HasSubstr("dtype F32 vs BF16"));
+    // The checkpoint is bf16, so is the worker's cache (--kv-cache-dtype auto).
+    EXPECT_THAT(result.status.error_message(), HasSubstr("dtype BF16 vs F32"));
     EXPECT_THAT(result.status.error_message(), HasSubstr("block_size 16 vs 32"));
   }
   {  // No layout at all.
@@ -524,6 +529,27 @@ TEST_P(PrefillWorkerTest, BadReservationsAreRefusedAndLeakNothing) {
   EXPECT_EQ(result.response.choices_size(), 2);
   EXPECT_EQ(result.response.kv_transfer_bytes(), 2 * PromptKvBytes(decode.engine(), 100));
   decode.Release("bad");
+  EXPECT_EQ(decode.blocks_used(), 0);
+  ExpectDrained(*stub);
+}
+
+// A decode worker whose KV cache holds another element type (--kv-cache-dtype fp8_e4m3 against
+// the prefill worker's default, the bf16 checkpoint's type): the push would corrupt it, so the
+// submit is refused, naming both.
+TEST_P(PrefillWorkerTest, ADecodeWorkerWithAnotherKvCacheDtypeIsRefused) {
+  const std::string backend = GetParam();
+  auto worker = MakeWorker(backend, TinyQwen3(), kTinyKvBytes);
+  ASSERT_NE(worker, nullptr);
+  DecodeSide decode(backend, TinyQwen3(), kTinyKvBytes, DType::kF8E4M3);
+  auto stub = Connect(*worker);
+  engine::GenerateRequest request{"fp8", RandomPrompt(40, 200, 3), {}};
+  request.params.temperature = 0;
+  const tandem::v1::KvReservation reservation = decode.Reserve("fp8", 40, 1);
+  EXPECT_EQ(reservation.endpoint().layout().dtype(), tandem::v1::KV_DTYPE_FP8_E4M3);
+  SubmitResult result = CallSubmit(*stub, MakeSubmit(request, reservation));
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_THAT(result.status.error_message(), HasSubstr("dtype BF16 vs FP8_E4M3"));
+  decode.Release("fp8");
   EXPECT_EQ(decode.blocks_used(), 0);
   ExpectDrained(*stub);
 }

@@ -36,6 +36,8 @@ std::string KvDtypeName(KvDtype dtype) {
       return "BF16";
     case tandem::v1::KV_DTYPE_FP8_E4M3:
       return "FP8_E4M3";
+    case tandem::v1::KV_DTYPE_FP8_E5M2:
+      return "FP8_E5M2";
     default:
       // proto3 enums are open: a newer peer may send a value this build has no name for.
       return absl::StrCat("KvDtype(", static_cast<int>(dtype), ")");

@@ -51,9 +51,26 @@ engine::SamplingParams FromProto(const tandem::v1::SamplingParams& params) {
   return out;
 }
 
-tandem::v1::KvLayout EngineKvLayout(const text::ModelConfig& config, int block_size) {
+tandem::v1::KvDtype ToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return tandem::v1::KV_DTYPE_F32;
+    case DType::kF16:
+      return tandem::v1::KV_DTYPE_F16;
+    case DType::kBF16:
+      return tandem::v1::KV_DTYPE_BF16;
+    case DType::kF8E4M3:
+      return tandem::v1::KV_DTYPE_FP8_E4M3;
+    case DType::kF8E5M2:
+      return tandem::v1::KV_DTYPE_FP8_E5M2;
+  }
+  return tandem::v1::KV_DTYPE_UNSPECIFIED;
+}
+
+tandem::v1::KvLayout EngineKvLayout(const text::ModelConfig& config, int block_size,
+                                    DType kv_dtype) {
   tandem::v1::KvLayout out;
-  out.set_dtype(tandem::v1::KV_DTYPE_F32);
+  out.set_dtype(ToProto(kv_dtype));
   out.set_block_size(block_size);
   out.set_num_layers(config.num_layers);
   out.set_num_kv_heads(config.num_kv_heads);

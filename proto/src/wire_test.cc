@@ -2,10 +2,12 @@
 
 #include <cstdint>
 #include <limits>
+#include <set>
 #include <string>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tandem/proto/kv_layout_check.h"
 
 namespace tandem::proto {
 namespace {
@@ -185,6 +187,27 @@ TEST(PrefilledChoiceConvertTest, RoundTripKeepsTheRandomStreamBitForBit) {
   back = FromProto(wire);
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(back->rng_state, (std::array<uint64_t, 4>{0, 0, 0, 0}));
+}
+
+// Every KV element type has its own name in the handshake, and two engines whose caches differ
+// only in element type are refused with both named.
+TEST(KvLayoutConvertTest, TheCacheDtypeCrossesTheHandshake) {
+  text::ModelConfig config;
+  config.num_layers = 4;
+  config.num_kv_heads = 2;
+  config.head_dim = 64;
+  std::set<int> names;
+  for (DType d : {DType::kF32, DType::kF16, DType::kBF16, DType::kF8E4M3, DType::kF8E5M2}) {
+    const tandem::v1::KvLayout wire = EngineKvLayout(config, 16, d);
+    EXPECT_TRUE(ValidateLayout(wire).ok()) << DTypeName(d);
+    names.insert(wire.dtype());
+  }
+  EXPECT_EQ(names.size(), 5u);
+  const tandem::v1::KvLayout prefill = EngineKvLayout(config, 16, DType::kBF16);
+  const absl::Status status =
+      CheckLayoutCompatible(prefill, EngineKvLayout(config, 16, DType::kF8E5M2));
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(status.message(), HasSubstr("dtype BF16 vs FP8_E5M2"));
 }
 
 }  // namespace

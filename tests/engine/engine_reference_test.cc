@@ -8,6 +8,7 @@
 #include "absl/strings/str_join.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
+#include "reference_forward.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/engine/model_runner.h"
 #include "test_models.h"
@@ -15,23 +16,8 @@
 namespace tandem::engine {
 namespace {
 
-struct Reference {
-  std::vector<std::vector<double>> logits;  // [prompt position][vocab]
-  std::vector<int32_t> greedy_tokens;
-};
-
-Reference RunReference(const std::string& model, const std::vector<int32_t>& tokens, int steps) {
-  std::string out = absl::StrCat(model, "/reference-", steps, ".json");
-  std::string cmd =
-      absl::StrCat(TANDEM_PYTHON, " ", std::getenv("TANDEM_SOURCE_DIR"),
-                   "/tests/reference/reference_forward.py --model ", model, " --tokens ",
-                   absl::StrJoin(tokens, ","), " --greedy-steps ", steps, " --out ", out);
-  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
-  std::ifstream in(out);
-  nlohmann::json j = nlohmann::json::parse(in);
-  return {j.at("logits").get<std::vector<std::vector<double>>>(),
-          j.at("greedy_tokens").get<std::vector<int32_t>>()};
-}
+using testing::Reference;
+using testing::RunReference;
 
 // max |a - b| / max |b|
 double RelativeError(std::span<const float> a, const std::vector<double>& b) {

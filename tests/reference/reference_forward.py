@@ -6,7 +6,7 @@ parses config.json and the safetensors files (single or sharded) itself and foll
 transformers implementations of LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
 Qwen3ForCausalLM.
 
-  reference_forward.py --model DIR --tokens 1,2,3 [--greedy-steps N] --out FILE.json
+  reference_forward.py --model DIR --tokens 1,2,3 [--greedy-steps N] [--kv-dtype TYPE] --out FILE.json
 
 writes {"logits": [[vocab floats] per prompt position], "greedy_tokens": [N ids]}, where the
 greedy tokens continue the prompt by argmax (recomputing the whole sequence each step). An
@@ -156,12 +156,51 @@ def rotate_half(x):
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
 
 
+def fp8_values(exp_bits, mant_bits, has_inf):
+    """The finite non-negative values of an OCP 8-bit float, indexed by their bit patterns."""
+    bias = (1 << (exp_bits - 1)) - 1
+    values = []
+    for code in range(1 << (exp_bits + mant_bits)):
+        e, m = code >> mant_bits, code & ((1 << mant_bits) - 1)
+        if e == (1 << exp_bits) - 1 and (has_inf or m == (1 << mant_bits) - 1):
+            break  # infinities and NaNs (E4M3fn: only S.1111.111)
+        if e == 0:
+            values.append(m * 2.0 ** (1 - bias - mant_bits))
+        else:
+            values.append((1 + m / 2.0**mant_bits) * 2.0 ** (e - bias))
+    return np.array(values)
+
+
+FP8_VALUES = {"fp8_e4m3": fp8_values(4, 3, False), "fp8_e5m2": fp8_values(5, 2, True)}
+
+
+def round_to(x, dtype):
+    """x rounded to nearest even in `dtype` (8-bit floats saturate), returned as float64."""
+    if dtype == "float32":
+        return x.astype(np.float32).astype(np.float64)
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float64)
+    if dtype == "bfloat16":
+        bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+        return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    values = FP8_VALUES[dtype]
+    a = np.minimum(np.abs(x), values[-1])
+    hi = np.clip(np.searchsorted(values, a), 1, len(values) - 1)
+    lo = hi - 1
+    d_lo, d_hi = a - values[lo], values[hi] - a
+    # Nearer value; on a tie the even bit pattern (the codes are the indices).
+    pick = np.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
+    return np.sign(x) * values[pick]
+
+
 def silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def forward(cfg, w, tokens):
-    """Logits [len(tokens), vocab] for a causal pass over `tokens`."""
+def forward(cfg, w, tokens, kv_dtype="float64"):
+    """Logits [len(tokens), vocab] for a causal pass over `tokens`; K (after RoPE) and V are
+    rounded to `kv_dtype` as a KV cache of that type stores them ("float64": kept)."""
     t = len(tokens)
     x = w["model.embed_tokens.weight"][np.asarray(tokens)]  # [t, hidden]
     positions = np.arange(t, dtype=np.float64)
@@ -188,6 +227,8 @@ def forward(cfg, w, tokens):
             k = rms_norm(k, w[p + "self_attn.k_norm.weight"], cfg.eps)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if kv_dtype != "float64":
+            k, v = round_to(k, kv_dtype), round_to(v, kv_dtype)
         k = np.repeat(k, group, axis=1)  # query head j reads kv head j // group
         v = np.repeat(v, group, axis=1)
         scores = np.einsum("qhd,khd->hqk", q, k) / math.sqrt(cfg.head_dim) + mask
@@ -214,6 +255,12 @@ def main():
     parser.add_argument("--tokens", required=True, help="comma-separated prompt token ids")
     parser.add_argument("--greedy-steps", type=int, default=0, help="tokens to decode by argmax")
     parser.add_argument("--out", help="FILE.json (logits and greedy tokens) or FILE.npy (logits)")
+    parser.add_argument(
+        "--kv-dtype",
+        default="float64",
+        choices=["float64", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"],
+        help="round K and V as a KV cache of this type stores them (scale 1; default: keep)",
+    )
     args = parser.parse_args()
 
     try:
@@ -229,11 +276,11 @@ def main():
         fail(f"token ids must be in [0, {cfg.vocab_size})")
     weights = read_weights(args.model)
 
-    logits = forward(cfg, weights, tokens)
+    logits = forward(cfg, weights, tokens, args.kv_dtype)
     sequence = list(tokens)
     greedy = []
     for step in range(args.greedy_steps):
-        step_logits = logits if step == 0 else forward(cfg, weights, sequence)
+        step_logits = logits if step == 0 else forward(cfg, weights, sequence, args.kv_dtype)
         token = int(np.argmax(step_logits[-1]))
         greedy.append(token)
         sequence.append(token)

@@ -147,17 +147,7 @@ double ShortestDecimal(float x) {
   return std::strtod(std::string(buf, result.ptr).c_str(), nullptr);
 }
 
-const char* TorchDtypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kF32:
-      return "float32";
-    case DType::kF16:
-      return "float16";
-    case DType::kBF16:
-      return "bfloat16";
-  }
-  return "bfloat16";
-}
+const char* TorchDtypeName(DType dtype) { return DTypeFlagName(dtype); }
 
 }  // namespace
 

@@ -1,6 +1,7 @@
 // `tandem synth-model`: writes a synthetic Hugging Face checkpoint (see synth_model.h).
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -14,20 +15,21 @@ namespace tandem::tools {
 namespace {
 
 absl::StatusOr<DType> ParseDType(const std::string& name) {
-  if (name == "bf16") return DType::kBF16;
-  if (name == "f16") return DType::kF16;
-  if (name == "f32") return DType::kF32;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--dtype must be bf16, f16 or f32, got '", name, "'"));
+  const std::optional<DType> dtype = ParseDTypeFlag(name);
+  if (!dtype.has_value() || DTypeSize(*dtype) == 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--dtype must be bfloat16, float16 or float32 (or bf16, f16, f32), got '", name, "'"));
+  }
+  return *dtype;
 }
 
 absl::Status Run(int argc, char** argv) {
   Args args("synth-model");
   args.Declare("out", "DIR", "output directory (created if missing)");
-  args.Declare("preset", "NAME", "tiny | small | llama3-8b (default tiny)");
+  args.Declare("preset", "NAME", "tiny | small | medium | llama3-8b (default tiny)");
   args.Declare("arch", "NAME", "llama | mistral | qwen2 | qwen3 (default llama)");
   args.Declare("seed", "N", "weight seed (default 0)");
-  args.Declare("dtype", "TYPE", "bf16 | f16 | f32 (default bf16)");
+  args.Declare("dtype", "TYPE", "bfloat16 | float16 | float32 (default bfloat16)");
   args.Declare("tokenizer", "FILE", "tokenizer.json to copy (default: train a small BPE)");
   args.Declare("max-shard-bytes", "N", "shard the weights into files of at most N bytes");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));

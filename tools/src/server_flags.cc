@@ -2,11 +2,14 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <initializer_list>
 #include <optional>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -26,6 +29,21 @@ std::string DefaultModelDir() {
                    : home != nullptr              ? fs::path(home) / ".cache"
                                                   : fs::temp_directory_path();
   return (cache / "tandem" / "models" / "small-llama").string();
+}
+
+// --dtype / --kv-cache-dtype: nullopt for "auto", else one of `allowed`.
+absl::StatusOr<std::optional<DType>> DTypeFlag(const Args& args, const std::string& name,
+                                               std::initializer_list<DType> allowed) {
+  const std::string value = args.GetOr(name, "auto");
+  if (value == "auto") return std::nullopt;
+  const std::optional<DType> dtype = ParseDTypeFlag(value);
+  std::string names = "auto";
+  for (DType d : allowed) absl::StrAppend(&names, "|", DTypeFlagName(d));
+  if (!dtype.has_value() || std::find(allowed.begin(), allowed.end(), *dtype) == allowed.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(args.command(), ": --", name, " must be ", names, ", got '", value, "'"));
+  }
+  return dtype;
 }
 
 }  // namespace
@@ -48,6 +66,14 @@ void DeclareEngineFlags(Args& args) {
   args.Declare("max-num-batched-tokens", "N",
                "tokens per engine step, also the prefill chunk (default 512)");
   args.Declare("kv-cache-bytes", "N", "KV cache budget in bytes, per engine (default 512 MiB)");
+  args.Declare("dtype", "TYPE",
+               "auto | bfloat16 | float16 | float32: the type weights are held in (auto, the "
+               "default: config.json's torch_dtype); activations and sums stay fp32");
+  args.Declare("kv-cache-dtype", "TYPE",
+               "auto | bfloat16 | float16 | float32 | fp8_e4m3 | fp8_e5m2: the KV cache's "
+               "element type (auto, the default: the weight type); fp8 with per-layer scales "
+               "(self_attn.k_scale / v_scale in the checkpoint, else 1). Prefill and decode "
+               "workers must agree");
   args.Declare("max-model-len", "N", "context length (default: the model's)");
   args.Declare("threads", "N", "engine CPU threads (default: all cores)");
   DeclareDeviceFlag(args);
@@ -73,6 +99,11 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
   TANDEM_ASSIGN_OR_RETURN(int64_t threads, IntFlag(args, "threads", 0, 0, 1024));
   options.num_threads = static_cast<int>(threads);
   TANDEM_ASSIGN_OR_RETURN(options.device, DeviceFlag(args));
+  TANDEM_ASSIGN_OR_RETURN(options.dtype,
+                          DTypeFlag(args, "dtype", {DType::kBF16, DType::kF16, DType::kF32}));
+  TANDEM_ASSIGN_OR_RETURN(options.kv_cache_dtype, DTypeFlag(args, "kv-cache-dtype",
+                                                            {DType::kBF16, DType::kF16, DType::kF32,
+                                                             DType::kF8E4M3, DType::kF8E5M2}));
   if (args.Has("step-trace")) {
     absl::StatusOr<std::shared_ptr<engine::StepTrace>> trace =
         engine::StepTrace::Open(*args.Get("step-trace"));

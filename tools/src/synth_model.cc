@@ -56,6 +56,9 @@ constexpr Preset kPresets[] = {
     // Non-power-of-two intermediate sizes catch kernels that assume tile multiples.
     {"tiny", 64, 2, 4, 2, 160, 2048, 512, 0},
     {"small", 512, 8, 8, 4, 1536, 4096, 4096, 0},
+    // Larger than any last-level cache (1.5 GB of bf16 weights): decode benchmarks that must
+    // stream weights from memory.
+    {"medium", 2048, 16, 16, 8, 5632, 4096, 4096, 0},
     {"llama3-8b", 4096, 32, 32, 8, 14336, 131072, 4096, 128256},
 };
 
@@ -316,7 +319,7 @@ const Preset* FindPreset(const std::string& name) {
 
 absl::Status UnknownPreset(const std::string& name) {
   return absl::InvalidArgumentError(
-      absl::StrCat("unknown preset '", name, "' (choose tiny, small or llama3-8b)"));
+      absl::StrCat("unknown preset '", name, "' (choose tiny, small, medium or llama3-8b)"));
 }
 
 }  // namespace

@@ -27,14 +27,21 @@ namespace {
 using cpu::CpuKernelTable;
 using cpu::ThreadPool;
 
-// Cache-line aligned float storage.
+// Cache-line aligned storage.
 struct AlignedFree {
-  void operator()(float* p) const { ::operator delete[](p, std::align_val_t{64}); }
+  void operator()(void* p) const { ::operator delete (p, std::align_val_t{64}); }
 };
 using AlignedFloats = std::unique_ptr<float[], AlignedFree>;
+using AlignedBytes = std::unique_ptr<unsigned char[], AlignedFree>;
 
 AlignedFloats AllocateFloats(int64_t count) {
-  return AlignedFloats(new (std::align_val_t{64}) float[std::max<int64_t>(count, 1)]);
+  return AlignedFloats(static_cast<float*>(
+      ::operator new (sizeof(float) * std::max<int64_t>(count, 1), std::align_val_t{64})));
+}
+
+AlignedBytes AllocateAlignedBytes(int64_t count) {
+  return AlignedBytes(static_cast<unsigned char*>(
+      ::operator new (std::max<int64_t>(count, 1), std::align_val_t{64})));
 }
 
 // Work below this many floating-point operations runs on the calling thread: waking the pool
@@ -47,17 +54,33 @@ constexpr int kAttentionTileVectors = 32;
 
 class CpuPackedWeight final : public PackedWeight {
  public:
-  CpuPackedWeight(int n, int k, const CpuKernelTable* table, AlignedFloats data)
-      : PackedWeight(n, k), table_(table), data_(std::move(data)) {}
+  CpuPackedWeight(int n, int k, DType dtype, const CpuKernelTable* table, AlignedBytes data)
+      : PackedWeight(n, k, dtype), table_(table), data_(std::move(data)) {}
 
   const CpuKernelTable* table() const { return table_; }
-  // [ceil(n / panel_width), k, panel_width], zero past n.
-  const float* data() const { return data_.get(); }
+  // [ceil(n / panel_width), k, panel_width] elements of dtype(), zero past n.
+  const void* data() const { return data_.get(); }
 
  private:
   const CpuKernelTable* table_;  // static storage
-  AlignedFloats data_;
+  AlignedBytes data_;
 };
+
+// Copies W[n, k] of T into panels [ceil(n / width)][k][width], zero past n.
+template <typename T>
+void PackPanels(const T* w, int n, int k, int width, ThreadPool& pool, T* out) {
+  const int64_t panels = (n + width - 1) / width;
+  pool.ParallelFor(panels, 1, [&](int64_t begin, int64_t end, int) {
+    for (int64_t p = begin; p < end; ++p) {
+      T* panel = out + p * k * width;
+      for (int c = 0; c < width; ++c) {
+        const int64_t row = p * width + c;
+        // Reads W row by row; each write stays inside this panel, which fits in L2.
+        for (int64_t kk = 0; kk < k; ++kk) panel[kk * width + c] = row < n ? w[row * k + kk] : T{0};
+      }
+    }
+  });
+}
 
 class CpuBackend final : public Backend {
  public:
@@ -91,23 +114,21 @@ class CpuBackend final : public Backend {
 
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
-  std::unique_ptr<PackedWeight> PackWeight(const float* w, int n, int k) override {
+  std::unique_ptr<PackedWeight> PackWeight(const void* w, DType dtype, int n, int k) override {
     TANDEM_CHECK(n > 0 && k >= 0) << "PackWeight of a " << n << " x " << k << " matrix";
+    TANDEM_CHECK(dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16)
+        << "PackWeight of " << DTypeName(dtype) << " weights";
     const int width = table_->panel_width;
     const int64_t panels = (n + width - 1) / width;
-    AlignedFloats packed = AllocateFloats(panels * k * width);
-    float* out = packed.get();
-    pool_->ParallelFor(panels, 1, [&](int64_t begin, int64_t end, int) {
-      for (int64_t p = begin; p < end; ++p) {
-        float* panel = out + p * k * width;
-        for (int c = 0; c < width; ++c) {
-          const int64_t row = p * width + c;
-          // Reads W row by row; each write stays inside this panel, which fits in L2.
-          for (int64_t kk = 0; kk < k; ++kk) panel[kk * width + c] = row < n ? w[row * k + kk] : 0;
-        }
-      }
-    });
-    return std::make_unique<CpuPackedWeight>(n, k, table_, std::move(packed));
+    AlignedBytes packed = AllocateAlignedBytes(panels * k * width * DTypeSize(dtype));
+    if (dtype == DType::kF32) {
+      PackPanels(static_cast<const float*>(w), n, k, width, *pool_,
+                 reinterpret_cast<float*>(packed.get()));
+    } else {
+      PackPanels(static_cast<const uint16_t*>(w), n, k, width, *pool_,
+                 reinterpret_cast<uint16_t*>(packed.get()));
+    }
+    return std::make_unique<CpuPackedWeight>(n, k, dtype, table_, std::move(packed));
   }
 
   void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
@@ -120,8 +141,14 @@ class CpuBackend final : public Backend {
       for (int64_t i = 0; i < int64_t{m} * n; ++i) y[i] = bias != nullptr ? bias[i % n] : 0.0f;
       return;
     }
-    const cpu::GemmArgs args{
-        .x = x, .w = packed.data(), .bias = bias, .y = y, .m = m, .n = n, .k = k};
+    const cpu::GemmArgs args{.x = x,
+                             .w = packed.data(),
+                             .w_dtype = packed.dtype(),
+                             .bias = bias,
+                             .y = y,
+                             .m = m,
+                             .n = n,
+                             .k = k};
     const int64_t panels = (n + table_->panel_width - 1) / table_->panel_width;
     const int64_t flops_per_panel = int64_t{2} * m * k * table_->panel_width;
     // Few rows: W streaming dominates; small chunks balance the threads. Many rows: each chunk
@@ -167,29 +194,51 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void Embedding(const float* table, const int32_t* ids, int tokens, int dim, float* out) override {
+  void Embedding(const void* table, DType table_dtype, const int32_t* ids, int tokens, int dim,
+                 float* out) override {
     pool_->ParallelFor(tokens, RowGrain(dim, 1), [&](int64_t begin, int64_t end, int) {
       for (int64_t t = begin; t < end; ++t) {
-        std::memcpy(out + t * dim, table + int64_t{ids[t]} * dim, sizeof(float) * dim);
+        const int64_t first = int64_t{ids[t]} * dim;
+        if (table_dtype == DType::kF32) {
+          std::memcpy(out + t * dim, static_cast<const float*>(table) + first, sizeof(float) * dim);
+        } else {
+          for (int i = 0; i < dim; ++i)
+            out[t * dim + i] = LoadAsFloat(table, table_dtype, first + i);
+        }
       }
     });
   }
 
   void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
-               const KvLayout& layout, float* layer_cache) override {
+               const KvLayout& layout, void* layer_cache) override {
     const int64_t row = int64_t{layout.num_kv_heads} * layout.head_dim;
-    float* v_cache = layer_cache + layout.HalfElements();
-    pool_->ParallelFor(tokens, RowGrain(2 * row, 1), [&](int64_t begin, int64_t end, int) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t slot = slot_mapping[t];
-        if (slot < 0) continue;  // padding token
-        std::memcpy(layer_cache + slot * row, k + t * row, sizeof(float) * row);
-        std::memcpy(v_cache + slot * row, v + t * row, sizeof(float) * row);
-      }
-    });
+    const DType dtype = layout.dtype;
+    auto* k_cache = static_cast<unsigned char*>(layer_cache);
+    unsigned char* v_cache = k_cache + layout.HalfBytes();
+    const int64_t row_bytes = row * DTypeSize(dtype);
+    const bool fp8 = DTypeSize(dtype) == 1;
+    const float k_scale = fp8 ? layout.k_scale : 1.0f;
+    const float v_scale = fp8 ? layout.v_scale : 1.0f;
+    pool_->ParallelFor(
+        tokens, RowGrain(2 * row, dtype == DType::kF32 ? 1 : 8),
+        [&](int64_t begin, int64_t end, int) {
+          for (int64_t t = begin; t < end; ++t) {
+            const int64_t slot = slot_mapping[t];
+            if (slot < 0) continue;  // padding token
+            if (dtype == DType::kF32) {
+              std::memcpy(k_cache + slot * row_bytes, k + t * row, row_bytes);
+              std::memcpy(v_cache + slot * row_bytes, v + t * row, row_bytes);
+              continue;
+            }
+            for (int64_t i = 0; i < row; ++i) {
+              StoreFromFloat(k_cache, dtype, slot * row + i, k[t * row + i] / k_scale);
+              StoreFromFloat(v_cache, dtype, slot * row + i, v[t * row + i] / v_scale);
+            }
+          }
+        });
   }
 
-  void PagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
+  void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                       const PagedAttentionBatch& batch, int num_heads, float scale,
                       float* out) override {
     const int kv_heads = layout.num_kv_heads;
@@ -215,7 +264,7 @@ class CpuBackend final : public Backend {
           << "sequence " << s << ": " << q_len << " queries, context " << batch.context_len[s];
       items += int64_t{kv_heads} * ((q_len + rows_per_tile - 1) / rows_per_tile);
     }
-    const float* v_cache = layer_cache + layout.HalfElements();
+    const void* v_cache = static_cast<const unsigned char*>(layer_cache) + layout.HalfBytes();
     // Piece i is (sequence, tile, KV head) in that order; each chunk walks the sequences once.
     pool_->ParallelFor(items, 1, [&](int64_t begin, int64_t end, int thread) {
       int s = 0;
@@ -235,6 +284,9 @@ class CpuBackend final : public Backend {
             .q = q,
             .k_cache = layer_cache,
             .v_cache = v_cache,
+            .cache_dtype = layout.dtype,
+            .k_scale = layout.k_scale,
+            .v_scale = layout.v_scale,
             .block_table = batch.block_table + int64_t{s} * batch.max_blocks_per_seq,
             .out = out,
             .num_heads = num_heads,
@@ -302,7 +354,9 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const CpuBackendOption
                           ? options.num_threads
                           : std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<ThreadPool> pool, ThreadPool::Create(threads));
-  const int64_t scratch_floats = table->gemm_scratch_floats;
+  // Enough for GEMM, and for attention tiles of full height up to head_dim 256.
+  const int64_t scratch_floats =
+      std::max(table->gemm_scratch_floats, cpu::AttentionScratchFloats(kAttentionTileVectors, 256));
   std::vector<AlignedFloats> scratch;
   for (int t = 0; t < threads; ++t) scratch.push_back(AllocateFloats(scratch_floats));
   return std::make_unique<CpuBackend>(table, std::move(pool), std::move(scratch), scratch_floats);

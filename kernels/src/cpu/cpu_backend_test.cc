@@ -66,11 +66,11 @@ TEST_P(CpuBackendTest, LinearMatchesReference) {
     const std::vector<float> bias = Random(c.n, 3);
     const float* b = c.bias ? bias.data() : nullptr;
     std::vector<float> expected(int64_t{c.m} * c.n);
-    reference::Linear(x.data(), c.m, w.data(), c.n, c.k, b, expected.data());
+    reference::Linear(x.data(), c.m, w.data(), DType::kF32, c.n, c.k, b, expected.data());
     // Poison plus a guard past the end that must survive.
     std::vector<float> y(expected.size() + 64, kNaN);
     std::fill(y.begin() + expected.size(), y.end(), 12345.0f);
-    auto packed = backend_->PackWeight(w.data(), c.n, c.k);
+    auto packed = backend_->PackWeight(w.data(), DType::kF32, c.n, c.k);
     ASSERT_EQ(packed->n(), c.n);
     ASSERT_EQ(packed->k(), c.k);
     backend_->Linear(x.data(), c.m, *packed, b, y.data());
@@ -82,8 +82,8 @@ TEST_P(CpuBackendTest, LinearMatchesReference) {
     for (size_t i = 0; i < x.size(); ++i) abs_x[i] = std::abs(x[i]);
     for (size_t i = 0; i < w.size(); ++i) abs_w[i] = std::abs(w[i]);
     for (size_t i = 0; i < bias.size(); ++i) abs_bias[i] = std::abs(bias[i]);
-    reference::Linear(abs_x.data(), c.m, abs_w.data(), c.n, c.k, c.bias ? abs_bias.data() : nullptr,
-                      scale.data());
+    reference::Linear(abs_x.data(), c.m, abs_w.data(), DType::kF32, c.n, c.k,
+                      c.bias ? abs_bias.data() : nullptr, scale.data());
     double worst = 0.0;
     for (size_t i = 0; i < y.size(); ++i) {
       ASSERT_TRUE(std::isfinite(y[i])) << "element " << i << " not written";
@@ -99,7 +99,7 @@ TEST_P(CpuBackendTest, LinearRowsAreBatchInvariant) {
   const std::vector<float> x = Random(int64_t{m} * k, 4);
   const std::vector<float> w = Random(int64_t{n} * k, 5);
   const std::vector<float> bias = Random(n, 6);
-  auto packed = backend_->PackWeight(w.data(), n, k);
+  auto packed = backend_->PackWeight(w.data(), DType::kF32, n, k);
   std::vector<float> batched(int64_t{m} * n, kNaN);
   backend_->Linear(x.data(), m, *packed, bias.data(), batched.data());
   for (int i = 0; i < m; ++i) {
@@ -112,7 +112,7 @@ TEST_P(CpuBackendTest, LinearRowsAreBatchInvariant) {
   std::copy(x.begin(), x.end(), tall_x.begin() + int64_t{101} * k);
   for (int threads : {1, 3}) {
     std::unique_ptr<Backend> other = Make(threads);
-    auto other_packed = other->PackWeight(w.data(), n, k);
+    auto other_packed = other->PackWeight(w.data(), DType::kF32, n, k);
     std::vector<float> tall(int64_t{130} * n, kNaN);
     other->Linear(tall_x.data(), 130, *other_packed, bias.data(), tall.data());
     EXPECT_TRUE(BitwiseEqual(tall.data() + int64_t{101} * n, batched.data(), int64_t{m} * n))
@@ -122,7 +122,7 @@ TEST_P(CpuBackendTest, LinearRowsAreBatchInvariant) {
 
 TEST_P(CpuBackendTest, LinearWithEmptyReductionGivesBias) {
   const std::vector<float> bias = {1.5f, -2.0f, 3.0f};
-  auto packed = backend_->PackWeight(nullptr, 3, 0);
+  auto packed = backend_->PackWeight(nullptr, DType::kF32, 3, 0);
   std::vector<float> y(6, kNaN);
   backend_->Linear(nullptr, 2, *packed, bias.data(), y.data());
   EXPECT_EQ(y, (std::vector<float>{1.5f, -2.0f, 3.0f, 1.5f, -2.0f, 3.0f}));
@@ -261,9 +261,9 @@ TEST_P(CpuBackendTest, EmbeddingGathersRows) {
   std::vector<int32_t> ids(tokens);
   for (int t = 0; t < tokens; ++t) ids[t] = (t * 7 + 3) % vocab;
   std::vector<float> expected(int64_t{tokens} * dim);
-  reference::Embedding(table.data(), ids.data(), tokens, dim, expected.data());
+  reference::Embedding(table.data(), DType::kF32, ids.data(), tokens, dim, expected.data());
   std::vector<float> out(expected.size(), kNaN);
-  backend_->Embedding(table.data(), ids.data(), tokens, dim, out.data());
+  backend_->Embedding(table.data(), DType::kF32, ids.data(), tokens, dim, out.data());
   EXPECT_EQ(out, expected);
 }
 

@@ -8,12 +8,13 @@
 
 namespace tandem::kernels::reference {
 
-void Linear(const float* x, int m, const float* w, int n, int k, const float* bias, float* y) {
+void Linear(const float* x, int m, const void* w, DType w_dtype, int n, int k, const float* bias,
+            float* y) {
   for (int i = 0; i < m; ++i) {
     for (int j = 0; j < n; ++j) {
       double acc = 0.0;
       for (int p = 0; p < k; ++p) {
-        acc += double{x[int64_t{i} * k + p]} * w[int64_t{j} * k + p];
+        acc += double{x[int64_t{i} * k + p]} * LoadAsFloat(w, w_dtype, int64_t{j} * k + p);
       }
       if (bias != nullptr) acc += bias[j];
       y[int64_t{i} * n + j] = static_cast<float>(acc);
@@ -77,35 +78,58 @@ void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows
   }
 }
 
-void Embedding(const float* table, const int32_t* ids, int tokens, int dim, float* out) {
+void Embedding(const void* table, DType table_dtype, const int32_t* ids, int tokens, int dim,
+               float* out) {
   for (int t = 0; t < tokens; ++t) {
-    std::memcpy(out + int64_t{t} * dim, table + int64_t{ids[t]} * dim, sizeof(float) * dim);
+    for (int i = 0; i < dim; ++i) {
+      out[int64_t{t} * dim + i] = LoadAsFloat(table, table_dtype, int64_t{ids[t]} * dim + i);
+    }
   }
 }
+
+namespace {
+
+// What an element stores of `value` in a cache of layout.dtype: value / scale for 8-bit caches.
+float CacheScale(const KvLayout& layout, float scale) {
+  return DTypeSize(layout.dtype) == 1 ? scale : 1.0f;
+}
+
+}  // namespace
 
 void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
-             const KvLayout& layout, float* layer_cache) {
+             const KvLayout& layout, void* layer_cache) {
   const int64_t row = int64_t{layout.num_kv_heads} * layout.head_dim;
-  float* v_cache = layer_cache + layout.HalfElements();
+  void* v_cache = static_cast<unsigned char*>(layer_cache) + layout.HalfBytes();
+  const float k_scale = CacheScale(layout, layout.k_scale);
+  const float v_scale = CacheScale(layout, layout.v_scale);
   for (int t = 0; t < tokens; ++t) {
     if (slot_mapping[t] < 0) continue;
-    std::memcpy(layer_cache + slot_mapping[t] * row, k + t * row, sizeof(float) * row);
-    std::memcpy(v_cache + slot_mapping[t] * row, v + t * row, sizeof(float) * row);
+    for (int64_t i = 0; i < row; ++i) {
+      StoreFromFloat(layer_cache, layout.dtype, slot_mapping[t] * row + i,
+                     k[t * row + i] / k_scale);
+      StoreFromFloat(v_cache, layout.dtype, slot_mapping[t] * row + i, v[t * row + i] / v_scale);
+    }
   }
 }
 
-void PagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
+void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                     const PagedAttentionBatch& batch, int num_heads, float scale, float* out) {
   const int hd = layout.head_dim;
   const int group = num_heads / layout.num_kv_heads;
   const int64_t slot_stride = int64_t{layout.num_kv_heads} * hd;
-  const float* v_cache = layer_cache + layout.HalfElements();
+  // The cache widened to fp32 (scales applied), then read as an fp32 cache.
+  std::vector<float> k_cache(layout.HalfElements()), v_cache(layout.HalfElements());
+  const void* v_half = static_cast<const unsigned char*>(layer_cache) + layout.HalfBytes();
+  for (int64_t i = 0; i < layout.HalfElements(); ++i) {
+    k_cache[i] = LoadAsFloat(layer_cache, layout.dtype, i) * CacheScale(layout, layout.k_scale);
+    v_cache[i] = LoadAsFloat(v_half, layout.dtype, i) * CacheScale(layout, layout.v_scale);
+  }
   // Address of the K (or V) vector of KV head `kvh` at position `pos` of sequence `s`.
-  auto at = [&](const float* half, int s, int pos, int kvh) {
+  auto at = [&](const std::vector<float>& half, int s, int pos, int kvh) {
     const int32_t block =
         batch.block_table[int64_t{s} * batch.max_blocks_per_seq + pos / layout.block_size];
     const int64_t slot = int64_t{block} * layout.block_size + pos % layout.block_size;
-    return half + slot * slot_stride + int64_t{kvh} * hd;
+    return half.data() + slot * slot_stride + int64_t{kvh} * hd;
   };
   std::vector<double> scores;
   std::vector<double> acc(hd);
@@ -121,7 +145,7 @@ void PagedAttention(const float* q, const float* layer_cache, const KvLayout& la
         scores.assign(visible, 0.0);
         double max_score = -std::numeric_limits<double>::infinity();
         for (int p = 0; p < visible; ++p) {
-          const float* kp = at(layer_cache, s, p, kvh);
+          const float* kp = at(k_cache, s, p, kvh);
           double dot = 0.0;
           for (int d = 0; d < hd; ++d) dot += double{qh[d]} * kp[d];
           scores[p] = dot * scale;

@@ -11,8 +11,9 @@
 
 namespace tandem::kernels::reference {
 
-// y[m, n] = x[m, k] * w[n, k]^T (+ bias[n]).
-void Linear(const float* x, int m, const float* w, int n, int k, const float* bias, float* y);
+// y[m, n] = x[m, k] * w[n, k]^T (+ bias[n]); w holds elements of w_dtype.
+void Linear(const float* x, int m, const void* w, DType w_dtype, int n, int k, const float* bias,
+            float* y);
 
 void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim, float* y);
 
@@ -26,18 +27,19 @@ void Rope(float* x, const int32_t* positions, int tokens, int heads, int head_di
 
 void SiluMul(const float* gate_up, int rows, int inter, float* out);
 
-void Embedding(const float* table, const int32_t* ids, int tokens, int dim, float* out);
+void Embedding(const void* table, DType table_dtype, const int32_t* ids, int tokens, int dim,
+               float* out);
 
 // Tokens whose slot is negative are padding and are not stored.
 void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
-             const KvLayout& layout, float* layer_cache);
+             const KvLayout& layout, void* layer_cache);
 
 // out[i, :] = a[rows[i], :] + b[rows[i], :].
 void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
                float* out);
 
 // Two-pass softmax over all visible keys, in double.
-void PagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
+void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                     const PagedAttentionBatch& batch, int num_heads, float scale, float* out);
 
 }  // namespace tandem::kernels::reference

@@ -11,12 +11,31 @@
 #include <limits>
 #include <utility>
 
+#include "tandem/base/half.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #define TANDEM_X86_KERNELS 1
 #include <immintrin.h>
 #endif
 
 namespace tandem::kernels::cpu {
+
+namespace {
+
+template <float (*kDecode)(uint8_t)>
+std::array<float, 256> Fp8Table() {
+  std::array<float, 256> values;
+  for (int i = 0; i < 256; ++i) values[i] = kDecode(static_cast<uint8_t>(i));
+  return values;
+}
+
+}  // namespace
+
+const float* Fp8Values(DType dtype) {
+  static const std::array<float, 256> e4m3 = Fp8Table<&Fp8E4M3ToFloat>();
+  static const std::array<float, 256> e5m2 = Fp8Table<&Fp8E5M2ToFloat>();
+  return dtype == DType::kF8E5M2 ? e5m2.data() : e4m3.data();
+}
 
 // Portable: eight lanes of plain C++, which the compiler maps onto SSE2.
 namespace portable {
@@ -43,6 +62,16 @@ struct Vec {
   static T LoadN(const float* p, int n) {
     T r = Zero();
     for (int i = 0; i < n; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static T LoadBf16(const uint16_t* p) {
+    T r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = Bf16ToFloat(p[i]);
+    return r;
+  }
+  static T LoadF16(const uint16_t* p) {
+    T r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = F16ToFloat(p[i]);
     return r;
   }
   static void Store(float* p, const T& a) {
@@ -109,7 +138,7 @@ struct Vec {
 #if TANDEM_X86_KERNELS
 
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 
 struct Vec {
@@ -126,6 +155,15 @@ struct Vec {
   static T Set(float a) { return _mm256_set1_ps(a); }
   static T Load(const float* p) { return _mm256_loadu_ps(p); }
   static T LoadN(const float* p, int n) { return _mm256_maskload_ps(p, Mask(n)); }
+  // Eight bf16 (the high half of a float) or fp16 values, widened exactly.
+  static T LoadBf16(const uint16_t* p) {
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static T LoadF16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static void Store(float* p, T a) { _mm256_storeu_ps(p, a); }
   static void StoreN(float* p, T a, int n) { _mm256_maskstore_ps(p, Mask(n), a); }
   static T Add(T a, T b) { return _mm256_add_ps(a, b); }
@@ -161,7 +199,7 @@ struct Vec {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma")
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx2,fma,f16c")
 // GCC 12's own masked-load intrinsics trip this warning (a self-initialised "undefined" vector).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -179,6 +217,14 @@ struct Vec {
   static T Set(float a) { return _mm512_set1_ps(a); }
   static T Load(const float* p) { return _mm512_loadu_ps(p); }
   static T LoadN(const float* p, int n) { return _mm512_maskz_loadu_ps(Mask(n), p); }
+  static T LoadBf16(const uint16_t* p) {
+    const __m512i wide =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static T LoadF16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static void Store(float* p, T a) { _mm512_storeu_ps(p, a); }
   static void StoreN(float* p, T a, int n) { _mm512_mask_storeu_ps(p, Mask(n), a); }
   static T Add(T a, T b) { return _mm512_add_ps(a, b); }
@@ -230,11 +276,13 @@ bool CpuSupports(CpuIsa isa) {
       return true;
 #if TANDEM_X86_KERNELS
     case CpuIsa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
     case CpuIsa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+             __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+             __builtin_cpu_supports("f16c");
 #else
     case CpuIsa::kAvx2:
     case CpuIsa::kAvx512:

@@ -18,10 +18,12 @@
 namespace tandem::kernels::cpu {
 
 // One Linear call. W is packed in panels of `panel_width` columns: w[p][kk][c] holds
-// W[p * panel_width + c, kk], zero past n.
+// W[p * panel_width + c, kk], zero past n, as elements of w_dtype (kF32, kBF16 or kF16), which
+// the micro-kernel widens to fp32 in registers.
 struct GemmArgs {
   const float* x = nullptr;     // [m, k]
-  const float* w = nullptr;     // [ceil(n / panel_width), k, panel_width]
+  const void* w = nullptr;      // [ceil(n / panel_width), k, panel_width] of w_dtype
+  DType w_dtype = DType::kF32;
   const float* bias = nullptr;  // [n] or null
   float* y = nullptr;           // [m, n]
   int m = 0;
@@ -32,8 +34,12 @@ struct GemmArgs {
 // The query rows of one sequence in a PagedAttention call.
 struct AttentionSequence {
   const float* q = nullptr;              // [tokens, num_heads, head_dim], whole batch
-  const float* k_cache = nullptr;        // [num_blocks, block_size, num_kv_heads, head_dim]
-  const float* v_cache = nullptr;        // [num_blocks, block_size, num_kv_heads, head_dim]
+  // Both [num_blocks, block_size, num_kv_heads, head_dim] of cache_dtype.
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  DType cache_dtype = DType::kF32;
+  float k_scale = 1.0f;  // 8-bit caches: stored * scale is the value
+  float v_scale = 1.0f;
   const int32_t* block_table = nullptr;  // [ceil(context_len / block_size)], this sequence's
   float* out = nullptr;                  // [tokens, num_heads, head_dim], whole batch
   int num_heads = 0;
@@ -72,12 +78,20 @@ struct CpuKernelTable {
 
 inline constexpr int kMaxRopeHeadDim = 1024;
 inline constexpr int kMaxAttentionBlockSize = 1024;
+// Keys of a non-fp32 cache widened to fp32 at a time (into scratch) by attention_tile.
+inline constexpr int kAttentionDecodeKeys = 32;
 
 // Per-thread scratch of attention_tile for `vectors` query vectors of `head_dim`.
 inline int64_t AttentionScratchFloats(int64_t vectors, int head_dim) {
-  // Running state per query vector: output accumulator padded to 16 floats, max, sum.
-  return vectors * (((head_dim + 15) / 16) * 16 + 2) + kMaxAttentionBlockSize + 16;
+  const int64_t padded = ((head_dim + 15) / 16) * 16;
+  // Running state per query vector: output accumulator padded to 16 floats, max, sum; then the
+  // widened K and V of kAttentionDecodeKeys keys.
+  return vectors * (padded + 2) + kMaxAttentionBlockSize + 16 +
+         2 * int64_t{kAttentionDecodeKeys} * padded;
 }
+
+// The 256 values of an 8-bit float format (kF8E4M3 or kF8E5M2), indexed by its bits.
+const float* Fp8Values(DType dtype);
 
 // Whether this CPU (and OS) can run code for `isa`. kAuto is always supported.
 bool CpuSupports(CpuIsa isa);

@@ -46,12 +46,12 @@ using Stream = std::unique_ptr<CUstream_st, StreamDestroy>;
 
 class CudaPackedWeight final : public PackedWeight {
  public:
-  CudaPackedWeight(int n, int k, DeviceArray<float> data)
-      : PackedWeight(n, k), data_(std::move(data)) {}
-  const float* data() const { return data_.get(); }  // [n, k] device, row-major
+  CudaPackedWeight(int n, int k, DType dtype, DeviceArray<unsigned char> data)
+      : PackedWeight(n, k, dtype), data_(std::move(data)) {}
+  const void* data() const { return data_.get(); }  // [n, k] of dtype(), device, row-major
 
  private:
-  DeviceArray<float> data_;
+  DeviceArray<unsigned char> data_;
 };
 
 class CudaBackendImpl final : public CudaBackend {
@@ -96,18 +96,23 @@ class CudaBackendImpl final : public CudaBackend {
     return std::exchange(status_, absl::OkStatus());
   }
 
-  std::unique_ptr<PackedWeight> PackWeight(const float* w, int n, int k) override {
-    auto data = DeviceAlloc<float>(int64_t{n} * k);
+  std::unique_ptr<PackedWeight> PackWeight(const void* w, DType dtype, int n, int k) override {
+    const int64_t bytes = int64_t{n} * k * DTypeSize(dtype);
+    auto data = DeviceAlloc<unsigned char>(bytes);
+    if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
+      Keep(
+          absl::InvalidArgumentError(absl::StrCat("PackWeight of ", DTypeName(dtype), " weights")));
+      return std::make_unique<CudaPackedWeight>(n, k, dtype, nullptr);
+    }
     if (!data.ok()) {
       Keep(data.status());
-      return std::make_unique<CudaPackedWeight>(n, k, nullptr);
+      return std::make_unique<CudaPackedWeight>(n, k, dtype, nullptr);
     }
-    Keep(CudaStatus(cudaMemcpyAsync(data->get(), w, sizeof(float) * n * k, cudaMemcpyHostToDevice,
-                                    stream_.get()),
+    Keep(CudaStatus(cudaMemcpyAsync(data->get(), w, bytes, cudaMemcpyHostToDevice, stream_.get()),
                     "PackWeight upload"));
     // The caller may free w once this returns.
     Keep(CudaStatus(cudaStreamSynchronize(stream_.get()), "PackWeight upload"));
-    return std::make_unique<CudaPackedWeight>(n, k, std::move(data).value());
+    return std::make_unique<CudaPackedWeight>(n, k, dtype, std::move(data).value());
   }
 
   void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
@@ -116,8 +121,13 @@ class CudaBackendImpl final : public CudaBackend {
       Keep(absl::FailedPreconditionError("Linear with a weight whose upload failed"));
       return;
     }
-    Keep(cuda::LaunchLinear(cublas_.get(), x, m, packed.data(), w.n(), w.k(), bias, y,
-                            stream_.get()));
+    if (w.dtype() == DType::kF32) {
+      Keep(cuda::LaunchLinear(cublas_.get(), x, m, static_cast<const float*>(packed.data()), w.n(),
+                              w.k(), bias, y, stream_.get()));
+    } else {
+      Keep(cuda::LaunchLinearLowPrecision(x, m, packed.data(), w.dtype(), w.n(), w.k(), bias, y,
+                                          stream_.get()));
+    }
   }
 
   void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim,
@@ -139,16 +149,17 @@ class CudaBackendImpl final : public CudaBackend {
     Keep(cuda::LaunchSiluMul(gate_up, rows, inter, out, stream_.get()));
   }
 
-  void Embedding(const float* table, const int32_t* ids, int tokens, int dim, float* out) override {
-    Keep(cuda::LaunchEmbedding(table, ids, tokens, dim, out, stream_.get()));
+  void Embedding(const void* table, DType table_dtype, const int32_t* ids, int tokens, int dim,
+                 float* out) override {
+    Keep(cuda::LaunchEmbedding(table, table_dtype, ids, tokens, dim, out, stream_.get()));
   }
 
   void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
-               const KvLayout& layout, float* layer_cache) override {
+               const KvLayout& layout, void* layer_cache) override {
     Keep(cuda::LaunchWriteKv(k, v, slot_mapping, tokens, layout, layer_cache, stream_.get()));
   }
 
-  void PagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
+  void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                       const PagedAttentionBatch& batch, int num_heads, float scale,
                       float* out) override {
     Keep(RunPagedAttention(q, layer_cache, layout, batch, num_heads, scale, out));
@@ -180,7 +191,7 @@ class CudaBackendImpl final : public CudaBackend {
     if (status_.ok()) status_ = std::move(status);
   }
 
-  absl::Status RunPagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
+  absl::Status RunPagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                                  const PagedAttentionBatch& batch, int num_heads, float scale,
                                  float* out) {
     const int n = batch.num_seqs;
@@ -208,8 +219,12 @@ class CudaBackendImpl final : public CudaBackend {
 
     cuda::PagedAttentionParams p;
     p.q = q;
+    const bool fp8 = DTypeSize(layout.dtype) == 1;
     p.k_cache = layer_cache;
-    p.v_cache = layer_cache + layout.HalfElements();
+    p.v_cache = static_cast<const unsigned char*>(layer_cache) + layout.HalfBytes();
+    p.cache_dtype = layout.dtype;
+    p.k_scale = fp8 ? layout.k_scale : 1.0f;
+    p.v_scale = fp8 ? layout.v_scale : 1.0f;
     p.query_start = metadata_.get();
     p.context_len = metadata_.get() + n + 1;
     p.block_table = metadata_.get() + 2 * n + 1;

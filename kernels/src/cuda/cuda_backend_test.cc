@@ -85,9 +85,9 @@ TEST_P(CudaBackendTest, LinearMatchesReference) {
   const std::vector<float> x = Random(int64_t{m} * k, 1), w = Random(int64_t{n} * k, 2),
                            bias = Random(n, 3);
   std::vector<float> expected(int64_t{m} * n);
-  reference::Linear(x.data(), m, w.data(), n, k, bias.data(), expected.data());
+  reference::Linear(x.data(), m, w.data(), DType::kF32, n, k, bias.data(), expected.data());
   DeviceVector<float> d_x(x), d_bias(bias), d_y(std::vector<float>(expected.size(), kNaN));
-  auto packed = backend_->PackWeight(w.data(), n, k);
+  auto packed = backend_->PackWeight(w.data(), DType::kF32, n, k);
   backend_->Linear(d_x.get(), m, *packed, d_bias.get(), d_y.get());
   ASSERT_TRUE(backend_->Synchronize().ok());
   EXPECT_LT(MaxRelativeError(d_y.ToHost(), expected, 1.0), 1e-5 * std::sqrt(k));
@@ -150,10 +150,10 @@ TEST_P(CudaBackendTest, EmbeddingAndWriteKvCopyExactly) {
   std::vector<int32_t> ids(s.rows);
   for (int t = 0; t < s.rows; ++t) ids[t] = (t * 31 + 5) % vocab;
   std::vector<float> expected(int64_t{s.rows} * s.dim);
-  reference::Embedding(table.data(), ids.data(), s.rows, s.dim, expected.data());
+  reference::Embedding(table.data(), DType::kF32, ids.data(), s.rows, s.dim, expected.data());
   DeviceVector<float> d_table(table), d_out(std::vector<float>(expected.size(), kNaN));
   DeviceVector<int32_t> d_ids(ids);
-  backend_->Embedding(d_table.get(), d_ids.get(), s.rows, s.dim, d_out.get());
+  backend_->Embedding(d_table.get(), DType::kF32, d_ids.get(), s.rows, s.dim, d_out.get());
 
   const KvLayout layout{.num_blocks = (s.rows + s.block_size - 1) / s.block_size + 2,
                         .block_size = s.block_size,

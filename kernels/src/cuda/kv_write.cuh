@@ -10,10 +10,11 @@
 
 namespace tandem::kernels::cuda {
 
-// Copies k, v [tokens, num_kv_heads, head_dim] to flat slots slot_mapping[t] (block *
-// block_size + offset) of layer_cache [2][num_blocks][block_size][num_kv_heads][head_dim];
-// negative slots are padding and are skipped. All pointers are device memory.
+// Stores k, v [tokens, num_kv_heads, head_dim] at flat slots slot_mapping[t] (block *
+// block_size + offset) of layer_cache [2][num_blocks][block_size][num_kv_heads][head_dim] of
+// layout.dtype (8-bit caches: value / scale); negative slots are padding and are skipped. All
+// pointers are device memory.
 absl::Status LaunchWriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
-                           const KvLayout& layout, float* layer_cache, cudaStream_t stream);
+                           const KvLayout& layout, void* layer_cache, cudaStream_t stream);
 
 }  // namespace tandem::kernels::cuda

@@ -2,6 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/src/cuda/dispatch.cuh"
+#include "kernels/src/cuda/element_types.cuh"
 #include "kernels/src/cuda/linear.cuh"
 #include "tandem/base/status_macros.h"
 
@@ -24,7 +25,83 @@ __global__ void AddBiasKernel(float* __restrict__ y,           // [m, n]
   }
 }
 
+// Rows of x a GEMV block serves at once; more rows take the tiled kernel.
+constexpr int kGemvMaxRows = 4;
+constexpr int kGemvWarps = 8;
+constexpr int kTile = 16;
+
+// Few rows (decode): one warp per output column, its lanes striding over k, so W is read once,
+// coalesced. grid ceil(n / kGemvWarps), kGemvWarps * 32 threads.
+template <typename W>
+__global__ void GemvKernel(const float* __restrict__ x,                   // [m, k]
+                           int m, const W* __restrict__ w,                // [n, k]
+                           int n, int k, const float* __restrict__ bias,  // [n] or null
+                           float* __restrict__ y) {                       // [m, n]
+  const int col = blockIdx.x * kGemvWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (col >= n) return;
+  float acc[kGemvMaxRows] = {};
+  const W* wc = w + static_cast<int64_t>(col) * k;
+  for (int i = lane; i < k; i += 32) {
+    const float wi = ToFloat(wc[i]);
+#pragma unroll
+    for (int r = 0; r < kGemvMaxRows; ++r) {
+      if (r < m) acc[r] += x[static_cast<int64_t>(r) * k + i] * wi;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kGemvMaxRows; ++r) {
+    float v = acc[r];
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+    if (lane == 0 && r < m) y[static_cast<int64_t>(r) * n + col] = v + (bias ? bias[col] : 0.0f);
+  }
+}
+
+// More rows: kTile x kTile output tiles through shared memory. grid (ceil(n / kTile),
+// ceil(m / kTile)), kTile x kTile threads.
+template <typename W>
+__global__ void GemmTileKernel(const float* __restrict__ x, int m, const W* __restrict__ w, int n,
+                               int k, const float* __restrict__ bias, float* __restrict__ y) {
+  __shared__ float xs[kTile][kTile + 1];
+  __shared__ float ws[kTile][kTile + 1];
+  const int tx = threadIdx.x;
+  const int ty = threadIdx.y;
+  const int row = blockIdx.y * kTile + ty;
+  const int col = blockIdx.x * kTile + tx;
+  const int w_row = blockIdx.x * kTile + ty;
+  float acc = 0.0f;
+  for (int k0 = 0; k0 < k; k0 += kTile) {
+    xs[ty][tx] = row < m && k0 + tx < k ? x[static_cast<int64_t>(row) * k + k0 + tx] : 0.0f;
+    ws[ty][tx] =
+        w_row < n && k0 + tx < k ? ToFloat(w[static_cast<int64_t>(w_row) * k + k0 + tx]) : 0.0f;
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < kTile; ++i) acc += xs[ty][i] * ws[tx][i];
+    __syncthreads();
+  }
+  if (row < m && col < n) y[static_cast<int64_t>(row) * n + col] = acc + (bias ? bias[col] : 0.0f);
+}
+
 }  // namespace
+
+absl::Status LaunchLinearLowPrecision(const float* x, int m, const void* w, DType w_dtype, int n,
+                                      int k, const float* bias, float* y, cudaStream_t stream) {
+  if (m <= 0 || n <= 0) return absl::OkStatus();
+  if (n > 65535 * kTile || m > 65535 * kTile) {
+    return absl::InvalidArgumentError("Linear: grid too large");
+  }
+  TANDEM_DISPATCH_WEIGHT_DTYPE(w_dtype, W, {
+    const auto* wt = static_cast<const W*>(w);
+    if (m <= kGemvMaxRows) {
+      GemvKernel<W><<<(n + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, 0, stream>>>(x, m, wt, n,
+                                                                                       k, bias, y);
+    } else {
+      const dim3 grid((n + kTile - 1) / kTile, (m + kTile - 1) / kTile);
+      GemmTileKernel<W><<<grid, dim3(kTile, kTile), 0, stream>>>(x, m, wt, n, k, bias, y);
+    }
+  });
+  return CudaStatus(cudaGetLastError(), "Linear (low-precision weights)");
+}
 
 absl::StatusOr<CublasHandle> CreateCublasHandle(cudaStream_t stream) {
   cublasHandle_t raw = nullptr;

@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "tandem/base/half.h"
 
 namespace tandem::kernels::cuda {
 
@@ -24,5 +25,11 @@ absl::StatusOr<CublasHandle> CreateCublasHandle(cudaStream_t stream);
 // runs on `stream`.
 absl::Status LaunchLinear(cublasHandle_t handle, const float* x, int m, const float* w, int n,
                           int k, const float* bias, float* y, cudaStream_t stream);
+
+// The same with w[n, k] of w_dtype (kBF16 or kF16), widened to fp32 as it is read; fp32
+// products and accumulation, so results match the fp32 path on the widened weights to
+// rounding. x stays fp32: cuBLAS's bf16 GEMMs would round it to bf16.
+absl::Status LaunchLinearLowPrecision(const float* x, int m, const void* w, DType w_dtype, int n,
+                                      int k, const float* bias, float* y, cudaStream_t stream);
 
 }  // namespace tandem::kernels::cuda

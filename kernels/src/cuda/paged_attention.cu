@@ -1,4 +1,5 @@
 #include "kernels/src/cuda/dispatch.cuh"
+#include "kernels/src/cuda/element_types.cuh"
 #include "kernels/src/cuda/paged_attention.cuh"
 #include "kernels/src/cuda/reduce.cuh"
 
@@ -42,8 +43,8 @@ __device__ __forceinline__ int64_t KvOffset(const PagedAttentionParams& p, const
 }
 
 // grid (max_partitions, num_kv_heads, num_tokens), kThreads threads.
-// Dynamic shared memory: group * (kHeadDim + kPartition) floats.
-template <int kHeadDim>
+// Dynamic shared memory: group * (kHeadDim + kPartition) floats. Cache: the KV element type.
+template <int kHeadDim, typename Cache>
 __global__ void __launch_bounds__(kThreads)
     PagedAttentionPartitionKernel(const PagedAttentionParams p) {
   const int partition = blockIdx.x;
@@ -74,10 +75,11 @@ __global__ void __launch_bounds__(kThreads)
   const int lane = threadIdx.x % 32;
   constexpr int kPerLane = kHeadDim / 32;
   for (int j = warp; j < n; j += kWarps) {
-    const float* k = p.k_cache + KvOffset(p, table, begin + j, kv_head, kHeadDim);
+    const Cache* k =
+        static_cast<const Cache*>(p.k_cache) + KvOffset(p, table, begin + j, kv_head, kHeadDim);
     float k_reg[kPerLane];
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) k_reg[e] = k[lane + 32 * e];
+    for (int e = 0; e < kPerLane; ++e) k_reg[e] = ToFloat(k[lane + 32 * e]) * p.k_scale;
     for (int g = 0; g < group; ++g) {
       float dot = 0.0f;
 #pragma unroll
@@ -117,10 +119,11 @@ __global__ void __launch_bounds__(kThreads)
   const int d_lane = threadIdx.x % kLanesPerSubset;
   float acc[kAttentionMaxGroup][kDims] = {};
   for (int j = subset; j < n; j += kSubsets) {
-    const float* v = p.v_cache + KvOffset(p, table, begin + j, kv_head, kHeadDim);
+    const Cache* v =
+        static_cast<const Cache*>(p.v_cache) + KvOffset(p, table, begin + j, kv_head, kHeadDim);
     float v_reg[kDims];
 #pragma unroll
-    for (int e = 0; e < kDims; ++e) v_reg[e] = v[d_lane + kLanesPerSubset * e];
+    for (int e = 0; e < kDims; ++e) v_reg[e] = ToFloat(v[d_lane + kLanesPerSubset * e]) * p.v_scale;
 #pragma unroll
     for (int g = 0; g < kAttentionMaxGroup; ++g) {
       if (g < group) {
@@ -231,7 +234,10 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
   }
   TANDEM_DISPATCH_HEAD_DIM(p.head_dim, kHeadDim, {
     const size_t shared_bytes = sizeof(float) * group * (kHeadDim + kPartition);
-    auto* partition_kernel = &PagedAttentionPartitionKernel<kHeadDim>;
+    void (*partition_kernel)(const PagedAttentionParams) = nullptr;
+    TANDEM_DISPATCH_KV_DTYPE(p.cache_dtype, Cache, {
+      partition_kernel = &PagedAttentionPartitionKernel<kHeadDim, Cache>;
+    });
     if (shared_bytes > 48 * 1024) {
       const cudaError_t error = cudaFuncSetAttribute(
           partition_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);

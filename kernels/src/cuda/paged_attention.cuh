@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
+#include "tandem/base/half.h"
 
 namespace tandem::kernels::cuda {
 
@@ -22,8 +23,13 @@ inline constexpr int kAttentionMaxGroup = 16;
 // One PagedAttention call. Every pointer is device memory.
 struct PagedAttentionParams {
   const float* q = nullptr;              // [num_tokens, num_heads, head_dim]
-  const float* k_cache = nullptr;        // [num_blocks, block_size, num_kv_heads, head_dim]
-  const float* v_cache = nullptr;        // [num_blocks, block_size, num_kv_heads, head_dim]
+  // Both [num_blocks, block_size, num_kv_heads, head_dim] of cache_dtype; an element reads as
+  // its value times k_scale (v_scale), 1 but for 8-bit caches.
+  const void* k_cache = nullptr;
+  const void* v_cache = nullptr;
+  DType cache_dtype = DType::kF32;
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
   const int32_t* query_start = nullptr;  // [num_seqs + 1]
   const int32_t* context_len = nullptr;  // [num_seqs]
   const int32_t* block_table = nullptr;  // [num_seqs, max_blocks_per_seq]

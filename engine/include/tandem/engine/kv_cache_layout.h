@@ -62,7 +62,8 @@ struct KvCacheLayout {
     return {.num_blocks = num_blocks,
             .block_size = block_size,
             .num_kv_heads = num_kv_heads,
-            .head_dim = head_dim};
+            .head_dim = head_dim,
+            .dtype = dtype};
   }
 };
 

@@ -7,6 +7,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -51,6 +52,12 @@ struct EngineOptions {
   int num_threads = 0;                   // 0: one per core
   int64_t kv_cache_bytes = 512ll << 20;  // KV capacity is derived from this budget
   int block_size = 16;
+  // `--dtype`: the element type projection weights are held in (kF32, kBF16, kF16); unset
+  // (auto): the checkpoint's torch_dtype. Activations and accumulation stay fp32.
+  std::optional<DType> dtype;
+  // `--kv-cache-dtype`: the KV cache's element type (also kF8E4M3, kF8E5M2); unset (auto): the
+  // weight dtype. The block count follows its element size.
+  std::optional<DType> kv_cache_dtype;
   int max_num_seqs = 64;
   int max_num_batched_tokens = 512;  // also the prefill chunk size
   int max_model_len = 0;             // 0: max_position_embeddings of the model
@@ -129,7 +136,7 @@ class LlmEngine {
   // The KV cache, for registration with a transfer agent.
   // Device memory with Device::kCuda (kv_cache_on_host() false): only a CUDA-aware transfer
   // backend ("cuda_ipc") can send it.
-  float* kv_cache() { return runner_->kv_cache(); }
+  void* kv_cache() { return runner_->kv_cache(); }
   bool kv_cache_on_host() const { return runner_->kv_cache_on_host(); }
   size_t kv_cache_bytes() const { return runner_->kv_cache_bytes(); }
   const kernels::KvLayout& kv_layout() const { return runner_->kv_layout(); }

@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -20,9 +21,24 @@ struct ModelRunnerOptions {
   int max_num_seqs = 64;
   int num_kv_blocks = 0;
   int block_size = 16;
+  // Element type the projection weights are held in (kF32, kBF16, kF16); unset: the
+  // checkpoint's torch_dtype (`--dtype auto`).
+  std::optional<DType> weight_dtype;
+  // Element type of the KV cache; unset: the weight dtype (`--kv-cache-dtype auto`).
+  std::optional<DType> kv_cache_dtype;
 };
 
-// Owns the weights (converted to fp32 and packed for the backend), the KV cache and every
+// The dtypes a runner of `options` over a checkpoint of `config` holds its weights and KV cache
+// in, or InvalidArgument for a type that cannot hold them (an 8-bit weight type).
+struct RunnerDTypes {
+  DType weights = DType::kF32;
+  DType kv_cache = DType::kF32;
+};
+absl::StatusOr<RunnerDTypes> ResolveRunnerDTypes(const text::ModelConfig& config,
+                                                 std::optional<DType> weight_dtype,
+                                                 std::optional<DType> kv_cache_dtype);
+
+// Owns the weights (packed for the backend in their dtype), the KV cache and every
 // activation buffer, all in the backend's memory (host memory on the CPU backend, device memory
 // on CUDA) and sized up front so a step never allocates. A step is planned on the host (token
 // ids, positions, KV slots, sampled rows), uploaded in one copy, and run; only the logits of
@@ -37,8 +53,9 @@ class ModelRunner {
                                                              const ModelRunnerOptions& options);
   ~ModelRunner();
 
-  // Bytes of KV cache one block takes across all layers (fp32 cache).
-  static int64_t KvBytesPerBlock(const text::ModelConfig& config, int block_size);
+  // Bytes of KV cache one block takes across all layers, in a cache of `kv_dtype`.
+  static int64_t KvBytesPerBlock(const text::ModelConfig& config, int block_size,
+                                 DType kv_dtype = DType::kF32);
 
   // Runs the step and returns logits [number of sampling sequences, vocab], one row per
   // sequence with `samples` set, in step order (host memory). The span is valid until the next
@@ -57,21 +74,27 @@ class ModelRunner {
   const kernels::KvLayout& kv_layout() const { return kv_layout_; }
   // Every byte offset of the cache (kv_cache()).
   const KvCacheLayout& cache_layout() const { return cache_layout_; }
-  // The whole cache, [layers][2][num_blocks][block_size][num_kv_heads][head_dim], for
-  // registration with a KV transfer agent. Backend memory: device memory unless
-  // kv_cache_on_host().
-  float* kv_cache() { return kv_cache_.as<float>(); }
+  // The element type of the projection weights and the embedding table.
+  DType weight_dtype() const { return weight_dtype_; }
+  // The whole cache, [layers][2][num_blocks][block_size][num_kv_heads][head_dim] of
+  // cache_layout().dtype, for registration with a KV transfer agent. Backend memory: device
+  // memory unless kv_cache_on_host().
+  void* kv_cache() { return kv_cache_.data(); }
   size_t kv_cache_bytes() const { return cache_layout_.total_bytes(); }
   // Whether kv_cache() is host memory (the CPU backend), which host-memory transports (the
   // "local" and "ucx" kvtransfer backends) can send; device memory needs "cuda_ipc".
   bool kv_cache_on_host() const { return backend_->host_memory(); }
   // One layer's cache: [2][num_blocks][block_size][num_kv_heads][head_dim].
-  float* layer_cache(int layer) { return kv_cache() + layer * kv_layout_.LayerElements(); }
+  void* layer_cache(int layer) {
+    return kv_cache_.as<unsigned char>() + cache_layout_.Offset(layer, 0, 0);
+  }
+  // Layer `layer`'s view for the kernels, its 8-bit scales included.
+  const kernels::KvLayout& layer_kv_layout(int layer) const { return layer_kv_layouts_[layer]; }
 
  private:
   struct Layer;
   ModelRunner() = default;
-  absl::Status LoadWeights(const Checkpoint& checkpoint);
+  absl::Status LoadWeights(const Checkpoint& checkpoint, DType weight_dtype);
   // Backend memory holding `values` (an empty buffer for an empty vector).
   absl::StatusOr<kernels::DeviceBuffer> Upload(const std::vector<float>& values);
   void CopyBlock(int32_t src, int32_t dst);
@@ -81,11 +104,14 @@ class ModelRunner {
   std::function<void(int layer)> layer_written_hook_;
   kernels::Backend* backend_ = nullptr;  // not owned
   KvCacheLayout cache_layout_;
-  kernels::KvLayout kv_layout_;  // cache_layout_.kernel_layout()
+  kernels::KvLayout kv_layout_;                      // cache_layout_.kernel_layout()
+  std::vector<kernels::KvLayout> layer_kv_layouts_;  // kv_layout_ with each layer's scales
 
-  // Weights, in backend memory unless packed.
+  // Weights, in backend memory unless packed. Matrices and the embedding table hold
+  // weight_dtype_ elements; norms, biases and inv_freq fp32.
+  DType weight_dtype_ = DType::kF32;
   kernels::DeviceBuffer inv_freq_;  // [head_dim / 2]
-  kernels::DeviceBuffer embed_;     // [vocab, hidden]
+  kernels::DeviceBuffer embed_;     // [vocab, hidden] of weight_dtype_
   std::vector<std::unique_ptr<Layer>> layers_;
   kernels::DeviceBuffer final_norm_;  // [hidden]
   std::unique_ptr<kernels::PackedWeight> lm_head_;

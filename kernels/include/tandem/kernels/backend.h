@@ -1,7 +1,9 @@
 // The operator interface every compute backend implements (CPU and CUDA).
 //
 // All tensors are dense row-major fp32 unless a comment says otherwise; every pointer
-// comment states the shape. Pointers never own: the caller owns every buffer, and a
+// comment states the shape. Weights may be held as bf16 or fp16 (PackWeight) and the KV cache
+// as bf16, fp16 or 8-bit floats (KvLayout::dtype); activations are fp32 and every operator
+// accumulates in fp32 (or wider). Pointers never own: the caller owns every buffer, and a
 // backend never allocates on the forward path, except inside PackWeight.
 //
 // Operator tensors live in the backend's memory: host memory for the CPU backend, device
@@ -10,7 +12,7 @@
 // CPU backend the copies are memcpy and Synchronize does nothing.
 //
 //   TANDEM_ASSIGN_OR_RETURN(auto backend, CreateCpuBackend({.num_threads = 2}));
-//   auto w = backend->PackWeight(weights.data(), /*n=*/4096, /*k=*/4096);
+//   auto w = backend->PackWeight(bf16_weights.data(), DType::kBF16, /*n=*/4096, /*k=*/4096);
 //   TANDEM_ASSIGN_OR_RETURN(DeviceBuffer x, backend->Allocate(m * 4096 * sizeof(float)));
 //   TANDEM_ASSIGN_OR_RETURN(DeviceBuffer y, backend->Allocate(m * 4096 * sizeof(float)));
 //   backend->CopyToDevice(x.data(), host_x.data(), x.bytes());
@@ -27,22 +29,33 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "tandem/base/half.h"
 #include "tandem/base/rope_config.h"
 
 namespace tandem::kernels {
 
-// Shape of one layer's paged KV cache: [2 (K,V)][num_blocks][block_size][num_kv_heads][head_dim].
+// Shape of one layer's paged KV cache: [2 (K,V)][num_blocks][block_size][num_kv_heads][head_dim]
+// elements of `dtype`.
 struct KvLayout {
   int num_blocks = 0;
   int block_size = 16;
   int num_kv_heads = 0;
   int head_dim = 0;
+  // kF32, kF16, kBF16, kF8E4M3 or kF8E5M2.
+  DType dtype = DType::kF32;
+  // 8-bit caches only (the others ignore them): an element stores value / scale and reads back
+  // as stored * scale, so a layer whose K or V exceed the format's range still fits (vLLM's
+  // per-layer k_scale / v_scale).
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
 
-  // Floats in one of the K or V halves of a layer.
+  // Elements in one of the K or V halves of a layer.
   int64_t HalfElements() const {
     return static_cast<int64_t>(num_blocks) * block_size * num_kv_heads * head_dim;
   }
   int64_t LayerElements() const { return 2 * HalfElements(); }
+  int64_t HalfBytes() const { return HalfElements() * DTypeSize(dtype); }
+  int64_t LayerBytes() const { return 2 * HalfBytes(); }
 };
 
 // The sequences of one attention call. Arrays are host memory owned by the caller.
@@ -64,19 +77,22 @@ using ::tandem::RopeConfig;
 // Inverse frequencies [head_dim / 2] for RopeConfig, with llama3 scaling applied.
 std::vector<float> RopeInverseFrequencies(const RopeConfig& config);
 
-// A weight matrix W[n, k] repacked into a backend's preferred layout. Opaque to callers.
+// A weight matrix W[n, k] repacked into a backend's preferred layout, its elements still of
+// the dtype it was packed from. Opaque to callers.
 class PackedWeight {
  public:
   virtual ~PackedWeight() = default;
   int n() const { return n_; }
   int k() const { return k_; }
+  DType dtype() const { return dtype_; }
 
  protected:
-  PackedWeight(int n, int k) : n_(n), k_(k) {}
+  PackedWeight(int n, int k, DType dtype) : n_(n), k_(k), dtype_(dtype) {}
 
  private:
   int n_;
   int k_;
+  DType dtype_;
 };
 
 class Backend;
@@ -144,10 +160,13 @@ class Backend {
 
   // --- Operators ------------------------------------------------------------------------------
 
-  // Copies W[n, k] (row-major, the Hugging Face nn.Linear layout) into the backend's layout.
-  virtual std::unique_ptr<PackedWeight> PackWeight(const float* w, int n, int k) = 0;
+  // Copies W[n, k] (row-major, the Hugging Face nn.Linear layout; host memory) of `dtype` (kF32,
+  // kF16 or kBF16) into the backend's layout, keeping the dtype: a bf16 weight stays 2 bytes an
+  // element.
+  virtual std::unique_ptr<PackedWeight> PackWeight(const void* w, DType dtype, int n, int k) = 0;
 
-  // y[m, n] = x[m, k] * W^T (+ bias[n] when bias is not null).
+  // y[m, n] = x[m, k] * W^T (+ bias[n] when bias is not null). Whatever W's dtype, each product
+  // is of W's exact value and accumulates in fp32.
   // Batch invariant: row i of y is bitwise the same whatever m is and whatever the other rows hold.
   virtual void Linear(const float* x, int m, const PackedWeight& w, const float* bias,
                       float* y) = 0;
@@ -168,19 +187,23 @@ class Backend {
   // out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]; gate_up: [rows, 2 * inter].
   virtual void SiluMul(const float* gate_up, int rows, int inter, float* out) = 0;
 
-  // out[t, :] = table[ids[t], :]; table: [vocab, dim]. ids are validated by the caller.
-  virtual void Embedding(const float* table, const int32_t* ids, int tokens, int dim,
-                         float* out) = 0;
+  // out[t, :] = table[ids[t], :], widened to fp32; table: [vocab, dim] of table_dtype (kF32,
+  // kBF16 or kF16). ids are validated by the caller.
+  virtual void Embedding(const void* table, DType table_dtype, const int32_t* ids, int tokens,
+                         int dim, float* out) = 0;
 
   // Stores k, v [tokens, num_kv_heads, head_dim] into the layer cache at the flat slots
   // slot_mapping[t] = block * block_size + offset; a negative slot marks a padding token, which
-  // is not stored. layer_cache: [2][num_blocks][block_size][num_kv_heads][head_dim].
+  // is not stored. layer_cache: [2][num_blocks][block_size][num_kv_heads][head_dim] of
+  // layout.dtype; values are rounded to nearest even (8-bit floats: of value / scale,
+  // saturating at the format's largest finite value).
   virtual void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
-                       const KvLayout& layout, float* layer_cache) = 0;
+                       const KvLayout& layout, void* layer_cache) = 0;
 
-  // Causal attention of q [tokens, num_heads, head_dim] over the paged cache; grouped-query:
-  // head h reads KV head h / (num_heads / num_kv_heads). out: [tokens, num_heads, head_dim].
-  virtual void PagedAttention(const float* q, const float* layer_cache, const KvLayout& layout,
+  // Causal attention of q [tokens, num_heads, head_dim] over the paged cache (of layout.dtype,
+  // read as fp32); grouped-query: head h reads KV head h / (num_heads / num_kv_heads).
+  // out: [tokens, num_heads, head_dim].
+  virtual void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                               const PagedAttentionBatch& batch, int num_heads, float scale,
                               float* out) = 0;
 
@@ -207,7 +230,8 @@ struct CpuBackendOptions {
   CpuIsa isa = CpuIsa::kAuto;  // kAuto: the widest this CPU supports; others fail if unsupported
 };
 
-// The CPU backend: fp32, vectorised, multi-threaded, batch invariant.
+// The CPU backend: fp32 activations and accumulation, fp32/bf16/fp16 weights (converted in
+// registers), vectorised, multi-threaded, batch invariant.
 absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const CpuBackendOptions& options);
 
 }  // namespace tandem::kernels

@@ -14,6 +14,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "tandem/base/half.h"
 #include "tandem/engine/handoff.h"
 #include "tandem/engine/request.h"
 #include "tandem/engine/sampling_params.h"
@@ -33,10 +34,14 @@ tandem::v1::SamplingParams ToProto(const engine::SamplingParams& params);
 // (SamplingParams::Validate), with the vocabulary size this layer does not know.
 engine::SamplingParams FromProto(const tandem::v1::SamplingParams& params);
 
-// The layout of an engine's KV cache as the handshake states it: fp32 (the CPU runner's cache),
-// the engine's block size, layers, KV heads and head size, one unsharded rank, and the memory
-// order "layer[2][blocks][block_size][kv_heads][head_dim]".
-tandem::v1::KvLayout EngineKvLayout(const text::ModelConfig& config, int block_size);
+// The handshake's name for a KV cache element type.
+tandem::v1::KvDtype ToProto(DType dtype);
+
+// The layout of an engine's KV cache as the handshake states it: its element type
+// (--kv-cache-dtype), the engine's block size, layers, KV heads and head size, one unsharded
+// rank, and the memory order "layer[2][blocks][block_size][kv_heads][head_dim]".
+tandem::v1::KvLayout EngineKvLayout(const text::ModelConfig& config, int block_size,
+                                    DType kv_dtype);
 
 // Finish reasons on the wire. kPrefilled never crosses it (it becomes NONE); an unknown value
 // from a newer peer becomes kAbort.
