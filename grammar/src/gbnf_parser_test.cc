@@ -107,6 +107,44 @@ INSTANTIATE_TEST_SUITE_P(
         BadGrammar{"root ::= (\"a\"?)* \"b\"", "is left-recursive"},
         BadGrammar{"root ::= [^\\x00-\\U0010FFFF]", "character class matches nothing"}));
 
+// llama.cpp's grammars/json.gbnf as published: multi-line rules, comments, an empty first
+// alternative, ambiguous alternatives.
+TEST(GbnfParserTest, ParsesLlamaCppJsonGrammar) {
+  auto g = CompileGbnf(R"g(root   ::= object
+value  ::= object | array | string | number | ("true" | "false" | "null") ws
+
+object ::=
+  "{" ws (
+            string ":" ws value
+    ("," ws string ":" ws value)*
+  )? "}" ws
+
+array  ::=
+  "[" ws (
+            value
+    ("," ws value)*
+  )? "]" ws
+
+string ::=
+  "\"" (
+    [^"\\\x7F\x00-\x1F] |
+    "\\" (["\\bfnrt] | "u" [0-9a-fA-F]{4}) # escapes
+  )* "\"" ws
+
+number ::= ("-"? ([0-9] | [1-9] [0-9]{0,15})) ("." [0-9]+)? ([eE] [-+]? [0-9] [1-9]{0,15})? ws
+
+# Optional space: by convention, applied in this grammar after literal chars when allowed
+ws ::= | " " | "\n" [ \t]{0,20}
+)g");
+  ASSERT_NE(g, nullptr);
+  EXPECT_TRUE(Matches(
+      g, "{\"a\": [1, -2.5e3, \"x\\u00e9\\n\", null, true, {}],\n  \"b\": {\"c\": false}}"));
+  EXPECT_TRUE(Matches(g, "{}"));
+  EXPECT_FALSE(Matches(g, "{\"a\": \"\x7F\"}"));
+  EXPECT_FALSE(Matches(g, "{\"a\" 1}"));
+  EXPECT_FALSE(Matches(g, "[1]"));
+}
+
 TEST(GbnfParserTest, ToStringReparsesToTheSameLanguage) {
   auto g = ParseGbnf(R"(root ::= ("ab" | [x-z])* "!")");
   ASSERT_TRUE(g.ok()) << g.status();
