@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "absl/container/flat_hash_set.h"
+
 namespace tandem::grammar::internal {
 
 FlatGrammar FlatGrammar::Build(const Grammar& grammar) {
@@ -59,32 +61,36 @@ int32_t StackArena::Intern(int32_t pos, int32_t parent) {
   return it->second;
 }
 
-void StackArena::ExpandInto(int32_t node, Expansion& out, std::vector<int32_t>& visited) {
-  if (std::find(visited.begin(), visited.end(), node) != visited.end()) return;
-  visited.push_back(node);
-  const Node n = nodes_[node];
-  const FlatGrammar::Position p = grammar_.positions[n.pos];
-  switch (p.kind) {
-    case FlatGrammar::Kind::kBytes:
-      out.tops.push_back(node);
-      return;
-    case FlatGrammar::Kind::kEnd:
-      if (n.parent < 0) {
-        out.ended = true;
-      } else {
-        const Node caller = nodes_[n.parent];
-        ExpandInto(Intern(caller.pos + 1, caller.parent), out, visited);
+// Iterative (a worklist, not recursion), so a long chain of rules cannot exhaust the stack.
+void StackArena::ExpandInto(int32_t start, Expansion& out) {
+  std::vector<int32_t> work = {start};
+  absl::flat_hash_set<int32_t> visited;
+  while (!work.empty()) {
+    const int32_t node = work.back();
+    work.pop_back();
+    if (!visited.insert(node).second) continue;
+    const Node n = nodes_[node];
+    const FlatGrammar::Position p = grammar_.positions[n.pos];
+    switch (p.kind) {
+      case FlatGrammar::Kind::kBytes:
+        out.tops.push_back(node);
+        break;
+      case FlatGrammar::Kind::kEnd:
+        if (n.parent < 0) {
+          out.ended = true;
+        } else {
+          const Node caller = nodes_[n.parent];
+          work.push_back(Intern(caller.pos + 1, caller.parent));
+        }
+        break;
+      case FlatGrammar::Kind::kRule: {
+        // A reference in tail position returns straight to this frame's caller, so
+        // repetitions (right recursion) keep the stack flat.
+        const bool tail = grammar_.positions[n.pos + 1].kind == FlatGrammar::Kind::kEnd;
+        const int32_t parent = tail ? n.parent : node;
+        for (int32_t first : grammar_.rule_starts[p.arg]) work.push_back(Intern(first, parent));
+        break;
       }
-      return;
-    case FlatGrammar::Kind::kRule: {
-      // A reference in tail position returns straight to this frame's caller, so repetitions
-      // (right recursion) keep the stack flat.
-      const bool tail = grammar_.positions[n.pos + 1].kind == FlatGrammar::Kind::kEnd;
-      const int32_t parent = tail ? n.parent : node;
-      for (int32_t start : grammar_.rule_starts[p.arg]) {
-        ExpandInto(Intern(start, parent), out, visited);
-      }
-      return;
     }
   }
 }
@@ -92,8 +98,7 @@ void StackArena::ExpandInto(int32_t node, Expansion& out, std::vector<int32_t>& 
 const StackArena::Expansion& StackArena::Expand(int32_t node) {
   if (expansion_of_[node] < 0) {
     Expansion e;
-    std::vector<int32_t> visited;
-    ExpandInto(node, e, visited);
+    ExpandInto(node, e);
     std::sort(e.tops.begin(), e.tops.end());
     e.tops.erase(std::unique(e.tops.begin(), e.tops.end()), e.tops.end());
     expansion_of_[node] = expansions_.size();

@@ -60,7 +60,7 @@ class StackArena {
   struct Node {
     int32_t pos, parent;
   };
-  void ExpandInto(int32_t node, Expansion& out, std::vector<int32_t>& visited);
+  void ExpandInto(int32_t node, Expansion& out);
 
   const FlatGrammar& grammar_;
   std::vector<Node> nodes_;

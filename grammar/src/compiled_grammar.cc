@@ -14,24 +14,59 @@ constexpr size_t kMaxInlinedAlternatives = 16;
 constexpr size_t kMaxInlinedLength = 8;
 constexpr size_t kMaxAlternatives = 64;
 
-// Rules that can reach themselves through references.
+// Rules that can reach themselves through references: members of a strongly connected
+// component of the reference graph with more than one rule, or with a self-reference.
+// Tarjan's algorithm, iterative.
 std::vector<bool> RecursiveRules(const Grammar& g) {
   const int n = g.rules.size();
+  std::vector<std::vector<int>> edges(n);
   std::vector<bool> recursive(n, false);
   for (int r = 0; r < n; ++r) {
-    std::vector<bool> seen(n, false);
-    std::vector<int> queue = {r};
-    while (!queue.empty() && !recursive[r]) {
-      int x = queue.back();
-      queue.pop_back();
-      for (const Sequence& seq : g.rules[x].alternatives) {
-        for (const Element& e : seq) {
-          if (e.kind != Element::Kind::kRule) continue;
-          if (e.rule == r) recursive[r] = true;
-          if (!seen[e.rule]) {
-            seen[e.rule] = true;
-            queue.push_back(e.rule);
-          }
+    for (const Sequence& seq : g.rules[r].alternatives) {
+      for (const Element& e : seq) {
+        if (e.kind != Element::Kind::kRule) continue;
+        edges[r].push_back(e.rule);
+        if (e.rule == r) recursive[r] = true;
+      }
+    }
+  }
+  std::vector<int> index(n, -1), low(n, 0), component;
+  std::vector<bool> on_stack(n, false);
+  int next_index = 0;
+  for (int start = 0; start < n; ++start) {
+    if (index[start] >= 0) continue;
+    std::vector<std::pair<int, size_t>> frames = {{start, 0}};
+    index[start] = low[start] = next_index++;
+    component.push_back(start);
+    on_stack[start] = true;
+    while (!frames.empty()) {
+      auto& [v, i] = frames.back();
+      if (i < edges[v].size()) {
+        const int w = edges[v][i++];
+        if (index[w] < 0) {
+          index[w] = low[w] = next_index++;
+          component.push_back(w);
+          on_stack[w] = true;
+          frames.push_back({w, 0});
+        } else if (on_stack[w]) {
+          low[v] = std::min(low[v], index[w]);
+        }
+        continue;
+      }
+      const int done = v;
+      frames.pop_back();
+      if (!frames.empty()) low[frames.back().first] = std::min(low[frames.back().first], low[done]);
+      if (low[done] == index[done]) {
+        std::vector<int> members;
+        int w;
+        do {
+          w = component.back();
+          component.pop_back();
+          on_stack[w] = false;
+          members.push_back(w);
+        } while (w != done);
+        if (members.size() > 1) {
+          for (int m : members) recursive[m] = true;
         }
       }
     }

@@ -19,6 +19,8 @@ namespace {
 using internal::CodepointRange;
 using internal::kMaxCodepoint;
 
+// Deepest nesting of parentheses (the parser recurses once per level).
+constexpr int kMaxNesting = 256;
 // The largest bound accepted in {m,n}: each bound unrolls into rules.
 constexpr int kMaxRepetition = 10000;
 
@@ -268,9 +270,11 @@ class Parser {
         ++pos_;
         seq.push_back(ClassElement(rule, Normalize({{0, kMaxCodepoint}}, false)));
       } else if (c == '(') {
+        if (++depth_ > kMaxNesting) return Error("parentheses nested too deeply");
         ++pos_;
         SkipSpace(true);
         TANDEM_ASSIGN_OR_RETURN(auto alternatives, ParseAlternatives(rule, /*nested=*/true));
+        --depth_;
         if (Peek() != ')') return Error("expected ')'");
         ++pos_;
         seq.push_back(Element::Rule(NewAuxRule(rule, std::move(alternatives))));
@@ -461,6 +465,7 @@ class Parser {
 
   std::string_view text_;
   size_t pos_ = 0;
+  int depth_ = 0;
   Grammar grammar_;
   std::vector<bool> defined_;
   absl::flat_hash_map<std::string, int> names_;

@@ -156,3 +156,28 @@ TEST(GbnfParserTest, ToStringReparsesToTheSameLanguage) {
 
 }  // namespace
 }  // namespace tandem::grammar
+
+namespace tandem::grammar {
+namespace {
+
+TEST(GbnfParserTest, DeepNestingIsAnErrorNotACrash) {
+  std::string text = "root ::= " + std::string(100000, '(') + "\"a\"" + std::string(100000, ')');
+  auto g = ParseGbnf(text);
+  ASSERT_FALSE(g.ok());
+  EXPECT_THAT(std::string(g.status().message()), ::testing::HasSubstr("nested too deeply"));
+}
+
+TEST(GbnfParserTest, LongChainsOfRulesMatch) {
+  // 50,000 rules each naming the next: expanding them must not recurse once per rule.
+  std::string text = "root ::= r0\n";
+  for (int i = 0; i < 50000; ++i)
+    text += "r" + std::to_string(i) + " ::= r" + std::to_string(i + 1) + "\n";
+  text += "r50000 ::= \"z\"\n";
+  auto g = testing::CompileGbnf(text);
+  ASSERT_NE(g, nullptr);
+  EXPECT_TRUE(testing::Matches(g, "z"));
+  EXPECT_FALSE(testing::Matches(g, "y"));
+}
+
+}  // namespace
+}  // namespace tandem::grammar

@@ -109,6 +109,16 @@ class SchemaConverter {
   }
 
   absl::StatusOr<std::string> Visit(const json& s, const std::string& path) {
+    // The converter recurses once per nested subschema.
+    if (path.size() > 4096 || ++depth_ > 128) {
+      return Error(path.substr(0, 64), "schema nested too deeply");
+    }
+    absl::StatusOr<std::string> out = VisitSchema(s, path);
+    --depth_;
+    return out;
+  }
+
+  absl::StatusOr<std::string> VisitSchema(const json& s, const std::string& path) {
     if (s.is_boolean()) {
       if (s.get<bool>()) return std::string("value");
       return Error(path, "the schema 'false' matches nothing");
@@ -266,6 +276,7 @@ class SchemaConverter {
   }
 
   const json& root_;
+  int depth_ = 0;
   std::map<std::string, std::string> rules_;
   absl::flat_hash_map<std::string, std::string> refs_;
 };

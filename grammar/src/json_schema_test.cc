@@ -175,7 +175,20 @@ TEST(RegexTest, AgreesWithStdRegex) {
   }
 }
 
+TEST(JsonSchemaTest, DeepNestingIsAnErrorNotACrash) {
+  std::string schema;
+  for (int i = 0; i < 5000; ++i) schema += R"({"type": "array", "items": )";
+  schema += "{}" + std::string(5000, '}');
+  auto gbnf = JsonSchemaToGbnf(std::string_view(schema));
+  ASSERT_FALSE(gbnf.ok());
+  EXPECT_THAT(std::string(gbnf.status().message()), HasSubstr("nested too deeply"));
+}
+
 TEST(RegexTest, RefusesWhatItCannotExpress) {
+  EXPECT_THAT(
+      std::string(
+          RegexToGbnf(std::string(100000, '(') + std::string(100000, ')')).status().message()),
+      HasSubstr("nested too deeply"));
   EXPECT_THAT(std::string(RegexToGbnf("a(?=b)").status().message()),
               HasSubstr("column 2: lookaround"));
   EXPECT_THAT(std::string(RegexToGbnf("\\bword").status().message()), HasSubstr("not supported"));

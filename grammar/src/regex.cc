@@ -140,6 +140,7 @@ class RegexParser {
   absl::StatusOr<std::string> ParseAtom() {
     char c = Peek();
     if (c == '(') {
+      if (++depth_ > 256) return Error("groups nested too deeply");
       ++pos_;
       if (Peek() == '?') {
         if (Peek(1) == ':') {
@@ -160,6 +161,7 @@ class RegexParser {
       TANDEM_ASSIGN_OR_RETURN(std::string inner, ParseAlternation());
       if (Peek() != ')') return Error("missing ')'");
       ++pos_;
+      --depth_;
       return absl::StrCat("(", inner, ")");
     }
     if (c == '[') return ParseClass();
@@ -303,6 +305,7 @@ class RegexParser {
   std::string_view re_;
   bool json_;
   size_t pos_ = 0;
+  int depth_ = 0;
 };
 
 }  // namespace
