@@ -22,7 +22,7 @@ constexpr const char* kJsonRules = R"(ws ::= [ \t\n\r]{0,20}
 string ::= "\"" char* "\""
 char ::= [^"\\\x00-\x1F] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})
 integer ::= "-"? ("0" | [1-9] [0-9]{0,17})
-number ::= integer ("." [0-9]{1,16})? ([eE] [-+]? [0-9]{1,3})?
+number ::= integer ("." [0-9]{1,16})? ([eE] [-+]? [0-9]{1,2})?
 boolean ::= "true" | "false"
 null ::= "null"
 value ::= object | array | string | number | boolean | null

@@ -23,9 +23,36 @@ std::shared_ptr<const CompiledGrammar> CompileSchema(const ordered_json& schema)
   return gbnf.ok() ? CompileGbnf(*gbnf) : nullptr;
 }
 
+// An exponent of three or more digits outside strings (the grammars allow two, so that every
+// number fits a double).
+bool HasLongExponent(std::string_view text) {
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (in_string) {
+      if (text[i] == '\\') {
+        ++i;
+      } else if (text[i] == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (text[i] == '"') {
+      in_string = true;
+    } else if ((text[i] == 'e' || text[i] == 'E') && i + 1 < text.size()) {
+      size_t j = i + 1;
+      if (text[j] == '-' || text[j] == '+') ++j;
+      size_t digits = 0;
+      while (j < text.size() && text[j] >= '0' && text[j] <= '9') ++j, ++digits;
+      if (digits >= 3) return true;
+    }
+  }
+  return false;
+}
+
 // Whether `text` is a JSON document valid against the schema, by nlohmann-json and the test's
 // own validator. The grammars produce no whitespace before or after the document.
 bool ExpectedValid(const ordered_json& schema, std::string_view text) {
+  if (HasLongExponent(text)) return false;
   const std::string_view kWhitespace = " \t\n\r";
   if (text.empty() || kWhitespace.find(text.front()) != std::string_view::npos ||
       kWhitespace.find(text.back()) != std::string_view::npos) {
@@ -38,7 +65,7 @@ bool ExpectedValid(const ordered_json& schema, std::string_view text) {
 TEST(JsonSchemaTest, RandomSchemasAcceptValidAndRejectInvalidDocuments) {
   testing::SchemaFuzzer fuzz(20261125);
   int valid_seen = 0, invalid_seen = 0;
-  for (int round = 0; round < 150; ++round) {
+  for (int round = 0; round < 400; ++round) {
     ordered_json schema = fuzz.Schema();
     auto g = CompileSchema(schema);
     ASSERT_NE(g, nullptr);

@@ -74,12 +74,12 @@ TEST(GrammarMatcherTest, MaskEqualsBruteForceAlongRandomWalks) {
   testing::SchemaFuzzer fuzz(11);
   const int n = SyntheticVocabulary()->size();
   std::vector<std::string> grammars = {JsonObjectGbnf(), *RegexToGbnf("(ab|c)*[0-9]{2,3}\"?")};
-  for (int i = 0; i < 12; ++i) grammars.push_back(*JsonSchemaToGbnf(fuzz.Schema()));
+  for (int i = 0; i < 40; ++i) grammars.push_back(*JsonSchemaToGbnf(fuzz.Schema()));
   for (const std::string& gbnf : grammars) {
     auto compiled = Compile(gbnf);
     GrammarMatcher m(compiled);
     TokenMask mask;
-    for (int step = 0; step < 40 && !m.IsTerminated(); ++step) {
+    for (int step = 0; step < 60 && !m.IsTerminated(); ++step) {
       m.FillNextTokenMask(mask);
       std::vector<int32_t> allowed = Allowed(mask, n);
       ASSERT_EQ(allowed, BruteForce(m, n)) << gbnf << "\nstep " << step;
@@ -93,7 +93,7 @@ TEST(GrammarMatcherTest, RandomWalksEndInValidDocuments) {
   testing::SchemaFuzzer fuzz(23);
   const auto vocab = SyntheticVocabulary();
   int finished = 0;
-  for (int round = 0; round < 80; ++round) {
+  for (int round = 0; round < 200; ++round) {
     ordered_json schema = fuzz.Schema();
     auto compiled = Compile(*JsonSchemaToGbnf(schema));
     GrammarMatcher m(compiled);
@@ -115,7 +115,7 @@ TEST(GrammarMatcherTest, RandomWalksEndInValidDocuments) {
     ASSERT_FALSE(doc.is_discarded()) << schema.dump() << "\n" << text;
     EXPECT_TRUE(testing::Validate(schema, schema, doc)) << schema.dump() << "\n" << text;
   }
-  EXPECT_EQ(finished, 80);
+  EXPECT_EQ(finished, 200);
 }
 
 TEST(GrammarMatcherTest, StopOnlyWhenCompleteAndNothingAfterIt) {

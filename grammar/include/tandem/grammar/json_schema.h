@@ -20,7 +20,7 @@ namespace tandem::grammar {
 // `examples`, ...) are ignored. Other constraints (`minimum`, `allOf`, `oneOf`, ...) are an
 // InvalidArgument naming the keyword and its JSON pointer. No whitespace before or after the
 // document, at most 20 characters between tokens; integers have at most 18 digits, fractions 16,
-// exponents 3.
+// exponents 2 (so every number fits a double).
 absl::StatusOr<std::string> JsonSchemaToGbnf(const nlohmann::ordered_json& schema);
 // The same; a nlohmann::json object holds its keys sorted, so properties come sorted by name.
 absl::StatusOr<std::string> JsonSchemaToGbnf(const nlohmann::json& schema);
