@@ -2,6 +2,7 @@
 // and an independent validator for the subset (it shares no code with the grammar side).
 #pragma once
 
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -164,7 +165,45 @@ inline size_t CodePoints(const std::string& s) {
   return n;
 }
 
-// The subset's validation rules, written from the JSON Schema specification.
+// Whether some object in `text` (JSON) names a key twice; false when `text` is not JSON.
+inline bool HasDuplicateKeys(std::string_view text) {
+  struct Handler : nlohmann::json_sax<ordered_json> {
+    std::vector<std::vector<std::string>> keys;
+    bool duplicate = false;
+    bool null() override { return true; }
+    bool boolean(bool) override { return true; }
+    bool number_integer(number_integer_t) override { return true; }
+    bool number_unsigned(number_unsigned_t) override { return true; }
+    bool number_float(number_float_t, const string_t&) override { return true; }
+    bool string(string_t&) override { return true; }
+    bool binary(binary_t&) override { return true; }
+    bool start_object(std::size_t) override {
+      keys.emplace_back();
+      return true;
+    }
+    bool key(string_t& k) override {
+      auto& seen = keys.back();
+      duplicate |= std::find(seen.begin(), seen.end(), k) != seen.end();
+      seen.push_back(k);
+      return true;
+    }
+    bool end_object() override {
+      keys.pop_back();
+      return true;
+    }
+    bool start_array(std::size_t) override { return true; }
+    bool end_array() override { return true; }
+    bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
+      return false;
+    }
+  } handler;
+  ordered_json::sax_parse(text, &handler, nlohmann::detail::input_format_t::json,
+                          /*strict=*/true);
+  return handler.duplicate;
+}
+
+// The subset's validation rules, written from the JSON Schema specification, plus the one
+// thing the grammars fix that JSON Schema leaves open: properties come in the schema's order.
 inline bool Validate(const ordered_json& s, const ordered_json& root, const ordered_json& doc) {
   if (s.is_boolean()) return s.get<bool>();
   if (s.contains("$ref")) {
@@ -219,6 +258,17 @@ inline bool Validate(const ordered_json& s, const ordered_json& root, const orde
       }
     }
     if (s.contains("properties")) {
+      // The grammars write properties in the schema's order.
+      int last = -1;
+      for (const auto& [key, value] : doc.items()) {
+        int at = 0;
+        for (const auto& [declared, unused] : s["properties"].items()) {
+          if (declared == key) break;
+          ++at;
+        }
+        if (at < last) return false;
+        last = at;
+      }
       for (const auto& [key, value] : doc.items()) {
         if (!s["properties"].contains(key)) {
           if (s.value("additionalProperties", true) == false) return false;
