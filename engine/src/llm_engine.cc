@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/kernels/cuda_backend.h"
+#include "disagg_role.h"
 
 namespace tandem::engine {
 
@@ -64,10 +65,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
   }
   std::unique_ptr<LlmEngine> engine(new LlmEngine());
   engine->options_ = options;
-  engine->telemetry_ = StepTelemetry(options.step_trace,
-                                     options.role == EngineRole::kPrefill  ? "prefill"
-                                     : options.role == EngineRole::kDecode ? "decode"
-                                                                           : "colocated");
+  engine->role_ = std::make_unique<internal::DisaggRole>(options.role);
+  engine->telemetry_ = StepTelemetry(options.step_trace, engine->role_->name());
   TANDEM_ASSIGN_OR_RETURN(engine->checkpoint_, Checkpoint::Open(options.model_dir));
   TANDEM_ASSIGN_OR_RETURN(engine->tokenizer_,
                           text::Tokenizer::FromFile(options.model_dir + "/tokenizer.json"));
@@ -184,8 +183,7 @@ void LlmEngine::Abort(const std::string& request_id) {
   }
   requests_.erase(it);
   // First tokens of an AddPrefilled request not yet returned by Step() are dropped with it.
-  std::erase_if(pending_outputs_,
-                [&](const RequestOutput& out) { return out.request_id == request_id; });
+  role_->DropFirstTokens(request_id);
 }
 
 void LlmEngine::FinishChoice(Choice& choice, FinishReason reason, ChoiceDelta& delta) {
@@ -234,15 +232,13 @@ void LlmEngine::ProcessToken(Request& request, Choice& choice, int32_t token, Ch
                                         static_cast<int>(seq.tokens.size()) >= max_model_len_)) {
     reason = FinishReason::kLength;
   }
-  if (reason == FinishReason::kNone && options_.role == EngineRole::kPrefill) {
-    reason = FinishReason::kPrefilled;
-  }
-
-  if (reason == FinishReason::kPrefilled) {
+  if (reason == FinishReason::kNone && role_->HandsOverPrefilled()) {
     // The decode engine detokenizes from the first token on; this engine emits no text.
-    handoffs_.push_back({request.id, seq.choice_index, token, seq.last_logprob,
-                         seq.last_top_logprobs, seq.rng.state(), seq.block_table});
-    FinishChoice(choice, reason, delta);
+    delta.finish_reason = FinishReason::kPrefilled;
+    PrefillHandoff handoff{request.id,         seq.choice_index,        token,
+                           seq.last_logprob,   seq.last_top_logprobs,   seq.rng.state()};
+    handoff.blocks = HandOver(choice);
+    role_->AddHandoff(std::move(handoff));
     return;
   }
   if (reason != FinishReason::kNone) {
@@ -267,10 +263,9 @@ void LlmEngine::ReleaseHeld(const Request& request, Choice& choice, std::string&
 }
 
 // The serving loop's one step: schedule, execute, sample, process the outputs. What is measured
-// about it lives in telemetry_, what a role does with finished prompts in ProcessToken.
+// about it lives in telemetry_, what its role changes in role_ (the hand-over at HandOver).
 absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
-  std::vector<RequestOutput> outputs;
-  outputs.swap(pending_outputs_);
+  std::vector<RequestOutput> outputs = role_->TakeFirstTokens();
   if (!scheduler_->has_work()) return outputs;
   if (options_.before_step && !options_.before_step()) return outputs;
   telemetry_.BeginStep();
@@ -353,11 +348,20 @@ void LlmEngine::FinishOutputs(std::vector<RequestOutput>& outputs) {
   }
 }
 
-std::vector<PrefillHandoff> LlmEngine::TakeHandoffs() {
-  std::vector<PrefillHandoff> out;
-  out.swap(handoffs_);
-  return out;
+bool LlmEngine::has_unfinished() const {
+  return !requests_.empty() || role_->has_first_tokens();
 }
+
+BlockTable LlmEngine::HandOver(Choice& choice) {
+  Sequence& seq = *choice.seq;
+  scheduler_->Finish(&seq, FinishReason::kPrefilled);  // keeps the blocks
+  choice.done = true;
+  BlockTable blocks = std::move(seq.block_table);
+  seq.block_table.clear();
+  return blocks;
+}
+
+std::vector<PrefillHandoff> LlmEngine::TakeHandoffs() { return role_->TakeHandoffs(); }
 
 void LlmEngine::ReleaseHandoff(const PrefillHandoff& handoff) {
   BlockTable blocks = handoff.blocks;
@@ -461,7 +465,7 @@ absl::Status LlmEngine::AddPrefilled(GenerateRequest request,
       std::all_of(req->choices.begin(), req->choices.end(), [](const Choice& c) { return c.done; });
   if (!out.finished) requests_[req->id] = std::move(req);
   // Continued samples emit nothing until their next token.
-  if (!out.choices.empty()) pending_outputs_.push_back(std::move(out));
+  if (!out.choices.empty()) role_->AddFirstTokens(std::move(out));
   return absl::OkStatus();
 }
 
@@ -470,19 +474,15 @@ absl::StatusOr<std::vector<ParkedSample>> LlmEngine::Park(const std::string& req
   if (it == requests_.end()) {
     return absl::NotFoundError(absl::StrCat("request ", request_id, " is not running"));
   }
-  for (const RequestOutput& out : pending_outputs_) {
-    if (out.request_id == request_id) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("request ", request_id, " has output not yet returned by Step()"));
-    }
+  if (role_->HasFirstTokens(request_id)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("request ", request_id, " has output not yet returned by Step()"));
   }
   Request& request = *it->second;
   std::vector<ParkedSample> parked;
   for (Choice& choice : request.choices) {
     if (choice.done) continue;
-    Sequence& seq = *choice.seq;
-    // kPrefilled keeps the blocks; they are the caller's from here on.
-    scheduler_->Finish(&seq, FinishReason::kPrefilled);
+    const Sequence& seq = *choice.seq;
     ParkedSample& p = parked.emplace_back();
     p.choice_index = seq.choice_index;
     p.state.generated.assign(seq.tokens.begin() + seq.num_prompt_tokens, seq.tokens.end());
@@ -490,13 +490,11 @@ absl::StatusOr<std::vector<ParkedSample>> LlmEngine::Park(const std::string& req
     // The last sampled token's KV is never in the cache yet.
     p.state.num_kv_tokens =
         std::min(seq.num_computed_tokens, static_cast<int>(seq.tokens.size()) - 1);
-    p.state.blocks = std::move(seq.block_table);
-    seq.block_table.clear();
+    p.state.blocks = HandOver(choice);  // the caller's from here on
     if (p.state.num_kv_tokens <= 0) {
       blocks_->Free(p.state.blocks);
       p.state.num_kv_tokens = 0;
     }
-    choice.done = true;
   }
   requests_.erase(it);
   return parked;
@@ -509,7 +507,7 @@ void LlmEngine::ApplySloLimits() {
   // Share of the TTFT target one step may take: a request arriving mid-step waits at most this
   // before its first chunk runs.
   constexpr double kTtftStepShare = 0.25;
-  if (options_.tpot_slo_seconds > 0 && options_.role != EngineRole::kPrefill) {
+  if (options_.tpot_slo_seconds > 0 && role_->SizesDecodeBatch()) {
     std::vector<int64_t> contexts;
     contexts.reserve(scheduler_->running().size());
     // A decode step reads each sequence's computed tokens plus the one it runs.
@@ -526,7 +524,7 @@ void LlmEngine::ApplySloLimits() {
     const int keep = std::min(telemetry_.last_step_seqs(), scheduler_->num_running());
     scheduler_->set_max_running(std::max(decode_batch_limit_, keep));
   }
-  if (options_.ttft_slo_seconds > 0 && options_.role != EngineRole::kDecode) {
+  if (options_.ttft_slo_seconds > 0 && role_->SizesPrefillSteps()) {
     scheduler_->set_token_budget(PrefillTokenBudget(telemetry_.latency_model(), options_.max_num_batched_tokens,
                                                     options_.block_size, options_.block_size,
                                                     kTtftStepShare * options_.ttft_slo_seconds));

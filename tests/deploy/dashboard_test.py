@@ -23,10 +23,10 @@ def exported_metrics(source_dir):
     workers and the engine's own families, histogram series included."""
     names = set()
     register = re.compile(r'registry\.(Counter|Gauge|Histogram)\(\s*"(tandem_\w+)"')
-    for folder in ("router", "prefill_worker", "decode_worker", "cluster", "engine"):
+    for folder in ("router", "worker", "prefill_worker", "decode_worker", "cluster", "engine"):
         for root, _, files in os.walk(os.path.join(source_dir, folder)):
             for f in files:
-                if not f.endswith(".cc") or f.endswith("_test.cc"):
+                if not f.endswith((".cc", ".h")) or f.endswith("_test.cc"):
                     continue
                 with open(os.path.join(root, f)) as src:
                     for kind, name in register.findall(src.read()):

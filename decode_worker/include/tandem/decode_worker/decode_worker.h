@@ -16,30 +16,14 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "tandem/engine/llm_engine.h"
-#include "tandem/proto/tls.h"
 #include "tandem/v1/worker.pb.h"
+#include "tandem/worker/worker_core.h"
 
 namespace tandem::decode_worker {
 
-struct DecodeWorkerOptions {
-  // The engine; its role is set to decode.
-  engine::EngineOptions engine;
-  // Reported in Stats and Handshake; empty: "decode-<pid>".
-  std::string worker_id;
-  // host:port the gRPC control plane listens on; port 0 picks a free one (see grpc_address()).
-  std::string grpc_address = "127.0.0.1:0";
-  // Mutual TLS on the control plane: callers must present a certificate signed by `tls.ca`.
-  // Empty: plaintext.
-  proto::TlsFiles tls;
-  // host:port of an HTTP listener serving GET /metrics (Prometheus) and GET /health; empty for
-  // none. Port 0 picks a free one (see metrics_port()).
-  std::string metrics_address;
-  // The kvtransfer backend the KV cache is registered with: "ucx" (between processes) or "local"
-  // (prefill worker in the same process).
-  std::string kv_backend = "ucx";
-  // ucx: where the transfer listener binds (must be reachable by the prefill workers).
-  std::string kv_listen_host = "127.0.0.1";
+// The options every worker has (worker::WorkerOptions: engine, worker_id, grpc_address, tls,
+// metrics_address, kv_backend, kv_listen_host; the engine's role is set to decode), and:
+struct DecodeWorkerOptions : worker::WorkerOptions {
   // Longest a reservation may wait for Start; a ReserveRequest deadline further out (or none)
   // is cut to this.
   absl::Duration max_reservation_ttl = absl::Seconds(60);

@@ -30,6 +30,9 @@
 #include "tandem/text/tokenizer.h"
 
 namespace tandem::engine {
+namespace internal {
+class DisaggRole;
+}  // namespace internal
 
 // Tokens [begin, end) of one sample whose K and V a step has just written in one layer; see
 // EngineOptions::on_layer_kv_written. `blocks` is the sample's block table (valid during the
@@ -107,7 +110,7 @@ class LlmEngine {
   void Abort(const std::string& request_id);
   // Runs one scheduler step and returns what each progressed request produced.
   absl::StatusOr<std::vector<RequestOutput>> Step();
-  bool has_unfinished() const { return !requests_.empty() || !pending_outputs_.empty(); }
+  bool has_unfinished() const;
 
   // --- prefill role ---
   // Hand-offs of the samples that finished their prefill since the last call. Their blocks
@@ -160,6 +163,10 @@ class LlmEngine {
   // Applies one sampled token to a choice: stop checks, detokenization, delta.
   void ProcessToken(Request& request, Choice& choice, int32_t token, ChoiceDelta& delta);
   void FinishChoice(Choice& choice, FinishReason reason, ChoiceDelta& delta);
+  // The one point where KV blocks change hands: the choice's sequence leaves the scheduler with
+  // its blocks kept (finish reason kPrefilled), and they are returned, now the caller's. Used by
+  // a prefill hand-off and by Park.
+  BlockTable HandOver(Choice& choice);
   // Moves the part of `choice.held` that can no longer begin a stop string into `text`.
   void ReleaseHeld(const Request& request, Choice& choice, std::string& text);
   // Sets the scheduler's dynamic limits from the SLO targets and the latency model.
@@ -184,8 +191,9 @@ class LlmEngine {
   int max_model_len_ = 0;
   int64_t next_seq_id_ = 0;
   std::map<std::string, std::unique_ptr<Request>> requests_;
-  std::vector<PrefillHandoff> handoffs_;        // prefill role: not yet taken
-  std::vector<RequestOutput> pending_outputs_;  // decode role: first tokens of AddPrefilled
+  // What the role (prefill, decode, colocated) changes: hand-offs held, first tokens of
+  // prefilled requests, which SLO controller runs.
+  std::unique_ptr<internal::DisaggRole> role_;
   std::vector<KvWritten> step_writes_;          // of the running step, for on_layer_kv_written
   int decode_batch_limit_ = 0;  // the TPOT controller's cap; 0 without one
   StepTelemetry telemetry_{nullptr, "colocated"};  // set up by Create

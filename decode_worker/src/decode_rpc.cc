@@ -1,0 +1,423 @@
+// The decode worker's RPCs: their checks on the gRPC thread, their bodies on the engine loop.
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "decode_worker_impl.h"
+#include "tandem/base/status_macros.h"
+#include "tandem/proto/wire.h"
+
+namespace tandem::decode_worker::internal {
+
+// --- RPC bodies -------------------------------------------------------------------------------
+
+void DecodeWorkerImpl::Reserve(const tandem::v1::ReserveRequest& request,
+                               UnaryCall<tandem::v1::ReserveResponse>* call) {
+  const absl::Status valid = [&]() -> absl::Status {
+    if (request.request_id().empty()) return absl::InvalidArgumentError("request_id is empty");
+    if (request.num_prompt_tokens() <= 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("num_prompt_tokens must be positive, got ", request.num_prompt_tokens()));
+    }
+    if (request.n() < 0 || request.n() > kMaxReserveSamples) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("n must be in [0, ", kMaxReserveSamples, "], got ", request.n()));
+    }
+    if (request.max_tokens() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("max_tokens must not be negative, got ", request.max_tokens()));
+    }
+    return absl::OkStatus();
+  }();
+  if (!valid.ok()) return call->Answer(valid);
+  const absl::Time now = absl::Now();
+  const absl::Time deadline = worker::FromUnixMillisOrInfinite(request.deadline_unix_ms());
+  if (deadline <= now) {
+    return call->Answer(absl::DeadlineExceededError(absl::StrCat(
+        "the reservation deadline passed ", absl::FormatDuration(now - deadline), " ago")));
+  }
+  const absl::Time expires = std::min(now + options_.max_reservation_ttl, deadline);
+  worker::AnswerOnLoop<tandem::v1::ReserveResponse>(
+      core_->loop(), call,
+      [this, request, expires]() -> absl::StatusOr<tandem::v1::ReserveResponse> {
+        TANDEM_ASSIGN_OR_RETURN(tandem::v1::KvReservation reservation,
+                                ReserveOnLoop(request, expires));
+        tandem::v1::ReserveResponse response;
+        *response.mutable_reservation() = std::move(reservation);
+        return response;
+      },
+      Stopped());
+}
+
+absl::StatusOr<tandem::v1::KvReservation> DecodeWorkerImpl::ReserveOnLoop(
+    const tandem::v1::ReserveRequest& request, absl::Time expires) {
+  if (!core_->accepting()) return ShuttingDown();
+  const int64_t total = static_cast<int64_t>(request.num_prompt_tokens()) + request.max_tokens();
+  if (total > engine_->max_model_len()) {
+    return absl::InvalidArgumentError(absl::StrCat("num_prompt_tokens + max_tokens = ", total,
+                                                   " exceeds the model's context length ",
+                                                   engine_->max_model_len()));
+  }
+  if (reserved_request_.count(request.request_id()) > 0 ||
+      running_.count(request.request_id()) > 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("request ", request.request_id(), " already exists here"));
+  }
+  if (OverBatchLimit(std::max(1, request.n()))) {
+    metrics_.slo_refusals.Increment();
+    return absl::ResourceExhaustedError(absl::StrCat("the running batch is at its TPOT limit of ",
+                                                     engine_->stats().batch_limit, " sequences"));
+  }
+  Reservation reservation;
+  reservation.request_id = request.request_id();
+  reservation.num_prompt_tokens = request.num_prompt_tokens();
+  reservation.n = std::max(1, request.n());
+  reservation.expires = expires;
+  for (int i = 0; i < reservation.n; ++i) {
+    absl::StatusOr<engine::BlockTable> blocks = engine_->ReserveBlocks(request.num_prompt_tokens());
+    if (!blocks.ok()) {
+      for (engine::BlockTable& b : reservation.blocks) engine_->FreeReservation(b);
+      return absl::ResourceExhaustedError(
+          absl::StrCat("not enough free KV blocks for ", reservation.n, " x ",
+                       request.num_prompt_tokens(), " prompt tokens: ", blocks.status().message()));
+    }
+    reservation.blocks.push_back(std::move(*blocks));
+  }
+  const std::string id = absl::StrCat(options_.worker_id, "-", next_reservation_++);
+  tandem::v1::KvReservation out;
+  out.set_reservation_id(id);
+  for (const engine::BlockTable& blocks : reservation.blocks) {
+    for (int32_t b : blocks) out.add_block_ids(b);
+  }
+  out.set_blocks_per_choice(static_cast<int>(reservation.blocks.front().size()));
+  *out.mutable_endpoint() = core_->kv().Describe();
+  out.set_expires_unix_ms(absl::ToUnixMillis(expires));
+  reserved_request_[reservation.request_id] = id;
+  reservations_[id] = std::move(reservation);
+  // Unstarted, it keeps its blocks a grace period past its expiry (late transfers may land).
+  core_->loop().SetDeadline(ReservationKey(id), expires + kExpiryGrace, [this, id] {
+    auto it = reservations_.find(id);
+    if (it == reservations_.end()) return;
+    DropReservation(it);
+    metrics_.expired.Increment();
+    PublishStats();
+  });
+  PublishStats();
+  return out;
+}
+
+void DecodeWorkerImpl::Release(const std::string& reservation_id,
+                               UnaryCall<tandem::v1::ReleaseResponse>* call) {
+  worker::AnswerOnLoop<tandem::v1::ReleaseResponse>(
+      core_->loop(), call,
+      [this, reservation_id]() -> absl::StatusOr<tandem::v1::ReleaseResponse> {
+        TANDEM_ASSIGN_OR_RETURN(bool released, ReleaseOnLoop(reservation_id));
+        tandem::v1::ReleaseResponse response;
+        response.set_released(released);
+        return response;
+      },
+      Stopped());
+}
+
+absl::StatusOr<bool> DecodeWorkerImpl::ReleaseOnLoop(const std::string& reservation_id) {
+  auto it = reservations_.find(reservation_id);
+  // An expired reservation is left to the expiry sweep: a late transfer may land in it.
+  if (it == reservations_.end() || absl::Now() > it->second.expires) return false;
+  DropReservation(it);
+  PublishStats();
+  return true;
+}
+
+grpc::ServerWriteReactor<tandem::v1::TokenEvent>* DecodeWorkerImpl::Start(
+    const tandem::v1::StartRequest& request) {
+  const std::string id = request.request_id();
+  // The client going away ends the request; the stream is compared so that a later Start of
+  // the same id is not ended by an earlier call.
+  std::shared_ptr<TokenStream> stream = TokenStream::Create([this, id](const TokenStream* gone) {
+    core_->loop().Post([this, id, gone] { AbandonStream(id, gone); });
+  });
+  if (id.empty()) {
+    stream->Fail(absl::InvalidArgumentError("request_id is empty"));
+  } else if (!core_->loop().Post([this, request, stream] {
+               absl::Status started = StartOnLoop(request, stream);
+               if (!started.ok()) stream->Fail(started);
+             })) {
+    stream->Fail(Stopped());
+  }
+  return stream->reactor();
+}
+absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& request,
+                                           std::shared_ptr<TokenStream> stream) {
+  if (!core_->accepting()) return ShuttingDown();
+  auto it = reservations_.find(request.reservation_id());
+  if (it == reservations_.end() || absl::Now() > it->second.expires) {
+    return absl::NotFoundError(absl::StrCat("reservation '", request.reservation_id(),
+                                            "' is unknown, released or expired"));
+  }
+  Reservation& reservation = it->second;
+  if (request.choices_size() != reservation.n) {
+    return absl::InvalidArgumentError(absl::StrCat("the reservation is for ", reservation.n,
+                                                   " samples but ", request.choices_size(),
+                                                   " choices were sent"));
+  }
+  if (running_.count(request.request_id()) > 0) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("request ", request.request_id(), " is already running"));
+  }
+  engine::GenerateRequest generate;
+  generate.request_id = request.request_id();
+  generate.prompt_tokens.assign(request.prompt_token_ids().begin(),
+                                request.prompt_token_ids().end());
+  generate.params = proto::FromProto(request.sampling());
+  if (!request.sampling().has_n()) generate.params.n = reservation.n;
+  std::vector<engine::PrefilledChoice> choices(reservation.n);
+  std::vector<bool> seen(reservation.n, false);
+  for (const tandem::v1::PrefilledChoice& wire : request.choices()) {
+    if (wire.index() < 0 || wire.index() >= reservation.n || seen[wire.index()]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "choice index ", wire.index(), " is out of range or repeated (n = ", reservation.n, ")"));
+    }
+    seen[wire.index()] = true;
+    absl::StatusOr<engine::PrefilledChoice> choice = proto::FromProto(wire);
+    if (!choice.ok()) return choice.status();
+    const int prompt_len = request.prompt_token_ids_size();
+    if (choice->generated.empty()) {
+      if (prompt_len != reservation.num_prompt_tokens) {
+        return absl::InvalidArgumentError(absl::StrCat("the prompt has ", prompt_len,
+                                                       " tokens but the reservation is for ",
+                                                       reservation.num_prompt_tokens));
+      }
+    } else {
+      // A continuation after a KV handoff: the reservation holds the KV of the first
+      // num_prompt_tokens tokens of prompt + generated.
+      const int total = prompt_len + static_cast<int>(choice->generated.size());
+      if (reservation.num_prompt_tokens >= total) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "choice ", wire.index(), " continues ", prompt_len, " prompt + ",
+            choice->generated.size(), " generated tokens, but the reservation holds the KV of ",
+            reservation.num_prompt_tokens, " (want fewer than all)"));
+      }
+      choice->num_kv_tokens = reservation.num_prompt_tokens;
+    }
+    choice->blocks = reservation.blocks[wire.index()];
+    choices[wire.index()] = std::move(*choice);
+  }
+  // On refusal the reservation stays as it was (Release or expiry frees it).
+  TANDEM_RETURN_IF_ERROR(engine_->AddPrefilled(std::move(generate), std::move(choices)));
+  // The engine owns the blocks now.
+  Running running;
+  running.stream = std::move(stream);
+  running.finished.assign(reservation.n, false);
+  running.num_prompt_tokens = request.prompt_token_ids_size();
+  core_->loop().ClearDeadline(ReservationKey(it->first));
+  reserved_request_.erase(reservation.request_id);
+  reservations_.erase(it);
+  running_[request.request_id()] = std::move(running);
+  metrics_.requests.Increment();
+  PublishStats();
+  return absl::OkStatus();
+}
+
+void DecodeWorkerImpl::AbandonStream(const std::string& request_id, const TokenStream* stream) {
+  auto it = running_.find(request_id);
+  if (it == running_.end() || it->second.stream.get() != stream) return;
+  EndRunning(request_id, absl::CancelledError("the Start call was cancelled"));
+}
+
+void DecodeWorkerImpl::Cancel(const std::string& request_id,
+                              UnaryCall<tandem::v1::CancelResponse>* call) {
+  worker::AnswerOnLoop<tandem::v1::CancelResponse>(
+      core_->loop(), call,
+      [this, request_id]() -> absl::StatusOr<tandem::v1::CancelResponse> {
+        TANDEM_ASSIGN_OR_RETURN(bool found, CancelOnLoop(request_id));
+        tandem::v1::CancelResponse response;
+        response.set_found(found);
+        return response;
+      },
+      Stopped());
+}
+
+absl::StatusOr<bool> DecodeWorkerImpl::CancelOnLoop(const std::string& request_id) {
+  bool found = false;
+  if (running_.count(request_id) > 0) {
+    EndRunning(request_id, absl::OkStatus());
+    found = true;
+  }
+  if (FreeParked(request_id, /*expired=*/false)) found = true;
+  auto it = reserved_request_.find(request_id);
+  if (it != reserved_request_.end()) {
+    auto r = reservations_.find(it->second);
+    // An expired reservation is left to the expiry sweep: a late transfer may land in it.
+    if (r != reservations_.end() && absl::Now() <= r->second.expires) {
+      DropReservation(r);
+      found = true;
+    }
+  }
+  PublishStats();
+  return found;
+}
+
+absl::StatusOr<DecodeWorkerImpl::HandoffPlan> DecodeWorkerImpl::PlanHandoff(
+    const tandem::v1::HandoffRequest& request) {
+  const std::string& id = request.request_id();
+  const int index = request.index();
+  const tandem::v1::KvReservation& reservation = request.reservation();
+  auto it = parked_.find(id);
+  if (it == parked_.end() || absl::Now() > it->second.expires) {
+    return absl::NotFoundError(absl::StrCat("request ", id,
+                                            " has no parked KV here (unknown, handed off, "
+                                            "cancelled or expired)"));
+  }
+  auto sample = it->second.samples.find(index);
+  if (sample == it->second.samples.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("sample ", index, " of request ", id, " is not parked here"));
+  }
+  ParkedSample& parked = sample->second;
+  if (parked.transferring) {
+    return absl::AbortedError(
+        absl::StrCat("sample ", index, " of request ", id, " is being handed off already"));
+  }
+  const engine::KvCacheLayout& src = core_->kv().cache_layout();
+  const int block_size = src.block_size;
+  const int need = (parked.num_kv_tokens + block_size - 1) / block_size;
+  const int per_choice = reservation.blocks_per_choice();
+  if (per_choice < need) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the reservation has ", per_choice, " blocks per sample but the KV of ",
+                     parked.num_kv_tokens, " tokens takes ", need, " blocks of ", block_size));
+  }
+  const int64_t first = static_cast<int64_t>(request.target_index()) * per_choice;
+  if (request.target_index() < 0 || first + per_choice > reservation.block_ids_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "target_index ", request.target_index(), " is outside the ", reservation.block_ids_size(),
+        " block ids of the reservation (", per_choice, " per sample)"));
+  }
+  // The endpoint's layout was checked equal to this worker's; only its size differs.
+  engine::KvCacheLayout dst = src;
+  dst.num_blocks = reservation.endpoint().num_blocks();
+  const engine::BlockTable src_blocks(parked.blocks.begin(), parked.blocks.begin() + need);
+  const engine::BlockTable dst_blocks(reservation.block_ids().begin() + first,
+                                      reservation.block_ids().begin() + first + need);
+  TANDEM_ASSIGN_OR_RETURN(std::vector<engine::KvCopyRange> ranges,
+                          engine::KvBlockCopyRanges(src, dst, src_blocks, dst_blocks));
+  HandoffPlan plan;
+  for (const engine::KvCopyRange& r : ranges) {
+    plan.ranges.push_back({r.src_offset, r.dst_offset, r.bytes});
+  }
+  plan.num_kv_tokens = parked.num_kv_tokens;
+  plan.deadline = std::min(absl::Now() + kHandoffTransferMax,
+                           worker::FromUnixMillisOrInfinite(reservation.expires_unix_ms()));
+  parked.transferring = true;
+  return plan;
+}
+
+void DecodeWorkerImpl::EndHandoff(const std::string& id, int index, bool moved, uint64_t bytes,
+                                  double seconds) {
+  auto it = parked_.find(id);
+  if (it == parked_.end()) return;
+  auto sample = it->second.samples.find(index);
+  if (sample == it->second.samples.end()) return;
+  if (moved) {
+    engine_->FreeReservation(sample->second.blocks);
+    it->second.samples.erase(sample);
+    metrics_.handoffs.Increment();
+    metrics_.handoff_bytes.Increment(static_cast<double>(bytes));
+    metrics_.handoff_seconds.Increment(seconds);
+  } else {
+    // Stays parked until it expires (its expiry may have passed during the copy).
+    sample->second.transferring = false;
+    core_->loop().SetDeadline(ParkedKey(id), it->second.expires,
+                              [this, id] { FreeParked(id, /*expired=*/true); });
+  }
+  if (it->second.samples.empty()) {
+    parked_.erase(it);
+    core_->loop().ClearDeadline(ParkedKey(id));
+  }
+  PublishStats();
+}
+
+absl::StatusOr<tandem::v1::HandoffResponse> DecodeWorkerImpl::Handoff(
+    const tandem::v1::HandoffRequest& request) {
+  const std::string& id = request.request_id();
+  const int index = request.index();
+  if (id.empty()) return absl::InvalidArgumentError("request_id is empty");
+  const tandem::v1::TransferEndpoint& endpoint = request.reservation().endpoint();
+  TANDEM_RETURN_IF_ERROR(core_->kv().CheckReceiver(endpoint, "reservation.endpoint"));
+  if (endpoint.region_descriptors_size() != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reservation.endpoint has ", endpoint.region_descriptors_size(),
+                     " region descriptors; a handoff writes into a decode worker's one region"));
+  }
+  absl::StatusOr<HandoffPlan> plan = core_->loop().Call<absl::StatusOr<HandoffPlan>>(
+      [&] { return PlanHandoff(request); }, Stopped());
+  if (!plan.ok()) return plan.status();
+
+  uint64_t bytes = 0;
+  for (const kvtransfer::Range& r : plan->ranges) bytes += r.bytes;
+  const absl::Time begin = absl::Now();
+  absl::Status moved = [&]() -> absl::Status {
+    // A connection of its own: closing it also cancels whatever a failed transfer still has in
+    // flight, so nothing reads the parked blocks once they are given back.
+    kvtransfer::Agent& agent = core_->kv().agent();
+    TANDEM_ASSIGN_OR_RETURN(kvtransfer::PeerId peer,
+                            agent.Connect(endpoint.address(), plan->deadline));
+    auto handle = core_->kv().Push(peer, endpoint.region_descriptors(0), std::move(plan->ranges),
+                                   plan->deadline);
+    absl::Status status = handle.ok() ? (*handle)->Wait() : handle.status();
+    agent.Disconnect(peer).IgnoreError();
+    return status;
+  }();
+  const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);
+  core_->loop().Call<bool>(
+      [&] {
+        EndHandoff(id, index, moved.ok(), bytes, seconds);
+        return true;
+      },
+      false);
+  if (!moved.ok()) {
+    const absl::StatusCode code = moved.code() == absl::StatusCode::kInvalidArgument
+                                      ? absl::StatusCode::kInvalidArgument
+                                      : absl::StatusCode::kUnavailable;
+    return absl::Status(code, absl::StrCat("handing off sample ", index, " of request ", id, ": ",
+                                           std::string(moved.message())));
+  }
+  tandem::v1::HandoffResponse response;
+  response.set_num_kv_tokens(plan->num_kv_tokens);
+  response.set_kv_transfer_bytes(static_cast<int64_t>(bytes));
+  response.set_kv_transfer_seconds(seconds);
+  return response;
+}
+
+// --- gRPC -------------------------------------------------------------------------------------
+
+grpc::ServerUnaryReactor* Service::Reserve(grpc::CallbackServerContext*,
+                                           const tandem::v1::ReserveRequest* request,
+                                           tandem::v1::ReserveResponse* response) {
+  return worker::AnswerLater(response, [&](auto* call) { worker_->Reserve(*request, call); });
+}
+
+grpc::ServerUnaryReactor* Service::Release(grpc::CallbackServerContext*,
+                                           const tandem::v1::ReleaseRequest* request,
+                                           tandem::v1::ReleaseResponse* response) {
+  return worker::AnswerLater(
+      response, [&](auto* call) { worker_->Release(request->reservation_id(), call); });
+}
+
+grpc::ServerWriteReactor<tandem::v1::TokenEvent>* Service::Start(
+    grpc::CallbackServerContext*, const tandem::v1::StartRequest* request) {
+  return worker_->Start(*request);
+}
+
+grpc::ServerUnaryReactor* Service::Cancel(grpc::CallbackServerContext*,
+                                          const tandem::v1::CancelRequest* request,
+                                          tandem::v1::CancelResponse* response) {
+  return worker::AnswerLater(response,
+                             [&](auto* call) { worker_->Cancel(request->request_id(), call); });
+}
+
+grpc::Status Service::Handoff(grpc::ServerContext*, const tandem::v1::HandoffRequest* request,
+                              tandem::v1::HandoffResponse* response) {
+  return worker::Answer(worker_->Handoff(*request), response);
+}
+
+}  // namespace tandem::decode_worker::internal

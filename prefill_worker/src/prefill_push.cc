@@ -1,0 +1,376 @@
+// The prefill worker's engine loop: steps, the layer-by-layer KV push into the decode worker's
+// reserved blocks, and the answers once every page has landed.
+#include <algorithm>
+#include <utility>
+
+#include "absl/time/clock.h"
+#include "prefill_worker_impl.h"
+#include "tandem/base/status_macros.h"
+#include "tandem/proto/wire.h"
+
+namespace tandem::prefill_worker::internal {
+
+// ---------------------------------------------------------------------------------------------
+// The engine loop
+
+absl::Duration PrefillWorkerImpl::Iterate() {
+  worker::EngineLoop& loop = core_->loop();
+  if (loop.stopping()) {
+    for (auto& [id, job] : jobs_) {
+      Fail(*job, absl::UnavailableError(
+                     absl::StrCat("request ", id, ": the prefill worker is shutting down")));
+    }
+  } else if (engine_->has_unfinished()) {
+    step_start_ = absl::Now();
+    auto outputs = engine_->Step();
+    if (!outputs.ok() && WaitForHeldBlocks()) {
+      // The scheduler found no room because handed-off samples still hold blocks while their
+      // pages are in flight; those are free now, so the next step goes on.
+    } else if (!outputs.ok()) {
+      for (auto& [id, job] : jobs_) {
+        Fail(*job, absl::InternalError(absl::StrCat("request ", id, ": engine step failed: ",
+                                                    std::string(outputs.status().message()))));
+      }
+    } else {
+      AfterStep(*outputs);
+    }
+  }
+
+  bool transfers = false;
+  for (auto& [id, job] : jobs_) {
+    PollHandles(*job, job->failing());
+    ReleaseIdleHandoffs(*job);
+    transfers = transfers || !job->handles.empty();
+  }
+  const bool force = loop.stopping() && absl::Now() - *loop.stop_since() > kShutdownDrain;
+  std::vector<Answer> answers = FinishJobs(force);
+  UpdateStats();
+  for (Answer& answer : answers) {
+    answer.call->Answer(std::move(answer.result));
+    tandem::v1::CancelResponse found;
+    found.set_found(true);
+    for (UnaryCall<tandem::v1::CancelResponse>* cancel : answer.cancels) cancel->Answer(found);
+  }
+  if (!answers.empty()) idle_.notify_all();
+  if (engine_->has_unfinished() && !loop.stopping()) return absl::ZeroDuration();
+  return transfers ? kTransferPoll : absl::InfiniteDuration();
+}
+
+void PrefillWorkerImpl::AddJob(std::unique_ptr<Job> job) {
+  Job& ref = *job;
+  jobs_.emplace(job->id, std::move(job));  // in_flight_ refuses duplicates before they get here
+  if (core_->loop().stopping()) return Fail(ref, ShuttingDown());
+  if (ref.call_cancelled->load()) {
+    return Fail(ref, absl::CancelledError(
+                         absl::StrCat("request ", ref.id, ": the Submit call was cancelled")));
+  }
+  core_->loop().SetDeadline(ref.id, ref.deadline, [this, &ref] {
+    if (ref.failing()) return;
+    Fail(ref, absl::DeadlineExceededError(absl::StrCat("request ", ref.id, " passed its deadline (",
+                                                       absl::FormatTime(ref.deadline), ")")));
+  });
+  absl::Status added = engine_->AddRequest(ref.request);
+  if (!added.ok()) {
+    Fail(ref, added);
+  } else {
+    ref.admitted = true;
+  }
+}
+
+void PrefillWorkerImpl::CancelJob(const std::string& id, uint64_t serial, absl::Status reason,
+                                  UnaryCall<tandem::v1::CancelResponse>* waiter) {
+  auto it = jobs_.find(id);
+  if (it == jobs_.end() || (serial != 0 && it->second->serial != serial)) {
+    if (waiter != nullptr) {
+      tandem::v1::CancelResponse found;
+      found.set_found(true);  // it was in flight when asked, and is over now
+      waiter->Answer(found);
+    }
+    return;
+  }
+  Fail(*it->second, std::move(reason));
+  if (waiter != nullptr) it->second->cancels.push_back(waiter);
+}
+
+void PrefillWorkerImpl::Fail(Job& job, absl::Status status) {
+  if (job.failure.ok()) job.failure = std::move(status);
+}
+void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> written) {
+  // One transfer per request and layer, with a range per (K or V, block) piece of its tokens.
+  std::map<Job*, std::vector<kvtransfer::Range>> posts;
+  const int bs = cache_layout_.block_size;
+  for (const KvWritten& w : written) {
+    auto it = jobs_.find(w.request_id);
+    if (it == jobs_.end()) continue;
+    Job& job = *it->second;
+    if (job.failing() || w.choice_index < 0 || w.choice_index >= job.n) continue;
+    if (layer == 0) {
+      job.scheduled = std::min(job.scheduled, step_start_);
+      if (w.begin < job.computed[w.choice_index]) {
+        // The sample was preempted and is being recomputed: what it posts now must land after
+        // what it posted before, so let the earlier transfers finish first.
+        for (auto& handle : job.handles) {
+          absl::Status status = handle->Wait();
+          if (!status.ok()) HandleFailed(job, status);
+        }
+        job.handles.clear();
+        job.last_done = absl::Now();
+        if (job.failing()) continue;
+      }
+    }
+    const int end = std::min(w.end, job.prompt_len);
+    std::vector<kvtransfer::Range>& ranges = posts[&job];
+    // The decode worker's cache: one region, or one region per layer.
+    engine::KvCacheLayout dst = cache_layout_;
+    dst.num_blocks = static_cast<int>(job.dst_num_blocks);
+    const int dst_layer = job.descriptors.size() > 1 ? 0 : layer;
+    for (int half = 0; half < 2; ++half) {
+      for (int t = w.begin; t < end;) {
+        const int logical = t / bs;
+        const int slot = t % bs;
+        const int count = std::min(end, (logical + 1) * bs) - t;
+        if (logical >= static_cast<int>(w.blocks->size()) || logical >= job.blocks_per_choice) {
+          break;
+        }
+        const int32_t src_block = (*w.blocks)[logical];
+        const int32_t dst_block =
+            job.dst_blocks[static_cast<size_t>(w.choice_index) * job.blocks_per_choice + logical];
+        ranges.push_back({cache_layout_.Offset(layer, half, src_block, slot),
+                          dst.Offset(dst_layer, half, dst_block, slot),
+                          static_cast<uint64_t>(count) * cache_layout_.row_bytes()});
+        t += count;
+      }
+    }
+    if (layer == num_layers_ - 1) job.computed[w.choice_index] = end;
+  }
+  for (auto& [job, ranges] : posts) {
+    if (!ranges.empty() && !job->failing()) Post(*job, layer, std::move(ranges));
+  }
+}
+
+void PrefillWorkerImpl::Post(Job& job, int layer, std::vector<kvtransfer::Range> ranges) {
+  const std::string& descriptor =
+      job.descriptors.size() > 1 ? job.descriptors[layer] : job.descriptors[0];
+  uint64_t bytes = 0;
+  for (const kvtransfer::Range& r : ranges) bytes += r.bytes;
+  const absl::Time posted = absl::Now();
+  auto handle = core_->kv().Push(job.peer, descriptor, ranges, job.transfer_deadline);
+  // NotFound: another request dropped the cached connection after it failed.
+  auto gone = [](const absl::Status& s) {
+    return s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kNotFound;
+  };
+  if (!handle.ok() && gone(handle.status()) && !job.reconnected) {
+    // The cached connection is gone (e.g. closed after an earlier failure): connect once more.
+    job.reconnected = true;
+    auto peer =
+        core_->kv().Peer(job.peer_address, std::min(job.deadline, absl::Now() + kConnectTimeout),
+                         /*fresh=*/true);
+    if (!peer.ok()) {
+      Fail(job, TransferFailure(job.id, peer.status()));
+      return;
+    }
+    job.peer = *peer;
+    handle = core_->kv().Push(job.peer, descriptor, std::move(ranges), job.transfer_deadline);
+  }
+  if (!handle.ok()) {
+    if (handle.status().code() == absl::StatusCode::kUnavailable) {
+      core_->kv().DropPeer(job.peer_address, job.peer);
+    }
+    Fail(job, TransferFailure(job.id, handle.status()));
+    return;
+  }
+  job.first_post = std::min(job.first_post, posted);
+  job.bytes += bytes;
+  job.handles.push_back(std::move(handle).value());
+  PollHandles(job, false);
+}
+
+void PrefillWorkerImpl::PollHandles(Job& job, bool all) {
+  for (auto it = job.handles.begin(); it != job.handles.end();) {
+    std::optional<absl::Status> status = (*it)->Poll();
+    if (!status.has_value()) {
+      if (!all) return;
+      ++it;
+      continue;
+    }
+    if (status->ok()) {
+      job.last_done = absl::Now();
+    } else {
+      HandleFailed(job, *status);
+    }
+    it = job.handles.erase(it);
+  }
+}
+
+void PrefillWorkerImpl::ReleaseIdleHandoffs(Job& job) {
+  if (!job.handles.empty()) return;
+  for (PrefillHandoff& handoff : job.handoffs) {
+    if (handoff.blocks.empty()) continue;
+    engine_->ReleaseHandoff(handoff);
+    handoff.blocks.clear();
+  }
+}
+
+bool PrefillWorkerImpl::WaitForHeldBlocks() {
+  bool held = false;
+  for (auto& [id, job] : jobs_) {
+    const bool holds = std::any_of(job->handoffs.begin(), job->handoffs.end(),
+                                   [](const PrefillHandoff& h) { return !h.blocks.empty(); });
+    if (!holds) continue;
+    held = true;
+    for (auto& handle : job->handles) {
+      absl::Status status = handle->Wait();  // bounded by the transfer deadline
+      if (status.ok()) {
+        job->last_done = absl::Now();
+      } else {
+        HandleFailed(*job, status);
+      }
+    }
+    job->handles.clear();
+    ReleaseIdleHandoffs(*job);
+  }
+  return held;
+}
+
+void PrefillWorkerImpl::HandleFailed(Job& job, const absl::Status& status) {
+  // The connection is gone, or a transfer outlived the reservation and may still be landing in
+  // blocks the decode worker is about to reuse: closing the connection stops it (and a later
+  // request connects again).
+  if (status.code() == absl::StatusCode::kUnavailable ||
+      status.code() == absl::StatusCode::kCancelled ||
+      status.code() == absl::StatusCode::kDeadlineExceeded) {
+    core_->kv().DropPeer(job.peer_address, job.peer);
+  }
+  Fail(job, TransferFailure(job.id, status));
+}
+
+void PrefillWorkerImpl::AfterStep(const std::vector<engine::RequestOutput>& outputs) {
+  const absl::Time now = absl::Now();
+  for (PrefillHandoff& handoff : engine_->TakeHandoffs()) {
+    auto it = jobs_.find(handoff.request_id);
+    if (it == jobs_.end()) {
+      engine_->ReleaseHandoff(handoff);  // not ours (cannot happen): never leak its blocks
+      continue;
+    }
+    Job& job = *it->second;
+    job.sample_done[handoff.choice_index] = true;
+    job.handoffs.push_back(std::move(handoff));
+  }
+  // A sample whose first token already ends it (EOS, a stop id or string, max_tokens 1) is
+  // finished by the engine instead of handed off; its blocks are freed and the decode worker
+  // only needs the token to finish it the same way.
+  for (const engine::RequestOutput& out : outputs) {
+    auto it = jobs_.find(out.request_id);
+    if (it == jobs_.end()) continue;
+    Job& job = *it->second;
+    for (const engine::ChoiceDelta& delta : out.choices) {
+      if (delta.finish_reason == engine::FinishReason::kNone ||
+          delta.finish_reason == engine::FinishReason::kPrefilled || delta.token_ids.empty() ||
+          delta.index < 0 || delta.index >= job.n || job.sample_done[delta.index]) {
+        continue;
+      }
+      PrefillHandoff handoff;
+      handoff.request_id = job.id;
+      handoff.choice_index = delta.index;
+      handoff.first_token = delta.token_ids[0];
+      if (!delta.logprobs.empty()) handoff.first_logprob = delta.logprobs[0];
+      if (!delta.top_logprobs.empty()) handoff.first_top_logprobs = delta.top_logprobs[0];
+      job.sample_done[delta.index] = true;
+      job.handoffs.push_back(std::move(handoff));
+    }
+  }
+  for (auto& [id, job] : jobs_) {
+    if (job->all_sampled() && job->compute_done == absl::InfiniteFuture()) job->compute_done = now;
+  }
+}
+
+std::vector<Answer> PrefillWorkerImpl::FinishJobs(bool force) {
+  std::vector<Answer> answers;
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    Job& job = *it->second;
+    const bool ready =
+        job.failing() ? job.handles.empty() || force : job.all_sampled() && job.handles.empty();
+    if (!ready) {
+      ++it;
+      continue;
+    }
+    answers.push_back(Complete(job));
+    it = jobs_.erase(it);
+  }
+  return answers;
+}
+
+Answer PrefillWorkerImpl::Complete(Job& job) {
+  core_->loop().ClearDeadline(job.id);
+  // Nothing reads the request's blocks any more (or, forced at shutdown, destroying the agent
+  // stops what still does before the cache goes away): free them.
+  for (auto& handle : job.handles) abandoned_.push_back(std::move(handle));
+  job.handles.clear();
+  if (job.admitted) engine_->Abort(job.id);  // no-op once every sample is handed off
+  for (const PrefillHandoff& handoff : job.handoffs) {
+    if (!handoff.blocks.empty()) engine_->ReleaseHandoff(handoff);
+  }
+  Answer answer{job.call, tandem::v1::SubmitResponse(), std::move(job.cancels)};
+  if (job.failing()) {
+    answer.result = job.failure;
+  } else {
+    std::sort(job.handoffs.begin(), job.handoffs.end(),
+              [](const PrefillHandoff& a, const PrefillHandoff& b) {
+                return a.choice_index < b.choice_index;
+              });
+    tandem::v1::SubmitResponse response;
+    for (const PrefillHandoff& handoff : job.handoffs) {
+      *response.add_choices() = proto::ToProto(handoff.choice_index, handoff);
+    }
+    response.set_num_prompt_tokens(job.prompt_len);
+    response.set_kv_transfer_bytes(job.bytes);
+    double transfer = 0, exposed = 0;
+    if (job.bytes > 0 && job.first_post != absl::InfiniteFuture()) {
+      transfer =
+          absl::ToDoubleSeconds(std::max(job.last_done - job.first_post, absl::ZeroDuration()));
+      exposed =
+          absl::ToDoubleSeconds(std::max(job.last_done - job.compute_done, absl::ZeroDuration()));
+    }
+    const absl::Time scheduled = std::min(job.scheduled, job.compute_done);
+    response.set_kv_transfer_seconds(transfer);
+    response.set_kv_transfer_exposed_seconds(exposed);
+    response.set_prefill_seconds(absl::ToDoubleSeconds(job.compute_done - scheduled));
+    response.set_queue_seconds(
+        absl::ToDoubleSeconds(std::max(scheduled - job.received, absl::ZeroDuration())));
+    metrics_.prompt_tokens.Increment(job.prompt_len);
+    metrics_.transfer_bytes.Increment(static_cast<double>(job.bytes));
+    metrics_.transfer_seconds.Increment(transfer);
+    metrics_.exposed_seconds.Increment(exposed);
+    metrics_.prefill_seconds.Observe(response.prefill_seconds());
+    answer.result = std::move(response);
+  }
+  metrics_.Requests(answer.result.status().code()).Increment();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_flight_.erase(job.id);
+  }
+  return answer;
+}
+void PrefillWorkerImpl::UpdateStats() {
+  if (!engine_) return;
+  const engine::EngineStats engine_stats = engine_->stats();
+  int64_t queued = 0;
+  for (const auto& [id, job] : jobs_) {
+    if (job->failing()) continue;
+    for (int c = 0; c < job->n; ++c) {
+      if (!job->sample_done[c]) queued += job->prompt_len - job->computed[c];
+    }
+  }
+  metrics_.engine.Record(engine_stats);
+  metrics_.queued_tokens.Set(static_cast<double>(queued));
+  metrics_.token_budget.Set(engine_stats.token_budget);
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.set_queued_prefill_tokens(queued);
+  stats_.set_running(engine_stats.running);
+  stats_.set_waiting(engine_stats.waiting);
+  stats_.set_kv_blocks_used(engine_stats.kv_blocks_used);
+  stats_.set_kv_blocks_total(engine_stats.kv_blocks_total);
+  stats_.set_preemptions_total(engine_stats.preemptions);
+}
+
+}  // namespace tandem::prefill_worker::internal

@@ -1,0 +1,81 @@
+#include "tandem/worker/worker_core.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/base/status_macros.h"
+
+namespace tandem::worker {
+namespace {
+
+std::string RoleName(engine::EngineRole role) {
+  switch (role) {
+    case engine::EngineRole::kPrefill:
+      return "prefill";
+    case engine::EngineRole::kDecode:
+      return "decode";
+    default:
+      return "colocated";
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(WorkerOptions options,
+                                                               engine::EngineRole role) {
+  std::unique_ptr<WorkerCore> core(new WorkerCore());
+  const std::string role_name = RoleName(role);
+  if (options.worker_id.empty()) options.worker_id = absl::StrCat(role_name, "-", getpid());
+  options.engine.role = role;
+  core->options_ = std::move(options);
+  TANDEM_ASSIGN_OR_RETURN(core->engine_, engine::LlmEngine::Create(core->options_.engine));
+  TANDEM_ASSIGN_OR_RETURN(core->kv_,
+                          KvEndpoint::Create({.backend = core->options_.kv_backend,
+                                              .name = core->options_.worker_id,
+                                              .role = role_name,
+                                              .listen_host = core->options_.kv_listen_host},
+                                             *core->engine_));
+  return core;
+}
+
+WorkerCore::~WorkerCore() {
+  Shutdown([] {});
+}
+
+absl::Status WorkerCore::Serve(EngineLoop::Options loop, grpc::Service* service,
+                               std::function<std::string()> render_metrics) {
+  loop_ = std::make_unique<EngineLoop>(std::move(loop));
+  loop_->Start();
+  TANDEM_ASSIGN_OR_RETURN(proto::StartedServer started,
+                          proto::StartGrpcServer(options_.grpc_address, service, options_.tls));
+  server_ = std::move(started.server);
+  grpc_address_ = std::move(started.address);
+  if (!options_.metrics_address.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(status_, StatusServer::Create(
+                                         options_.metrics_address, [this] { return !accepting(); },
+                                         std::move(render_metrics)));
+  }
+  return absl::OkStatus();
+}
+
+void WorkerCore::Shutdown(const std::function<void()>& wind_down) {
+  std::call_once(shutdown_once_, [&] {
+    accepting_.store(false);
+    if (loop_ != nullptr) {
+      wind_down();
+      loop_->Stop();
+    }
+    if (server_ != nullptr) {
+      server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
+      server_->Wait();
+      server_.reset();
+    }
+    if (status_ != nullptr) status_->Stop();
+    if (kv_ != nullptr) kv_->Close();
+  });
+}
+
+}  // namespace tandem::worker
