@@ -19,21 +19,20 @@ void EngineLoop::Start() {
 
 EngineLoop::~EngineLoop() { Stop(); }
 
+// Posters notify while holding the lock: once the loop thread has seen the post it may finish,
+// and the loop be destroyed, while a poster that had already unlocked was still inside
+// notify_all on the destroyed condition variable.
 bool EngineLoop::Post(std::function<void()> fn) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (finished_) return false;
-    posted_.push_back(std::move(fn));
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (finished_) return false;
+  posted_.push_back(std::move(fn));
   wake_.notify_all();
   return true;
 }
 
 void EngineLoop::Wake() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    wake_requested_ = true;
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  wake_requested_ = true;
   wake_.notify_all();
 }
 
@@ -51,10 +50,8 @@ void EngineLoop::ClearDeadline(const std::string& key) {
 }
 
 void EngineLoop::RequestStop() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_requested_ = true;
-  }
+  std::lock_guard<std::mutex> lock(mu_);
+  stop_requested_ = true;
   wake_.notify_all();
 }
 
