@@ -42,13 +42,17 @@ class TokenStream::Reactor final : public grpc::ServerWriteReactor<tandem::v1::T
   explicit Reactor(std::shared_ptr<TokenStream> stream) : stream_(std::move(stream)) {}
 
  private:
+  // gRPC runs OnDone only after every other reaction has returned; the released edges at the
+  // end of each reaction state that ordering (made inside libgrpc) to ThreadSanitizer.
   void OnWriteDone(bool ok) override {
     worker::internal::TsanAcquired(this);
     stream_->OnWriteDone(ok);
+    worker::internal::TsanReleased(this);
   }
   void OnCancel() override {
     worker::internal::TsanAcquired(this);
     stream_->OnCancel();
+    worker::internal::TsanReleased(this);
   }
   void OnDone() override {
     worker::internal::TsanAcquired(this);

@@ -110,6 +110,7 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
       fn.swap(on_cancel_);
     }
     if (fn) fn();
+    internal::TsanReleased(this);  // OnDone runs after this returns (ordered inside libgrpc)
   }
   void OnDone() override {
     internal::TsanAcquired(this);
