@@ -215,13 +215,22 @@ def main():
     parser.add_argument("--http-threads", type=int, default=2)
     parser.add_argument("--clients", type=int, default=2, help="client processes")
     parser.add_argument("--engine-flags",
-                        default="--threads 1 --kv-cache-bytes 268435456 --max-num-seqs 256",
-                        help="tiny backend: flags for `tandem prefill` and `tandem decode`")
+                        help="tiny backend: flags for `tandem prefill` and `tandem decode` "
+                             "(default: one engine thread, and --max-num-seqs, "
+                             "--max-num-batched-tokens and --kv-cache-bytes sized so every "
+                             "stream is in the decode worker's batch at every step)")
     parser.add_argument("--decode-extra", default="",
                         help="tiny backend: more flags for `tandem decode` only (e.g. "
                              "--step-delay-ms 200 to keep streams open longer)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.engine_flags is None:
+        # Below --streams, --max-num-seqs or --max-num-batched-tokens (the per-step token budget,
+        # one token a decoding stream) leave streams open but waiting for a later step. The tiny
+        # preset's cache takes 256 bytes a token: 64 KiB a stream covers 256 tokens of context.
+        seqs = max(256, args.streams)
+        args.engine_flags = (f"--threads 1 --kv-cache-bytes {max(256 << 20, args.streams << 16)} "
+                             f"--max-num-seqs {seqs} --max-num-batched-tokens {seqs}")
     fd_limit = raise_fd_limit()
     if fd_limit < args.streams + 1000:
         sys.exit(f"router_streams: the open-file limit ({fd_limit}) is too low for "
