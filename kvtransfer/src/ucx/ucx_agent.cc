@@ -169,7 +169,17 @@ void UcxAgent::ProgressLoop() {
     SendReplies();
     CheckDeregistrations();
     CloseEndpoints();
-    if (stopping_ && to_close_.empty() && closing_.empty() && ops_.empty()) break;
+    // Transfers in flight at shutdown get kShutdownDrain to finish before the endpoints are
+    // force-closed: a put cut off by a closed endpoint can make the receiving UCX (1.13, TCP)
+    // abort its whole process while it answers that put ("Endpoint timeout").
+    if (stopping_ && !endpoints_closed_ &&
+        (ops_.empty() || absl::Now() - stop_started_ > kShutdownDrain)) {
+      CloseAllEndpoints();
+      continue;
+    }
+    if (stopping_ && endpoints_closed_ && to_close_.empty() && closing_.empty() && ops_.empty()) {
+      break;
+    }
     if (stopping_ && absl::Now() - stop_started_ > kShutdownGrace) {
       // UCX failed to complete requests on force-closed endpoints: report the transfers
       // cancelled and leak their bookkeeping rather than hang the destructor or let a late
@@ -210,6 +220,10 @@ void UcxAgent::Shutdown() {
   stopping_ = true;
   stop_started_ = absl::Now();
   listener_.reset();  // No new connections.
+}
+
+void UcxAgent::CloseAllEndpoints() {
+  endpoints_closed_ = true;
   std::vector<PeerId> ids;
   for (const auto& [id, peer] : peers_) ids.push_back(id);
   for (PeerId id : ids) FailPeer(id, absl::CancelledError("the agent was destroyed"));

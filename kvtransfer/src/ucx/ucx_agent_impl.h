@@ -72,6 +72,8 @@ using FdPtr = std::unique_ptr<int, FdCloser>;
 
 // How long destruction waits for UCX to complete the requests of force-closed endpoints.
 constexpr absl::Duration kShutdownGrace = absl::Seconds(30);
+// How long a destroyed agent lets its transfers in flight finish before it closes endpoints.
+constexpr absl::Duration kShutdownDrain = absl::Seconds(2);
 
 inline std::string UcsError(ucs_status_t status) {
   return absl::StrCat(ucs_status_string(status), " (", static_cast<int>(status), ")");
@@ -180,6 +182,8 @@ class UcxAgent : public Agent {
   void SendReplies();
   void CheckDeregistrations();
   void Shutdown();
+  // Fails every peer and closes every endpoint (after Shutdown, once transfers drained).
+  void CloseAllEndpoints();
 
   // Progress-thread methods.
   absl::StatusOr<PeerId> StartConnect(const std::string& address, uint64_t instance,
@@ -222,6 +226,7 @@ class UcxAgent : public Agent {
 
   // Touched only by the progress thread once it runs.
   bool stopping_ = false;
+  bool endpoints_closed_ = false;  // CloseAllEndpoints ran (after the shutdown drain)
   absl::Time stop_started_;
   PeerId last_peer_ = 0;
   uint64_t last_op_ = 0;
