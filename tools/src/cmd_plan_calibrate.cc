@@ -22,6 +22,16 @@
 namespace tandem::tools::plan_internal {
 namespace {
 
+// The fitted step-time model, one line per phase.
+void PrintFit(const LatencyModel& fit) {
+  auto line = [](const char* phase, const engine::StepCoefficients& c) {
+    std::printf("%s t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n", phase, c.intercept,
+                c.per_token, c.per_seq, c.per_context_token);
+  };
+  line("prefill:", fit.prefill);
+  line("decode: ", fit.decode);
+}
+
 using json = nlohmann::json;
 
 struct Timer {
@@ -154,12 +164,7 @@ absl::Status CalibrateFromTrace(const Args& args) {
   TANDEM_ASSIGN_OR_RETURN(LatencyModel fit, FitLatencyModel(cal.samples, 0.2));
   std::printf("tandem plan calibrate: %zu traced steps, written to %s\n", cal.samples.size(),
               args.Get("out")->c_str());
-  std::printf("prefill: t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n",
-              fit.prefill.intercept, fit.prefill.per_token, fit.prefill.per_seq,
-              fit.prefill.per_context_token);
-  std::printf("decode:  t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n",
-              fit.decode.intercept, fit.decode.per_token, fit.decode.per_seq,
-              fit.decode.per_context_token);
+  PrintFit(fit);
   std::printf("gap between steps %.3f ms", cal.step_gap * 1e3);
   if (cal.request_overhead >= 0) {
     std::printf(", per-request overhead %.3f ms", cal.request_overhead * 1e3);
@@ -330,12 +335,7 @@ absl::Status Calibrate(int argc, char** argv) {
   TANDEM_ASSIGN_OR_RETURN(LatencyModel fit, FitLatencyModel(cal.samples, 0.2));
   std::printf("tandem plan calibrate: %zu steps timed on %s, written to %s\n", cal.samples.size(),
               cal.device.c_str(), args.Get("out")->c_str());
-  std::printf("prefill: t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n",
-              fit.prefill.intercept, fit.prefill.per_token, fit.prefill.per_seq,
-              fit.prefill.per_context_token);
-  std::printf("decode:  t = %.4g + %.4g*tokens + %.4g*seqs + %.4g*context s\n",
-              fit.decode.intercept, fit.decode.per_token, fit.decode.per_seq,
-              fit.decode.per_context_token);
+  PrintFit(fit);
   return absl::OkStatus();
 }
 
