@@ -472,7 +472,7 @@ TEST(ApiFuzzTest, ThousandsOfBadRequestsNeverGet5xxOrCrashTheServer) {
   };
   // Slowloris clients alongside: a partial request must be dropped by the server's timeout.
   std::atomic<int> slow_closed{0};
-  std::vector<std::thread> slow;
+  std::vector<std::jthread> slow;
   for (int i = 0; i < 20; ++i) {
     slow.emplace_back([&, i] {
       // Our own receive timeout is a hang bound, far beyond the server's request timeout.
@@ -486,10 +486,10 @@ TEST(ApiFuzzTest, ThousandsOfBadRequestsNeverGet5xxOrCrashTheServer) {
       close(fd);
     });
   }
-  std::vector<std::thread> workers;
+  std::vector<std::jthread> workers;
   for (int t = 0; t < 4; ++t) workers.emplace_back(worker);
-  for (std::thread& t : workers) t.join();
-  for (std::thread& t : slow) t.join();
+  for (std::jthread& t : workers) t.join();
+  for (std::jthread& t : slow) t.join();
 
   for (size_t i = 0; i < failures.size() && i < 30; ++i) ADD_FAILURE() << failures[i];
   EXPECT_TRUE(failures.empty()) << failures.size() << " of " << cases.size() << " cases failed";

@@ -138,7 +138,7 @@ TEST(ApiServerTest, TwoHundredConcurrentStreamsAllFinishCorrectly) {
 
   constexpr int kClients = 200;
   std::vector<HttpResult> results(kClients);
-  std::vector<std::thread> clients;
+  std::vector<std::jthread> clients;
   std::atomic<int> arrived{0}, connected{0};
   for (int i = 0; i < kClients; ++i) {
     clients.emplace_back([&, i] {
@@ -158,7 +158,7 @@ TEST(ApiServerTest, TwoHundredConcurrentStreamsAllFinishCorrectly) {
       close(fd);
     });
   }
-  for (std::thread& t : clients) t.join();
+  for (std::jthread& t : clients) t.join();
   ASSERT_EQ(connected.load(), kClients) << "not every client could connect";
   for (int i = 0; i < kClients; ++i) {
     SCOPED_TRACE("client " + std::to_string(i));
