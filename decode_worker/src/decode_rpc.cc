@@ -154,6 +154,8 @@ absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& reque
                                             "' is unknown, released or expired"));
   }
   Reservation& reservation = it->second;
+  // The sender finished pushing into the reservation's blocks before it called Start.
+  kvtransfer::AcquireTransferred(core_->engine().kv_cache());
   if (request.choices_size() != reservation.n) {
     return absl::InvalidArgumentError(absl::StrCat("the reservation is for ", reservation.n,
                                                    " samples but ", request.choices_size(),

@@ -250,6 +250,7 @@ class LocalAgent : public Agent {
       // memmove: an agent may push into its own region, overlapping the source.
       std::memmove(dst.base + r.dst_offset, src.base + r.src_offset, r.bytes);
     }
+    internal::ReleaseTransferred(dst.base);
     return absl::OkStatus();
   }
 

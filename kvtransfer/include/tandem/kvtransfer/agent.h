@@ -141,4 +141,11 @@ class Agent {
       std::vector<Range> ranges, absl::Time deadline) = 0;
 };
 
+// ThreadSanitizer only (nothing in other builds). The local backend copies on the pushing
+// thread; the receiver learns the copy is complete from the control plane (a gRPC call), an
+// ordering TSan cannot see inside the uninstrumented libgrpc. A local copy states itself as
+// released on the destination region's base, and a receiver in the same process calls this with
+// the base of the region it registered before it reads bytes a peer pushed there.
+void AcquireTransferred(const void* region_base);
+
 }  // namespace tandem::kvtransfer
