@@ -1,7 +1,9 @@
 #include "worker_pool.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <mutex>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -9,8 +11,41 @@
 #include "tandem/cluster/etcd_client.h"
 
 namespace tandem::router {
+namespace {
+
+// gRPC 1.51 runs the callback API's completions on a pool of threads ("nexting_thread") that it
+// starts with the first channel making a callback call and stops, joining them, when the last
+// such channel is destroyed. A flight's completion may hold the last reference to a
+// WorkerHandle (a worker that has left the pool, or a pool being torn down), so a channel can
+// be destroyed on one of those very threads; were it the last, the pool would join itself and
+// abort the process in grpc_cq_internal_unref ("prior > 0": flight_test, about once in 250
+// runs). One channel that has made a callback call and is never destroyed keeps the count above
+// zero for the life of the process.
+void PinCallbackThreads() {
+  struct Anchor {
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<tandem::v1::DecodeWorker::Stub> stub;
+    grpc::ClientContext context;
+    tandem::v1::StatsRequest request;
+    tandem::v1::WorkerStats response;
+  };
+  static std::once_flag once;
+  std::call_once(once, [] {
+    static Anchor* anchor = new Anchor();  // never destroyed, on purpose (above)
+    anchor->channel = grpc::CreateChannel("unix:/nonexistent/tandem-callback-anchor",
+                                          grpc::InsecureChannelCredentials());
+    anchor->stub = tandem::v1::DecodeWorker::NewStub(anchor->channel);
+    // Fails at once (its deadline has passed); only the call's start matters.
+    anchor->context.set_deadline(std::chrono::system_clock::now());
+    anchor->stub->async()->Stats(&anchor->context, &anchor->request, &anchor->response,
+                                 [](grpc::Status) {});
+  });
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Create(const WorkerPoolOptions& options) {
+  PinCallbackThreads();
   std::unique_ptr<WorkerPool> pool(new WorkerPool(options));
   TANDEM_RETURN_IF_ERROR(pool->Init());
   return pool;
@@ -22,25 +57,24 @@ absl::Status WorkerPool::Init() {
   for (const std::string& address : options_.prefill_addresses) Add("prefill", address, address);
   if (!options_.etcd_endpoints.empty()) {
     // Workers come and go through etcd; those registered now are added before Start returns.
-    TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<cluster::EtcdClient> etcd,
-                            cluster::EtcdClient::Create(
-                                {.endpoints = options_.etcd_endpoints, .tls = options_.tls}));
     TANDEM_ASSIGN_OR_RETURN(
-        membership_,
-        cluster::Membership::Start(
-            std::shared_ptr<cluster::EtcdClient>(std::move(etcd)), options_.cluster,
-            [this](const std::string& role, const std::string& id,
-                   const std::optional<cluster::WorkerInfo>& info) {
-              if (info) {
-                std::fprintf(stderr, "tandem router: %s worker %s at %s joined\n", role.c_str(),
-                             id.c_str(), info->address.c_str());
-                Add(role, id, info->address);
-              } else {
-                std::fprintf(stderr, "tandem router: %s worker %s left\n", role.c_str(),
-                             id.c_str());
-                Remove(role, id);
-              }
-            }));
+        std::unique_ptr<cluster::EtcdClient> etcd,
+        cluster::EtcdClient::Create({.endpoints = options_.etcd_endpoints, .tls = options_.tls}));
+    TANDEM_ASSIGN_OR_RETURN(
+        membership_, cluster::Membership::Start(
+                         std::shared_ptr<cluster::EtcdClient>(std::move(etcd)), options_.cluster,
+                         [this](const std::string& role, const std::string& id,
+                                const std::optional<cluster::WorkerInfo>& info) {
+                           if (info) {
+                             std::fprintf(stderr, "tandem router: %s worker %s at %s joined\n",
+                                          role.c_str(), id.c_str(), info->address.c_str());
+                             Add(role, id, info->address);
+                           } else {
+                             std::fprintf(stderr, "tandem router: %s worker %s left\n",
+                                          role.c_str(), id.c_str());
+                             Remove(role, id);
+                           }
+                         }));
     PollOnce(std::min(options_.stats_timeout, absl::Milliseconds(500)));
   } else {
     // The router serves with the workers that answer; one that does not yet is skipped until
