@@ -2,7 +2,25 @@
 
 #include <chrono>
 
+#if defined(__SANITIZE_THREAD__)
+extern "C" void __tsan_acquire(void* addr);
+extern "C" void __tsan_release(void* addr);
+#endif
+
 namespace tandem::router::fakes {
+
+void Published([[maybe_unused]] const void* object) {
+#if defined(__SANITIZE_THREAD__)
+  __tsan_release(const_cast<void*>(object));
+#endif
+}
+
+void Reached([[maybe_unused]] const void* object) {
+#if defined(__SANITIZE_THREAD__)
+  __tsan_acquire(const_cast<void*>(object));
+#endif
+}
+
 namespace {
 
 int64_t NowMs() {
@@ -25,7 +43,7 @@ grpc::Status Gone() { return grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker
 void FakeDecode::AnswerHeldReserve() {
   std::function<void()> answer;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    auto lock = Lock();
     answer = std::move(held_reserve);
     held_reserve = nullptr;
   }
@@ -33,14 +51,14 @@ void FakeDecode::AnswerHeldReserve() {
 }
 
 void FakeWorker::WaitFor(const std::function<bool()>& ready) {
-  std::unique_lock<std::mutex> lock(mu);
+  std::unique_lock<std::mutex> lock = Lock();
   changed.wait(lock, ready);
 }
 
 grpc::ServerUnaryReactor* FakeWorker::CountAndAnswer(grpc::CallbackServerContext* context,
                                                      int& counter) {
   {
-    std::lock_guard<std::mutex> lock(mu);
+    auto lock = Lock();
     ++counter;
   }
   changed.notify_all();
@@ -54,7 +72,7 @@ grpc::ServerUnaryReactor* FakeDecode::Reserve(grpc::CallbackServerContext* conte
   grpc::Status status;
   bool hold = false;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    auto lock = Lock();
     ++reserves;
     if (gone) {
       status = Gone();
@@ -84,7 +102,7 @@ grpc::ServerUnaryReactor* FakeDecode::Release(grpc::CallbackServerContext* conte
                                               const tandem::v1::ReleaseRequest* request,
                                               tandem::v1::ReleaseResponse* response) {
   {
-    std::lock_guard<std::mutex> lock(mu);
+    auto lock = Lock();
     ++releases;
     response->set_released(live.erase(request->reservation_id()) > 0);
   }
@@ -101,7 +119,7 @@ grpc::ServerUnaryReactor* FakeDecode::Cancel(grpc::CallbackServerContext* contex
 grpc::ServerUnaryReactor* FakeDecode::Stats(grpc::CallbackServerContext* context,
                                             const tandem::v1::StatsRequest* request,
                                             tandem::v1::WorkerStats* response) {
-  std::lock_guard<std::mutex> lock(mu);
+  auto lock = Lock();
   if (gone) return Answer(context, Gone());
   response->set_role(tandem::v1::WORKER_ROLE_DECODE);
   response->set_kv_blocks_total(total_blocks);
@@ -122,14 +140,13 @@ class FakeDecode::StartReactor : public grpc::ServerWriteReactor<tandem::v1::Tok
  public:
   StartReactor(FakeDecode* worker, const tandem::v1::StartRequest& request)
       : worker_(worker), request_(request) {
-    const int generated = request.choices_size() > 0
-                              ? request.choices(0).generated_token_ids_size()
-                              : 0;
+    const int generated =
+        request.choices_size() > 0 ? request.choices(0).generated_token_ids_size() : 0;
     // A continuation's prompt holds the tokens generated before it moved.
     first_position_ = request.prompt_token_ids_size() - kPromptLen + generated;
     to_send_ = request.sampling().max_tokens() - generated;
     {
-      std::lock_guard<std::mutex> lock(worker_->mu);
+      auto lock = worker_->Lock();
       mode_ = worker_->mode;
       after_ = worker_->after;
       if (worker_->gone) {
@@ -141,6 +158,7 @@ class FakeDecode::StartReactor : public grpc::ServerWriteReactor<tandem::v1::Tok
         return;
       }
     }
+    Published(this);  // before the first write: OnCancel may run on another thread from then
     Next();
   }
 
@@ -151,8 +169,9 @@ class FakeDecode::StartReactor : public grpc::ServerWriteReactor<tandem::v1::Tok
   }
 
   void OnCancel() override {
+    Reached(this);
     {
-      std::lock_guard<std::mutex> lock(worker_->mu);
+      auto lock = worker_->Lock();
       ++worker_->stream_cancelled;
     }
     worker_->changed.notify_all();
@@ -183,7 +202,7 @@ class FakeDecode::StartReactor : public grpc::ServerWriteReactor<tandem::v1::Tok
     }
     switch (mode_) {
       case StreamMode::kDie: {
-        std::lock_guard<std::mutex> lock(worker_->mu);
+        auto lock = worker_->Lock();
         worker_->gone = true;
         break;
       }
@@ -193,9 +212,8 @@ class FakeDecode::StartReactor : public grpc::ServerWriteReactor<tandem::v1::Tok
         tandem::v1::KvHandoff& handoff = *event_.mutable_handoff();
         tandem::v1::KvHandoff::Sample& s = *handoff.add_samples();
         s.set_index(0);
-        const int generated = request_.choices_size() > 0
-                                  ? request_.choices(0).generated_token_ids_size()
-                                  : 0;
+        const int generated =
+            request_.choices_size() > 0 ? request_.choices(0).generated_token_ids_size() : 0;
         for (int i = 0; i < generated; ++i) {
           s.add_generated_token_ids(request_.choices(0).generated_token_ids(i));
         }
@@ -228,7 +246,7 @@ class FakeDecode::StartReactor : public grpc::ServerWriteReactor<tandem::v1::Tok
     if (finished_) return;
     finished_ = true;
     {
-      std::lock_guard<std::mutex> lock(worker_->mu);
+      auto lock = worker_->Lock();
       worker_->live.erase(request_.reservation_id());
     }
     worker_->changed.notify_all();
@@ -253,7 +271,7 @@ class FakeDecode::StartReactor : public grpc::ServerWriteReactor<tandem::v1::Tok
 grpc::ServerWriteReactor<tandem::v1::TokenEvent>* FakeDecode::Start(
     grpc::CallbackServerContext* context, const tandem::v1::StartRequest* request) {
   {
-    std::lock_guard<std::mutex> lock(mu);
+    auto lock = Lock();
     ++starts;
     started.push_back(*request);
   }
@@ -264,10 +282,11 @@ grpc::ServerWriteReactor<tandem::v1::TokenEvent>* FakeDecode::Start(
 // A Submit held until the router cancels it.
 class HeldSubmit : public grpc::ServerUnaryReactor {
  public:
-  explicit HeldSubmit(FakePrefill* worker) : worker_(worker) {}
+  explicit HeldSubmit(FakePrefill* worker) : worker_(worker) { Published(this); }
   void OnCancel() override {
+    Reached(this);
     {
-      std::lock_guard<std::mutex> lock(worker_->mu);
+      auto lock = worker_->Lock();
       --worker_->held;
     }
     worker_->changed.notify_all();
@@ -284,7 +303,7 @@ grpc::ServerUnaryReactor* FakePrefill::Submit(grpc::CallbackServerContext* conte
                                               tandem::v1::SubmitResponse* response) {
   bool hold = false;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    auto lock = Lock();
     ++submits;
     prompt_lengths.push_back(request->prompt_token_ids_size());
     hold = hold_submit;
@@ -299,8 +318,8 @@ grpc::ServerUnaryReactor* FakePrefill::Submit(grpc::CallbackServerContext* conte
 }
 
 grpc::ServerUnaryReactor* FakePrefill::Cancel(grpc::CallbackServerContext* context,
-                                             const tandem::v1::CancelRequest* request,
-                                             tandem::v1::CancelResponse* response) {
+                                              const tandem::v1::CancelRequest* request,
+                                              tandem::v1::CancelResponse* response) {
   return CountAndAnswer(context, cancels);
 }
 
@@ -311,7 +330,8 @@ grpc::ServerUnaryReactor* FakePrefill::Stats(grpc::CallbackServerContext* contex
   return Answer(context, grpc::Status::OK);
 }
 
-FakeServer::FakeServer(grpc::Service* service) {
+FakeServer::FakeServer(grpc::Service* service, FakeWorker* worker) {
+  Published(worker);  // what the test scripted, and the worker's lock, before any call
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);

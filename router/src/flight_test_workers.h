@@ -32,12 +32,26 @@ enum class StreamMode {
   kHold,    // streams `after` tokens, then waits until the call is cancelled
 };
 
+// Debian's libgrpc is not built with ThreadSanitizer, so the order in which it runs a fake's
+// handlers and reactions (each after the server started, one reaction after another) is
+// invisible to it. These state that order where the fakes rely on it: Published by the thread
+// that hands an object to gRPC, Reached by a handler or reaction before it touches the object.
+// Nothing in other builds.
+void Published(const void* object);
+void Reached(const void* object);
+
 // What both fakes share: their lock, a condition to wait on, and counting a call.
 class FakeWorker {
  public:
   std::mutex mu;
   std::condition_variable changed;
   int cancels = 0;
+
+  // Locks mu, from any thread (a gRPC thread included; see Published).
+  std::unique_lock<std::mutex> Lock() {
+    Reached(this);
+    return std::unique_lock<std::mutex>(mu);
+  }
 
   // Waits until `ready` (checked under mu) holds.
   void WaitFor(const std::function<bool()>& ready);
@@ -114,11 +128,16 @@ class FakePrefill final : public tandem::v1::PrefillWorker::CallbackService, pub
 // An in-process server for one service on 127.0.0.1 (a free port).
 class FakeServer {
  public:
-  explicit FakeServer(grpc::Service* service);
+  // `worker` is a FakeDecode or a FakePrefill, scripted before this.
+  template <typename Worker>
+  explicit FakeServer(Worker* worker)
+      : FakeServer(static_cast<grpc::Service*>(worker), static_cast<FakeWorker*>(worker)) {}
   ~FakeServer();
   const std::string& address() const { return address_; }
 
  private:
+  FakeServer(grpc::Service* service, FakeWorker* worker);
+
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
 };
