@@ -51,7 +51,7 @@ void FakeDecode::AnswerHeldReserve() {
 }
 
 void FakeWorker::WaitFor(const std::function<bool()>& ready) {
-  std::unique_lock<std::mutex> lock = Lock();
+  std::unique_lock<std::mutex> lock(mu);
   changed.wait(lock, ready);
 }
 
@@ -61,7 +61,7 @@ grpc::ServerUnaryReactor* FakeWorker::CountAndAnswer(grpc::CallbackServerContext
     auto lock = Lock();
     ++counter;
   }
-  changed.notify_all();
+  Changed();
   return Answer(context, grpc::Status::OK);
 }
 
@@ -93,7 +93,7 @@ grpc::ServerUnaryReactor* FakeDecode::Reserve(grpc::CallbackServerContext* conte
       }
     }
   }
-  changed.notify_all();
+  Changed();
   if (!hold) reactor->Finish(status);
   return reactor;
 }
@@ -106,7 +106,7 @@ grpc::ServerUnaryReactor* FakeDecode::Release(grpc::CallbackServerContext* conte
     ++releases;
     response->set_released(live.erase(request->reservation_id()) > 0);
   }
-  changed.notify_all();
+  Changed();
   return Answer(context, grpc::Status::OK);
 }
 
@@ -174,7 +174,7 @@ class FakeDecode::StartReactor : public grpc::ServerWriteReactor<tandem::v1::Tok
       auto lock = worker_->Lock();
       ++worker_->stream_cancelled;
     }
-    worker_->changed.notify_all();
+    worker_->Changed();
     std::lock_guard<std::mutex> lock(mu_);
     context_cancelled_ = true;
     if (holding_) FinishLocked(grpc::Status::CANCELLED);
@@ -249,7 +249,7 @@ class FakeDecode::StartReactor : public grpc::ServerWriteReactor<tandem::v1::Tok
       auto lock = worker_->Lock();
       worker_->live.erase(request_.reservation_id());
     }
-    worker_->changed.notify_all();
+    worker_->Changed();
     Finish(std::move(status));
   }
 
@@ -275,7 +275,7 @@ grpc::ServerWriteReactor<tandem::v1::TokenEvent>* FakeDecode::Start(
     ++starts;
     started.push_back(*request);
   }
-  changed.notify_all();
+  Changed();
   return new StartReactor(this, *request);
 }
 
@@ -289,7 +289,7 @@ class HeldSubmit : public grpc::ServerUnaryReactor {
       auto lock = worker_->Lock();
       --worker_->held;
     }
-    worker_->changed.notify_all();
+    worker_->Changed();
     Finish(grpc::Status::CANCELLED);
   }
   void OnDone() override { delete this; }
@@ -309,7 +309,7 @@ grpc::ServerUnaryReactor* FakePrefill::Submit(grpc::CallbackServerContext* conte
     hold = hold_submit;
     if (hold) ++held;
   }
-  changed.notify_all();
+  Changed();
   if (hold) return new HeldSubmit(this);
   const int n = std::max(1, request->sampling().n());
   for (int i = 0; i < n; ++i) response->add_choices()->set_index(i);
@@ -330,7 +330,7 @@ grpc::ServerUnaryReactor* FakePrefill::Stats(grpc::CallbackServerContext* contex
   return Answer(context, grpc::Status::OK);
 }
 
-FakeServer::FakeServer(grpc::Service* service, FakeWorker* worker) {
+FakeServer::FakeServer(grpc::Service* service, FakeWorker* worker) : worker_(worker) {
   Published(worker);  // what the test scripted, and the worker's lock, before any call
   grpc::ServerBuilder builder;
   int port = 0;
@@ -340,6 +340,9 @@ FakeServer::FakeServer(grpc::Service* service, FakeWorker* worker) {
   address_ = "127.0.0.1:" + std::to_string(port);
 }
 
-FakeServer::~FakeServer() { server_->Shutdown(); }
+FakeServer::~FakeServer() {
+  server_->Shutdown();  // returns once every call's reactions are done
+  Reached(worker_);
+}
 
 }  // namespace tandem::router::fakes

@@ -47,10 +47,31 @@ class FakeWorker {
   std::condition_variable changed;
   int cancels = 0;
 
-  // Locks mu, from any thread (a gRPC thread included; see Published).
-  std::unique_lock<std::mutex> Lock() {
-    Reached(this);
-    return std::unique_lock<std::mutex>(mu);
+  // mu, held by a handler or reaction on a gRPC thread: reached before it locks, published
+  // after it unlocks, so that the test's teardown after the server's Shutdown (which waits for
+  // every reaction) is ordered after it too (see Published).
+  class Locked {
+   public:
+    explicit Locked(FakeWorker* worker) : worker_(worker) {
+      Reached(worker_);
+      worker_->mu.lock();
+    }
+    ~Locked() {
+      worker_->mu.unlock();
+      Published(worker_);
+    }
+    Locked(const Locked&) = delete;
+    Locked& operator=(const Locked&) = delete;
+
+   private:
+    FakeWorker* worker_;
+  };
+  Locked Lock() { return Locked(this); }
+
+  // Wakes WaitFor, from a gRPC thread (published like Locked).
+  void Changed() {
+    changed.notify_all();
+    Published(this);
   }
 
   // Waits until `ready` (checked under mu) holds.
@@ -137,6 +158,8 @@ class FakeServer {
 
  private:
   FakeServer(grpc::Service* service, FakeWorker* worker);
+
+  FakeWorker* worker_;
 
   std::unique_ptr<grpc::Server> server_;
   std::string address_;
