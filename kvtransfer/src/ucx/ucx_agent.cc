@@ -440,12 +440,15 @@ void UcxAgent::MaybeFinishOp(Op* op) {
   absl::Status result;
   if (op->error != UCS_OK) {
     auto peer = peers_.find(op->peer);
-    if (peer != peers_.end() && peer->second.state == PeerState::kFailed) {
-      result = peer->second.failure;  // Says why: peer lost, disconnected, agent destroyed.
-    } else if (op->error == UCS_ERR_CANCELED) {
-      result = absl::CancelledError("transfer cancelled: its connection was closed");
+    if (!op->closed_because.ok()) {
+      result = op->closed_because;  // Says why: peer lost, disconnected, agent destroyed.
+    } else if (peer != peers_.end() && peer->second.state == PeerState::kFailed) {
+      result = peer->second.failure;
     } else {
-      result = absl::UnavailableError(absl::StrCat("transfer failed: ", UcsError(op->error)));
+      // UCX gave the requests up before the endpoint's error handler ran (a peer that died
+      // completes them with UCS_ERR_CANCELED too): the connection is lost.
+      result = absl::UnavailableError(
+          absl::StrCat("transfer failed: connection to the peer lost: ", UcsError(op->error)));
     }
   }
   op->state->Finish(std::move(result));

@@ -93,7 +93,6 @@ struct HelloMessage {
   uint64_t instance = 0;  // Hello: the instance expected; ack: the server's own.
 };
 
-
 // The socket address of host:port (passive: one to listen on).
 absl::StatusOr<sockaddr_storage> Resolve(const std::string& host, const std::string& port,
                                          bool passive);
@@ -162,6 +161,9 @@ class UcxAgent : public Agent {
     int outstanding = 0;  // UCX requests not yet completed.
     bool posted = false;  // All requests have been posted.
     ucs_status_t error = UCS_OK;
+    // Set when this agent closes the op's connection (FailPeer): why, whatever status UCX then
+    // completes its requests with.
+    absl::Status closed_because;
   };
 
   // A force-closed endpoint whose close request has not completed yet.

@@ -167,6 +167,9 @@ void UcxAgent::FailPeer(PeerId id, absl::Status why) {
         absl::StrCat("cannot connect to ", peer.address, ": ", why.message())));
   }
   peer.state = PeerState::kFailed;
+  for (auto& [op_id, op] : ops_) {
+    if (op->peer == id && op->closed_because.ok()) op->closed_because = why;
+  }
   peer.failure = std::move(why);
   // Closing the endpoint completes its outstanding requests with an error, so the transfers
   // posted on it finish and stop reading their regions.
