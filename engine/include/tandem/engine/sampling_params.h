@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "tandem/engine/structured_output.h"
 
 namespace tandem::engine {
 
@@ -38,6 +39,8 @@ struct SamplingParams {
   int n = 1;
   int logprobs = -1;  // -1: none; 0: chosen token only; k: plus top-k
   bool skip_special_tokens = true;
+  // What the output must match (structured outputs); kNone: anything.
+  StructuredOutput structured;
 
   bool greedy() const { return temperature == 0.0f; }
 
