@@ -105,6 +105,8 @@ int32_t Sampler::Sample(std::span<float> logits, Sequence& seq) {
     }
   }
 
+  for (const TokenBias& b : p.logit_bias) logits[b.token] += b.bias;
+
   // A constrained sequence draws among the tokens its grammar allows (those with a finite
   // logit once min_tokens masked some); with none finite, the lowest allowed id.
   const bool constrained = seq.matcher != nullptr;

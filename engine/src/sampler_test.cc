@@ -35,6 +35,22 @@ TEST(SamplerTest, GreedyPicksTheArgmaxWithTiesToTheLowestId) {
   EXPECT_EQ(SampleOnce(sampler, {0.1f, 2.0f, -1.0f, 2.0f}, seq), 1);
 }
 
+TEST(SamplerTest, LogitBiasShiftsLogitsBeforeTheDrawNotTheLogprobs) {
+  Sampler sampler({});
+  SamplingParams p{.temperature = 0, .logprobs = 0};
+  p.logit_bias = {{0, 5.0f}, {1, -100.0f}};
+  Sequence seq = MakeSeq(p);
+  // Without the bias 1 is the argmax; with it 0 wins, and its logprob is the model's own.
+  EXPECT_EQ(SampleOnce(sampler, {1.0f, 3.0f, 2.0f}, seq), 0);
+  const double z = std::log(std::exp(1.0) + std::exp(3.0) + std::exp(2.0));
+  EXPECT_NEAR(seq.last_logprob, 1.0 - z, 1e-5);
+  // -100 all but bans a token at any temperature.
+  SamplingParams hot{.temperature = 2};
+  hot.logit_bias = {{1, -100.0f}};
+  Sequence s2 = MakeSeq(hot, {0}, 5);
+  for (int i = 0; i < 2000; ++i) EXPECT_NE(SampleOnce(sampler, {0.0f, 10.0f, 0.0f}, s2), 1);
+}
+
 TEST(SamplerTest, EmpiricalFrequenciesFollowTheSoftmaxAtTemperature) {
   Sampler sampler({});
   const std::vector<float> logits = {0.0f, 1.0f, 2.0f, -1.0f};

@@ -34,6 +34,7 @@ void ExpectSameParams(const engine::SamplingParams& a, const engine::SamplingPar
   EXPECT_EQ(a.logprobs, b.logprobs);
   EXPECT_EQ(a.skip_special_tokens, b.skip_special_tokens);
   EXPECT_EQ(a.structured, b.structured);
+  EXPECT_EQ(a.logit_bias, b.logit_bias);
 }
 
 // Through the wire format, as a worker receives it.
@@ -66,6 +67,7 @@ engine::SamplingParams AllFieldsSet() {
   p.logprobs = 5;
   p.skip_special_tokens = false;
   p.structured = {engine::ConstraintKind::kJsonSchema, R"({"type":"object"})", 4};
+  p.logit_bias = {{5, -100.0f}, {128000, 2.5f}};
   return p;
 }
 

@@ -112,6 +112,40 @@ absl::Status ReadStop(const json& body, engine::SamplingParams* params) {
   return absl::OkStatus();
 }
 
+// logit_bias: {"<token id>": bias in [-100, 100], ...}.
+absl::Status ReadLogitBias(const json& body, int vocab_size, engine::SamplingParams* params) {
+  const json* v = Field(body, "logit_bias");
+  if (v == nullptr) return absl::OkStatus();
+  const char* kParam = "logit_bias";
+  if (!v->is_object()) {
+    return ParamError(kParam, "logit_bias must be an object of token ids to biases");
+  }
+  if (v->size() > static_cast<size_t>(engine::kMaxLogitBias)) {
+    return ParamError(kParam, absl::StrCat("logit_bias may hold at most ", engine::kMaxLogitBias,
+                                           " tokens, got ", v->size()));
+  }
+  for (const auto& [key, value] : v->items()) {
+    int64_t id = -1;
+    if (key.empty() || key.size() > 10 ||
+        key.find_first_not_of("0123456789") != std::string::npos ||
+        (id = std::stoll(key)) >= vocab_size) {
+      return ParamError(kParam, absl::StrCat("logit_bias: key '", Excerpt(key),
+                                             "' is not a token id in [0, ", vocab_size, ")"));
+    }
+    if (!value.is_number()) {
+      return ParamError(kParam,
+                        absl::StrCat("logit_bias: the bias of token ", id, " must be a number"));
+    }
+    const double bias = value.get<double>();
+    if (!(bias >= -engine::kMaxLogitBiasValue && bias <= engine::kMaxLogitBiasValue)) {
+      return ParamError(kParam, absl::StrCat("logit_bias: the bias of token ", id,
+                                             " must be in [-100, 100], got ", ShortDump(value)));
+    }
+    params->logit_bias.push_back({static_cast<int32_t>(id), static_cast<float>(bias)});
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReadTokenIds(const json& array, const char* param, int vocab_size,
                           std::vector<int32_t>* out) {
   for (const json& t : array) {
@@ -190,10 +224,6 @@ absl::Status RefuseUnsupported(const json& body, int n) {
         return ParamError(name, NotSupported(name));
       }
     }
-  }
-  if (const json* v = Field(body, "logit_bias")) {
-    if (!v->is_object()) return ParamError("logit_bias", "logit_bias must be an object");
-    if (!v->empty()) return ParamError("logit_bias", NotSupported("logit_bias"));
   }
   return absl::OkStatus();
 }
@@ -582,9 +612,9 @@ absl::Status AttachParam(absl::Status status, ApiKind kind) {
   }
   size_t end = message.find_first_not_of("abcdefghijklmnopqrstuvwxyz_");
   std::string word = message.substr(0, end);
-  for (const char* known :
-       {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-        "frequency_penalty", "max_tokens", "min_tokens", "n", "stop_token_ids", "seed"}) {
+  for (const char* known : {"temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                            "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens",
+                            "n", "stop_token_ids", "seed", "logit_bias"}) {
     if (word == known) return ParamError(word, message);
   }
   if (word == "logprobs") {
@@ -670,6 +700,7 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKi
     }
   }
   TANDEM_RETURN_IF_ERROR(ReadStop(body, &p));
+  TANDEM_RETURN_IF_ERROR(ReadLogitBias(body, vocab_size, &p));
   if (const json* v = Field(body, "stop_token_ids")) {
     if (!v->is_array()) return ParamError("stop_token_ids", "stop_token_ids must be an array");
     if (v->size() > static_cast<size_t>(engine::kMaxStopTokenIds)) {

@@ -1,5 +1,6 @@
 #include "tandem/router/openai_request.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -73,6 +74,17 @@ TEST(ParseCompletionRequestTest, ReadsEveryField) {
   EXPECT_TRUE(r->include_usage);
 }
 
+TEST(ParseCompletionRequestTest, ReadsLogitBias) {
+  absl::StatusOr<CompletionRequest> r =
+      Completion(R"({"prompt": "hi", "logit_bias": {"7": -100, "999": 2.5, "0": 100}})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<engine::TokenBias> bias = r->params.logit_bias;
+  std::sort(bias.begin(), bias.end(), [](const engine::TokenBias& a, const engine::TokenBias& b) {
+    return a.token < b.token;
+  });
+  EXPECT_EQ(bias, (std::vector<engine::TokenBias>{{0, 100.0f}, {7, -100.0f}, {999, 2.5f}}));
+}
+
 TEST(ParseCompletionRequestTest, PromptMayBeTokenIds) {
   absl::StatusOr<CompletionRequest> r = Completion(R"({"prompt": [1, 2, 3]})");
   ASSERT_TRUE(r.ok()) << r.status();
@@ -140,7 +152,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadField{R"({"prompt": "x", "echo": true})", "echo", "not supported"},
         BadField{R"({"prompt": "x", "suffix": "s"})", "suffix", "not supported"},
         BadField{R"({"prompt": "x", "best_of": 3})", "best_of", "not supported"},
-        BadField{R"({"prompt": "x", "logit_bias": {"1": 5}})", "logit_bias", "not supported"},
+        BadField{R"({"prompt": "x", "logit_bias": [1]})", "logit_bias", "must be an object"},
+        BadField{R"({"prompt": "x", "logit_bias": {"a1": 5}})", "logit_bias", "not a token id"},
+        BadField{R"({"prompt": "x", "logit_bias": {"-1": 5}})", "logit_bias", "not a token id"},
+        BadField{R"({"prompt": "x", "logit_bias": {"1000": 5}})", "logit_bias", "[0, 1000)"},
+        BadField{R"({"prompt": "x", "logit_bias": {"1": "5"}})", "logit_bias", "must be a number"},
+        BadField{R"({"prompt": "x", "logit_bias": {"1": 101}})", "logit_bias", "[-100, 100]"},
         BadField{R"({"prompt": "x", "min_tokens": 20, "max_tokens": 5})", "min_tokens",
                  "min_tokens must be"},
         BadField{R"({"prompt": "x", "stop_token_ids": [-1]})", "stop_token_ids", "vocabulary"}));

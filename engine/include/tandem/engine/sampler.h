@@ -11,11 +11,11 @@ namespace tandem::engine {
 
 // Order of operations (each skipped when it is a no-op): logprobs of the raw distribution;
 // min_tokens masking of EOS and stop ids; repetition penalty (prompt and output tokens),
-// presence and frequency penalties (output tokens); the grammar's token mask of a constrained
-// sequence (seq.matcher: only tokens the grammar allows next, EOS only where it may end);
-// greedy argmax, or temperature, top-k, top-p, min-p and a draw from the sequence's own random
-// stream, among the allowed tokens only.
-// Ties resolve to the lowest token id, so results never depend on the batch.
+// presence and frequency penalties (output tokens); logit_bias; the grammar's token mask of a
+// constrained sequence (seq.matcher: only tokens the grammar allows next, EOS only where it may
+// end); greedy argmax, or temperature, top-k, top-p, min-p and a draw from the sequence's own
+// random stream, among the allowed tokens only. Ties resolve to the lowest token id, so results
+// never depend on the batch.
 class Sampler {
  public:
   explicit Sampler(std::vector<int32_t> eos_token_ids) : eos_token_ids_(std::move(eos_token_ids)) {}
