@@ -367,7 +367,7 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
     Choice& choice = request.choices[seq.choice_index];
     int32_t token = sampler_->Sample(row, seq);
     // The sampler draws from the grammar's mask: a refusal here is a defect, not bad input.
-    const bool allowed = seq.matcher == nullptr || seq.matcher->AcceptToken(token);
+    const bool allowed = seq.matcher == nullptr || token < 0 || seq.matcher->AcceptToken(token);
     TANDEM_CHECK(allowed) << "token " << token << " was sampled outside the grammar's mask";
 
     auto [it, inserted] = output_index.try_emplace(request.id, outputs.size());
@@ -383,6 +383,16 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
     }
     out.choices.emplace_back();
     out.choices.back().index = seq.choice_index;
+    if (token < 0) {
+      // The grammar allows no token of this vocabulary here: the sample cannot go on, and what
+      // it has is no complete document, so it ends as aborted, with the text it has.
+      ChoiceDelta& delta = out.choices.back();
+      delta.text = choice.held + choice.detokenizer->Finish();
+      choice.held.clear();
+      FinishChoice(choice, FinishReason::kAbort, delta);
+      out.num_generation_tokens = request.num_generation_tokens;
+      continue;
+    }
     ProcessToken(request, choice, token, out.choices.back());
     out.num_generation_tokens = request.num_generation_tokens;
   }

@@ -130,7 +130,7 @@ int32_t Sampler::Sample(std::span<float> logits, Sequence& seq) {
     }
     if (candidates_.empty()) {
       if (p.logprobs >= 0 && fallback >= 0) seq.last_logprob = raw_logits_[fallback] - log_z;
-      return std::max(fallback, 0);
+      return fallback;
     }
   }
 

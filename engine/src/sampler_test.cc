@@ -255,6 +255,18 @@ TEST(ConstrainedSamplerTest, EveryDrawIsAllowedAndEosOnlyWhereTheGrammarEnds) {
   EXPECT_GT(finished, 0);
 }
 
+TEST(ConstrainedSamplerTest, ADeadEndGivesMinusOne) {
+  std::vector<std::string> pieces;
+  auto compiled = CompileForTest("root ::= \"a\" \"q\"\n", &pieces);  // no token holds "q"
+  Sampler sampler({0});
+  Sequence seq = MakeSeq({.temperature = 1});
+  seq.matcher = std::make_unique<grammar::GrammarMatcher>(compiled, 0);
+  std::vector<float> logits(pieces.size(), 0.0f);
+  ASSERT_EQ(SampleOnce(sampler, logits, seq), 1);  // "a"
+  ASSERT_TRUE(seq.matcher->AcceptToken(1));
+  EXPECT_EQ(SampleOnce(sampler, logits, seq), -1);
+}
+
 TEST(ConstrainedSamplerTest, MinTokensGivesWayWhenTheGrammarCanOnlyEnd) {
   std::vector<std::string> pieces;
   auto compiled = CompileForTest("root ::= \"ab\"\n", &pieces);

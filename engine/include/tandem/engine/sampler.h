@@ -23,7 +23,8 @@ class Sampler {
   // logits: [vocab], overwritten as scratch. Fills seq.last_logprob / last_top_logprobs when
   // seq.params->logprobs >= 0. Does not advance seq.matcher (the caller accepts the token).
   // A constrained sequence always gets a token its grammar allows: when min_tokens masked every
-  // one of them (the grammar can only end), the lowest allowed id (an EOS).
+  // one of them (the grammar can only end), the lowest allowed id (an EOS); -1 when the grammar
+  // allows no token at all (a dead end: it needs bytes no token of the vocabulary holds).
   int32_t Sample(std::span<float> logits, Sequence& seq);
 
  private:
