@@ -137,10 +137,17 @@ grpc::ServerWriteReactor<tandem::v1::TokenEvent>* DecodeWorkerImpl::Start(
   });
   if (id.empty()) {
     stream->Fail(absl::InvalidArgumentError("request_id is empty"));
-  } else if (!core_->loop().Post([this, request, stream] {
-               absl::Status started = StartOnLoop(request, stream);
-               if (!started.ok()) stream->Fail(started);
-             })) {
+    return stream->reactor();
+  }
+  // A grammar is compiled here, on gRPC's thread, rather than on the engine loop (once per
+  // schema: the engine's grammar cache); StartOnLoop reports a bad one.
+  if (request.sampling().has_structured_output()) {
+    engine_->PrepareConstraint(proto::FromProto(request.sampling())).IgnoreError();
+  }
+  if (!core_->loop().Post([this, request, stream] {
+        absl::Status started = StartOnLoop(request, stream);
+        if (!started.ok()) stream->Fail(started);
+      })) {
     stream->Fail(Stopped());
   }
   return stream->reactor();

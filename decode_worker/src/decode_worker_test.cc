@@ -728,9 +728,14 @@ TEST_P(DecodeWorkerTest, DrainHandsKvToAnotherWorker) {
     const char* name;
     float temperature;
     int n;
+    const char* grammar = nullptr;  // structured output: B rebuilds the matcher from A's tokens
   };
+  // A grammar that cannot end inside max_tokens: each repetition is two tokens (no token joins a
+  // control character to a letter), so the samples run to the length limit as the others do.
+  const char* kLongGrammar = "root ::= (\"\\x01\" [a-z]){120,}\n";
   for (const Case& c : {Case{"greedy-1", 0.0f, 1}, Case{"greedy-2", 0.0f, 2},
-                        Case{"seeded-1", 0.8f, 1}, Case{"seeded-2", 0.8f, 2}}) {
+                        Case{"seeded-1", 0.8f, 1}, Case{"seeded-2", 0.8f, 2},
+                        Case{"grammar-2", 0.8f, 2, kLongGrammar}}) {
     SCOPED_TRACE(c.name);
     constexpr int kPrompt = 37;
     constexpr int kMaxTokens = 240;
@@ -744,6 +749,9 @@ TEST_P(DecodeWorkerTest, DrainHandsKvToAnotherWorker) {
     request.params.frequency_penalty = 0.5f;  // counts the tokens generated on A
     // Text is held back while it could begin this: B must rebuild what A held.
     request.params.stop = {"@@ never in the output @@"};
+    if (c.grammar != nullptr) {
+      request.params.structured = {engine::ConstraintKind::kGrammar, c.grammar};
+    }
     auto expected = engine::GenerateAll(*colocated, {request});
     ASSERT_TRUE(expected.ok()) << expected.status();
 

@@ -105,6 +105,24 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                            .weight_dtype = dtypes.weights,
                            .kv_cache_dtype = dtypes.kv_cache}));
   engine->sampler_ = std::make_unique<Sampler>(config.eos_token_ids);
+  {
+    // Rows of the embedding past the tokenizer's ids are no text: empty, never allowed.
+    const text::Tokenizer& tok = *engine->tokenizer_;
+    std::vector<std::string> bytes(config.vocab_size);
+    std::vector<int32_t> special;
+    for (int32_t id = 0; id < config.vocab_size && id < tok.vocab_size(); ++id) {
+      bytes[id] = tok.TokenBytes(id);
+      if (tok.IsSpecial(id)) special.push_back(id);
+    }
+    std::vector<int32_t> stops;
+    for (int32_t id : config.eos_token_ids) {
+      if (id >= 0 && id < config.vocab_size) stops.push_back(id);
+    }
+    TANDEM_ASSIGN_OR_RETURN(
+        engine->grammar_vocab_,
+        grammar::TokenVocabulary::Create(std::move(bytes), std::move(stops), std::move(special)));
+    engine->grammar_cache_ = std::make_unique<grammar::GrammarCache>();
+  }
   if (options.on_layer_kv_written) {
     LlmEngine* self = engine.get();
     engine->runner_->set_layer_written_hook([self](int layer) {
@@ -124,11 +142,31 @@ absl::Status LlmEngine::Validate(const GenerateRequest& request) const {
                      request.params.max_tokens, ") needs more KV cache than this engine has (",
                      blocks_->num_blocks() * blocks_->block_size(), " tokens)"));
   }
-
-  return absl::OkStatus();
+  return CompiledConstraint(request.params).status();
 }
 
-std::unique_ptr<LlmEngine::Request> LlmEngine::NewRequest(GenerateRequest& request) {
+absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> LlmEngine::CompiledConstraint(
+    const SamplingParams& params) const {
+  const StructuredOutput& c = params.structured;
+  if (!c.active()) return nullptr;
+  if (grammar_vocab_->stop_ids().empty()) {
+    return absl::InvalidArgumentError(
+        "structured output: this model has no end-of-sequence token, so no grammar can end");
+  }
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> compiled =
+      grammar_cache_->GetOrCompile(ConstraintKindName(c.kind), c.source, grammar_vocab_,
+                                   [&] { return BuildGrammar(c); });
+  if (!compiled.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "structured output (", ConstraintKindName(c.kind), "): ", compiled.status().message()));
+  }
+  return compiled;
+}
+
+absl::StatusOr<std::unique_ptr<LlmEngine::Request>> LlmEngine::NewRequest(
+    GenerateRequest& request) {
+  TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<const grammar::CompiledGrammar> compiled,
+                          CompiledConstraint(request.params));
   auto req = std::make_unique<Request>();
   req->id = request.request_id;
   if (request.arrival != std::chrono::steady_clock::time_point{}) req->added = request.arrival;
@@ -150,6 +188,16 @@ std::unique_ptr<LlmEngine::Request> LlmEngine::NewRequest(GenerateRequest& reque
     seq.params = req->params;
     choice.detokenizer = std::make_unique<text::IncrementalDetokenizer>(
         *tokenizer_, req->params->skip_special_tokens);
+    if (compiled == nullptr) continue;
+    seq.matcher = std::make_unique<grammar::GrammarMatcher>(compiled, /*max_rollback_tokens=*/0);
+    const int replay = req->params->structured.replay_prompt_tokens;
+    for (int t = req->num_prompt_tokens - replay; t < req->num_prompt_tokens; ++t) {
+      if (!seq.matcher->AcceptToken(seq.tokens[t])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "structured output: prompt token ", t, " (id ", seq.tokens[t],
+            "), generated earlier under the constraint, is not allowed by its grammar"));
+      }
+    }
   }
   return req;
 }
@@ -159,7 +207,7 @@ absl::Status LlmEngine::AddRequest(GenerateRequest request) {
     return absl::AlreadyExistsError(absl::StrCat("request ", request.request_id, " exists"));
   }
   TANDEM_RETURN_IF_ERROR(Validate(request));
-  std::unique_ptr<Request> req = NewRequest(request);
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Request> req, NewRequest(request));
   const SamplingParams& params = *req->params;
   uint64_t base_seed =
       params.seed.has_value()
@@ -208,8 +256,10 @@ void LlmEngine::ProcessToken(Request& request, Choice& choice, int32_t token, Ch
   const bool is_eos = std::find(eos.begin(), eos.end(), token) != eos.end();
   const bool is_stop_id = std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(),
                                     token) != params.stop_token_ids.end();
+  // A grammar that accepted EOS has ended: nothing more may follow, ignore_eos or not.
+  const bool grammar_ended = seq.matcher != nullptr && seq.matcher->IsTerminated();
   bool stopped_by_string = false;
-  if ((is_eos && !params.ignore_eos) || is_stop_id) {
+  if ((is_eos && (!params.ignore_eos || grammar_ended)) || is_stop_id) {
     reason = FinishReason::kStop;  // the stopping token's text is not part of the output
   } else {
     choice.held += choice.detokenizer->Add(token);
@@ -316,6 +366,9 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
     Request& request = *requests_.at(seq.request_id);
     Choice& choice = request.choices[seq.choice_index];
     int32_t token = sampler_->Sample(row, seq);
+    // The sampler draws from the grammar's mask: a refusal here is a defect, not bad input.
+    const bool allowed = seq.matcher == nullptr || token < 0 || seq.matcher->AcceptToken(token);
+    TANDEM_CHECK(allowed) << "token " << token << " was sampled outside the grammar's mask";
 
     auto [it, inserted] = output_index.try_emplace(request.id, outputs.size());
     if (inserted) {
@@ -330,6 +383,16 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
     }
     out.choices.emplace_back();
     out.choices.back().index = seq.choice_index;
+    if (token < 0) {
+      // The grammar allows no token of this vocabulary here: the sample cannot go on, and what
+      // it has is no complete document, so it ends as aborted, with the text it has.
+      ChoiceDelta& delta = out.choices.back();
+      delta.text = choice.held + choice.detokenizer->Finish();
+      choice.held.clear();
+      FinishChoice(choice, FinishReason::kAbort, delta);
+      out.num_generation_tokens = request.num_generation_tokens;
+      continue;
+    }
     ProcessToken(request, choice, token, out.choices.back());
     out.num_generation_tokens = request.num_generation_tokens;
   }
@@ -426,7 +489,23 @@ absl::Status LlmEngine::AddPrefilled(GenerateRequest request,
           absl::StrCat("first token ", c.first_token, " is outside the vocabulary"));
     }
   }
-  std::unique_ptr<Request> req = NewRequest(request);
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Request> req, NewRequest(request));
+  // A constrained sample's matcher is rebuilt from the tokens it generated elsewhere (the first
+  // token, or every token of a continuation); tokens its grammar refuses are refused here.
+  for (size_t i = 0; i < choices.size(); ++i) {
+    grammar::GrammarMatcher* matcher = req->choices[i].seq->matcher.get();
+    if (matcher == nullptr) continue;
+    const std::vector<int32_t> first = {choices[i].first_token};
+    const std::vector<int32_t>& replay =
+        choices[i].generated.empty() ? first : choices[i].generated;
+    for (size_t t = 0; t < replay.size(); ++t) {
+      if (!matcher->AcceptToken(replay[t])) {
+        return absl::InvalidArgumentError(absl::StrCat("structured output: generated token ", t,
+                                                       " (id ", replay[t], ") of sample ", i,
+                                                       " is not allowed by the request's grammar"));
+      }
+    }
+  }
   req->first_token_traced = true;  // sampled by the prefill worker, which traces it
   RequestOutput out;
   out.request_id = req->id;

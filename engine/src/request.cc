@@ -28,6 +28,7 @@ absl::Status ValidateRequest(const GenerateRequest& request, const text::ModelCo
   TANDEM_RETURN_IF_ERROR(request.params.Validate(config.vocab_size));
   const int prompt_len = static_cast<int>(request.prompt_tokens.size());
   if (prompt_len == 0) return absl::InvalidArgumentError("prompt must not be empty");
+  TANDEM_RETURN_IF_ERROR(request.params.structured.Validate(prompt_len));
   for (int32_t id : request.prompt_tokens) {
     if (id < 0 || id >= config.vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat(

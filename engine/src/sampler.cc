@@ -105,31 +105,73 @@ int32_t Sampler::Sample(std::span<float> logits, Sequence& seq) {
     }
   }
 
+  for (const TokenBias& b : p.logit_bias) logits[b.token] += b.bias;
+
+  // A constrained sequence draws among the tokens its grammar allows (those with a finite
+  // logit once min_tokens masked some); with none finite, the lowest allowed id.
+  const bool constrained = seq.matcher != nullptr;
+  int32_t fallback = -1;
+  if (constrained) {
+    seq.matcher->FillNextTokenMask(mask_);
+    candidates_.clear();
+    for (int w = 0; w * 64 < vocab; ++w) {
+      uint64_t bits = w < static_cast<int>(mask_.size()) ? mask_[w] : 0;
+      const int end = std::min(64, vocab - w * 64);
+      if (end < 64) bits &= (uint64_t{1} << end) - 1;
+      for (int b = 0; b < end; ++b) {
+        const int id = w * 64 + b;
+        if (((bits >> b) & 1) == 0) {
+          logits[id] = kNegInf;
+          continue;
+        }
+        if (fallback < 0) fallback = id;
+        if (logits[id] > kNegInf) candidates_.push_back(id);
+      }
+    }
+    if (candidates_.empty()) {
+      if (p.logprobs >= 0 && fallback >= 0) seq.last_logprob = raw_logits_[fallback] - log_z;
+      return fallback;
+    }
+  }
+
   int32_t chosen = 0;
   if (p.greedy()) {
     float best = kNegInf;
-    for (int i = 0; i < vocab; ++i) {
-      if (logits[i] > best) {
-        best = logits[i];
-        chosen = i;
+    if (constrained) {
+      chosen = candidates_.front();
+      for (int32_t i : candidates_) {
+        if (logits[i] > best) {
+          best = logits[i];
+          chosen = i;
+        }
+      }
+    } else {
+      for (int i = 0; i < vocab; ++i) {
+        if (logits[i] > best) {
+          best = logits[i];
+          chosen = i;
+        }
       }
     }
   } else {
     // Candidates sorted by logit (ties by id), truncated by top-k, then softmax.
-    candidates_.resize(vocab);
-    for (int i = 0; i < vocab; ++i) candidates_[i] = i;
+    if (!constrained) {
+      candidates_.resize(vocab);
+      for (int i = 0; i < vocab; ++i) candidates_[i] = i;
+    }
+    const int num = static_cast<int>(candidates_.size());
     auto by_logit = [&](int32_t a, int32_t b) {
       return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
     };
-    int keep = vocab;
-    if (p.top_k > 0 && p.top_k < vocab) keep = p.top_k;
-    if (p.top_p < 1.0f || keep < vocab) {
+    int keep = num;
+    if (p.top_k > 0 && p.top_k < num) keep = p.top_k;
+    if (p.top_p < 1.0f || keep < num) {
       std::partial_sort(candidates_.begin(), candidates_.begin() + keep, candidates_.end(),
                         by_logit);
     } else {
       // Only the maximum is needed for a stable softmax; order does not matter for the draw
       // as long as it is fixed, and id order is fixed.
-      keep = vocab;
+      keep = num;
     }
     candidates_.resize(keep);
     float max = kNegInf;

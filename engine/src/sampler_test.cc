@@ -3,10 +3,13 @@
 #include <cmath>
 #include <map>
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tandem/grammar/grammar.h"
+#include "tandem/grammar/matcher.h"
 
 namespace tandem::engine {
 namespace {
@@ -30,6 +33,22 @@ TEST(SamplerTest, GreedyPicksTheArgmaxWithTiesToTheLowestId) {
   Sampler sampler({});
   Sequence seq = MakeSeq({.temperature = 0});
   EXPECT_EQ(SampleOnce(sampler, {0.1f, 2.0f, -1.0f, 2.0f}, seq), 1);
+}
+
+TEST(SamplerTest, LogitBiasShiftsLogitsBeforeTheDrawNotTheLogprobs) {
+  Sampler sampler({});
+  SamplingParams p{.temperature = 0, .logprobs = 0};
+  p.logit_bias = {{0, 5.0f}, {1, -100.0f}};
+  Sequence seq = MakeSeq(p);
+  // Without the bias 1 is the argmax; with it 0 wins, and its logprob is the model's own.
+  EXPECT_EQ(SampleOnce(sampler, {1.0f, 3.0f, 2.0f}, seq), 0);
+  const double z = std::log(std::exp(1.0) + std::exp(3.0) + std::exp(2.0));
+  EXPECT_NEAR(seq.last_logprob, 1.0 - z, 1e-5);
+  // -100 all but bans a token at any temperature.
+  SamplingParams hot{.temperature = 2};
+  hot.logit_bias = {{1, -100.0f}};
+  Sequence s2 = MakeSeq(hot, {0}, 5);
+  for (int i = 0; i < 2000; ++i) EXPECT_NE(SampleOnce(sampler, {0.0f, 10.0f, 0.0f}, s2), 1);
 }
 
 TEST(SamplerTest, EmpiricalFrequenciesFollowTheSoftmaxAtTemperature) {
@@ -177,6 +196,94 @@ TEST(SamplingParamsTest, RejectsOutOfRangeValuesNamingTheField) {
     EXPECT_THAT(std::string(s.message()), HasSubstr(c.field));
   }
   EXPECT_TRUE(SamplingParams{}.Validate(50).ok());
+}
+
+}  // namespace
+}  // namespace tandem::engine
+
+namespace tandem::engine {
+namespace {
+
+// A vocabulary of single characters and a few longer pieces; id 0 is EOS.
+std::shared_ptr<const grammar::CompiledGrammar> CompileForTest(const std::string& gbnf,
+                                                               std::vector<std::string>* pieces) {
+  *pieces = {"<eos>", "a", "b", "ab", "ba", "{", "}", "\"", "x", "\"}", "{\"", "1", "12", " "};
+  auto vocab = grammar::TokenVocabulary::Create(*pieces, {0}, {});
+  EXPECT_TRUE(vocab.ok()) << vocab.status();
+  auto g = grammar::ParseGbnf(gbnf);
+  EXPECT_TRUE(g.ok()) << g.status();
+  auto compiled = grammar::CompiledGrammar::Create(*g, *vocab);
+  EXPECT_TRUE(compiled.ok()) << compiled.status();
+  return *compiled;
+}
+
+TEST(ConstrainedSamplerTest, EveryDrawIsAllowedAndEosOnlyWhereTheGrammarEnds) {
+  std::vector<std::string> pieces;
+  auto compiled = CompileForTest(
+      "root ::= \"{\" (\"\\\"\" [ab]* \"\\\"\")? \"}\" | [0-9]+ | \"a\" \"b\"*\n", &pieces);
+  const int vocab = static_cast<int>(pieces.size());
+  std::vector<SamplingParams> settings(6);
+  settings[0].temperature = 0;
+  settings[1].temperature = 1;
+  settings[2].top_k = 2;
+  settings[3].top_p = 0.3f, settings[3].temperature = 2;
+  settings[4].repetition_penalty = 2, settings[4].presence_penalty = 2, settings[4].min_p = 0.2f;
+  settings[5].min_tokens = 4, settings[5].frequency_penalty = -2;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0, 3);
+  int finished = 0;
+  for (size_t s = 0; s < settings.size(); ++s) {
+    for (int trial = 0; trial < 200; ++trial) {
+      Sampler sampler({0});
+      Sequence seq = MakeSeq(settings[s], {1}, 1000 * s + trial);
+      seq.matcher = std::make_unique<grammar::GrammarMatcher>(compiled, 0);
+      for (int step = 0; step < 30 && !seq.matcher->IsTerminated(); ++step) {
+        std::vector<float> logits(vocab);
+        for (float& l : logits) l = normal(rng);
+        const bool complete = seq.matcher->IsComplete();
+        const int32_t token = SampleOnce(sampler, logits, seq);
+        ASSERT_GE(token, 0);
+        ASSERT_LT(token, vocab);
+        if (token == 0) ASSERT_TRUE(complete) << "EOS before the grammar may end";
+        ASSERT_TRUE(seq.matcher->AcceptToken(token))
+            << "setting " << s << " drew '" << pieces[token] << "' outside the mask";
+        seq.tokens.push_back(token);
+      }
+      finished += seq.matcher->IsTerminated();
+    }
+  }
+  EXPECT_GT(finished, 0);
+}
+
+TEST(ConstrainedSamplerTest, ADeadEndGivesMinusOne) {
+  std::vector<std::string> pieces;
+  auto compiled = CompileForTest("root ::= \"a\" \"q\"\n", &pieces);  // no token holds "q"
+  Sampler sampler({0});
+  Sequence seq = MakeSeq({.temperature = 1});
+  seq.matcher = std::make_unique<grammar::GrammarMatcher>(compiled, 0);
+  std::vector<float> logits(pieces.size(), 0.0f);
+  ASSERT_EQ(SampleOnce(sampler, logits, seq), 1);  // "a"
+  ASSERT_TRUE(seq.matcher->AcceptToken(1));
+  EXPECT_EQ(SampleOnce(sampler, logits, seq), -1);
+}
+
+TEST(ConstrainedSamplerTest, MinTokensGivesWayWhenTheGrammarCanOnlyEnd) {
+  std::vector<std::string> pieces;
+  auto compiled = CompileForTest("root ::= \"ab\"\n", &pieces);
+  Sampler sampler({0});
+  SamplingParams p;
+  p.temperature = 0;
+  p.min_tokens = 5;
+  p.logprobs = 0;
+  Sequence seq = MakeSeq(p);
+  seq.matcher = std::make_unique<grammar::GrammarMatcher>(compiled, 0);
+  std::vector<float> logits(pieces.size(), 0.0f);
+  logits[3] = 1;
+  ASSERT_EQ(SampleOnce(sampler, logits, seq), 3);  // "ab": "a" and "ab" are allowed
+  ASSERT_TRUE(seq.matcher->AcceptToken(3));
+  seq.tokens.push_back(3);
+  EXPECT_EQ(SampleOnce(sampler, logits, seq), 0);  // EOS, although min_tokens masks it
+  EXPECT_LE(seq.last_logprob, 0.0f);
 }
 
 }  // namespace

@@ -59,6 +59,20 @@ absl::Status SamplingParams::Validate(int vocab_size) const {
           "stop_token_ids: id ", id, " is outside the vocabulary [0, ", vocab_size, ")"));
     }
   }
+  if (logit_bias.size() > static_cast<size_t>(kMaxLogitBias)) {
+    return absl::InvalidArgumentError(absl::StrCat("logit_bias may hold at most ", kMaxLogitBias,
+                                                   " tokens, got ", logit_bias.size()));
+  }
+  for (const TokenBias& b : logit_bias) {
+    if (b.token < 0 || b.token >= vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "logit_bias: token id ", b.token, " is outside the vocabulary [0, ", vocab_size, ")"));
+    }
+    if (!(b.bias >= -kMaxLogitBiasValue && b.bias <= kMaxLogitBiasValue)) {
+      return absl::InvalidArgumentError(absl::StrCat("logit_bias: the bias of token ", b.token,
+                                                     " must be in [-100, 100], got ", b.bias));
+    }
+  }
   return absl::OkStatus();
 }
 

@@ -24,6 +24,18 @@ tandem::v1::SamplingParams ToProto(const engine::SamplingParams& params) {
   out.set_n(params.n);
   out.set_logprobs(params.logprobs);
   out.set_skip_special_tokens(params.skip_special_tokens);
+  for (const engine::TokenBias& b : params.logit_bias) {
+    tandem::v1::TokenBias* wire = out.add_logit_bias();
+    wire->set_token_id(b.token);
+    wire->set_bias(b.bias);
+  }
+  if (params.structured.active()) {
+    tandem::v1::StructuredOutput* c = out.mutable_structured_output();
+    // The wire's kinds are numbered as engine::ConstraintKind.
+    c->set_kind(static_cast<tandem::v1::StructuredOutput::Kind>(params.structured.kind));
+    c->set_source(params.structured.source);
+    c->set_replay_prompt_tokens(params.structured.replay_prompt_tokens);
+  }
   return out;
 }
 
@@ -48,6 +60,16 @@ engine::SamplingParams FromProto(const tandem::v1::SamplingParams& params) {
   if (params.has_n()) out.n = params.n();
   if (params.has_logprobs()) out.logprobs = params.logprobs();
   if (params.has_skip_special_tokens()) out.skip_special_tokens = params.skip_special_tokens();
+  for (const tandem::v1::TokenBias& b : params.logit_bias()) {
+    out.logit_bias.push_back({b.token_id(), b.bias()});
+  }
+  if (params.has_structured_output()) {
+    const tandem::v1::StructuredOutput& c = params.structured_output();
+    // A kind this build does not know stays out of range: StructuredOutput::Validate refuses it.
+    out.structured.kind = static_cast<engine::ConstraintKind>(c.kind());
+    out.structured.source = c.source();
+    out.structured.replay_prompt_tokens = c.replay_prompt_tokens();
+  }
   return out;
 }
 

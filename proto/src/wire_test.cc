@@ -33,6 +33,8 @@ void ExpectSameParams(const engine::SamplingParams& a, const engine::SamplingPar
   EXPECT_EQ(a.n, b.n);
   EXPECT_EQ(a.logprobs, b.logprobs);
   EXPECT_EQ(a.skip_special_tokens, b.skip_special_tokens);
+  EXPECT_EQ(a.structured, b.structured);
+  EXPECT_EQ(a.logit_bias, b.logit_bias);
 }
 
 // Through the wire format, as a worker receives it.
@@ -64,12 +66,34 @@ engine::SamplingParams AllFieldsSet() {
   p.n = 3;
   p.logprobs = 5;
   p.skip_special_tokens = false;
+  p.structured = {engine::ConstraintKind::kJsonSchema, R"({"type":"object"})", 4};
+  p.logit_bias = {{5, -100.0f}, {128000, 2.5f}};
   return p;
 }
 
 TEST(SamplingParamsConvertTest, RoundTripKeepsEveryField) {
   engine::SamplingParams sent = AllFieldsSet();
   ExpectSameParams(OverTheWire(sent), sent);
+}
+
+TEST(SamplingParamsConvertTest, RoundTripKeepsEveryConstraintKind) {
+  for (auto kind : {engine::ConstraintKind::kJsonSchema, engine::ConstraintKind::kJsonObject,
+                    engine::ConstraintKind::kRegex, engine::ConstraintKind::kGrammar}) {
+    engine::SamplingParams sent;
+    sent.structured.kind = kind;
+    if (kind != engine::ConstraintKind::kJsonObject) sent.structured.source = "[a-z]+";
+    EXPECT_EQ(OverTheWire(sent).structured, sent.structured) << engine::ConstraintKindName(kind);
+  }
+  EXPECT_FALSE(ToProto(engine::SamplingParams{}).has_structured_output());
+}
+
+TEST(SamplingParamsConvertTest, AConstraintKindFromANewerPeerIsRefusedNotDropped) {
+  tandem::v1::SamplingParams wire;
+  wire.mutable_structured_output()->set_kind(static_cast<tandem::v1::StructuredOutput::Kind>(9));
+  wire.mutable_structured_output()->set_source("x");
+  engine::SamplingParams params = FromProto(wire);
+  EXPECT_TRUE(params.structured.active());
+  EXPECT_THAT(params.structured.Validate(10).message(), HasSubstr("unknown kind 9"));
 }
 
 TEST(SamplingParamsConvertTest, RoundTripKeepsDefaults) {

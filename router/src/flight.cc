@@ -209,6 +209,11 @@ void Flight::ContinueElsewhere() {
     current_.params.n = 1;
     current_.params.max_tokens = original_.params.max_tokens - used;
     current_.params.min_tokens = std::max(0, original_.params.min_tokens - used);
+    // A constrained sample's grammar resumes after the tokens now in the prompt.
+    if (current_.params.structured.active()) {
+      current_.params.structured.replay_prompt_tokens =
+          original_.params.structured.replay_prompt_tokens + used;
+    }
     // Text the old worker held back (a partial character, a possible stop string) is carried
     // into the first text of the continuation.
     const std::string full =

@@ -100,11 +100,12 @@ class FlightTest : public ::testing::Test {
     return flight_;
   }
 
-  std::shared_ptr<Flight> Launch(int max_tokens) {
+  std::shared_ptr<Flight> Launch(int max_tokens, engine::StructuredOutput constraint = {}) {
     engine::GenerateRequest request;
     request.request_id = "req";
     request.prompt_tokens = {1, 2, 3, 4};
     request.params.max_tokens = max_tokens;
+    request.params.structured = std::move(constraint);
     std::shared_ptr<Flight> flight = Flight::Launch(
         &env_, std::move(request),
         [this](const engine::RequestOutput& out, const absl::Status& status) {
@@ -205,6 +206,24 @@ TEST_F(FlightTest, MigratesWhenTheDecodeWorkerGoesAwayMidStream) {
     EXPECT_EQ(decode_b_.started[0].sampling().max_tokens(), 4);
   }
   EXPECT_EQ(LiveReservations(), 0u);
+}
+
+TEST_F(FlightTest, AConstrainedSampleRecomputedElsewhereReplaysItsTokensUnderItsGrammar) {
+  decode_a_.mode = StreamMode::kDie;
+  decode_a_.after = 2;
+  StartPool();
+  Launch(6, {engine::ConstraintKind::kRegex, "[a-z]+"});
+  client_.WaitDone();
+  EXPECT_TRUE(client_.status.ok()) << client_.status;
+  EXPECT_EQ(client_.tokens, Expected(6));
+  std::lock_guard<std::mutex> lock(decode_b_.mu);
+  ASSERT_EQ(decode_b_.starts, 1);
+  // The two tokens now ending the prompt were generated under the constraint: the new workers'
+  // matchers accept them before the first new token.
+  const tandem::v1::StructuredOutput& c = decode_b_.started[0].sampling().structured_output();
+  EXPECT_EQ(c.kind(), tandem::v1::StructuredOutput::KIND_REGEX);
+  EXPECT_EQ(c.source(), "[a-z]+");
+  EXPECT_EQ(c.replay_prompt_tokens(), 2);
 }
 
 TEST_F(FlightTest, HandsTheKvOffWhenTheDecodeWorkerDrains) {

@@ -28,7 +28,8 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
   }
   absl::StatusOr<json> body = ParseJsonObject(ex->request().body);
   if (!body.ok()) return ReplyError(*ex, body.status());
-  absl::StatusOr<CompletionRequest> parsed = ParseCompletionRequest(*body, kind, vocab_size_);
+  absl::StatusOr<CompletionRequest> parsed =
+      ParseCompletionRequest(*body, kind, vocab_size_, ex->request().body);
   if (!parsed.ok()) return ReplyError(*ex, parsed.status());
   CompletionRequest& r = *parsed;
   if (r.model) {

@@ -112,6 +112,40 @@ absl::Status ReadStop(const json& body, engine::SamplingParams* params) {
   return absl::OkStatus();
 }
 
+// logit_bias: {"<token id>": bias in [-100, 100], ...}.
+absl::Status ReadLogitBias(const json& body, int vocab_size, engine::SamplingParams* params) {
+  const json* v = Field(body, "logit_bias");
+  if (v == nullptr) return absl::OkStatus();
+  const char* kParam = "logit_bias";
+  if (!v->is_object()) {
+    return ParamError(kParam, "logit_bias must be an object of token ids to biases");
+  }
+  if (v->size() > static_cast<size_t>(engine::kMaxLogitBias)) {
+    return ParamError(kParam, absl::StrCat("logit_bias may hold at most ", engine::kMaxLogitBias,
+                                           " tokens, got ", v->size()));
+  }
+  for (const auto& [key, value] : v->items()) {
+    int64_t id = -1;
+    if (key.empty() || key.size() > 10 ||
+        key.find_first_not_of("0123456789") != std::string::npos ||
+        (id = std::stoll(key)) >= vocab_size) {
+      return ParamError(kParam, absl::StrCat("logit_bias: key '", Excerpt(key),
+                                             "' is not a token id in [0, ", vocab_size, ")"));
+    }
+    if (!value.is_number()) {
+      return ParamError(kParam,
+                        absl::StrCat("logit_bias: the bias of token ", id, " must be a number"));
+    }
+    const double bias = value.get<double>();
+    if (!(bias >= -engine::kMaxLogitBiasValue && bias <= engine::kMaxLogitBiasValue)) {
+      return ParamError(kParam, absl::StrCat("logit_bias: the bias of token ", id,
+                                             " must be in [-100, 100], got ", ShortDump(value)));
+    }
+    params->logit_bias.push_back({static_cast<int32_t>(id), static_cast<float>(bias)});
+  }
+  return absl::OkStatus();
+}
+
 absl::Status ReadTokenIds(const json& array, const char* param, int vocab_size,
                           std::vector<int32_t>* out) {
   for (const json& t : array) {
@@ -191,19 +225,205 @@ absl::Status RefuseUnsupported(const json& body, int n) {
       }
     }
   }
-  if (const json* v = Field(body, "logit_bias")) {
-    if (!v->is_object()) return ParamError("logit_bias", "logit_bias must be an object");
-    if (!v->empty()) return ParamError("logit_bias", NotSupported("logit_bias"));
-  }
-  if (const json* v = Field(body, "response_format")) {
-    if (!v->is_object()) return ParamError("response_format", "response_format must be an object");
-    auto type = v->find("type");
-    if (type == v->end() || !type->is_string() || type->get<std::string>() != "text") {
-      return ParamError("response_format", NotSupported("a response_format other than text"));
-    }
-  }
   return absl::OkStatus();
 }
+
+// GBNF of exactly one of `choices` (guided_choice): each a string literal, bytes that end or
+// escape a literal and control characters written as escapes.
+std::string ChoiceGbnf(const std::vector<std::string>& choices) {
+  std::string gbnf = "root ::= ";
+  for (size_t i = 0; i < choices.size(); ++i) {
+    if (i > 0) gbnf += " | ";
+    gbnf += '"';
+    for (unsigned char c : choices[i]) {
+      if (c == '"' || c == '\\') {
+        gbnf += '\\';
+        gbnf += static_cast<char>(c);
+      } else if (c < 0x20 || c == 0x7f) {
+        absl::StrAppend(&gbnf, "\\x", absl::Hex(c, absl::kZeroPad2));
+      } else {
+        gbnf += static_cast<char>(c);
+      }
+    }
+    gbnf += '"';
+  }
+  return gbnf + "\n";
+}
+
+// The request's structured-output constraints as they are read: the field each came from.
+class ConstraintReader {
+ public:
+  ConstraintReader(const json& body, std::string_view raw_body) : body_(body), raw_(raw_body) {}
+
+  // Reads every constraint field; more than one constraint is an error naming both.
+  absl::StatusOr<engine::StructuredOutput> Read() {
+    TANDEM_RETURN_IF_ERROR(ReadResponseFormat());
+    if (const json* v = Field(body_, "guided_json")) {
+      TANDEM_RETURN_IF_ERROR(AddSchema("guided_json", *v, {"guided_json"}));
+    }
+    TANDEM_RETURN_IF_ERROR(
+        ReadString(body_, "guided_regex", "guided_regex", engine::ConstraintKind::kRegex));
+    TANDEM_RETURN_IF_ERROR(
+        ReadString(body_, "guided_grammar", "guided_grammar", engine::ConstraintKind::kGrammar));
+    if (const json* v = Field(body_, "guided_choice")) {
+      TANDEM_RETURN_IF_ERROR(AddChoice("guided_choice", *v));
+    }
+    TANDEM_RETURN_IF_ERROR(ReadStructuredOutputs());
+    if (found_.empty()) return engine::StructuredOutput{};
+    if (found_.size() > 1) {
+      return ParamError(found_[1].param,
+                        absl::StrCat("only one structured-output constraint may be given; got ",
+                                     found_[0].param, " and ", found_[1].param));
+    }
+    Found& f = found_[0];
+    absl::Status valid = f.constraint.Validate(/*num_prompt_tokens=*/1);
+    if (valid.ok()) valid = engine::BuildGrammar(f.constraint).status();
+    if (!valid.ok()) {
+      std::string message(valid.message());
+      if (absl::StartsWith(message, "structured output: ")) message.erase(0, 19);
+      return ParamError(f.param, absl::StrCat(f.param, ": ", message));
+    }
+    return f.constraint;
+  }
+
+ private:
+  struct Found {
+    std::string param;
+    engine::StructuredOutput constraint;
+  };
+
+  void Add(std::string param, engine::ConstraintKind kind, std::string source) {
+    found_.push_back({std::move(param), {kind, std::move(source), 0}});
+  }
+
+  absl::Status ReadString(const json& object, const char* name, const std::string& param,
+                          engine::ConstraintKind kind) {
+    const json* v = Field(object, name);
+    if (v == nullptr) return absl::OkStatus();
+    if (!v->is_string()) return ParamError(param, absl::StrCat(param, " must be a string"));
+    Add(param, kind, v->get<std::string>());
+    return absl::OkStatus();
+  }
+
+  // A schema given as an object (its text taken from the raw body, so its properties keep the
+  // order the client wrote them in) or as a string of JSON.
+  absl::Status AddSchema(const std::string& param, const json& v, std::vector<std::string> path) {
+    if (v.is_string()) {
+      Add(param, engine::ConstraintKind::kJsonSchema, v.get<std::string>());
+      return absl::OkStatus();
+    }
+    if (!v.is_object()) {
+      return ParamError(param, absl::StrCat(param, " must be a JSON schema object"));
+    }
+    Add(param, engine::ConstraintKind::kJsonSchema, OrderedDump(v, path));
+    return absl::OkStatus();
+  }
+
+  absl::Status AddChoice(const std::string& param, const json& v) {
+    const std::string kType = absl::StrCat(param, " must be a non-empty array of strings");
+    if (!v.is_array() || v.empty()) return ParamError(param, kType);
+    std::vector<std::string> choices;
+    for (const json& c : v) {
+      if (!c.is_string()) return ParamError(param, kType);
+      choices.push_back(c.get<std::string>());
+    }
+    Add(param, engine::ConstraintKind::kGrammar, ChoiceGbnf(choices));
+    return absl::OkStatus();
+  }
+
+  absl::Status ReadResponseFormat() {
+    const json* v = Field(body_, "response_format");
+    if (v == nullptr) return absl::OkStatus();
+    const char* kParam = "response_format";
+    if (!v->is_object()) return ParamError(kParam, "response_format must be an object");
+    const json* type = Field(*v, "type");
+    if (type == nullptr || !type->is_string()) {
+      return ParamError(kParam, "response_format.type must be a string");
+    }
+    const std::string t = type->get<std::string>();
+    if (t == "text") return absl::OkStatus();
+    if (t == "json_object") {
+      Add(kParam, engine::ConstraintKind::kJsonObject, "");
+      return absl::OkStatus();
+    }
+    if (t != "json_schema") {
+      return ParamError(kParam, absl::StrCat("response_format.type must be text, json_object or "
+                                             "json_schema; got '",
+                                             Excerpt(t), "'"));
+    }
+    const json* spec = Field(*v, "json_schema");
+    if (spec == nullptr || !spec->is_object()) {
+      return ParamError(kParam, "response_format.json_schema must be an object holding the schema");
+    }
+    if (const json* name = Field(*spec, "name"); name != nullptr && !name->is_string()) {
+      return ParamError(kParam, "response_format.json_schema.name must be a string");
+    }
+    if (const json* strict = Field(*spec, "strict"); strict != nullptr && !strict->is_boolean()) {
+      return ParamError(kParam, "response_format.json_schema.strict must be a boolean");
+    }
+    const json* schema = Field(*spec, "schema");
+    if (schema == nullptr || !schema->is_object()) {
+      return ParamError(kParam, "response_format.json_schema.schema must be a JSON schema object");
+    }
+    return AddSchema(kParam, *schema, {"response_format", "json_schema", "schema"});
+  }
+
+  // vLLM's `structured_outputs`: {json | regex | grammar | choice | json_object: true}.
+  absl::Status ReadStructuredOutputs() {
+    const json* v = Field(body_, "structured_outputs");
+    if (v == nullptr) return absl::OkStatus();
+    if (!v->is_object())
+      return ParamError("structured_outputs", "structured_outputs must be an object");
+    if (const json* j = Field(*v, "json")) {
+      TANDEM_RETURN_IF_ERROR(
+          AddSchema("structured_outputs.json", *j, {"structured_outputs", "json"}));
+    }
+    TANDEM_RETURN_IF_ERROR(
+        ReadString(*v, "regex", "structured_outputs.regex", engine::ConstraintKind::kRegex));
+    TANDEM_RETURN_IF_ERROR(
+        ReadString(*v, "grammar", "structured_outputs.grammar", engine::ConstraintKind::kGrammar));
+    if (const json* c = Field(*v, "choice")) {
+      TANDEM_RETURN_IF_ERROR(AddChoice("structured_outputs.choice", *c));
+    }
+    if (const json* o = Field(*v, "json_object")) {
+      if (!o->is_boolean()) {
+        return ParamError("structured_outputs.json_object",
+                          "structured_outputs.json_object must be a boolean");
+      }
+      if (o->get<bool>())
+        Add("structured_outputs.json_object", engine::ConstraintKind::kJsonObject, "");
+    }
+    return absl::OkStatus();
+  }
+
+  // `v` as JSON text, from the raw body when there is one (nlohmann::json sorts keys).
+  std::string OrderedDump(const json& v, const std::vector<std::string>& path) {
+    if (!raw_.empty()) {
+      if (!ordered_) {
+        ordered_ = nlohmann::ordered_json::parse(raw_, nullptr, /*allow_exceptions=*/false);
+      }
+      const nlohmann::ordered_json* at = &*ordered_;
+      for (const std::string& key : path) {
+        if (!at->is_object()) break;
+        auto it = at->find(key);
+        if (it == at->end()) {
+          at = nullptr;
+          break;
+        }
+        at = &*it;
+      }
+      if (at != nullptr && at->is_object()) {
+        return at->dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+      }
+    }
+    return v.dump(-1, ' ', false, json::error_handler_t::replace);
+  }
+
+  const json& body_;
+  std::string_view raw_;
+  std::optional<nlohmann::ordered_json> ordered_;
+  std::vector<Found> found_;
+};
 
 }  // namespace
 
@@ -392,9 +612,9 @@ absl::Status AttachParam(absl::Status status, ApiKind kind) {
   }
   size_t end = message.find_first_not_of("abcdefghijklmnopqrstuvwxyz_");
   std::string word = message.substr(0, end);
-  for (const char* known :
-       {"temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-        "frequency_penalty", "max_tokens", "min_tokens", "n", "stop_token_ids", "seed"}) {
+  for (const char* known : {"temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                            "presence_penalty", "frequency_penalty", "max_tokens", "min_tokens",
+                            "n", "stop_token_ids", "seed", "logit_bias"}) {
     if (word == known) return ParamError(word, message);
   }
   if (word == "logprobs") {
@@ -404,7 +624,8 @@ absl::Status AttachParam(absl::Status status, ApiKind kind) {
 }
 
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKind kind,
-                                                         int vocab_size) {
+                                                         int vocab_size,
+                                                         std::string_view raw_body) {
   CompletionRequest r;
   r.kind = kind;
   engine::SamplingParams& p = r.params;
@@ -444,6 +665,7 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKi
                                         engine::kMaxSamplesPerRequest, "], got ", p.n));
   }
   TANDEM_RETURN_IF_ERROR(RefuseUnsupported(body, p.n));
+  TANDEM_ASSIGN_OR_RETURN(p.structured, ConstraintReader(body, raw_body).Read());
 
   std::optional<int64_t> max_tokens;
   const int64_t kIntMax = std::numeric_limits<int32_t>::max();
@@ -478,6 +700,7 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKi
     }
   }
   TANDEM_RETURN_IF_ERROR(ReadStop(body, &p));
+  TANDEM_RETURN_IF_ERROR(ReadLogitBias(body, vocab_size, &p));
   if (const json* v = Field(body, "stop_token_ids")) {
     if (!v->is_array()) return ParamError("stop_token_ids", "stop_token_ids must be an array");
     if (v->size() > static_cast<size_t>(engine::kMaxStopTokenIds)) {

@@ -1,7 +1,10 @@
 #include "tandem/router/openai_request.h"
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
@@ -71,6 +74,17 @@ TEST(ParseCompletionRequestTest, ReadsEveryField) {
   EXPECT_TRUE(r->include_usage);
 }
 
+TEST(ParseCompletionRequestTest, ReadsLogitBias) {
+  absl::StatusOr<CompletionRequest> r =
+      Completion(R"({"prompt": "hi", "logit_bias": {"7": -100, "999": 2.5, "0": 100}})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<engine::TokenBias> bias = r->params.logit_bias;
+  std::sort(bias.begin(), bias.end(), [](const engine::TokenBias& a, const engine::TokenBias& b) {
+    return a.token < b.token;
+  });
+  EXPECT_EQ(bias, (std::vector<engine::TokenBias>{{0, 100.0f}, {7, -100.0f}, {999, 2.5f}}));
+}
+
 TEST(ParseCompletionRequestTest, PromptMayBeTokenIds) {
   absl::StatusOr<CompletionRequest> r = Completion(R"({"prompt": [1, 2, 3]})");
   ASSERT_TRUE(r.ok()) << r.status();
@@ -138,7 +152,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadField{R"({"prompt": "x", "echo": true})", "echo", "not supported"},
         BadField{R"({"prompt": "x", "suffix": "s"})", "suffix", "not supported"},
         BadField{R"({"prompt": "x", "best_of": 3})", "best_of", "not supported"},
-        BadField{R"({"prompt": "x", "logit_bias": {"1": 5}})", "logit_bias", "not supported"},
+        BadField{R"({"prompt": "x", "logit_bias": [1]})", "logit_bias", "must be an object"},
+        BadField{R"({"prompt": "x", "logit_bias": {"a1": 5}})", "logit_bias", "not a token id"},
+        BadField{R"({"prompt": "x", "logit_bias": {"-1": 5}})", "logit_bias", "not a token id"},
+        BadField{R"({"prompt": "x", "logit_bias": {"1000": 5}})", "logit_bias", "[0, 1000)"},
+        BadField{R"({"prompt": "x", "logit_bias": {"1": "5"}})", "logit_bias", "must be a number"},
+        BadField{R"({"prompt": "x", "logit_bias": {"1": 101}})", "logit_bias", "[-100, 100]"},
         BadField{R"({"prompt": "x", "min_tokens": 20, "max_tokens": 5})", "min_tokens",
                  "min_tokens must be"},
         BadField{R"({"prompt": "x", "stop_token_ids": [-1]})", "stop_token_ids", "vocabulary"}));
@@ -194,8 +213,97 @@ INSTANTIATE_TEST_SUITE_P(
                     "top_logprobs": 50})",
                  "top_logprobs", "top_logprobs must be"},
         BadField{R"({"messages": [{"role": "user", "content": "x"}],
-                    "response_format": {"type": "json_object"}})",
-                 "response_format", "not supported"}));
+                    "response_format": {"type": "yaml"}})",
+                 "response_format", "must be text, json_object or json_schema"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}],
+                    "response_format": {"type": "json_schema"}})",
+                 "response_format", "json_schema must be an object"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}],
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "a"}}})",
+                 "response_format", "schema must be a JSON schema object"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}],
+                    "response_format": {"type": "json_schema", "json_schema":
+                      {"name": "a", "strict": "yes", "schema": {"type": "object"}}}})",
+                 "response_format", "strict must be a boolean"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}],
+                    "response_format": {"type": "json_schema", "json_schema":
+                      {"name": "a", "schema": {"type": "object", "minProperties": 2}}}})",
+                 "response_format", "minProperties"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}],
+                    "guided_json": {"type": "strnig"}})",
+                 "guided_json", "strnig"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "guided_json": "{oops"})",
+                 "guided_json", "not valid JSON"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "guided_regex": "(a"})",
+                 "guided_regex", "guided_regex: "},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "guided_regex": 5})",
+                 "guided_regex", "must be a string"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}],
+                    "guided_grammar": "root ::= missing"})",
+                 "guided_grammar", "missing"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "guided_choice": []})",
+                 "guided_choice", "non-empty array of strings"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a", 1]})",
+                 "guided_choice", "non-empty array of strings"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}],
+                    "structured_outputs": {"regex": "[", "choice": ["a"]}})",
+                 "structured_outputs.choice", "only one structured-output constraint"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}],
+                    "response_format": {"type": "json_object"}, "guided_regex": "a"})",
+                 "guided_regex", "response_format and guided_regex"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}],
+                    "structured_outputs": {"json_object": 1}})",
+                 "structured_outputs.json_object", "must be a boolean"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "structured_outputs": 3})",
+                 "structured_outputs", "must be an object"}));
+
+TEST(ParseStructuredOutputTest, EachSpellingGivesItsConstraint) {
+  struct Case {
+    std::string fields;
+    engine::ConstraintKind kind;
+    std::string source;
+  };
+  const std::vector<Case> cases = {
+      {R"("response_format": {"type": "text"})", engine::ConstraintKind::kNone, ""},
+      {R"("response_format": {"type": "json_object"})", engine::ConstraintKind::kJsonObject, ""},
+      {R"("response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": true,
+          "schema": {"type": "object", "properties": {"z": {"type": "string"},
+          "a": {"type": "integer"}}}}})",
+       engine::ConstraintKind::kJsonSchema,
+       R"({"type":"object","properties":{"z":{"type":"string"},"a":{"type":"integer"}}})"},
+      {R"("guided_json": {"type": "object", "properties": {"b": {"type": "null"}}})",
+       engine::ConstraintKind::kJsonSchema,
+       R"({"type":"object","properties":{"b":{"type":"null"}}})"},
+      {R"("guided_json": "{\"type\": \"integer\"}")", engine::ConstraintKind::kJsonSchema,
+       R"({"type": "integer"})"},
+      {R"("guided_regex": "[0-9]+")", engine::ConstraintKind::kRegex, "[0-9]+"},
+      {R"("guided_grammar": "root ::= \"a\"")", engine::ConstraintKind::kGrammar, "root ::= \"a\""},
+      {R"("guided_choice": ["yes", "no \"way\"\n"])", engine::ConstraintKind::kGrammar,
+       "root ::= \"yes\" | \"no \\\"way\\\"\\x0a\"\n"},
+      {R"("structured_outputs": {"json": {"type": "boolean"}})",
+       engine::ConstraintKind::kJsonSchema, R"({"type":"boolean"})"},
+      {R"("structured_outputs": {"regex": "a|b"})", engine::ConstraintKind::kRegex, "a|b"},
+      {R"("structured_outputs": {"choice": ["x"]})", engine::ConstraintKind::kGrammar,
+       "root ::= \"x\"\n"},
+      {R"("structured_outputs": {"json_object": true})", engine::ConstraintKind::kJsonObject, ""},
+  };
+  for (const Case& c : cases) {
+    for (ApiKind kind : {ApiKind::kCompletion, ApiKind::kChat}) {
+      const std::string body =
+          absl::StrCat(kind == ApiKind::kChat ? R"({"messages": [{"role": "user", "content": "x"}])"
+                                              : R"({"prompt": "x")",
+                       ", ", c.fields, "}");
+      absl::StatusOr<json> parsed = ParseJsonObject(body);
+      ASSERT_TRUE(parsed.ok()) << body;
+      // With the raw body, a schema keeps the client's order of properties.
+      absl::StatusOr<CompletionRequest> r = ParseCompletionRequest(*parsed, kind, kVocab, body);
+      ASSERT_TRUE(r.ok()) << r.status() << "\n" << body;
+      EXPECT_EQ(r->params.structured.kind, c.kind) << body;
+      EXPECT_EQ(r->params.structured.source, c.source) << body;
+      EXPECT_EQ(r->params.structured.replay_prompt_tokens, 0);
+    }
+  }
+}
 
 TEST(ParseChatRequestTest, CapsTheNumberOfMessages) {
   json messages = json::array();

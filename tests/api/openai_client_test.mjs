@@ -1,6 +1,6 @@
 // The official `openai` npm client against `tandem serve`: completions and chat, streamed and
-// not, n > 1, the usage chunk, stop strings, seeded sampling, logprobs, and errors arriving as
-// the client's typed errors. Starts its own servers (tiny synthetic model, free ports).
+// not, n > 1, the usage chunk, stop strings, seeded sampling, logprobs, logit_bias, and errors
+// arriving as the client's typed errors. Starts its own servers (tiny synthetic model, free ports).
 //   node --test tests/api/openai_client_test.mjs   (TANDEM_BINARY_DIR=build)
 import { spawn } from 'node:child_process';
 import { createRequire } from 'node:module';
@@ -180,6 +180,38 @@ describe('tandem serve with the openai client', () => {
     assert.equal(a.choices[0].text, b.choices[0].text);
     const others = await Promise.all([1, 2, 3].map((seed) => openai.completions.create({ ...params, seed })));
     assert.ok(others.some((o) => o.choices[0].text !== a.choices[0].text));
+  });
+
+  test('logit_bias: +100 forces a token, -100 bans it', async () => {
+    // The last token of a word in this model's vocabulary, and its text on its own.
+    const post = async (route, body) => (await fetch(`${server.url}${route}`, {
+      method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body),
+    })).json();
+    const tokenOf = async (word) => {
+      const id = (await post('/tokenize', { prompt: word, add_special_tokens: false })).tokens.at(-1);
+      return { id, text: (await post('/detokenize', { tokens: [id] })).prompt };
+    };
+    const a = await tokenOf(' world');
+    const b = await tokenOf(' hello');
+    assert.notEqual(a.id, b.id);
+    const params = { model: MODEL, prompt: 'Hello', max_tokens: 4, ignore_eos: true };
+    const forced = await openai.completions.create({
+      ...params, temperature: 1, seed: 3, logit_bias: { [a.id]: 100 },
+    });
+    assert.equal(forced.choices[0].text, a.text.repeat(4));
+    // Greedy: the larger bias wins; banned, it gives way to the other.
+    const larger = await openai.completions.create({
+      ...params, temperature: 0, logit_bias: { [a.id]: 40, [b.id]: 80 },
+    });
+    assert.equal(larger.choices[0].text, b.text.repeat(4));
+    const banned = await openai.completions.create({
+      ...params, temperature: 0, logit_bias: { [a.id]: 40, [b.id]: -100 },
+    });
+    assert.equal(banned.choices[0].text, a.text.repeat(4));
+    await assert.rejects(
+      openai.completions.create({ ...params, logit_bias: { [a.id]: 500 } }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === 'logit_bias',
+    );
   });
 
   test('logprobs in the completions and chat formats', async () => {

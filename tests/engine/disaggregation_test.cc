@@ -26,13 +26,26 @@ std::unique_ptr<LlmEngine> MakeEngine(EngineRole role) {
   return std::move(engine).value();
 }
 
-std::vector<GenerateRequest> MakeRequests(int count, int vocab) {
+// With `constrained`, every request's output is held to a grammar (structured outputs): the
+// decode engine rebuilds each sample's matcher from the first token the prefill engine sent.
+std::vector<GenerateRequest> MakeRequests(int count, int vocab, bool constrained = false) {
   std::mt19937 rng(count);
   std::vector<GenerateRequest> requests;
   for (int i = 0; i < count; ++i) {
     SamplingParams p;
     p.max_tokens = 12 + i % 5;
     p.ignore_eos = true;
+    if (constrained) {
+      static const StructuredOutput kConstraints[] = {
+          {ConstraintKind::kJsonObject, ""},
+          {ConstraintKind::kJsonSchema,
+           R"({"type":"object","properties":{"a":{"type":"string","maxLength":4},)"
+           R"("b":{"type":"integer"}},"required":["a","b"],"additionalProperties":false})"},
+          {ConstraintKind::kRegex, "[a-z]{2,8}( [0-9]+)?"},
+          {ConstraintKind::kGrammar, "root ::= \"yes\" | \"no\"\n"}};
+      p.structured = kConstraints[i % 4];
+      p.max_tokens = 40;
+    }
     p.logprobs = 1;
     if (i % 2 == 0) {
       p.temperature = 0;
@@ -48,15 +61,15 @@ std::vector<GenerateRequest> MakeRequests(int count, int vocab) {
   return requests;
 }
 
-class DisaggregationTest : public ::testing::TestWithParam<std::tuple<std::string, int>> {};
+class DisaggregationTest : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {};
 
 TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
-  const auto& [backend, concurrency] = GetParam();
+  const auto& [backend, concurrency, constrained] = GetParam();
   auto colocated = MakeEngine(EngineRole::kColocated);
   auto prefill = MakeEngine(EngineRole::kPrefill);
   auto decode = MakeEngine(EngineRole::kDecode);
   const std::vector<GenerateRequest> requests =
-      MakeRequests(concurrency, colocated->config().vocab_size);
+      MakeRequests(concurrency, colocated->config().vocab_size, constrained);
   auto expected = GenerateAll(*colocated, requests);
   ASSERT_TRUE(expected.ok()) << expected.status();
 
@@ -127,7 +140,8 @@ TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
       EXPECT_EQ(have.choices[c].token_ids, want.choices[c].token_ids) << i << "/" << c;
       EXPECT_EQ(have.choices[c].logprobs, want.choices[c].logprobs) << i << "/" << c;
       EXPECT_EQ(have.choices[c].text, want.choices[c].text) << i << "/" << c;
-      EXPECT_EQ(have.choices[c].finish_reason, FinishReason::kLength);
+      EXPECT_EQ(have.choices[c].finish_reason,
+                constrained ? want.choices[c].finish_reason : FinishReason::kLength);
     }
   }
   // Nothing leaks on either side.
@@ -137,7 +151,10 @@ TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
 
 INSTANTIATE_TEST_SUITE_P(BackendsAndConcurrency, DisaggregationTest,
                          ::testing::Combine(::testing::Values("local", "ucx"),
-                                            ::testing::Values(1, 8, 32)));
+                                            ::testing::Values(1, 8, 32), ::testing::Values(false)));
+INSTANTIATE_TEST_SUITE_P(StructuredOutputs, DisaggregationTest,
+                         ::testing::Combine(::testing::Values("local"), ::testing::Values(8),
+                                            ::testing::Values(true)));
 
 }  // namespace
 }  // namespace tandem::engine

@@ -25,6 +25,7 @@
 #include "tandem/engine/step_latency_model.h"
 #include "tandem/engine/step_telemetry.h"
 #include "tandem/engine/step_trace.h"
+#include "tandem/grammar/matcher.h"
 #include "tandem/kernels/backend.h"
 #include "tandem/text/chat_template.h"
 #include "tandem/text/tokenizer.h"
@@ -101,11 +102,21 @@ class LlmEngine {
   ~LlmEngine();
 
   // Refuses (InvalidArgument, naming the field) an empty prompt, a token id outside the
-  // vocabulary, bad sampling parameters, a prompt that with max_tokens overruns the context
-  // length, or one that could never fit in the KV cache; AlreadyExists for a duplicate id.
+  // vocabulary, bad sampling parameters, a structured-output constraint that does not compile
+  // (or whose replayed prompt tokens it does not accept), a prompt that with max_tokens overruns
+  // the context length, or one that could never fit in the KV cache; AlreadyExists for a
+  // duplicate id.
   absl::Status AddRequest(GenerateRequest request);
-  // The checks of AddRequest that do not depend on engine state; safe from any thread.
+  // The checks of AddRequest that do not depend on engine state; safe from any thread. Compiles
+  // a structured-output constraint for this engine's vocabulary (once per kind and source: the
+  // grammar cache), so a caller that validates on its own thread keeps that off the engine's.
   absl::Status Validate(const GenerateRequest& request) const;
+  // Compiles the grammar of params.structured for this engine's vocabulary, or finds it in the
+  // cache (a no-op when unconstrained); safe from any thread. A caller that will hand the
+  // request to the engine's thread calls it first, so that thread finds the grammar compiled.
+  absl::Status PrepareConstraint(const SamplingParams& params) const {
+    return CompiledConstraint(params).status();
+  }
   // Ends a request at once and frees its KV blocks; unknown ids are ignored.
   void Abort(const std::string& request_id);
   // Runs one scheduler step and returns what each progressed request produced.
@@ -152,14 +163,20 @@ class LlmEngine {
   int max_model_len() const { return max_model_len_; }
   EngineStats stats() const;
   const StepLatencyModel& step_latency_model() const { return telemetry_.latency_model(); }
+  // Grammars compiled so far (structured outputs; a cached grammar is compiled once).
+  size_t grammar_compilations() const { return grammar_cache_->compilations(); }
 
  private:
   struct Choice;
   struct Request;
   LlmEngine() = default;
-  // A request of n choices, each a sequence holding the prompt, with its detokenizer; the
-  // caller sets what differs (random stream, prefilled state). Moves request.params.
-  std::unique_ptr<Request> NewRequest(GenerateRequest& request);
+  // A request of n choices, each a sequence holding the prompt, with its detokenizer and, when
+  // constrained, its grammar matcher past the replayed prompt tokens; the caller sets what
+  // differs (random stream, prefilled state). Moves request.params.
+  absl::StatusOr<std::unique_ptr<Request>> NewRequest(GenerateRequest& request);
+  // The compiled grammar of a request's constraint (null when unconstrained), from the cache.
+  absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> CompiledConstraint(
+      const SamplingParams& params) const;
   // Applies one sampled token to a choice: stop checks, detokenization, delta.
   void ProcessToken(Request& request, Choice& choice, int32_t token, ChoiceDelta& delta);
   void FinishChoice(Choice& choice, FinishReason reason, ChoiceDelta& delta);
@@ -188,6 +205,10 @@ class LlmEngine {
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ModelRunner> runner_;
   std::unique_ptr<Sampler> sampler_;
+  // The tokenizer's vocabulary as bytes (EOS ids end a grammar) and the grammars compiled for
+  // it, shared by every constrained request; the cache is thread-safe (Validate runs anywhere).
+  std::shared_ptr<const grammar::TokenVocabulary> grammar_vocab_;
+  std::unique_ptr<grammar::GrammarCache> grammar_cache_;
   int max_model_len_ = 0;
   int64_t next_seq_id_ = 0;
   std::map<std::string, std::unique_ptr<Request>> requests_;

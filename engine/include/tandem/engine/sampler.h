@@ -11,15 +11,20 @@ namespace tandem::engine {
 
 // Order of operations (each skipped when it is a no-op): logprobs of the raw distribution;
 // min_tokens masking of EOS and stop ids; repetition penalty (prompt and output tokens),
-// presence and frequency penalties (output tokens); greedy argmax, or temperature, top-k,
-// top-p, min-p and a draw from the sequence's own random stream.
-// Ties resolve to the lowest token id, so results never depend on the batch.
+// presence and frequency penalties (output tokens); logit_bias; the grammar's token mask of a
+// constrained sequence (seq.matcher: only tokens the grammar allows next, EOS only where it may
+// end); greedy argmax, or temperature, top-k, top-p, min-p and a draw from the sequence's own
+// random stream, among the allowed tokens only. Ties resolve to the lowest token id, so results
+// never depend on the batch.
 class Sampler {
  public:
   explicit Sampler(std::vector<int32_t> eos_token_ids) : eos_token_ids_(std::move(eos_token_ids)) {}
 
   // logits: [vocab], overwritten as scratch. Fills seq.last_logprob / last_top_logprobs when
-  // seq.params->logprobs >= 0.
+  // seq.params->logprobs >= 0. Does not advance seq.matcher (the caller accepts the token).
+  // A constrained sequence always gets a token its grammar allows: when min_tokens masked every
+  // one of them (the grammar can only end), the lowest allowed id (an EOS); -1 when the grammar
+  // allows no token at all (a dead end: it needs bytes no token of the vocabulary holds).
   int32_t Sample(std::span<float> logits, Sequence& seq);
 
  private:
@@ -28,6 +33,7 @@ class Sampler {
   std::vector<float> raw_logits_;    // scratch [vocab]
   std::vector<int32_t> candidates_;  // scratch [vocab]
   std::vector<int32_t> counts_;      // scratch [vocab], zero between calls
+  grammar::TokenMask mask_;          // scratch [vocab / 64]
 };
 
 }  // namespace tandem::engine

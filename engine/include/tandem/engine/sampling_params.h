@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "tandem/engine/structured_output.h"
 
 namespace tandem::engine {
 
@@ -16,6 +17,15 @@ inline constexpr int kMaxTopLogprobs = 20;        // top_logprobs
 inline constexpr int kMaxStopStrings = 16;        // stop
 inline constexpr int kMaxStopStringBytes = 256;   // each stop string
 inline constexpr int kMaxStopTokenIds = 64;       // stop_token_ids
+inline constexpr int kMaxLogitBias = 300;         // logit_bias entries
+inline constexpr float kMaxLogitBiasValue = 100;  // |bias|
+
+// A value added to one token's logit before sampling (OpenAI's logit_bias).
+struct TokenBias {
+  int32_t token = 0;
+  float bias = 0.0f;  // [-100, 100]
+  bool operator==(const TokenBias&) const = default;
+};
 
 // Sampling settings of one request. temperature == 0 means greedy.
 // Logprobs are those of the model's distribution (log-softmax of the raw logits, before
@@ -38,6 +48,10 @@ struct SamplingParams {
   int n = 1;
   int logprobs = -1;  // -1: none; 0: chosen token only; k: plus top-k
   bool skip_special_tokens = true;
+  // What the output must match (structured outputs); kNone: anything.
+  StructuredOutput structured;
+  // Added to the logits after the penalties, before any grammar mask (which it cannot undo).
+  std::vector<TokenBias> logit_bias;
 
   bool greedy() const { return temperature == 0.0f; }
 

@@ -10,6 +10,7 @@
 #include "tandem/engine/block_manager.h"
 #include "tandem/engine/request.h"
 #include "tandem/engine/sampling_params.h"
+#include "tandem/grammar/matcher.h"
 
 namespace tandem::engine {
 
@@ -46,6 +47,9 @@ struct Sequence {
   std::shared_ptr<const SamplingParams> params;
   SamplerRng rng{0};
   int num_preemptions = 0;
+  // The grammar state of a constrained sample (params->structured), advanced with every token
+  // it generates; null when unconstrained.
+  std::unique_ptr<grammar::GrammarMatcher> matcher;
 
   // Sampler outputs of the latest step that sampled (filled when params->logprobs >= 0).
   float last_logprob = 0.0f;

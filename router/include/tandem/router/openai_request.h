@@ -62,9 +62,15 @@ struct CompletionRequest {
 
 // Checks every field's type and range; `vocab_size` bounds token ids. Unknown fields are
 // ignored, but fields whose meaning Tandem does not implement (echo, suffix, best_of > n,
-// tools, logit_bias, ...) are refused rather than silently dropped.
+// tools, logit_bias, ...) are refused rather than silently dropped. Structured outputs
+// (response_format json_object / json_schema, guided_json / guided_regex / guided_grammar /
+// guided_choice, structured_outputs) become params.structured, at most one of them, its
+// grammar built to refuse a bad schema, regex or grammar here (param: the field it came from).
+// `raw_body`, the text `body` was parsed from, gives a schema's properties in the client's order
+// (nlohmann::json sorts keys); without it they come sorted by name.
 absl::StatusOr<CompletionRequest> ParseCompletionRequest(const nlohmann::json& body, ApiKind kind,
-                                                         int vocab_size);
+                                                         int vocab_size,
+                                                         std::string_view raw_body = {});
 
 // Token ids from a JSON array: integers in [0, vocab_size), else an error naming `param`.
 absl::StatusOr<std::vector<int32_t>> ParseTokenIds(const nlohmann::json& array, const char* param,
