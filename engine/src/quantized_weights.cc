@@ -72,13 +72,18 @@ absl::StatusOr<QuantizedMatrix> ReadQuantizedMatrix(const Checkpoint& checkpoint
       m.group_size = config.group_size;
       const int groups = in / m.group_size;
       const int words = out / 8;
-      // qweight [in, out / 8]: word (i, c) holds columns 8c .. 8c + 7 of input row i.
-      for (int64_t i = 0; i < in; ++i) {
+      // qweight [in, out / 8]: word (i, c) holds columns 8c .. 8c + 7 of input row i. Blocks of
+      // kBlock inputs, so each output row receives kBlock consecutive bytes at a time.
+      constexpr int64_t kBlock = 64;
+      for (int64_t i0 = 0; i0 < in; i0 += kBlock) {
+        const int64_t i1 = std::min<int64_t>(in, i0 + kBlock);
         for (int c = 0; c < words; ++c) {
-          const int32_t word = Word(qweight, i * words + c);
-          for (int p = 0; p < 8; ++p) {
-            m.values[(int64_t{8} * c + kAwqOrder[p]) * in + i] =
-                static_cast<int8_t>(Nibble(word, p));
+          for (int64_t i = i0; i < i1; ++i) {
+            const int32_t word = Word(qweight, i * words + c);
+            for (int p = 0; p < 8; ++p) {
+              m.values[(int64_t{8} * c + kAwqOrder[p]) * in + i] =
+                  static_cast<int8_t>(Nibble(word, p));
+            }
           }
         }
       }
