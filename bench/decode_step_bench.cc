@@ -1,9 +1,10 @@
-// CPU decode step of a synthetic bf16 checkpoint, its weights held as float32 and as bfloat16
-// (and whatever --dtypes lists) in one run: time per step and the memory bandwidth it achieves,
-// as a fraction of a read-only streaming kernel and of a STREAM-like copy, both measured in
-// the same run.
+// CPU decode step of a synthetic bf16 checkpoint, its weights held as float32 and as bfloat16,
+// and of the same weights quantised to int8 (compressed-tensors W8A16) and int4 (AWQ, group
+// 128), in one run (whatever --dtypes lists): time per step and the memory bandwidth it
+// achieves, as a fraction of a read-only streaming kernel and of a STREAM-like copy, both
+// measured in the same run.
 //
-//   tandem_bench_decode [--preset=small] [--context=256] [--dtypes=float32,bfloat16]
+//   tandem_bench_decode [--preset=small] [--context=256] [--dtypes=float32,bfloat16,int8,int4]
 //                       [--batches=1,4,16] [--bandwidth-mib=256] [google benchmark flags]
 //
 // The bandwidth kernels stream --bandwidth-mib MiB: more than the last-level cache to measure
@@ -33,14 +34,24 @@ int g_context = 256;
 double g_copy_gbs = 0;
 double g_read_gbs = 0;
 
-std::string ModelDir() {
-  std::string dir =
-      (std::filesystem::temp_directory_path() / ("tandem-bench-" + g_preset)).string();
+// How a run holds its weights: converted to a float dtype at load, or a quantised checkpoint
+// ("int8": compressed-tensors, "int4": AWQ group 128) whose other tensors stay bf16.
+struct WeightFormat {
+  std::string name;
+  std::optional<DType> dtype;
+  std::string quant;  // synth-model --quant, or empty
+};
+
+std::string ModelDir(const std::string& quant) {
+  std::string dir = (std::filesystem::temp_directory_path() /
+                     ("tandem-bench-" + g_preset + (quant.empty() ? "" : "-" + quant)))
+                        .string();
   if (!std::filesystem::exists(dir + "/config.json")) {
     tools::SynthModelOptions options;
     options.out_dir = dir;
     options.preset = g_preset;
     options.dtype = DType::kBF16;
+    options.quant = quant;
     absl::Status s = tools::WriteSyntheticModel(options);
     if (!s.ok()) {
       std::fprintf(stderr, "cannot write the %s model: %s\n", g_preset.c_str(),
@@ -51,23 +62,36 @@ std::string ModelDir() {
   return dir;
 }
 
-// Bytes a decode step must read from memory at least: every projection matrix and the LM head
-// once (of `weight_dtype`), one embedding row per token (counted as fp32), and each sequence's KV
-// (of `kv_dtype`).
-double BytesPerStep(const text::ModelConfig& c, int batch, int context, DType weight_dtype,
-                    DType kv_dtype) {
+// Bytes a decode step must read from memory at least: every projection matrix (of the format's
+// element size: quantised, its integers plus the fp32 scales and zero points the CPU backend
+// holds per output row and group) and the LM head once (of `head_dtype`), one embedding row per
+// token (counted as fp32), and each sequence's KV (of `kv_dtype`).
+double BytesPerStep(const text::ModelConfig& c, int batch, int context, const WeightFormat& format,
+                    DType head_dtype, DType kv_dtype) {
   const double hidden = c.hidden_size, inter = c.intermediate_size;
   const double q_dim = c.num_heads * c.head_dim, kv_dim = c.num_kv_heads * c.head_dim;
-  double per_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter;
-  double weights = c.num_layers * per_layer + c.vocab_size * hidden;
+  // (rows, k) of each projection of a layer, fused as the runner holds them.
+  const double shapes[4][2] = {
+      {q_dim + 2 * kv_dim, hidden}, {hidden, q_dim}, {2 * inter, hidden}, {hidden, inter}};
+  double projections = 0;
+  for (const auto& [n, k] : shapes) {
+    if (format.quant == "int8") {
+      projections += n * k + 4 * n;
+    } else if (format.quant == "awq") {
+      projections += n * k / 2 + 8 * n * (k / 128);
+    } else {
+      projections += DTypeSize(head_dtype) * n * k;
+    }
+  }
   double kv = static_cast<double>(batch) * context * c.num_layers * 2 * kv_dim;
-  return DTypeSize(weight_dtype) * weights + DTypeSize(kv_dtype) * kv + 4.0 * batch * hidden;
+  return c.num_layers * projections + DTypeSize(head_dtype) * c.vocab_size * hidden +
+         DTypeSize(kv_dtype) * kv + 4.0 * batch * hidden;
 }
 
-void BM_DecodeStep(benchmark::State& state, DType weight_dtype) {
+void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
   const int batch = static_cast<int>(state.range(0));
   const int context = g_context;
-  auto checkpoint = engine::Checkpoint::Open(ModelDir());
+  auto checkpoint = engine::Checkpoint::Open(ModelDir(format.quant));
   if (!checkpoint.ok()) {
     state.SkipWithError(std::string(checkpoint.status().message()).c_str());
     return;
@@ -82,7 +106,7 @@ void BM_DecodeStep(benchmark::State& state, DType weight_dtype) {
                                              .max_num_seqs = batch,
                                              .num_kv_blocks = batch * blocks_per_seq,
                                              .block_size = block_size,
-                                             .weight_dtype = weight_dtype});
+                                             .weight_dtype = format.dtype});
   if (!runner.ok()) {
     state.SkipWithError(std::string(runner.status().message()).c_str());
     return;
@@ -112,7 +136,8 @@ void BM_DecodeStep(benchmark::State& state, DType weight_dtype) {
   }
   const double step_s = seconds / static_cast<double>(state.iterations());
   const DType kv_dtype = (*runner)->cache_layout().dtype;
-  const double bytes = BytesPerStep(c, batch, context, weight_dtype, kv_dtype);
+  const DType head_dtype = (*runner)->weight_dtype();
+  const double bytes = BytesPerStep(c, batch, context, format, head_dtype, kv_dtype);
   const double gbs = bytes / step_s / 1e9;
   state.counters["step_ms"] = step_s * 1e3;
   state.counters["MB_per_step"] = bytes / 1e6;
@@ -121,9 +146,8 @@ void BM_DecodeStep(benchmark::State& state, DType weight_dtype) {
   state.counters["of_read"] = gbs / g_read_gbs;
   state.counters["of_copy"] = gbs / g_copy_gbs;
   state.counters["tokens_per_s"] = batch / step_s;
-  state.SetLabel(absl::StrCat(g_preset, " ", c.NumParameters() / 1000000, "M params, ",
-                              DTypeFlagName(weight_dtype), " weights, ", DTypeFlagName(kv_dtype),
-                              " KV, context ", context));
+  state.SetLabel(absl::StrCat(g_preset, " ", c.NumParameters() / 1000000, "M params, ", format.name,
+                              " weights, ", DTypeFlagName(kv_dtype), " KV, context ", context));
 }
 
 }  // namespace
@@ -131,7 +155,11 @@ void BM_DecodeStep(benchmark::State& state, DType weight_dtype) {
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
-  std::vector<tandem::DType> dtypes = {tandem::DType::kF32, tandem::DType::kBF16};
+  using tandem::WeightFormat;
+  std::vector<WeightFormat> formats = {{"float32", tandem::DType::kF32, ""},
+                                       {"bfloat16", tandem::DType::kBF16, ""},
+                                       {"int8", std::nullopt, "int8"},
+                                       {"int4", std::nullopt, "awq"}};
   std::vector<int64_t> batches = {1, 4, 16};
   size_t bandwidth_bytes = size_t{256} << 20;
   for (int i = 1; i < argc; ++i) {
@@ -141,15 +169,23 @@ int main(int argc, char** argv) {
     } else if (a.rfind("--context=", 0) == 0) {
       tandem::g_context = std::atoi(a.c_str() + 10);
     } else if (a.rfind("--dtypes=", 0) == 0) {
-      dtypes.clear();
+      formats.clear();
       for (absl::string_view name : absl::StrSplit(a.substr(9), ',')) {
+        if (name == "int8") {
+          formats.push_back({"int8", std::nullopt, "int8"});
+          continue;
+        }
+        if (name == "int4") {
+          formats.push_back({"int4", std::nullopt, "awq"});
+          continue;
+        }
         const std::optional<tandem::DType> d = tandem::ParseDTypeFlag(std::string(name));
         if (!d.has_value() || tandem::DTypeSize(*d) == 1) {
           std::fprintf(stderr, "tandem_bench_decode: --dtypes: not a weight type: %s\n",
                        std::string(name).c_str());
           return 2;
         }
-        dtypes.push_back(*d);
+        formats.push_back({tandem::DTypeFlagName(*d), *d, ""});
       }
     } else if (a.rfind("--bandwidth-mib=", 0) == 0) {
       bandwidth_bytes = static_cast<size_t>(std::atol(a.c_str() + 16)) << 20;
@@ -169,10 +205,10 @@ int main(int argc, char** argv) {
               bandwidth_bytes >> 20, tandem::g_read_gbs);
   std::printf("copy bandwidth (2 threads, %zu MiB, same run): %.2f GB/s\n", bandwidth_bytes >> 20,
               tandem::g_copy_gbs);
-  for (tandem::DType dtype : dtypes) {
+  for (const WeightFormat& format : formats) {
     auto* b = benchmark::RegisterBenchmark(
-        absl::StrCat("BM_DecodeStep/", tandem::DTypeFlagName(dtype)).c_str(),
-        [dtype](benchmark::State& state) { tandem::BM_DecodeStep(state, dtype); });
+        absl::StrCat("BM_DecodeStep/", format.name).c_str(),
+        [format](benchmark::State& state) { tandem::BM_DecodeStep(state, format); });
     for (int64_t batch : batches) b->Arg(batch);
     b->Unit(benchmark::kMillisecond)->UseRealTime();
   }

@@ -1,5 +1,6 @@
 #include "tandem/engine/checkpoint.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -39,6 +40,11 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
   auto ckpt = std::unique_ptr<Checkpoint>(new Checkpoint());
   ckpt->dir_ = dir;
   TANDEM_ASSIGN_OR_RETURN(ckpt->config_, text::ModelConfig::FromFile(dir + "/config.json"));
+  {
+    TANDEM_ASSIGN_OR_RETURN(json config_json, ReadJsonFile(dir + "/config.json"));
+    TANDEM_ASSIGN_OR_RETURN(ckpt->quantization_,
+                            ParseQuantizationConfig(config_json, dir + "/config.json"));
+  }
 
   // transformers prefers the single file when both exist; so do we.
   const std::string single_path = absl::StrCat(dir, "/", kSingleFile);
@@ -95,6 +101,13 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
 
   // Extra tensors (rotary_emb.inv_freq in older exports, for example) are ignored.
   for (const auto& [name, shape] : ExpectedTensors(ckpt->config_)) {
+    constexpr std::string_view kWeight = ".weight";
+    const std::string module = name.substr(0, name.size() - kWeight.size());
+    if (shape.size() == 2 && name.ends_with(kWeight) &&
+        IsQuantizedLinear(ckpt->quantization_, module)) {
+      TANDEM_RETURN_IF_ERROR(ckpt->CheckQuantizedLinear(source, module, shape[0], shape[1]));
+      continue;
+    }
     auto it = ckpt->index_.find(name);
     if (it == ckpt->index_.end()) {
       return absl::NotFoundError(absl::StrCat(source, ": missing tensor ", name, " (",
@@ -106,8 +119,45 @@ absl::StatusOr<std::unique_ptr<Checkpoint>> Checkpoint::Open(const std::string& 
           it->second->file, ": tensor ", name, " has shape ", ShapeString(it->second->shape),
           ", expected ", ShapeString(shape), " from config.json"));
     }
+    const DType dtype = it->second->dtype;
+    if (dtype != DType::kF32 && dtype != DType::kF16 && dtype != DType::kBF16) {
+      return absl::InvalidArgumentError(absl::StrCat(it->second->file, ": tensor ", name, " holds ",
+                                                     DTypeName(dtype),
+                                                     ", expected F32, F16 or BF16"));
+    }
   }
   return ckpt;
+}
+
+absl::Status Checkpoint::CheckQuantizedLinear(const std::string& source, const std::string& module,
+                                              int64_t out, int64_t in) const {
+  auto specs = QuantizedTensors(quantization_, module, out, in);
+  if (!specs.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": ", specs.status().message()));
+  }
+  for (const QuantizedTensorSpec& spec : *specs) {
+    auto it = index_.find(spec.name);
+    if (it == index_.end()) {
+      if (spec.optional) continue;
+      return absl::NotFoundError(absl::StrCat(source, ": missing tensor ", spec.name, " (",
+                                              quantization_.Describe(), " expects shape ",
+                                              ShapeString(spec.shape), ")"));
+    }
+    const TensorView& t = *it->second;
+    if (t.shape != spec.shape) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          t.file, ": tensor ", spec.name, " has shape ", ShapeString(t.shape), ", expected ",
+          ShapeString(spec.shape), " (", quantization_.Describe(), ")"));
+    }
+    if (std::find(spec.dtypes.begin(), spec.dtypes.end(), t.dtype) == spec.dtypes.end()) {
+      std::vector<std::string> names;
+      for (DType d : spec.dtypes) names.push_back(DTypeName(d));
+      return absl::InvalidArgumentError(absl::StrCat(t.file, ": tensor ", spec.name, " holds ",
+                                                     DTypeName(t.dtype), ", expected ",
+                                                     absl::StrJoin(names, " or ")));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<TensorView> Checkpoint::Tensor(const std::string& name) const {

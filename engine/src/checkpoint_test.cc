@@ -270,11 +270,32 @@ TEST_F(CheckpointTest, RefusesUnsupportedDtype) {
   WriteText("config.json", TinyConfig("llama").dump());
   WriteRaw("model.safetensors",
            R"({"__metadata__":{"format":"pt"},)"
-           R"("model.embed_tokens.weight":{"dtype":"I8","shape":[96,32],"data_offsets":[0,3072]}})",
+           R"("model.embed_tokens.weight":{"dtype":"U8","shape":[96,32],"data_offsets":[0,3072]}})",
            3072);
   EXPECT_THAT(OpenError(dir_),
               AllOf(HasSubstr(dir_ + "/model.safetensors"), HasSubstr("model.embed_tokens.weight"),
-                    HasSubstr("unsupported dtype I8")));
+                    HasSubstr("unsupported dtype U8")));
+}
+
+// I8 and I32 are read (the integer tensors of quantised checkpoints), but a tensor the model
+// multiplies as floats must hold floats.
+TEST_F(CheckpointTest, RefusesIntegersWhereFloatsAreExpected) {
+  ASSERT_NO_FATAL_FAILURE(WriteCheckpoint(TinyConfig("llama"), DType::kF32));
+  SafetensorsWriter writer;
+  auto file = SafetensorsFile::Open(dir_ + "/model.safetensors");
+  ASSERT_TRUE(file.ok()) << file.status();
+  for (const auto& [name, view] : (*file)->tensors()) {
+    if (name == "model.norm.weight") {
+      std::vector<int8_t> ints(view.NumElements(), 1);
+      writer.Add(name, DType::kI8, view.shape, ints.data(), ints.size());
+    } else {
+      writer.Add(name, view.dtype, view.shape, view.data, view.nbytes);
+    }
+  }
+  file->reset();
+  ASSERT_TRUE(writer.Write(dir_ + "/model.safetensors").ok());
+  EXPECT_THAT(OpenError(dir_), AllOf(HasSubstr("model.norm.weight"),
+                                     HasSubstr("holds I8, expected F32, F16 or BF16")));
 }
 
 TEST_F(CheckpointTest, RefusesMissingOrBadConfig) {

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/engine/quantized_weights.h"
 
 namespace tandem::engine {
 
@@ -176,6 +177,40 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight
   auto pack = [&](const std::vector<unsigned char>& w, int n, int k) {
     return backend_->PackWeight(w.data(), weight_dtype, n, k);
   };
+  // A projection of the modules' W [out_i, k] stacked along n: quantised (and kept so) when the
+  // checkpoint stores them quantised, else in weight_dtype.
+  const QuantizationConfig& quantization = checkpoint.quantization();
+  auto load_projection = [&](std::initializer_list<std::pair<std::string, int>> modules,
+                             int k) -> absl::StatusOr<std::unique_ptr<kernels::PackedWeight>> {
+    int quantized = 0;
+    int n = 0;
+    for (const auto& [module, out] : modules) {
+      quantized += IsQuantizedLinear(quantization, module) ? 1 : 0;
+      n += out;
+    }
+    if (quantized == 0) {
+      std::vector<unsigned char> w;
+      for (const auto& [module, out] : modules) {
+        TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> part,
+                                ReadAs(checkpoint, module + ".weight", weight_dtype));
+        w.insert(w.end(), part.begin(), part.end());
+      }
+      return pack(w, n, k);
+    }
+    if (quantized != static_cast<int>(modules.size())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(modules.begin()->first,
+                       ": layers fused into one projection are quantised and unquantised both"));
+    }
+    std::vector<QuantizedMatrix> parts;
+    for (const auto& [module, out] : modules) {
+      TANDEM_ASSIGN_OR_RETURN(QuantizedMatrix part,
+                              ReadQuantizedMatrix(checkpoint, module, out, k));
+      parts.push_back(std::move(part));
+    }
+    TANDEM_ASSIGN_OR_RETURN(QuantizedMatrix stacked, StackRows(std::move(parts)));
+    return backend_->PackQuantizedWeight(stacked.view());
+  };
   // Reads a vector (norm weight, bias) into backend memory.
   auto read = [&](const std::string& name) -> absl::StatusOr<kernels::DeviceBuffer> {
     TANDEM_ASSIGN_OR_RETURN(std::vector<float> values, checkpoint.ReadFloat(name));
@@ -203,10 +238,10 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight
     TANDEM_ASSIGN_OR_RETURN(layer->input_norm, read(p + "input_layernorm.weight"));
     TANDEM_ASSIGN_OR_RETURN(layer->post_attn_norm, read(p + "post_attention_layernorm.weight"));
     // q, k and v share their input, so one fused projection reads it once.
-    TANDEM_ASSIGN_OR_RETURN(
-        std::vector<unsigned char> qkv,
-        read_matrix({p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
-                     p + "self_attn.v_proj.weight"}));
+    TANDEM_ASSIGN_OR_RETURN(layer->qkv, load_projection({{p + "self_attn.q_proj", q_dim},
+                                                         {p + "self_attn.k_proj", kv_dim},
+                                                         {p + "self_attn.v_proj", kv_dim}},
+                                                        c.hidden_size));
     std::vector<float> qkv_bias;
     for (const char* name : {"q_proj", "k_proj", "v_proj"}) {
       if (c.attention_bias) {
@@ -215,24 +250,22 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight
         qkv_bias.insert(qkv_bias.end(), b.begin(), b.end());
       }
     }
-    layer->qkv = pack(qkv, q_dim + 2 * kv_dim, c.hidden_size);
     TANDEM_ASSIGN_OR_RETURN(layer->qkv_bias, Upload(qkv_bias));
     if (c.qk_norm) {
       TANDEM_ASSIGN_OR_RETURN(layer->q_norm, read(p + "self_attn.q_norm.weight"));
       TANDEM_ASSIGN_OR_RETURN(layer->k_norm, read(p + "self_attn.k_norm.weight"));
     }
-    TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> o,
-                            read_matrix({p + "self_attn.o_proj.weight"}));
-    layer->o = pack(o, c.hidden_size, q_dim);
+    TANDEM_ASSIGN_OR_RETURN(layer->o,
+                            load_projection({{p + "self_attn.o_proj", c.hidden_size}}, q_dim));
     if (c.o_proj_bias) {
       TANDEM_ASSIGN_OR_RETURN(layer->o_bias, read(p + "self_attn.o_proj.bias"));
     }
-    TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> gate_up,
-                            read_matrix({p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}));
-    layer->gate_up = pack(gate_up, 2 * c.intermediate_size, c.hidden_size);
-    TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> down,
-                            read_matrix({p + "mlp.down_proj.weight"}));
-    layer->down = pack(down, c.hidden_size, c.intermediate_size);
+    TANDEM_ASSIGN_OR_RETURN(layer->gate_up,
+                            load_projection({{p + "mlp.gate_proj", c.intermediate_size},
+                                             {p + "mlp.up_proj", c.intermediate_size}},
+                                            c.hidden_size));
+    TANDEM_ASSIGN_OR_RETURN(
+        layer->down, load_projection({{p + "mlp.down_proj", c.hidden_size}}, c.intermediate_size));
     layers_.push_back(std::move(layer));
   }
   return absl::OkStatus();

@@ -28,7 +28,7 @@ constexpr uint64_t kMaxHeaderBytes = 100u << 20;
 constexpr int64_t kWriteChunkElements = 1 << 20;
 
 bool ParseDType(const std::string& name, DType* dtype) {
-  for (DType d : {DType::kF32, DType::kF16, DType::kBF16}) {
+  for (DType d : {DType::kF32, DType::kF16, DType::kBF16, DType::kI8, DType::kI32}) {
     if (name == DTypeName(d)) {
       *dtype = d;
       return true;
@@ -60,6 +60,8 @@ void EncodeFloats(const float* in, int64_t n, DType dtype, unsigned char* out) {
       return;
     case DType::kF8E4M3:
     case DType::kF8E5M2:
+    case DType::kI8:
+    case DType::kI32:
       for (int64_t i = 0; i < n; ++i) StoreFromFloat(out, dtype, i, in[i]);
       return;
   }
@@ -137,6 +139,8 @@ void TensorView::ToFloat(float* out) const {
       return;
     case DType::kF8E4M3:
     case DType::kF8E5M2:
+    case DType::kI8:
+    case DType::kI32:
       for (int64_t i = 0; i < n; ++i) out[i] = LoadAsFloat(bytes, dtype, i);
       return;
   }
@@ -189,7 +193,7 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     std::string dtype = entry["dtype"].get<std::string>();
     if (!ParseDType(dtype, &view.dtype)) {
       return tensor_error(
-          absl::StrCat("unsupported dtype ", dtype, " (Tandem reads F32, F16 and BF16)"));
+          absl::StrCat("unsupported dtype ", dtype, " (Tandem reads F32, F16, BF16, I8 and I32)"));
     }
     // Guard the element count product against overflow with a generous cap (2^50 elements).
     int64_t elements = 1;
@@ -232,7 +236,7 @@ void SafetensorsWriter::Add(const std::string& name, DType dtype, std::vector<in
                             const void* data, size_t nbytes) {
   TANDEM_CHECK(static_cast<size_t>(ElementCount(shape)) * DTypeSize(dtype) == nbytes)
       << name << ": " << nbytes << " bytes do not match shape " << ShapeString(shape);
-  Entry entry{name, dtype, std::move(shape), {}, nullptr};
+  Entry entry{name, dtype, std::move(shape), {}, nullptr, nullptr};
   const auto* bytes = static_cast<const unsigned char*>(data);
   entry.bytes.assign(bytes, bytes + nbytes);
   entries_.push_back(std::move(entry));
@@ -242,7 +246,7 @@ void SafetensorsWriter::AddFloat(const std::string& name, DType dtype, std::vect
                                  const std::vector<float>& values) {
   TANDEM_CHECK(static_cast<int64_t>(values.size()) == ElementCount(shape))
       << name << ": " << values.size() << " values do not match shape " << ShapeString(shape);
-  Entry entry{name, dtype, std::move(shape), {}, nullptr};
+  Entry entry{name, dtype, std::move(shape), {}, nullptr, nullptr};
   entry.bytes.resize(values.size() * DTypeSize(dtype));
   EncodeFloats(values.data(), static_cast<int64_t>(values.size()), dtype, entry.bytes.data());
   entries_.push_back(std::move(entry));
@@ -250,7 +254,15 @@ void SafetensorsWriter::AddFloat(const std::string& name, DType dtype, std::vect
 
 void SafetensorsWriter::AddGenerated(const std::string& name, DType dtype,
                                      std::vector<int64_t> shape, ValueGenerator generate) {
-  entries_.push_back(Entry{name, dtype, std::move(shape), {}, std::move(generate)});
+  entries_.push_back(Entry{name, dtype, std::move(shape), {}, std::move(generate), nullptr});
+}
+
+void SafetensorsWriter::AddGeneratedBytes(const std::string& name, DType dtype,
+                                          std::vector<int64_t> shape,
+                                          std::function<std::vector<unsigned char>()> generate) {
+  Entry entry{name, dtype, std::move(shape), {}, nullptr, nullptr};
+  entry.generate_bytes = std::move(generate);
+  entries_.push_back(std::move(entry));
 }
 
 size_t SafetensorsWriter::TotalBytes() const {
@@ -283,6 +295,13 @@ absl::Status SafetensorsWriter::Write(const std::string& path) const {
   std::vector<float> values;
   std::vector<unsigned char> encoded;
   for (const Entry& e : entries_) {
+    if (e.generate_bytes) {
+      const std::vector<unsigned char> bytes = e.generate_bytes();
+      TANDEM_CHECK(bytes.size() == ElementCount(e.shape) * static_cast<size_t>(DTypeSize(e.dtype)))
+          << e.name << ": generated " << bytes.size() << " bytes";
+      TANDEM_RETURN_IF_ERROR(out.Write(bytes.data(), bytes.size()));
+      continue;
+    }
     if (!e.generate) {
       TANDEM_RETURN_IF_ERROR(out.Write(e.bytes.data(), e.bytes.size()));
       continue;

@@ -329,6 +329,88 @@ class LinearCase : public OpCase {
   DType w_dtype_;
 };
 
+// Weight-only quantised W (int8 per row; int4 per group with zero points, optionally in a
+// shuffled k order as GPTQ act-order checkpoints store it): the reference multiplies by
+// DequantizeWeight's values, which the backend must use exactly, so the tolerance is that of
+// fp32 accumulation.
+class QuantizedLinearCase : public OpCase {
+ public:
+  QuantizedLinearCase(WeightQuant quant, int m, int n, int k, int group_size, bool shuffled,
+                      bool bias, double tolerance)
+      : OpCase(std::string("Linear_") + (quant == WeightQuant::kInt8 ? "int8" : "int4") + "_m" +
+                   Str(m) + "_n" + Str(n) + "_k" + Str(k) +
+                   (quant == WeightQuant::kInt4 ? "_g" + Str(group_size) : "") +
+                   (shuffled ? "_korder" : "") + (bias ? "_bias" : ""),
+               tolerance),
+        quant_(quant),
+        m_(m),
+        n_(n),
+        k_(k),
+        group_size_(group_size),
+        shuffled_(shuffled),
+        bias_(bias) {}
+
+  void Check(Harness& h) const override {
+    const std::vector<float> x = Random(int64_t{m_} * k_, seed());
+    const bool int4 = quant_ == WeightQuant::kInt4;
+    const int group = int4 ? group_size_ : k_;
+    const int groups = k_ / group;
+    std::mt19937 rng(seed() + 1);
+    std::vector<int8_t> values(int64_t{n_} * k_);
+    for (int8_t& v : values) {
+      v = static_cast<int8_t>(int4 ? rng() % 16 : static_cast<int>(rng() % 256) - 128);
+    }
+    std::vector<float> scales = Random(int64_t{n_} * groups, seed() + 2, 0.001f, 0.02f);
+    std::vector<int8_t> zeros;
+    if (int4) {
+      for (int64_t i = 0; i < int64_t{n_} * groups; ++i) zeros.push_back(rng() % 17);
+    }
+    std::vector<int32_t> order(k_);
+    std::iota(order.begin(), order.end(), 0);
+    if (shuffled_) std::shuffle(order.begin(), order.end(), rng);
+    const QuantizedWeightView view{.quant = quant_,
+                                   .n = n_,
+                                   .k = k_,
+                                   .group_size = group,
+                                   .values = values.data(),
+                                   .scales = scales.data(),
+                                   .zeros = int4 ? zeros.data() : nullptr,
+                                   .k_order = shuffled_ ? order.data() : nullptr};
+    ASSERT_TRUE(ValidateQuantizedWeight(view).ok()) << ValidateQuantizedWeight(view);
+    const std::vector<float> bias = Random(n_, seed() + 3);
+    const float* d_x = h.Input("x", x);
+    const float* d_bias = bias_ ? h.Input("bias", bias) : nullptr;
+    float* d_y = h.Output("y", int64_t{m_} * n_);
+    ASSERT_TRUE(h.ok());
+    std::unique_ptr<PackedWeight> packed = h.backend().PackQuantizedWeight(view);
+    ASSERT_EQ(packed->n(), n_);
+    ASSERT_EQ(packed->k(), k_);
+    ASSERT_EQ(packed->quant(), quant_);
+    h.backend().Linear(d_x, m_, *packed, d_bias, d_y);
+    if (!h.Finish()) return;
+
+    const std::vector<float> w = DequantizeWeight(view);
+    std::vector<float> expected(int64_t{m_} * n_);
+    reference::Linear(x.data(), m_, w.data(), DType::kF32, n_, k_, bias_ ? bias.data() : nullptr,
+                      expected.data());
+    std::vector<float> abs_x(x.size()), abs_w(w.size()), abs_bias(bias.size());
+    for (size_t i = 0; i < x.size(); ++i) abs_x[i] = std::abs(x[i]);
+    for (size_t i = 0; i < w.size(); ++i) abs_w[i] = std::abs(w[i]);
+    for (size_t i = 0; i < bias.size(); ++i) abs_bias[i] = std::abs(bias[i]);
+    std::vector<float> scale(expected.size());
+    reference::Linear(abs_x.data(), m_, abs_w.data(), DType::kF32, n_, k_,
+                      bias_ ? abs_bias.data() : nullptr, scale.data());
+    std::vector<double> denominator(scale.begin(), scale.end());
+    for (double& d : denominator) d += 1e-30;
+    ExpectMatches("y", h.Result(d_y), expected, denominator, tolerance());
+  }
+
+ private:
+  WeightQuant quant_;
+  int m_, n_, k_, group_size_;
+  bool shuffled_, bias_;
+};
+
 class RmsNormCase : public OpCase {
  public:
   RmsNormCase(int rows, int dim, bool in_place, double tolerance)
@@ -784,6 +866,29 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
     }
   }
 
+  // Quantised weights: decode rows and prefill tiles, panel remainders, k blocks that end
+  // inside a group (k 640 with groups of 128 and 32 past a 256-deep block), act-order k.
+  for (auto [m, n, k, bias] : std::vector<std::tuple<int, int, int, bool>>{
+           {1, 1, 8, false},
+           {1, 45, 300, true},
+           {7, 257, 512, true},
+           {130, 129, 300, false},
+           {1, 50, 5000, false},
+       }) {
+    add(QuantizedLinearCase(WeightQuant::kInt8, m, n, k, k, false, bias, kLinearTolerance));
+  }
+  for (auto [m, n, k, group, shuffled, bias] :
+       std::vector<std::tuple<int, int, int, int, bool, bool>>{
+           {1, 8, 32, 32, false, false},
+           {1, 45, 640, 128, false, true},
+           {1, 64, 640, 32, true, false},
+           {7, 257, 512, 128, true, true},
+           {130, 129, 384, 128, false, true},
+           {13, 40, 5120, 128, true, false},
+       }) {
+    add(QuantizedLinearCase(WeightQuant::kInt4, m, n, k, group, shuffled, bias, kLinearTolerance));
+  }
+
   // RmsNorm and AddRmsNorm: dims below, at and past vector widths and block sizes.
   for (int dim : {1, 7, 64, 100, 2048, 4099}) {
     for (int rows : {1, 3, 130}) add(RmsNormCase(rows, dim, false, kRowOpTolerance));
@@ -946,6 +1051,9 @@ class FaultyBackend : public Backend {
   absl::Status Synchronize() override { return absl::OkStatus(); }
   std::unique_ptr<PackedWeight> PackWeight(const void* w, DType dtype, int n, int k) override {
     return inner_->PackWeight(w, dtype, n, k);
+  }
+  std::unique_ptr<PackedWeight> PackQuantizedWeight(const QuantizedWeightView& w) override {
+    return inner_->PackQuantizedWeight(w);
   }
   void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
     inner_->Linear(x, m, w, bias, y);

@@ -85,6 +85,9 @@ tandem::v1::KvDtype ToProto(DType dtype) {
       return tandem::v1::KV_DTYPE_FP8_E4M3;
     case DType::kF8E5M2:
       return tandem::v1::KV_DTYPE_FP8_E5M2;
+    case DType::kI8:
+    case DType::kI32:
+      break;  // not KV cache types
   }
   return tandem::v1::KV_DTYPE_UNSPECIFIED;
 }

@@ -2,6 +2,7 @@
 """`tandem generate` as a user runs it: output shape, determinism, and one-line refusals."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,7 +48,29 @@ with tempfile.TemporaryDirectory() as tmp:
     check(r.returncode == 0 and len(lines) == 3, f"--n 3 prints 3 objects: {r.stderr}")
     check([json.loads(l)["index"] for l in lines] == [0, 1, 2], "indexes 0..2")
 
+    # Weight-only quantised checkpoints generate; a quantization_config Tandem cannot serve stops
+    # generate with one line naming the field.
+    for quant in (["--quant", "int8"], ["--quant", "awq", "--group-size", "32"],
+                  ["--quant", "gptq", "--group-size", "32", "--desc-act"]):
+        qmodel = os.path.join(tmp, "model-" + quant[1])
+        r = run("synth-model", "--out", qmodel, "--preset", "tiny", "--seed", "3", *quant)
+        check(r.returncode == 0, f"synth-model {quant} failed: {r.stderr}")
+        r = run("generate", "--model", qmodel, "--prompt", "Once", "--max-tokens", "6",
+                "--temperature", "0", "--ignore-eos", "--json")
+        check(r.returncode == 0 and len(json.loads(r.stdout or "{}").get("token_ids", [])) == 6,
+              f"generate on {quant[1]} weights: {r.stderr}")
+    bad_quant = os.path.join(tmp, "model-awq-8bit")
+    shutil.copytree(os.path.join(tmp, "model-awq"), bad_quant)
+    with open(os.path.join(bad_quant, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"]["bits"] = 8
+    with open(os.path.join(bad_quant, "config.json"), "w") as f:
+        json.dump(config, f)
+    r = run("synth-model", "--out", os.path.join(tmp, "x"), "--quant", "nf4")
+    check(r.returncode != 0 and "--quant" in r.stderr, f"synth-model --quant nf4: {r.stderr}")
+
     bad = [
+        (["generate", "--model", bad_quant, "--prompt", "x"], "bits 8: Tandem reads 4-bit awq"),
         (["generate", "--prompt", "x"], "--model"),
         (["generate", "--model", model], "--prompt"),
         (["generate", "--model", model, "--prompt", "x", "--chat", "y"], "--prompt"),

@@ -42,7 +42,17 @@ class GpuRunnerTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
     if (kernels::CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
-    model_ = testing::TinyModel(GetParam(), DType::kBF16, "small");
+    // "arch+quant": a tiny weight-only quantised checkpoint (int8, awq, gptq, gptq-act-order),
+    // run through the CUDA dequantising kernel.
+    const std::string& param = GetParam();
+    if (const size_t plus = param.find('+'); plus != std::string::npos) {
+      const std::string quant = param.substr(plus + 1);
+      const bool act_order = quant == "gptq-act-order";
+      model_ = testing::TinyQuantModel(param.substr(0, plus), act_order ? "gptq" : quant,
+                                       DType::kF16, act_order);
+      return;
+    }
+    model_ = testing::TinyModel(param, DType::kBF16, "small");
   }
   std::string model_;
 };
@@ -174,7 +184,8 @@ TEST_P(GpuRunnerTest, EngineGreedyTokensEqualCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Architectures, GpuRunnerTest,
-                         ::testing::Values("llama", "qwen2", "qwen3"));
+                         ::testing::Values("llama", "qwen2", "qwen3", "llama+int8", "llama+awq",
+                                           "qwen3+gptq", "llama+gptq-act-order"));
 
 }  // namespace
 }  // namespace tandem::engine

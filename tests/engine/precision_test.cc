@@ -1,5 +1,6 @@
 // Checkpoints served in their own precision: bf16 and fp16 weights against the float64
-// reference on the same (widened) weights, KV caches of 16- and 8-bit floats, and the KV block
+// reference on the same (widened) weights, weight-only quantised (int8, AWQ, GPTQ) checkpoints
+// against it on the dequantised weights, KV caches of 16- and 8-bit floats, and the KV block
 // count following the cache's element size.
 #include <cmath>
 #include <cstdio>
@@ -170,6 +171,54 @@ INSTANTIATE_TEST_SUITE_P(Checkpoints, WeightPrecisionTest,
                          [](const ::testing::TestParamInfo<WeightCase>& info) {
                            return info.param.arch + "_" + DTypeFlagName(info.param.dtype);
                          });
+
+struct QuantCase {
+  std::string name;
+  std::string arch;
+  std::string quant;  // int8, awq, gptq
+  DType dtype;        // of the unquantised tensors (and the default KV cache)
+  bool desc_act = false;
+  bool sym = true;
+};
+
+class QuantizedWeightTest : public ::testing::TestWithParam<QuantCase> {};
+
+// Weight-only quantised checkpoints, kept quantised in memory and dequantised in registers:
+// every position's logprobs within 1e-3 of the float64 reference computed on the dequantised
+// weights (tests/reference/dequantize.py), with an fp32 KV cache and with the default one (the
+// reference rounding K and V alike), and greedy tokens identical for 32 steps.
+TEST_P(QuantizedWeightTest, LogprobsWithin1e3OfTheReferenceOnTheDequantisedWeights) {
+  const QuantCase& c = GetParam();
+  const std::string model = testing::TinyQuantModel(c.arch, c.quant, c.dtype, c.desc_act, c.sym);
+  auto checkpoint = Checkpoint::Open(model);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  ASSERT_NE((*checkpoint)->quantization().method, QuantMethod::kNone);
+  for (const std::vector<int32_t>& prompt : TestPrompts(model)) {
+    const Reference exact = RunReference(model, prompt, 0);
+    const Reference rounded_kv = RunReference(model, prompt, 32, DTypeFlagName(c.dtype));
+    for (std::optional<DType> kv : {std::optional<DType>(DType::kF32), std::optional<DType>()}) {
+      const std::string what = absl::StrCat(c.name, ", ", kv ? DTypeFlagName(*kv) : "auto",
+                                            " KV cache, prompt of ", prompt.size());
+      const LogprobDiff d = CompareLogprobs(DecodeLogits(**checkpoint, prompt, std::nullopt, kv),
+                                            kv ? exact.logits : rounded_kv.logits);
+      std::printf("%s: max |logprob diff| %.3g, mean %.3g\n", what.c_str(), d.max, d.mean);
+      EXPECT_LE(d.max, 1e-3) << what;
+    }
+    EXPECT_EQ(Greedy(model, prompt, 32, std::nullopt), rounded_kv.greedy_tokens) << c.name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Checkpoints, QuantizedWeightTest,
+    ::testing::Values(QuantCase{"int8_llama_bf16", "llama", "int8", DType::kBF16},
+                      QuantCase{"int8_qwen2_f32", "qwen2", "int8", DType::kF32},
+                      QuantCase{"awq_llama", "llama", "awq", DType::kF16},
+                      QuantCase{"awq_qwen3", "qwen3", "awq", DType::kBF16},
+                      QuantCase{"gptq_llama", "llama", "gptq", DType::kF16},
+                      QuantCase{"gptq_llama_act_order", "llama", "gptq", DType::kF16, true},
+                      QuantCase{"gptq_mistral_act_order_asym", "mistral", "gptq", DType::kF16, true,
+                                false}),
+    [](const ::testing::TestParamInfo<QuantCase>& info) { return info.param.name; });
 
 class Fp8KvCacheTest : public ::testing::TestWithParam<DType> {};
 

@@ -30,4 +30,32 @@ inline std::string TinyModel(const std::string& arch, DType dtype = DType::kF32,
   return dir;
 }
 
+// A tiny synthetic model of `arch` with weight-only quantised linear layers (`quant`: int8, awq
+// or gptq; groups of 32, as the tiny preset's 64-wide hidden size cannot hold 128), its other
+// tensors of `dtype`; created on first use. The same seed as TinyModel: the float weights it
+// quantises are TinyModel(arch, kF32)'s.
+inline std::string TinyQuantModel(const std::string& arch, const std::string& quant,
+                                  DType dtype = DType::kF16, bool desc_act = false,
+                                  bool sym = true) {
+  const char* bin = std::getenv("TANDEM_BINARY_DIR");
+  std::string root = bin != nullptr ? bin : std::filesystem::temp_directory_path().string();
+  std::string dir =
+      absl::StrCat(root, "/test-models/tiny-", arch, "-", quant, "-", DTypeName(dtype),
+                   desc_act ? "-act-order" : "", sym ? "" : "-asym");
+  if (!std::filesystem::exists(dir + "/config.json")) {
+    tools::SynthModelOptions options;
+    options.out_dir = dir;
+    options.arch = arch;
+    options.dtype = dtype;
+    options.seed = 7;
+    options.quant = quant;
+    options.group_size = 32;
+    options.desc_act = desc_act;
+    options.sym = sym;
+    absl::Status status = tools::WriteSyntheticModel(options);
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  return dir;
+}
+
 }  // namespace tandem::testing

@@ -141,6 +141,21 @@ with tempfile.TemporaryDirectory() as tmp:
     check(abs(s["ttft_ms"]["p99"] - 21) < 1e-6, f"traced ttft p99: {s['ttft_ms']}")
     check(abs(s["tpot_ms"]["p50"] - 7.1) < 1e-6, f"traced tpot: {s['tpot_ms']}")
     check(s["requests"] == 20 and s["replicas"] == 50, f"replicas: {s}")
+    # With --model, the KV bytes per token are those of the cache the traced engine held: the
+    # weight type by default (bf16 here: tiny llama, 2 layers x K,V x 2 KV heads x 16 x 2 bytes),
+    # or --kv-cache-dtype.
+    model = os.path.join(tmp, "model")
+    r = tandem("synth-model", "--out", model, "--preset", "tiny", "--dtype", "bfloat16")
+    check(r.returncode == 0, f"synth-model failed: {r.stderr}")
+    for flags, expected in (([], 2 * 2 * 2 * 16 * 2), (["--kv-cache-dtype", "fp8_e4m3"], 128),
+                            (["--kv-cache-dtype", "float32"], 512), (["--dtype", "float32"], 512)):
+        r = tandem("plan", "calibrate", "--trace", steps, "--model", model, *flags, "--out", cal2)
+        check(r.returncode == 0, f"calibrate --trace --model {flags} failed: {r.stderr}")
+        if r.returncode == 0:
+            got = json.load(open(cal2))["kv_bytes_per_token"]
+            check(got == expected, f"kv_bytes_per_token with {flags}: {got}, expected {expected}")
+    refused(["plan", "calibrate", "--trace", steps, "--model", model, "--kv-cache-dtype", "int3",
+             "--out", cal2], "--kv-cache-dtype")
     refused(["plan", "calibrate", "--trace", "/nonexistent.jsonl", "--out", cal2], "--trace")
     refused(["plan", "calibrate", "--bench", served_path, "--out", cal2], "--bench")
     refused(["plan", "calibrate", "--trace", steps, "--out", cal2, "--threads", "1"], "--threads")

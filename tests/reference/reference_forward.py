@@ -60,12 +60,18 @@ def read_safetensors(path):
         elif dtype == "BF16":
             # bf16 is the top half of an fp32: widen the bits and reinterpret.
             array = (np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16).view(np.float32)
+        elif dtype in ("I8", "I32"):
+            # Integer tensors of quantised checkpoints stay integers (dequantize.py reads them).
+            array = np.frombuffer(raw, dtype="<i1" if dtype == "I8" else "<i4")
         else:
             fail(f"{path}: tensor {name}: unsupported dtype {dtype}")
         shape = tuple(entry["shape"])
         if array.size != math.prod(shape):
             fail(f"{path}: tensor {name}: {array.size} elements for shape {shape}")
-        tensors[name] = array.astype(np.float64).reshape(shape)
+        if dtype in ("I8", "I32"):
+            tensors[name] = array.astype(array.dtype.newbyteorder("=")).reshape(shape)
+        else:
+            tensors[name] = array.astype(np.float64).reshape(shape)
     return tensors
 
 
@@ -275,6 +281,10 @@ def main():
     if min(tokens) < 0 or max(tokens) >= cfg.vocab_size:
         fail(f"token ids must be in [0, {cfg.vocab_size})")
     weights = read_weights(args.model)
+    # A quantised checkpoint runs on its dequantised weights (dequantize.py, float64).
+    import dequantize
+
+    weights, _ = dequantize.dequantize_weights(args.model, weights)
 
     logits = forward(cfg, weights, tokens, args.kv_dtype)
     sequence = list(tokens)

@@ -68,6 +68,12 @@ using plan_internal::WriteJson;
 void DeclareModelFlags(Args& args) {
   args.Declare("model", "DIR", "checkpoint whose config.json gives the shape");
   args.Declare("preset", "NAME", "small | llama3-8b | textbook | llama-3-8b (default small)");
+  args.Declare("weight-dtype", "TYPE",
+               "projection weights: bfloat16 | float16 | float32 | int8 | int4 (default: the "
+               "preset's 2 bytes, or --model's dtype and quantization_config)");
+  args.Declare("group-size", "N", "int4 inputs per scale and zero point (default 128)");
+  args.Declare("kv-cache-dtype", "TYPE",
+               "bfloat16 | float16 | float32 | fp8_e4m3 | fp8_e5m2 (default: the weights' type)");
   args.Declare("hardware", "NAME", "A100-80G | H100 | H200 (default A100-80G)");
   args.Declare("calibration", "FILE",
                "step times measured by `tandem plan calibrate` (default: the roofline)");
@@ -157,6 +163,12 @@ absl::StatusOr<Setup> SetupFromFlags(const Args& args, bool slo_required) {
           absl::StrCat(cmd, ": --model: ", config.status().message()));
     }
     s.shape = ShapeFromConfig(*config);
+    absl::StatusOr<double> weight_bytes = CheckpointWeightBytes((dir / "config.json").string());
+    if (!weight_bytes.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(cmd, ": --model: ", weight_bytes.status().message()));
+    }
+    s.shape.weight_bytes = *weight_bytes;
   } else {
     absl::StatusOr<RooflineShape> shape = PlannerShape(args.GetOr("preset", "small"));
     if (!shape.ok()) {
@@ -164,6 +176,13 @@ absl::StatusOr<Setup> SetupFromFlags(const Args& args, bool slo_required) {
           absl::StrCat(cmd, ": --preset: ", shape.status().message()));
     }
     s.shape = *shape;
+  }
+  TANDEM_ASSIGN_OR_RETURN(int64_t group_size, args.Int("group-size", 128));
+  if (absl::Status precision =
+          SetPrecision(args.GetOr("weight-dtype", "auto"), args.GetOr("kv-cache-dtype", "auto"),
+                       static_cast<int>(group_size), &s.shape);
+      !precision.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(cmd, ": ", precision.message()));
   }
   absl::StatusOr<ClusterHardware> hw = FindClusterHardware(args.GetOr("hardware", "A100-80G"));
   if (!hw.ok()) {

@@ -43,6 +43,20 @@ struct Timer {
 
 double Median(std::vector<double> v) { return v.empty() ? 0 : Percentile(std::move(v), 50); }
 
+// --dtype / --kv-cache-dtype as the serving commands take them: nullopt for "auto".
+absl::StatusOr<std::optional<DType>> DTypeFlagOf(const Args& args, const char* name, bool kv) {
+  const std::string value = args.GetOr(name, "auto");
+  if (value == "auto") return std::nullopt;
+  const std::optional<DType> dtype = ParseDTypeFlag(value);
+  if (!dtype.has_value() || (!kv && DTypeSize(*dtype) == 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("plan calibrate: --", name, " must be auto|",
+                     kv ? "bfloat16|float16|float32|fp8_e4m3|fp8_e5m2" : "bfloat16|float16|float32",
+                     ", got '", value, "'"));
+  }
+  return dtype;
+}
+
 // `plan calibrate --trace`: the steps a serving process measured (`--step-trace`), and with
 // --bench the client's first-token times of the same run, whose median beyond the engine's own
 // is the serving path's per-request cost.
@@ -151,9 +165,15 @@ absl::Status CalibrateFromTrace(const Args& args) {
     TANDEM_ASSIGN_OR_RETURN(text::ModelConfig config,
                             text::ModelConfig::FromFile(*args.Get("model") + "/config.json"));
     cal.model = *args.Get("model");
-    // Per token, every layer, K and V: what an engine's cache of this model holds (fp32).
+    // Per token, every layer, K and V: what the traced engine's cache holds, of the element type
+    // it ran with (--kv-cache-dtype; auto: the weight type, as the serving commands resolve it).
+    TANDEM_ASSIGN_OR_RETURN(std::optional<DType> dtype, DTypeFlagOf(args, "dtype", false));
+    TANDEM_ASSIGN_OR_RETURN(std::optional<DType> kv_dtype,
+                            DTypeFlagOf(args, "kv-cache-dtype", true));
+    TANDEM_ASSIGN_OR_RETURN(engine::RunnerDTypes dtypes,
+                            engine::ResolveRunnerDTypes(config, dtype, kv_dtype));
     cal.kv_bytes_per_token =
-        static_cast<double>(engine::ModelRunner::KvBytesPerBlock(config, 1));
+        static_cast<double>(engine::ModelRunner::KvBytesPerBlock(config, 1, dtypes.kv_cache));
   }
   TANDEM_ASSIGN_OR_RETURN(int64_t seqs, PositiveInt(args, "max-num-seqs", 64, 65536));
   TANDEM_ASSIGN_OR_RETURN(int64_t batched,
@@ -190,6 +210,10 @@ absl::Status Calibrate(int argc, char** argv) {
   args.Declare("bench", "FILE",
                "with --trace: the `tandem bench --json` report of the traced run; the median "
                "first-token time beyond the engine's becomes the per-request overhead");
+  args.Declare("dtype", "TYPE",
+               "weight type, as the serving commands take it (default auto: the checkpoint's)");
+  args.Declare("kv-cache-dtype", "TYPE",
+               "KV cache type, as the serving commands take it (default auto: the weight type)");
   args.Declare("threads", "N", "engine CPU threads (default: all cores)");
   args.Declare("max-num-seqs", "N", "engine running batch (default 64)");
   args.Declare("max-num-batched-tokens", "N", "tokens per step, prefill chunk (default 512)");
@@ -227,6 +251,8 @@ absl::Status Calibrate(int argc, char** argv) {
   TANDEM_ASSIGN_OR_RETURN(int64_t max_context, PositiveInt(args, "max-context", 512, 1 << 20));
   options.max_num_seqs = static_cast<int>(seqs);
   options.max_num_batched_tokens = static_cast<int>(batched);
+  TANDEM_ASSIGN_OR_RETURN(options.dtype, DTypeFlagOf(args, "dtype", false));
+  TANDEM_ASSIGN_OR_RETURN(options.kv_cache_dtype, DTypeFlagOf(args, "kv-cache-dtype", true));
   absl::StatusOr<std::unique_ptr<engine::LlmEngine>> created = engine::LlmEngine::Create(options);
   if (!created.ok()) {
     return absl::InvalidArgumentError(

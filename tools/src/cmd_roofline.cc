@@ -48,6 +48,8 @@ absl::StatusOr<RooflineShape> ShapeFromFlags(const Args& args) {
     shape = ShapeFromConfig(config);
     shape.batch = TextbookShape().batch;
     shape.seq_len = TextbookShape().seq_len;
+    TANDEM_ASSIGN_OR_RETURN(shape.weight_bytes,
+                            CheckpointWeightBytes((dir / "config.json").string()));
   } else {
     TANDEM_ASSIGN_OR_RETURN(shape, FindShape(args.GetOr("preset", "textbook")));
   }
@@ -70,6 +72,11 @@ absl::StatusOr<RooflineShape> ShapeFromFlags(const Args& args) {
   TANDEM_RETURN_IF_ERROR(OverrideInt(args, "batch", &shape.batch));
   TANDEM_RETURN_IF_ERROR(OverrideInt(args, "seq-len", &shape.seq_len));
   TANDEM_RETURN_IF_ERROR(OverrideInt(args, "dtype-bytes", &shape.dtype_bytes));
+  int64_t group_size = 128;
+  TANDEM_RETURN_IF_ERROR(OverrideInt(args, "group-size", &group_size));
+  TANDEM_RETURN_IF_ERROR(SetPrecision(args.GetOr("weight-dtype", "auto"),
+                                      args.GetOr("kv-cache-dtype", "auto"),
+                                      static_cast<int>(group_size), &shape));
   TANDEM_RETURN_IF_ERROR(shape.Validate());
   return shape;
 }
@@ -92,6 +99,12 @@ absl::Status Run(int argc, char** argv) {
   args.Declare("batch", "B", "sequences per step (default 8)");
   args.Declare("seq-len", "T", "prompt length (prefill) and context (decode), default 1024");
   args.Declare("dtype-bytes", "N", "bytes per element (default 2, or the checkpoint's dtype)");
+  args.Declare("weight-dtype", "TYPE",
+               "projection weights: bfloat16 | float16 | float32 | int8 | int4 (default: "
+               "--dtype-bytes, or the checkpoint's quantization_config)");
+  args.Declare("group-size", "N", "int4 inputs per scale and zero point (default 128)");
+  args.Declare("kv-cache-dtype", "TYPE",
+               "bfloat16 | float16 | float32 | fp8_e4m3 | fp8_e5m2 (default: --dtype-bytes)");
   args.DeclareSwitch("json", "print one JSON object");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
   if (args.HandleHelp()) return absl::OkStatus();

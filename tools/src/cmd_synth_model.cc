@@ -32,6 +32,11 @@ absl::Status Run(int argc, char** argv) {
   args.Declare("dtype", "TYPE", "bfloat16 | float16 | float32 (default bfloat16)");
   args.Declare("tokenizer", "FILE", "tokenizer.json to copy (default: train a small BPE)");
   args.Declare("max-shard-bytes", "N", "shard the weights into files of at most N bytes");
+  args.Declare("quant", "METHOD",
+               "int8 (compressed-tensors W8A16) | awq (4-bit GEMM) | gptq (4-bit); default none");
+  args.Declare("group-size", "N", "awq/gptq inputs per scale and zero point (default 128)");
+  args.DeclareSwitch("desc-act", "gptq: act order (g_idx scatters each group over the inputs)");
+  args.DeclareSwitch("asym", "gptq: asymmetric (a zero point per group; default symmetric)");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
   if (args.HandleHelp()) return absl::OkStatus();
   SynthModelOptions options;
@@ -49,6 +54,17 @@ absl::Status Run(int argc, char** argv) {
     return absl::InvalidArgumentError("--max-shard-bytes must be >= 0");
   }
   options.max_shard_bytes = static_cast<uint64_t>(shard_bytes);
+  options.quant = args.GetOr("quant", "");
+  TANDEM_ASSIGN_OR_RETURN(int64_t group_size, args.Int("group-size", 128));
+  if (group_size <= 0 || group_size > (1 << 20)) {
+    return absl::InvalidArgumentError("--group-size must be positive");
+  }
+  options.group_size = static_cast<int>(group_size);
+  options.desc_act = args.Switch("desc-act");
+  options.sym = !args.Switch("asym");
+  if (options.quant != "gptq" && args.Switch("asym")) {
+    return absl::InvalidArgumentError("--asym is a gptq option");
+  }
 
   TANDEM_RETURN_IF_ERROR(WriteSyntheticModel(options));
 
@@ -63,11 +79,15 @@ absl::Status Run(int argc, char** argv) {
     }
   }
   const text::ModelConfig& c = ckpt->config();
+  const std::string weights = ckpt->quantization().method == engine::QuantMethod::kNone
+                                  ? DTypeName(options.dtype)
+                                  : absl::StrCat(ckpt->quantization().Describe(), " (others ",
+                                                 DTypeName(options.dtype), ")");
   std::printf(
       "wrote %s: %s (%s preset), %lld parameters, vocab %d, %s weights in %d file(s), "
       "%llu bytes\n",
       options.out_dir.c_str(), c.architecture_name.c_str(), options.preset.c_str(),
-      static_cast<long long>(c.NumParameters()), c.vocab_size, DTypeName(options.dtype), files,
+      static_cast<long long>(c.NumParameters()), c.vocab_size, weights.c_str(), files,
       static_cast<unsigned long long>(bytes));
   return absl::OkStatus();
 }

@@ -227,7 +227,7 @@ absl::StatusOr<RooflineShape> PlannerShape(const std::string& name) {
 }
 
 double KvBytesPerToken(const RooflineShape& s) {
-  return static_cast<double>(s.layers * 2 * s.kv_heads * s.head_dim * s.dtype_bytes);
+  return static_cast<double>(s.layers * 2 * s.kv_heads * s.head_dim) * s.KvBytes();
 }
 
 double WeightBytes(const RooflineShape& s) {

@@ -3,10 +3,13 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
+#include <fstream>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "tandem/base/half.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/engine/quantization_config.h"
 
 namespace tandem::tools {
 namespace {
@@ -45,6 +48,8 @@ struct StepShape {
 // to K, V and the scores, are not counted.
 std::vector<OperatorCost> PhaseOperators(const RooflineShape& s, const StepShape& step) {
   const double d = static_cast<double>(s.dtype_bytes);
+  const double w = s.ProjectionBytes();  // per projection weight
+  const double kvb = s.KvBytes();        // per cached K or V element
   const double h = static_cast<double>(s.hidden);
   const double n = static_cast<double>(s.heads);
   const double nkv = static_cast<double>(s.kv_heads);
@@ -76,25 +81,25 @@ std::vector<OperatorCost> PhaseOperators(const RooflineShape& s, const StepShape
   ops.push_back(op("attn_norm", "X = Add&RMSNorm(X)", layers, norm_flops, norm_bytes));
   // Q, K and V are three products, each reading X once.
   ops.push_back(op("qkv_proj", "Q,K,V = X W^{Q,K,V}", layers, 2 * m * h * (q_width + 2 * kv_width),
-                   d * (3 * m * h + h * (q_width + 2 * kv_width))));
+                   d * 3 * m * h + w * h * (q_width + 2 * kv_width)));
   // Three FLOPs per rotated element (two products and a sum per output of a 2x2 rotation).
   ops.push_back(op("rope", "Q,K = RoPE(Q,K)", layers, 3 * m * (q_width + kv_width),
                    d * m * (q_width + kv_width)));
-  ops.push_back(op("kv_cache_write", "K,V = Cache(k,v)", layers, 0, d * 2 * m * kv_width));
+  ops.push_back(op("kv_cache_write", "K,V = Cache(k,v)", layers, 0, kvb * 2 * m * kv_width));
   // QK^T and PV (2 * tq * tkv * D each per head), then the 1/sqrt(D) scale and the softmax
   // (4 per score). Causal masking is not discounted, as in the book.
   const double scores = b * tq * tkv * n;
   ops.push_back(op("attention", "O = softmax(QK^T/sqrt(D)) V", layers, 4 * scores * hd + 4 * scores,
-                   d * (2 * b * tkv * kv_width + 2 * scores)));
+                   kvb * 2 * b * tkv * kv_width + d * 2 * scores));
   ops.push_back(
-      op("o_proj", "X = O W^O", layers, 2 * m * q_width * h, d * (m * q_width + q_width * h)));
+      op("o_proj", "X = O W^O", layers, 2 * m * q_width * h, d * m * q_width + w * q_width * h));
   ops.push_back(op("mlp_norm", "X = Add&RMSNorm(X)", layers, norm_flops, norm_bytes));
   ops.push_back(op("gate_up_proj", "G,U = X [W^G, W^U]", layers, 4 * m * h * inter,
-                   d * (2 * m * h + 2 * h * inter)));
+                   d * 2 * m * h + w * 2 * h * inter));
   // silu(g) * u: exp, add, divide, two products.
   ops.push_back(op("swiglu", "D = Swish(G) * U", layers, 5 * m * inter, d * 2 * m * inter));
   ops.push_back(
-      op("down_proj", "X = D W^D", layers, 2 * m * inter * h, d * (m * inter + inter * h)));
+      op("down_proj", "X = D W^D", layers, 2 * m * inter * h, d * m * inter + w * inter * h));
   ops.push_back(op("final_norm", "X = Add&RMSNorm(X)", 1, norm_flops, norm_bytes));
   // Logits only for the last position of each sequence, the one that is sampled.
   ops.push_back(
@@ -217,11 +222,64 @@ absl::Status RooflineShape::Validate() const {
       return absl::InvalidArgumentError(absl::StrCat("--", name, " must be positive, got ", value));
     }
   }
+  if (weight_bytes < 0 || kv_bytes < 0) {
+    return absl::InvalidArgumentError("weight and KV bytes per element must not be negative");
+  }
   if (heads % kv_heads != 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--heads (", heads, ") must be a multiple of --kv-heads (", kv_heads, ")"));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<double> WeightBytesOf(const std::string& name, int group_size) {
+  if (name == "int8") return 1.0;
+  if (name == "int4") {
+    if (group_size <= 0) return absl::InvalidArgumentError("--group-size must be positive");
+    return 0.5 + 2.5 / group_size;  // fp16 scale and 4-bit zero point per group
+  }
+  const std::optional<DType> dtype = ParseDTypeFlag(name);
+  if (!dtype.has_value() || DTypeSize(*dtype) == 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--weight-dtype must be bfloat16|float16|float32|int8|int4, got '", name, "'"));
+  }
+  return static_cast<double>(DTypeSize(*dtype));
+}
+
+absl::Status SetPrecision(const std::string& weight_dtype, const std::string& kv_dtype,
+                          int group_size, RooflineShape* shape) {
+  if (!weight_dtype.empty() && weight_dtype != "auto") {
+    TANDEM_ASSIGN_OR_RETURN(shape->weight_bytes, WeightBytesOf(weight_dtype, group_size));
+  }
+  if (!kv_dtype.empty() && kv_dtype != "auto") {
+    const std::optional<DType> dtype = ParseDTypeFlag(kv_dtype);
+    if (!dtype.has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv-cache-dtype must be bfloat16|float16|float32|fp8_e4m3|fp8_e5m2, got '",
+                       kv_dtype, "'"));
+    }
+    shape->kv_bytes = DTypeSize(*dtype);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<double> CheckpointWeightBytes(const std::string& config_json_path) {
+  std::ifstream in(config_json_path);
+  if (!in) return absl::NotFoundError(absl::StrCat(config_json_path, ": cannot open"));
+  const nlohmann::json config = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  TANDEM_ASSIGN_OR_RETURN(engine::QuantizationConfig q,
+                          engine::ParseQuantizationConfig(config, config_json_path));
+  switch (q.method) {
+    case engine::QuantMethod::kNone:
+      return 0.0;
+    case engine::QuantMethod::kCompressedInt8:
+      return 1.0;
+    case engine::QuantMethod::kAwq:
+    case engine::QuantMethod::kGptq:
+      // One group per row (GPTQ group_size -1): the scale's share is negligible.
+      return q.group_size > 0 ? 0.5 + 2.5 / q.group_size : 0.5;
+  }
+  return 0.0;
 }
 
 RooflineShape TextbookShape() {
@@ -298,10 +356,10 @@ double DecodeWeightBytes(const RooflineShape& s) {
   const double q_width = static_cast<double>(s.heads * s.head_dim);
   const double kv_width = static_cast<double>(s.kv_heads * s.head_dim);
   const double inter = static_cast<double>(s.intermediate);
-  const double per_layer =
-      h * (q_width + 2 * kv_width) + q_width * h + 3 * h * inter + 2 * h;  // + two norm weights
-  return static_cast<double>(s.dtype_bytes) *
-         (static_cast<double>(s.layers) * per_layer + h + h * static_cast<double>(s.vocab));
+  const double projections = h * (q_width + 2 * kv_width) + q_width * h + 3 * h * inter;
+  const double d = static_cast<double>(s.dtype_bytes);
+  const double per_layer = s.ProjectionBytes() * projections + d * 2 * h;  // + two norm weights
+  return static_cast<double>(s.layers) * per_layer + d * (h + h * static_cast<double>(s.vocab));
 }
 
 nlohmann::json RooflineReport::ToJson() const {
@@ -320,7 +378,9 @@ nlohmann::json RooflineReport::ToJson() const {
             {"vocab", shape.vocab},
             {"batch", shape.batch},
             {"seq_len", shape.seq_len},
-            {"dtype_bytes", shape.dtype_bytes}}},
+            {"dtype_bytes", shape.dtype_bytes},
+            {"weight_bytes", shape.ProjectionBytes()},
+            {"kv_bytes", shape.KvBytes()}}},
           {"prefill", PhaseJson(prefill)},
           {"decode", PhaseJson(decode)}};
 }
@@ -333,8 +393,10 @@ std::string RooflineReport::ToText() const {
   absl::StrAppend(&out, "model: H=", shape.hidden, " heads=", shape.heads,
                   " kv_heads=", shape.kv_heads, " D=", shape.head_dim, " H'=", shape.intermediate,
                   " layers=", shape.layers, " vocab=", shape.vocab,
-                  " dtype_bytes=", shape.dtype_bytes, "; B=", shape.batch, " T=", shape.seq_len,
-                  "\n\n");
+                  " dtype_bytes=", shape.dtype_bytes,
+                  " weight_bytes=", Format("%.4g", shape.ProjectionBytes()),
+                  " kv_bytes=", Format("%.4g", shape.KvBytes()), "; B=", shape.batch,
+                  " T=", shape.seq_len, "\n\n");
   absl::StrAppend(&out, PhaseText(prefill), "\n", PhaseText(decode));
   return out;
 }

@@ -82,6 +82,40 @@ TEST(RooflineTest, Llama3DecodeStepIsWeightBytesOverBandwidth) {
   EXPECT_LT(r.decode.step_seconds, 5.0e-3);
 }
 
+// Weight-only int4 (AWQ/GPTQ, group 128) reads about a quarter of the bf16 projection bytes, so
+// the batch-1 decode step of Llama-3-8B (lm_head and embedding still bf16) takes well under half
+// the time; an fp8 KV cache halves what attention reads from the cache.
+TEST(RooflineTest, QuantisedWeightsAndFp8KvReadFewerBytes) {
+  RooflineShape shape = Llama3_8BShape();
+  shape.batch = 1;
+  shape.seq_len = 4096;
+  const RooflineReport bf16 = Analyze(shape, "H100");
+  RooflineShape int4 = shape;
+  ASSERT_TRUE(SetPrecision("int4", "auto", 128, &int4).ok());
+  EXPECT_NEAR(int4.ProjectionBytes(), 0.5 + 2.5 / 128, 1e-12);
+  const RooflineReport q = Analyze(int4, "H100");
+  const double bf16_down = bf16.decode.Find("down_proj")->bytes;
+  EXPECT_NEAR(q.decode.Find("down_proj")->bytes / bf16_down, int4.ProjectionBytes() / 2, 0.001);
+  EXPECT_EQ(q.decode.Find("lm_head")->bytes, bf16.decode.Find("lm_head")->bytes);
+  EXPECT_LT(q.decode.step_seconds, 0.45 * bf16.decode.step_seconds);
+  EXPECT_LT(DecodeWeightBytes(int4), 0.35 * DecodeWeightBytes(shape));
+
+  RooflineShape fp8_kv = shape;
+  ASSERT_TRUE(SetPrecision("auto", "fp8_e4m3", 128, &fp8_kv).ok());
+  const RooflineReport k = Analyze(fp8_kv, "H100");
+  EXPECT_EQ(k.decode.Find("kv_cache_write")->bytes * 2, bf16.decode.Find("kv_cache_write")->bytes);
+  EXPECT_LT(k.decode.Find("attention")->bytes, bf16.decode.Find("attention")->bytes);
+  EXPECT_EQ(k.decode.Find("down_proj")->bytes, bf16.decode.Find("down_proj")->bytes);
+  EXPECT_EQ(k.ToJson()["shape"]["kv_bytes"], 1.0);
+
+  RooflineShape bad = shape;
+  EXPECT_FALSE(SetPrecision("int3", "auto", 128, &bad).ok());
+  EXPECT_FALSE(SetPrecision("auto", "int8", 128, &bad).ok());
+  EXPECT_FALSE(SetPrecision("int4", "auto", 0, &bad).ok());
+  EXPECT_EQ(WeightBytesOf("int8").value(), 1.0);
+  EXPECT_EQ(WeightBytesOf("float32").value(), 4.0);
+}
+
 TEST(RooflineTest, PrefillTimeLinearInTokensWhenComputeBound) {
   RooflineShape shape = Llama3_8BShape();
   shape.seq_len = 2048;

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "nlohmann/json.hpp"
 #include "tandem/base/status_macros.h"
 #include "tandem/engine/checkpoint.h"
+#include "tandem/engine/quantization_config.h"
 #include "tandem/tools/bpe_trainer.h"
 
 namespace tandem::tools {
@@ -144,6 +146,201 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> OrderedTensors(const M
   std::stable_sort(out.begin(), out.end(),
                    [&](const auto& a, const auto& b) { return rank(a.first) < rank(b.first); });
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantised linear layers: the float weights above, rounded as each tool does and packed in its
+// exact layout (engine/quantization_config.h).
+
+constexpr int kAwqPackOrder[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+// The quantization_config block config.json carries for `options`.
+json QuantizationConfigJson(const SynthModelOptions& options) {
+  if (options.quant == "int8") {
+    const json weights = {{"num_bits", 8},         {"type", "int"},         {"symmetric", true},
+                          {"strategy", "channel"}, {"group_size", nullptr}, {"dynamic", false},
+                          {"observer", "minmax"},  {"actorder", nullptr}};
+    return {{"quant_method", "compressed-tensors"},
+            {"format", "int-quantized"},
+            {"quantization_status", "compressed"},
+            {"config_groups",
+             {{"group_0",
+               {{"targets", {"Linear"}},
+                {"weights", weights},
+                {"input_activations", nullptr},
+                {"output_activations", nullptr}}}}},
+            {"ignore", {"lm_head"}},
+            {"kv_cache_scheme", nullptr}};
+  }
+  if (options.quant == "awq") {
+    return {{"quant_method", "awq"}, {"bits", 4},         {"group_size", options.group_size},
+            {"zero_point", true},    {"version", "gemm"}, {"modules_to_not_convert", nullptr}};
+  }
+  return {{"quant_method", "gptq"},
+          {"bits", 4},
+          {"group_size", options.group_size},
+          {"desc_act", options.desc_act},
+          {"sym", options.sym},
+          {"true_sequential", true},
+          {"damp_percent", 0.01},
+          {"static_groups", false},
+          {"checkpoint_format", "gptq"},
+          {"model_name_or_path", nullptr},
+          {"model_file_base_name", nullptr}};
+}
+
+// The act-order permutation of a GPTQ layer's inputs: position j of the quantisation order is
+// input perm[j]. Layers reading the same activations (q/k/v, gate/up) share one, as GPTQ's
+// Hessian order does.
+std::vector<int32_t> ActOrder(uint64_t seed, const std::string& module, int in) {
+  std::string input = module;
+  for (const char* shared : {"q_proj", "k_proj", "v_proj"}) {
+    if (auto at = input.rfind(shared); at != std::string::npos) input.replace(at, 6, "qkv_in");
+  }
+  for (const char* shared : {"gate_proj", "up_proj"}) {
+    if (auto at = input.rfind(shared); at != std::string::npos)
+      input.replace(at, std::strlen(shared), "mlp_in");
+  }
+  std::vector<int32_t> perm(in);
+  for (int i = 0; i < in; ++i) perm[i] = i;
+  uint64_t state = TensorKey(seed, input + ".act_order");
+  for (int i = in - 1; i > 0; --i) {  // Fisher-Yates on SplitMix64
+    state += kGolden;
+    const auto j = static_cast<int>(SplitMix64Mix(state) % static_cast<uint64_t>(i + 1));
+    std::swap(perm[i], perm[j]);
+  }
+  return perm;
+}
+
+template <typename T>
+std::vector<unsigned char> Bytes(const std::vector<T>& v) {
+  std::vector<unsigned char> out(v.size() * sizeof(T));
+  std::memcpy(out.data(), v.data(), out.size());
+  return out;
+}
+
+std::vector<unsigned char> Encoded(const std::vector<float>& v, DType dtype) {
+  std::vector<unsigned char> out(v.size() * DTypeSize(dtype));
+  for (size_t i = 0; i < v.size(); ++i)
+    StoreFromFloat(out.data(), dtype, static_cast<int64_t>(i), v[i]);
+  return out;
+}
+
+// The tensors of quantised `module`, W [out, in] row-major, by name.
+std::map<std::string, std::vector<unsigned char>> QuantizeLinear(const SynthModelOptions& options,
+                                                                 const std::string& module,
+                                                                 const std::vector<float>& w,
+                                                                 int out, int in) {
+  std::map<std::string, std::vector<unsigned char>> tensors;
+  const std::string p = module + ".";
+  if (options.quant == "int8") {
+    // llm-compressor's symmetric per-channel minmax: scale = max |w| / 127, stored in the
+    // checkpoint's dtype, and the values rounded against the stored scale.
+    std::vector<float> scales(out);
+    std::vector<int8_t> q(static_cast<size_t>(out) * in);
+    for (int o = 0; o < out; ++o) {
+      float max = 0;
+      for (int i = 0; i < in; ++i) max = std::max(max, std::abs(w[int64_t{o} * in + i]));
+      unsigned char stored[4];
+      StoreFromFloat(stored, options.dtype, 0, std::max(max, 1e-8f) / 127.0f);
+      scales[o] = LoadAsFloat(stored, options.dtype, 0);
+      for (int i = 0; i < in; ++i) {
+        const float v = std::round(w[int64_t{o} * in + i] / scales[o]);
+        q[int64_t{o} * in + i] = static_cast<int8_t>(std::clamp(v, -127.0f, 127.0f));
+      }
+    }
+    tensors[p + "weight"] = Bytes(q);
+    tensors[p + "weight_scale"] = Encoded(scales, options.dtype);
+    return tensors;
+  }
+  // 4-bit: per output row and group, scale and zero point from the group's range as AutoAWQ and
+  // GPTQ's quantizer compute them; scales stored as fp16 and the values rounded against the
+  // stored scale.
+  const bool gptq = options.quant == "gptq";
+  const int g = options.group_size;
+  const int groups = in / g;
+  std::vector<int32_t> perm(in);
+  for (int i = 0; i < in; ++i) perm[i] = i;
+  if (gptq && options.desc_act) perm = ActOrder(options.seed, module, in);
+  std::vector<int32_t> g_idx(in);  // group of each input
+  for (int j = 0; j < in; ++j) g_idx[perm[j]] = j / g;
+  std::vector<int> q(static_cast<size_t>(out) * in);             // [out, in]
+  std::vector<float> scales(static_cast<size_t>(groups) * out);  // [groups, out]
+  std::vector<int> zeros(static_cast<size_t>(groups) * out);     // [groups, out]
+  for (int o = 0; o < out; ++o) {
+    for (int gi = 0; gi < groups; ++gi) {
+      float lo = 0, hi = 0;  // the range always includes 0, as both quantizers make it
+      for (int j = gi * g; j < (gi + 1) * g; ++j) {
+        const float v = w[int64_t{o} * in + perm[j]];
+        lo = std::min(lo, v);
+        hi = std::max(hi, v);
+      }
+      float scale;
+      int zero;
+      if (gptq && options.sym) {
+        const float m = std::max(std::abs(lo), hi);
+        scale = std::max(2 * m / 15.0f, 1e-8f);
+        zero = 8;
+      } else {
+        scale = std::max((hi - lo) / 15.0f, 1e-8f);
+        zero = static_cast<int>(std::clamp(std::round(-lo / scale), 0.0f, 15.0f));
+        // GPTQ stores zero - 1 in four bits, so its zero points are 1..15 (AutoGPTQ's pack would
+        // overflow a 0 into the neighbouring nibbles).
+        if (gptq) zero = std::max(zero, 1);
+      }
+      scale = F16ToFloat(FloatToF16(scale));
+      scales[int64_t{gi} * out + o] = scale;
+      zeros[int64_t{gi} * out + o] = zero;
+      for (int j = gi * g; j < (gi + 1) * g; ++j) {
+        const int64_t at = int64_t{o} * in + perm[j];
+        q[at] = static_cast<int>(std::clamp(std::round(w[at] / scale) + zero, 0.0f, 15.0f));
+      }
+    }
+  }
+  const int words = out / 8;
+  std::vector<int32_t> qzeros(static_cast<size_t>(groups) * words, 0);
+  for (int gi = 0; gi < groups; ++gi) {
+    for (int c = 0; c < words; ++c) {
+      uint32_t word = 0;
+      for (int n = 0; n < 8; ++n) {
+        const int o = 8 * c + (gptq ? n : kAwqPackOrder[n]);
+        const int stored = gptq ? zeros[int64_t{gi} * out + o] - 1 : zeros[int64_t{gi} * out + o];
+        word |= static_cast<uint32_t>(stored & 15) << (4 * n);
+      }
+      qzeros[int64_t{gi} * words + c] = static_cast<int32_t>(word);
+    }
+  }
+  std::vector<int32_t> qweight;
+  if (gptq) {
+    // [in / 8, out]: eight consecutive inputs per word, in order.
+    qweight.assign(static_cast<size_t>(in / 8) * out, 0);
+    for (int r = 0; r < in / 8; ++r) {
+      for (int o = 0; o < out; ++o) {
+        uint32_t word = 0;
+        for (int n = 0; n < 8; ++n) {
+          word |= static_cast<uint32_t>(q[int64_t{o} * in + 8 * r + n]) << (4 * n);
+        }
+        qweight[int64_t{r} * out + o] = static_cast<int32_t>(word);
+      }
+    }
+  } else {
+    // [in, out / 8]: eight output columns per word, in AWQ's interleaved order.
+    qweight.assign(static_cast<size_t>(in) * words, 0);
+    for (int i = 0; i < in; ++i) {
+      for (int c = 0; c < words; ++c) {
+        uint32_t word = 0;
+        for (int n = 0; n < 8; ++n) {
+          word |= static_cast<uint32_t>(q[int64_t{8 * c + kAwqPackOrder[n]} * in + i]) << (4 * n);
+        }
+        qweight[int64_t{i} * words + c] = static_cast<int32_t>(word);
+      }
+    }
+  }
+  tensors[p + "qweight"] = Bytes(qweight);
+  tensors[p + "qzeros"] = Bytes(qzeros);
+  tensors[p + "scales"] = Encoded(scales, DType::kF16);
+  if (gptq) tensors[p + "g_idx"] = Bytes(g_idx);
+  return tensors;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -391,6 +588,17 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options) {
   const Preset* preset = FindPreset(options.preset);
   if (preset == nullptr) return UnknownPreset(options.preset);
   if (options.out_dir.empty()) return absl::InvalidArgumentError("no output directory given");
+  if (!options.quant.empty() && options.quant != "int8" && options.quant != "awq" &&
+      options.quant != "gptq") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("unknown --quant '", options.quant, "' (choose int8, awq or gptq)"));
+  }
+  if (options.desc_act && options.quant != "gptq") {
+    return absl::InvalidArgumentError("--desc-act is a gptq option");
+  }
+  if ((options.quant == "awq" || options.quant == "gptq") && options.group_size <= 0) {
+    return absl::InvalidArgumentError("--group-size must be positive");
+  }
   // Validates arch before spending time on the tokenizer.
   TANDEM_RETURN_IF_ERROR(SyntheticConfig(options.preset, options.arch, 1).status());
   TANDEM_ASSIGN_OR_RETURN(TokenizerFiles tokenizer, PrepareTokenizer(options, *preset));
@@ -412,15 +620,53 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options) {
   TANDEM_RETURN_IF_ERROR(
       WriteFileAtomically(dir + "/tokenizer_config.json", tokenizer.tokenizer_config_json));
 
+  // What each tensor of the file is: a float tensor of options.dtype drawn element by element,
+  // or one tensor of a quantised linear layer, produced with the layer's others.
+  engine::QuantizationConfig quantization;
+  json quantization_json;
+  if (!options.quant.empty()) {
+    quantization_json = QuantizationConfigJson(options);
+    TANDEM_ASSIGN_OR_RETURN(quantization,
+                            engine::ParseQuantizationConfig(
+                                json{{"quantization_config", quantization_json}}, "synth-model"));
+  }
+  struct Item {
+    std::string name;
+    DType dtype;
+    std::vector<int64_t> shape;
+    std::string module;  // quantised layer it belongs to, or empty
+    int64_t out = 0, in = 0;
+    std::string weight_name;  // the layer's float weight, whose values it quantises
+  };
+  std::vector<Item> items;
+  for (const auto& [name, shape] : OrderedTensors(config)) {
+    const std::string module = name.size() > 7 ? name.substr(0, name.size() - 7) : name;
+    if (shape.size() == 2 && name.ends_with(".weight") &&
+        engine::IsQuantizedLinear(quantization, module)) {
+      TANDEM_ASSIGN_OR_RETURN(auto specs,
+                              engine::QuantizedTensors(quantization, module, shape[0], shape[1]));
+      for (const engine::QuantizedTensorSpec& spec : specs) {
+        const DType dtype = spec.dtypes.size() == 1   ? spec.dtypes[0]
+                            : options.quant == "int8" ? options.dtype
+                                                      : DType::kF16;
+        items.push_back({spec.name, dtype, spec.shape, module, shape[0], shape[1], name});
+      }
+      continue;
+    }
+    items.push_back({name, options.dtype, shape, "", 0, 0, name});
+  }
+
   // Plan shards: tensors in order, a new shard whenever the next tensor would overflow.
-  const auto tensors = OrderedTensors(config);
   std::vector<std::vector<size_t>> shards(1);
   uint64_t shard_bytes = 0;
   uint64_t total_bytes = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    uint64_t n = DTypeSize(options.dtype);
-    for (int64_t d : tensors[i].second) n *= static_cast<uint64_t>(d);
-    if (options.max_shard_bytes > 0 && !shards.back().empty() &&
+  for (size_t i = 0; i < items.size(); ++i) {
+    uint64_t n = DTypeSize(items[i].dtype);
+    for (int64_t d : items[i].shape) n *= static_cast<uint64_t>(d);
+    // A quantised layer's tensors stay in one shard.
+    const bool continues_layer =
+        i > 0 && !items[i].module.empty() && items[i].module == items[i - 1].module;
+    if (options.max_shard_bytes > 0 && !shards.back().empty() && !continues_layer &&
         shard_bytes + n > options.max_shard_bytes) {
       shards.emplace_back();
       shard_bytes = 0;
@@ -430,6 +676,12 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options) {
     total_bytes += n;
   }
 
+  // The tensors of the quantised layer being written (one layer at a time).
+  struct LayerCache {
+    std::string module;
+    std::map<std::string, std::vector<unsigned char>> tensors;
+  };
+  auto cache = std::make_shared<LayerCache>();
   json weight_map = json::object();
   for (size_t s = 0; s < shards.size(); ++s) {
     std::string file =
@@ -438,17 +690,33 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options) {
             : absl::StrFormat("model-%05d-of-%05d.safetensors", s + 1, shards.size());
     engine::SafetensorsWriter writer;
     for (size_t i : shards[s]) {
-      const auto& [name, shape] = tensors[i];
-      const Init init = InitFor(name, shape, config);
-      const uint64_t key = TensorKey(options.seed, name);
-      writer.AddGenerated(name, options.dtype, shape,
-                          [init, key](int64_t first, int64_t count, float* out) {
-                            for (int64_t j = 0; j < count; ++j) {
-                              uint64_t state = key + kGolden * static_cast<uint64_t>(first + j + 1);
-                              out[j] = init.mean + init.std * NormalLike(SplitMix64Mix(state));
-                            }
-                          });
-      weight_map[name] = file;
+      const Item& item = items[i];
+      const std::vector<int64_t> weight_shape =
+          item.module.empty() ? item.shape : std::vector<int64_t>{item.out, item.in};
+      const Init init = InitFor(item.weight_name, weight_shape, config);
+      const uint64_t key = TensorKey(options.seed, item.weight_name);
+      auto generate = [init, key](int64_t first, int64_t count, float* out) {
+        for (int64_t j = 0; j < count; ++j) {
+          uint64_t state = key + kGolden * static_cast<uint64_t>(first + j + 1);
+          out[j] = init.mean + init.std * NormalLike(SplitMix64Mix(state));
+        }
+      };
+      if (item.module.empty()) {
+        writer.AddGenerated(item.name, item.dtype, item.shape, generate);
+      } else {
+        writer.AddGeneratedBytes(
+            item.name, item.dtype, item.shape, [cache, item, generate, &options]() {
+              if (cache->module != item.module) {
+                std::vector<float> w(static_cast<size_t>(item.out * item.in));
+                generate(0, static_cast<int64_t>(w.size()), w.data());
+                cache->tensors = QuantizeLinear(options, item.module, w, static_cast<int>(item.out),
+                                                static_cast<int>(item.in));
+                cache->module = item.module;
+              }
+              return std::move(cache->tensors[item.name]);
+            });
+      }
+      weight_map[item.name] = file;
     }
     TANDEM_RETURN_IF_ERROR(writer.Write(dir + "/" + file));
   }
@@ -463,7 +731,13 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options) {
   generation["eos_token_id"] = config.eos_token_ids;
   TANDEM_RETURN_IF_ERROR(
       WriteFileAtomically(dir + "/generation_config.json", generation.dump(2) + "\n"));
-  TANDEM_RETURN_IF_ERROR(WriteFileAtomically(dir + "/config.json", config.ToJson()));
+  if (options.quant.empty()) {
+    TANDEM_RETURN_IF_ERROR(WriteFileAtomically(dir + "/config.json", config.ToJson()));
+  } else {
+    json config_json = json::parse(config.ToJson());
+    config_json["quantization_config"] = quantization_json;
+    TANDEM_RETURN_IF_ERROR(WriteFileAtomically(dir + "/config.json", config_json.dump(2) + "\n"));
+  }
 
   // Proves the directory loads with the engine's own validation.
   TANDEM_RETURN_IF_ERROR(engine::Checkpoint::Open(dir).status());

@@ -57,13 +57,34 @@ class CpuPackedWeight final : public PackedWeight {
   CpuPackedWeight(int n, int k, DType dtype, const CpuKernelTable* table, AlignedBytes data)
       : PackedWeight(n, k, dtype), table_(table), data_(std::move(data)) {}
 
+  // A quantised weight: integers in `data`, per-panel group scales and zeros (see GemmArgs).
+  CpuPackedWeight(const QuantizedWeightView& w, const CpuKernelTable* table, AlignedBytes data,
+                  AlignedFloats scales, AlignedFloats zeros)
+      : PackedWeight(w.n, w.k, DType::kI8, w.quant),
+        table_(table),
+        data_(std::move(data)),
+        scales_(std::move(scales)),
+        zeros_(std::move(zeros)),
+        group_size_(w.group_size) {
+    if (w.k_order != nullptr) k_order_.assign(w.k_order, w.k_order + w.k);
+  }
+
   const CpuKernelTable* table() const { return table_; }
-  // [ceil(n / panel_width), k, panel_width] elements of dtype(), zero past n.
+  // [ceil(n / panel_width), k, panel_width] elements of dtype(), zero past n; quantised: see
+  // GemmArgs.
   const void* data() const { return data_.get(); }
+  const float* scales() const { return scales_.get(); }
+  const float* zeros() const { return zeros_.get(); }
+  const int32_t* k_order() const { return k_order_.empty() ? nullptr : k_order_.data(); }
+  int group_size() const { return group_size_; }
 
  private:
   const CpuKernelTable* table_;  // static storage
   AlignedBytes data_;
+  AlignedFloats scales_;  // quantised only
+  AlignedFloats zeros_;   // int4 only
+  std::vector<int32_t> k_order_;
+  int group_size_ = 0;
 };
 
 // Copies W[n, k] of T into panels [ceil(n / width)][k][width], zero past n.
@@ -131,6 +152,47 @@ class CpuBackend final : public Backend {
     return std::make_unique<CpuPackedWeight>(n, k, dtype, table_, std::move(packed));
   }
 
+  std::unique_ptr<PackedWeight> PackQuantizedWeight(const QuantizedWeightView& w) override {
+    const absl::Status valid = ValidateQuantizedWeight(w);
+    TANDEM_CHECK(valid.ok()) << valid;
+    const int width = table_->panel_width;
+    const int half = width / 2;
+    const int64_t panels = (w.n + width - 1) / width;
+    const int groups = w.groups();
+    const bool int4 = w.quant == WeightQuant::kInt4;
+    const int64_t step_bytes = int4 ? half : width;
+    AlignedBytes packed = AllocateAlignedBytes(panels * w.k * step_bytes);
+    AlignedFloats scales = AllocateFloats(panels * groups * width);
+    AlignedFloats zeros = int4 ? AllocateFloats(panels * groups * width) : nullptr;
+    pool_->ParallelFor(panels, 1, [&](int64_t begin, int64_t end, int) {
+      for (int64_t p = begin; p < end; ++p) {
+        unsigned char* panel = packed.get() + p * w.k * step_bytes;
+        std::memset(panel, 0, w.k * step_bytes);
+        for (int c = 0; c < width; ++c) {
+          const int64_t row = p * width + c;
+          for (int g = 0; g < groups; ++g) {
+            const int64_t at = (p * groups + g) * width + c;
+            // Columns past n: scale 0, so they read as 0 whatever their integers.
+            scales[at] = row < w.n ? w.scales[row * groups + g] : 0.0f;
+            if (int4) zeros[at] = row < w.n ? w.zeros[row * groups + g] : 0.0f;
+          }
+          if (row >= w.n) continue;
+          const int8_t* values = w.values + row * w.k;
+          for (int64_t kk = 0; kk < w.k; ++kk) {
+            if (int4) {
+              const int shift = c < half ? 0 : 4;
+              panel[kk * step_bytes + c % half] |= static_cast<unsigned char>(values[kk] << shift);
+            } else {
+              panel[kk * step_bytes + c] = static_cast<unsigned char>(values[kk]);
+            }
+          }
+        }
+      }
+    });
+    return std::make_unique<CpuPackedWeight>(w, table_, std::move(packed), std::move(scales),
+                                             std::move(zeros));
+  }
+
   void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
     const auto& packed = static_cast<const CpuPackedWeight&>(w);
     TANDEM_CHECK(packed.table() == table_) << "weight packed by another CPU backend";
@@ -144,6 +206,11 @@ class CpuBackend final : public Backend {
     const cpu::GemmArgs args{.x = x,
                              .w = packed.data(),
                              .w_dtype = packed.dtype(),
+                             .quant = packed.quant(),
+                             .scales = packed.scales(),
+                             .zeros = packed.zeros(),
+                             .k_order = packed.k_order(),
+                             .group_size = packed.group_size(),
                              .bias = bias,
                              .y = y,
                              .m = m,

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <utility>
 
 #include "tandem/base/half.h"
@@ -73,6 +74,18 @@ struct Vec {
     T r;
     for (int i = 0; i < kLanes; ++i) r.v[i] = F16ToFloat(p[i]);
     return r;
+  }
+  static T LoadI8(const int8_t* p) {
+    T r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(p[i]);
+    return r;
+  }
+  // kLanes bytes: their low nibbles (lanes of *lo) and high nibbles (*hi), as floats.
+  static void LoadNibbles(const uint8_t* p, T* lo, T* hi) {
+    for (int i = 0; i < kLanes; ++i) {
+      lo->v[i] = static_cast<float>(p[i] & 15);
+      hi->v[i] = static_cast<float>(p[i] >> 4);
+    }
   }
   static void Store(float* p, const T& a) {
     for (int i = 0; i < kLanes; ++i) p[i] = a.v[i];
@@ -164,6 +177,16 @@ struct Vec {
   static T LoadF16(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  static T LoadI8(const int8_t* p) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void LoadNibbles(const uint8_t* p, T* lo, T* hi) {
+    const __m256i bytes =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
+    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+  }
   static void Store(float* p, T a) { _mm256_storeu_ps(p, a); }
   static void StoreN(float* p, T a, int n) { _mm256_maskstore_ps(p, Mask(n), a); }
   static T Add(T a, T b) { return _mm256_add_ps(a, b); }
@@ -224,6 +247,16 @@ struct Vec {
   }
   static T LoadF16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static T LoadI8(const int8_t* p) {
+    return _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+  static void LoadNibbles(const uint8_t* p, T* lo, T* hi) {
+    const __m512i bytes =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
+    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
   }
   static void Store(float* p, T a) { _mm512_storeu_ps(p, a); }
   static void StoreN(float* p, T a, int n) { _mm512_mask_storeu_ps(p, Mask(n), a); }

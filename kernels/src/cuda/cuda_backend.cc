@@ -15,6 +15,7 @@
 #include "kernels/src/cuda/kv_write.cuh"
 #include "kernels/src/cuda/linear.cuh"
 #include "kernels/src/cuda/paged_attention.cuh"
+#include "kernels/src/cuda/quantized_linear.cuh"
 #include "kernels/src/cuda/rmsnorm.cuh"
 #include "kernels/src/cuda/rope.cuh"
 #include "kernels/src/cuda/silu_mul.cuh"
@@ -48,10 +49,34 @@ class CudaPackedWeight final : public PackedWeight {
  public:
   CudaPackedWeight(int n, int k, DType dtype, DeviceArray<unsigned char> data)
       : PackedWeight(n, k, dtype), data_(std::move(data)) {}
+  // A quantised weight: `data` holds the values, `scales` the scales then (int4) the zeros,
+  // `k_order` the column order (or nothing); see cuda::DeviceQuantizedWeight.
+  CudaPackedWeight(const QuantizedWeightView& w, DeviceArray<unsigned char> data,
+                   DeviceArray<float> scales, DeviceArray<int32_t> k_order)
+      : PackedWeight(w.n, w.k, DType::kI8, w.quant),
+        data_(std::move(data)),
+        scales_(std::move(scales)),
+        k_order_(std::move(k_order)),
+        group_size_(w.group_size) {}
   const void* data() const { return data_.get(); }  // [n, k] of dtype(), device, row-major
+
+  cuda::DeviceQuantizedWeight quantized() const {
+    const int64_t group_entries = int64_t{n()} * (k() / group_size_);
+    return {.quant = quant(),
+            .n = n(),
+            .k = k(),
+            .group_size = group_size_,
+            .values = data_.get(),
+            .scales = scales_.get(),
+            .zeros = quant() == WeightQuant::kInt4 ? scales_.get() + group_entries : nullptr,
+            .k_order = k_order_.get()};
+  }
 
  private:
   DeviceArray<unsigned char> data_;
+  DeviceArray<float> scales_;
+  DeviceArray<int32_t> k_order_;
+  int group_size_ = 0;
 };
 
 class CudaBackendImpl final : public CudaBackend {
@@ -115,13 +140,64 @@ class CudaBackendImpl final : public CudaBackend {
     return std::make_unique<CudaPackedWeight>(n, k, dtype, std::move(data).value());
   }
 
+  std::unique_ptr<PackedWeight> PackQuantizedWeight(const QuantizedWeightView& w) override {
+    auto failed = [&](absl::Status status) {
+      Keep(std::move(status));
+      return std::make_unique<CudaPackedWeight>(w, nullptr, nullptr, nullptr);
+    };
+    if (absl::Status valid = ValidateQuantizedWeight(w); !valid.ok()) return failed(valid);
+    const bool int4 = w.quant == WeightQuant::kInt4;
+    if (int4 && w.k % 2 != 0) return failed(absl::InvalidArgumentError("int4 weight of odd k"));
+    const int64_t elements = int64_t{w.n} * w.k;
+    const int64_t group_entries = int64_t{w.n} * w.groups();
+    // Host staging in the device layout: int4 values two to a byte, zeros after the scales.
+    std::vector<unsigned char> values(int4 ? elements / 2 : elements);
+    for (int64_t i = 0; i < elements; ++i) {
+      const auto v = static_cast<unsigned char>(w.values[i]);
+      if (!int4) {
+        values[i] = v;
+      } else {
+        values[i / 2] |= static_cast<unsigned char>(i % 2 == 0 ? v : v << 4);
+      }
+    }
+    std::vector<float> scales(w.scales, w.scales + group_entries);
+    if (int4) {
+      for (int64_t i = 0; i < group_entries; ++i) scales.push_back(w.zeros[i]);
+    }
+    auto d_values = DeviceAlloc<unsigned char>(static_cast<int64_t>(values.size()));
+    auto d_scales = DeviceAlloc<float>(static_cast<int64_t>(scales.size()));
+    auto d_order = DeviceAlloc<int32_t>(w.k_order != nullptr ? w.k : 0);
+    if (!d_values.ok()) return failed(d_values.status());
+    if (!d_scales.ok()) return failed(d_scales.status());
+    if (!d_order.ok()) return failed(d_order.status());
+    Keep(CudaStatus(cudaMemcpyAsync(d_values->get(), values.data(), values.size(),
+                                    cudaMemcpyHostToDevice, stream_.get()),
+                    "PackQuantizedWeight upload"));
+    Keep(CudaStatus(cudaMemcpyAsync(d_scales->get(), scales.data(), scales.size() * sizeof(float),
+                                    cudaMemcpyHostToDevice, stream_.get()),
+                    "PackQuantizedWeight upload"));
+    DeviceArray<int32_t> order;
+    if (w.k_order != nullptr) {
+      Keep(CudaStatus(cudaMemcpyAsync(d_order->get(), w.k_order, sizeof(int32_t) * w.k,
+                                      cudaMemcpyHostToDevice, stream_.get()),
+                      "PackQuantizedWeight upload"));
+      order = std::move(d_order).value();
+    }
+    // The staging vectors (and the caller's arrays) may go once this returns.
+    Keep(CudaStatus(cudaStreamSynchronize(stream_.get()), "PackQuantizedWeight upload"));
+    return std::make_unique<CudaPackedWeight>(w, std::move(d_values).value(),
+                                              std::move(d_scales).value(), std::move(order));
+  }
+
   void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
     const auto& packed = static_cast<const CudaPackedWeight&>(w);
     if (packed.data() == nullptr) {
       Keep(absl::FailedPreconditionError("Linear with a weight whose upload failed"));
       return;
     }
-    if (w.dtype() == DType::kF32) {
+    if (w.quant() != WeightQuant::kNone) {
+      Keep(cuda::LaunchQuantizedLinear(x, m, packed.quantized(), bias, y, stream_.get()));
+    } else if (w.dtype() == DType::kF32) {
       Keep(cuda::LaunchLinear(cublas_.get(), x, m, static_cast<const float*>(packed.data()), w.n(),
                               w.k(), bias, y, stream_.get()));
     } else {

@@ -11,19 +11,22 @@ namespace tandem {
 
 // Element types of stored tensors. Weights are F32, F16 or BF16; a KV cache may also be one of
 // the two OCP 8-bit floats: E4M3 ("fn": no infinities, largest finite 448) and E5M2 (largest
-// finite 57344).
-enum class DType { kF32, kF16, kBF16, kF8E4M3, kF8E5M2 };
+// finite 57344). I8 and I32 are the integer tensors of weight-quantised checkpoints (int8
+// weights; AWQ/GPTQ words of eight packed 4-bit values, g_idx).
+enum class DType { kF32, kF16, kBF16, kF8E4M3, kF8E5M2, kI8, kI32 };
 
 // Bytes per element of `dtype`.
 inline constexpr int DTypeSize(DType dtype) {
   switch (dtype) {
     case DType::kF32:
+    case DType::kI32:
       return 4;
     case DType::kF16:
     case DType::kBF16:
       return 2;
     case DType::kF8E4M3:
     case DType::kF8E5M2:
+    case DType::kI8:
       return 1;
   }
   return 4;
@@ -39,6 +42,10 @@ inline constexpr const char* DTypeName(DType dtype) {
       return "F8_E4M3";
     case DType::kF8E5M2:
       return "F8_E5M2";
+    case DType::kI8:
+      return "I8";
+    case DType::kI32:
+      return "I32";
   }
   return "?";
 }
@@ -57,6 +64,10 @@ inline constexpr const char* DTypeFlagName(DType dtype) {
       return "fp8_e4m3";
     case DType::kF8E5M2:
       return "fp8_e5m2";
+    case DType::kI8:
+      return "int8";
+    case DType::kI32:
+      return "int32";
   }
   return "?";
 }
@@ -219,6 +230,13 @@ inline float LoadAsFloat(const void* data, DType dtype, int64_t i) {
       return Fp8E4M3ToFloat(bytes[i]);
     case DType::kF8E5M2:
       return Fp8E5M2ToFloat(bytes[i]);
+    case DType::kI8:
+      return static_cast<float>(static_cast<int8_t>(bytes[i]));
+    case DType::kI32: {
+      int32_t v;
+      std::memcpy(&v, bytes + 4 * i, 4);
+      return static_cast<float>(v);
+    }
   }
   return 0.0f;
 }
@@ -243,6 +261,18 @@ inline void StoreFromFloat(void* data, DType dtype, int64_t i, float value) {
     case DType::kF8E5M2:
       bytes[i] = FloatToFp8E5M2(value);
       return;
+    case DType::kI8: {
+      // Rounded to nearest (ties away from zero, as std::lround) and saturated.
+      const float v = std::fmin(127.0f, std::fmax(-128.0f, std::round(value)));
+      bytes[i] = static_cast<unsigned char>(static_cast<int8_t>(v));
+      return;
+    }
+    case DType::kI32: {
+      const int32_t v = static_cast<int32_t>(
+          std::fmin(2147483520.0f, std::fmax(-2147483648.0f, std::round(value))));
+      std::memcpy(bytes + 4 * i, &v, 4);
+      return;
+    }
   }
 }
 

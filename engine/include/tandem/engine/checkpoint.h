@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "tandem/base/half.h"
 #include "tandem/base/mapped_file.h"
+#include "tandem/engine/quantization_config.h"
 #include "tandem/text/model_config.h"
 
 namespace tandem::engine {
@@ -58,6 +59,10 @@ class SafetensorsWriter {
   // multi-gigabyte checkpoint is written without holding it in memory.
   void AddGenerated(const std::string& name, DType dtype, std::vector<int64_t> shape,
                     ValueGenerator generate);
+  // Adds a tensor whose encoded bytes (prod(shape) elements of `dtype`) `generate` returns while
+  // Write runs (integer tensors of quantised checkpoints, produced one layer at a time).
+  void AddGeneratedBytes(const std::string& name, DType dtype, std::vector<int64_t> shape,
+                         std::function<std::vector<unsigned char>()> generate);
   // Writes to a temporary file renamed into place, so `path` is either complete or untouched.
   absl::Status Write(const std::string& path) const;
   // Bytes of tensor data (the file adds an 8-byte length and a JSON header).
@@ -70,6 +75,7 @@ class SafetensorsWriter {
     std::vector<int64_t> shape;
     std::vector<unsigned char> bytes;  // encoded data unless `generate` is set
     ValueGenerator generate;
+    std::function<std::vector<unsigned char>()> generate_bytes;
   };
   std::vector<Entry> entries_;
 };
@@ -80,18 +86,27 @@ class SafetensorsWriter {
 class Checkpoint {
  public:
   // Refuses, naming the file and tensor, a checkpoint that is truncated, misshaped, of an
-  // unknown architecture, missing a tensor, or holding an unsupported dtype.
+  // unknown architecture, missing a tensor, or holding an unsupported dtype; and, in one line, a
+  // quantization_config Tandem cannot serve. A quantised linear layer's tensors are checked
+  // against its layout (quantization_config.h) instead of `<module>.weight`.
   static absl::StatusOr<std::unique_ptr<Checkpoint>> Open(const std::string& dir);
 
   const text::ModelConfig& config() const { return config_; }
+  // config.json's quantization_config (method kNone for a checkpoint of float weights).
+  const QuantizationConfig& quantization() const { return quantization_; }
   const std::string& dir() const { return dir_; }
   absl::StatusOr<TensorView> Tensor(const std::string& name) const;
   // The tensor converted to fp32.
   absl::StatusOr<std::vector<float>> ReadFloat(const std::string& name) const;
 
  private:
+  // Presence, dtype and shape of the tensors of quantised linear `module` (W[out, in]).
+  absl::Status CheckQuantizedLinear(const std::string& source, const std::string& module,
+                                    int64_t out, int64_t in) const;
+
   std::string dir_;
   text::ModelConfig config_;
+  QuantizationConfig quantization_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, const TensorView*> index_;
 };

@@ -77,22 +77,63 @@ using ::tandem::RopeConfig;
 // Inverse frequencies [head_dim / 2] for RopeConfig, with llama3 scaling applied.
 std::vector<float> RopeInverseFrequencies(const RopeConfig& config);
 
+// How a weight matrix's elements are stored: as floats of its dtype, or as integers with scales
+// (weight-only quantisation; activations and sums stay fp32).
+enum class WeightQuant {
+  kNone,
+  // W8A16: int8 values, one fp32 scale per output row (symmetric: W = q * scale).
+  kInt8,
+  // W4A16: 4-bit values 0..15 with a scale and an integer zero point per output row and group of
+  // group_size inputs: W = (q - zero) * scale (AWQ and GPTQ checkpoints).
+  kInt4,
+};
+
+// A quantised W[n, k] in the one unpacked form every backend packs from (host memory, owned by
+// the caller); the engine converts each checkpoint layout (compressed-tensors int8, AWQ, GPTQ)
+// to it. Column j of `values` holds input feature k_order[j] (k_order null: feature j), so a
+// GPTQ act-order matrix, whose groups are scattered over the inputs, has each group's columns
+// side by side: group g is columns [g * group_size, (g + 1) * group_size).
+struct QuantizedWeightView {
+  WeightQuant quant = WeightQuant::kInt8;
+  int n = 0;
+  int k = 0;
+  int group_size = 0;                // divides k; kInt8: k (one scale per row)
+  const int8_t* values = nullptr;    // [n, k]: kInt8 -128..127, kInt4 0..15
+  const float* scales = nullptr;     // [n, k / group_size]
+  const int8_t* zeros = nullptr;     // kInt4: [n, k / group_size], 0..16; kInt8: null
+  const int32_t* k_order = nullptr;  // [k], a permutation of 0..k-1, or null
+
+  int groups() const { return group_size > 0 ? k / group_size : 0; }
+};
+
+// Checks a QuantizedWeightView's shape, group size, value ranges and k_order.
+absl::Status ValidateQuantizedWeight(const QuantizedWeightView& w);
+
+// W[n, k] as fp32 in input-feature order: element (r, k_order[j]) is (values[r, j] -
+// zeros[r, j / group_size]) * scales[r, j / group_size], the integer difference converted
+// exactly and multiplied once in fp32. These are the values every backend's Linear multiplies
+// by.
+std::vector<float> DequantizeWeight(const QuantizedWeightView& w);
+
 // A weight matrix W[n, k] repacked into a backend's preferred layout, its elements still of
-// the dtype it was packed from. Opaque to callers.
+// the dtype it was packed from (or quantised: quant() != kNone, dtype() kI8). Opaque to callers.
 class PackedWeight {
  public:
   virtual ~PackedWeight() = default;
   int n() const { return n_; }
   int k() const { return k_; }
   DType dtype() const { return dtype_; }
+  WeightQuant quant() const { return quant_; }
 
  protected:
-  PackedWeight(int n, int k, DType dtype) : n_(n), k_(k), dtype_(dtype) {}
+  PackedWeight(int n, int k, DType dtype, WeightQuant quant = WeightQuant::kNone)
+      : n_(n), k_(k), dtype_(dtype), quant_(quant) {}
 
  private:
   int n_;
   int k_;
   DType dtype_;
+  WeightQuant quant_;
 };
 
 class Backend;
@@ -165,8 +206,13 @@ class Backend {
   // element.
   virtual std::unique_ptr<PackedWeight> PackWeight(const void* w, DType dtype, int n, int k) = 0;
 
+  // Packs a quantised W (already checked by ValidateQuantizedWeight) into the backend's layout,
+  // keeping it quantised: Linear widens each value to fp32 in registers, as
+  // (value - zero) * scale, and multiplies by exactly DequantizeWeight's element.
+  virtual std::unique_ptr<PackedWeight> PackQuantizedWeight(const QuantizedWeightView& w) = 0;
+
   // y[m, n] = x[m, k] * W^T (+ bias[n] when bias is not null). Whatever W's dtype, each product
-  // is of W's exact value and accumulates in fp32.
+  // is of W's exact value (quantised: of DequantizeWeight's value) and accumulates in fp32.
   // Batch invariant: row i of y is bitwise the same whatever m is and whatever the other rows hold.
   virtual void Linear(const float* x, int m, const PackedWeight& w, const float* bias,
                       float* y) = 0;

@@ -57,10 +57,37 @@ struct RooflineShape {
   int64_t vocab = 0;
   int64_t batch = 1;        // B sequences
   int64_t seq_len = 1;      // T: prompt length in prefill, context length in decode
-  int64_t dtype_bytes = 2;  // bytes per weight, activation and cache element
+  int64_t dtype_bytes = 2;  // bytes per activation element, and weight and KV unless below
+  // Bytes per element of the projection matrices (q/k/v, o, gate/up, down); 0: dtype_bytes.
+  // Weight-only quantisation: 1 for int8, 0.5 plus a group's scale and zero point for int4
+  // (WeightBytesOf). The embedding, norms and lm_head stay dtype_bytes.
+  double weight_bytes = 0;
+  // Bytes per KV cache element; 0: dtype_bytes (1 for an fp8 cache).
+  double kv_bytes = 0;
+
+  double ProjectionBytes() const {
+    return weight_bytes > 0 ? weight_bytes : static_cast<double>(dtype_bytes);
+  }
+  double KvBytes() const { return kv_bytes > 0 ? kv_bytes : static_cast<double>(dtype_bytes); }
 
   absl::Status Validate() const;
 };
+
+// Bytes per projection weight of a --weight-dtype name: bfloat16|float16|float32 (their element
+// size), int8 (1) or int4 (0.5 plus an fp16 scale and a 4-bit zero point per `group_size`
+// inputs, as AWQ and GPTQ checkpoints store them). Errors name the flag.
+absl::StatusOr<double> WeightBytesOf(const std::string& name, int group_size = 128);
+
+// Sets shape's weight and KV element sizes from flag values: `weight_dtype` as WeightBytesOf
+// takes it, `kv_dtype` bfloat16|float16|float32|fp8_e4m3|fp8_e5m2; "auto" (or empty) keeps the
+// shape's. Errors name the flag.
+absl::Status SetPrecision(const std::string& weight_dtype, const std::string& kv_dtype,
+                          int group_size, RooflineShape* shape);
+
+// Bytes per projection weight of a checkpoint whose config.json (`config_json_path`) carries a
+// quantization_config (int8: 1; AWQ/GPTQ 4-bit: 0.5 plus a group's scale and zero point), or 0
+// when it has none.
+absl::StatusOr<double> CheckpointWeightBytes(const std::string& config_json_path);
 
 // The textbook example: B=8, T=1024, H=4096, N=32, D=128 with a Llama-2-7B body (H'=11008,
 // 32 layers, vocab 32000), 2-byte elements.

@@ -32,6 +32,15 @@ struct SynthModelOptions {
   // 0 writes model.safetensors; otherwise shards of at most this many bytes (one tensor larger
   // than that gets a shard of its own) plus model.safetensors.index.json.
   uint64_t max_shard_bytes = 0;
+  // Weight-only quantisation of every linear layer but lm_head, in the exact on-disk layout of
+  // the tool that writes it (engine/quantization_config.h): "" (none), "int8"
+  // (compressed-tensors W8A16, per-channel scales of `dtype`), "awq" (AutoAWQ GEMM, 4-bit, fp16
+  // scales) or "gptq" (AutoGPTQ, 4-bit, fp16 scales, zero points stored minus one). Values are
+  // rounded from the float weights the same seed gives unquantised.
+  std::string quant;
+  int group_size = 128;   // awq and gptq: inputs per group
+  bool desc_act = false;  // gptq: act order (a seeded permutation of each layer's inputs)
+  bool sym = true;        // gptq: symmetric (zero point 8)
 };
 
 // Writes config.json, generation_config.json, tokenizer.json, tokenizer_config.json and the

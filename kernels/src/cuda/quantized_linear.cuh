@@ -1,0 +1,33 @@
+// Linear layers over weight-only quantised matrices (int8 per row, int4 per group), widened to
+// fp32 in registers.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "tandem/kernels/backend.h"
+
+namespace tandem::kernels::cuda {
+
+// A quantised W[n, k] in device memory, in the order of QuantizedWeightView.
+struct DeviceQuantizedWeight {
+  WeightQuant quant = WeightQuant::kInt8;
+  int n = 0;
+  int k = 0;
+  int group_size = 0;
+  // kInt8: int8 [n, k]. kInt4: bytes [n, k / 2], byte j holding column 2j in its low nibble and
+  // column 2j + 1 in its high one (k is even: groups of an even size divide it).
+  const uint8_t* values = nullptr;
+  const float* scales = nullptr;     // [n, k / group_size]
+  const float* zeros = nullptr;      // kInt4: [n, k / group_size]; kInt8: null
+  const int32_t* k_order = nullptr;  // [k] or null
+};
+
+// y[m, n] = x[m, k] * dequantised(W)^T (+ bias[n] when not null), each product of
+// DequantizeWeight's value, fp32 accumulation. Device memory, row-major.
+absl::Status LaunchQuantizedLinear(const float* x, int m, const DeviceQuantizedWeight& w,
+                                   const float* bias, float* y, cudaStream_t stream);
+
+}  // namespace tandem::kernels::cuda
