@@ -46,6 +46,14 @@ struct Sequence {
   std::shared_ptr<const SamplingParams> params;
   SamplerRng rng{0};
   int num_preemptions = 0;
+  // Prefix cache: the root of this sequence's hash chain (from the request's cache_salt) and
+  // the hashes of its full blocks computed so far (see ExtendBlockHashes).
+  uint64_t prefix_root = 0;
+  std::vector<uint64_t> block_hashes;
+  // Another sample of the same request (its sample 0) whose prompt KV this one shares instead of
+  // computing it: it waits until that prompt is computed, then forks its blocks and recomputes
+  // only the last prompt token, for its own logits. Null: computes its own prompt.
+  const Sequence* prompt_source = nullptr;
 
   // Sampler outputs of the latest step that sampled (filled when params->logprobs >= 0).
   float last_logprob = 0.0f;
