@@ -51,6 +51,11 @@ struct Reservation {
   int n = 1;
   std::vector<engine::BlockTable> blocks;  // one table per sample
   absl::Time expires;
+  // The prompt's first num_cached_tokens tokens were this worker's cached blocks, shared at the
+  // front of every table; Start must bring the same prompt (and cache_salt).
+  int num_cached_tokens = 0;
+  std::vector<int32_t> cached_prefix;
+  std::string cache_salt;
 
   int num_blocks() const {
     int total = 0;

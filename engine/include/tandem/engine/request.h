@@ -35,7 +35,7 @@ struct GenerateRequest {
   SamplingParams params;
   // Isolates tenants in the prefix cache (the API's `cache_salt`): a request reuses cached KV
   // only of requests with the same salt. Empty: the shared, unsalted cache.
-  std::string cache_salt;
+  std::string cache_salt{};
   // When the request reached the engine's owner (AsyncEngine::Submit, a worker's RPC), for the
   // step trace's first-token time, which then includes the wait for the step running at that
   // moment; unset (the epoch): when AddRequest took it.
