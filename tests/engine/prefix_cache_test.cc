@@ -227,3 +227,89 @@ TEST(PrefixCacheTest, AfterAbortsNoBlockIsReferenced) {
 
 }  // namespace
 }  // namespace tandem::engine
+
+namespace tandem::engine {
+namespace {
+
+// An abort storm on a tight cache, in each role: many requests sharing one long prompt, random
+// n, aborted at random steps (a prefill engine's hand-offs released at random times, a decode
+// engine's reservations shared with its cached prefix); afterwards no block is referenced.
+TEST(PrefixCacheTest, AbortStormsInEveryRoleLeaveNoBlockReferenced) {
+  for (EngineRole role : {EngineRole::kColocated, EngineRole::kPrefill, EngineRole::kDecode}) {
+    SCOPED_TRACE(static_cast<int>(role));
+    auto probe = MakeEngine({});
+    const int64_t block_bytes = ModelRunner::KvBytesPerBlock(probe->config(), 16);
+    auto engine = MakeEngine(
+        {.kv_cache_bytes = 60 * block_bytes, .max_num_batched_tokens = 48, .role = role});
+    std::mt19937 rng(static_cast<uint32_t>(role) + 1);
+    const int vocab = engine->config().vocab_size;
+    const std::vector<int32_t> prompt = RandomTokens(rng, 200, vocab);
+    std::vector<PrefillHandoff> held;
+    std::vector<BlockTable> reserved;
+    int next = 0;
+    std::vector<std::string> live;
+    for (int step = 0; step < 400; ++step) {
+      if (rng() % 2 == 0 && next < 150) {
+        GenerateRequest r{absl::StrCat("r", next++), prompt, kSeeded};
+        r.params.n = 1 + static_cast<int>(rng() % 3);
+        r.params.max_tokens = 5 + static_cast<int>(rng() % 30);
+        if (rng() % 3 == 0) r.prompt_tokens.resize(100 + rng() % 100);
+        if (role == EngineRole::kDecode) {
+          std::vector<PrefilledChoice> choices;
+          bool ok = true;
+          for (int c = 0; c < r.params.n && ok; ++c) {
+            auto table = engine->ReserveBlocks(static_cast<int>(r.prompt_tokens.size()),
+                                               r.prompt_tokens, "", nullptr);
+            if (!table.ok()) {
+              ok = false;
+              break;
+            }
+            PrefilledChoice choice;
+            choice.first_token = 1;
+            choice.blocks = *table;
+            choices.push_back(std::move(choice));
+          }
+          if (!ok || rng() % 5 == 0) {  // no room, or the prefill failed: released
+            for (PrefilledChoice& c : choices) engine->FreeReservation(c.blocks);
+            continue;
+          }
+          ASSERT_TRUE(engine->AddPrefilled(r, std::move(choices)).ok());
+        } else {
+          ASSERT_TRUE(engine->AddRequest(r).ok());
+        }
+        live.push_back(r.request_id);
+      }
+      if (engine->has_unfinished()) {
+        auto out = engine->Step();
+        if (!out.ok() && !held.empty()) {
+          // Hand-offs hold every block (as a prefill worker's in-flight pages do): release them.
+          for (PrefillHandoff& h : held) engine->ReleaseHandoff(h);
+          held.clear();
+          out = engine->Step();
+        }
+        ASSERT_TRUE(out.ok()) << out.status();
+      }
+      for (PrefillHandoff& h : engine->TakeHandoffs()) held.push_back(h);
+      if (!held.empty() && rng() % 3 == 0) {
+        const size_t i = rng() % held.size();
+        engine->ReleaseHandoff(held[i]);
+        held.erase(held.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+      if (!live.empty() && rng() % 3 == 0) {
+        const size_t i = rng() % live.size();
+        engine->Abort(live[i]);
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+    }
+    for (const std::string& id : live) engine->Abort(id);
+    for (PrefillHandoff& h : held) engine->ReleaseHandoff(h);
+    while (engine->has_unfinished()) ASSERT_TRUE(engine->Step().ok());
+    for (PrefillHandoff& h : engine->TakeHandoffs()) engine->ReleaseHandoff(h);
+    const EngineStats stats = engine->stats();
+    EXPECT_EQ(stats.kv_blocks_used, 0);
+    EXPECT_GT(stats.prefix_cache_hits_tokens, 0);
+  }
+}
+
+}  // namespace
+}  // namespace tandem::engine
