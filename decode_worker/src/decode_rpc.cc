@@ -236,6 +236,10 @@ absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& reque
   // On refusal the reservation stays as it was (Release or expiry frees it).
   TANDEM_RETURN_IF_ERROR(engine_->AddPrefilled(std::move(generate), std::move(choices)));
   // The engine owns the blocks now.
+  const engine::KvCacheLayout& layout = engine_->cache_layout();
+  metrics_.kv_cached_bytes.Increment(
+      static_cast<double>(static_cast<uint64_t>(reservation.num_cached_tokens) * reservation.n *
+                          layout.num_layers * 2 * layout.row_bytes()));
   Running running;
   running.stream = std::move(stream);
   running.finished.assign(reservation.n, false);

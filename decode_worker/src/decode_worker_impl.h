@@ -136,6 +136,10 @@ struct Metrics {
   prometheus::Counter& expired =
       registry.Counter("tandem_decode_reservations_expired_total",
                        "Reservations released because nobody started them in time.");
+  prometheus::Counter& kv_cached_bytes = registry.Counter(
+      "tandem_decode_kv_cached_bytes_total",
+      "Prompt KV bytes of started requests that this worker's prefix cache already held, so no "
+      "prefill worker sent them.");
   prometheus::Counter& generation_tokens =
       registry.Counter("tandem_generation_tokens_total", "Tokens generated, all samples.");
   prometheus::Gauge& batch_limit = registry.Gauge(

@@ -509,6 +509,10 @@ TEST_P(DecodeWorkerTest, ReserveSharesTheCachedPrefixOfFinishedRequests) {
   // reservations; found: 64 tokens for each of turn 1's samples and the wrong prompt's.
   EXPECT_EQ(MetricValue(metrics, "tandem_prefix_cache_queries_tokens_total"), 70 + 4 * 90);
   EXPECT_EQ(MetricValue(metrics, "tandem_prefix_cache_hits_tokens_total"), 3 * 64);
+  // Of the started requests, turn 1's two samples found 64 tokens each: not moved.
+  const engine::KvCacheLayout& layout = colocated->cache_layout();
+  EXPECT_EQ(MetricValue(metrics, "tandem_decode_kv_cached_bytes_total"),
+            2.0 * 64 * layout.num_layers * 2 * layout.row_bytes());
 }
 
 TEST_P(DecodeWorkerTest, ConcurrentStreamsEachEqualColocatedOutput) {
