@@ -138,10 +138,6 @@ Scheduler::Admission Scheduler::Admit(Sequence* seq, int budget, SchedulerStep& 
     if (needed > blocks_->num_free_blocks()) return Admission::kNoRoom;
     blocks_->AllocateCached(seq->block_table, seq->block_hashes, shared_blocks);
   }
-  if (fresh && (blocks_->prefix_caching() || source != nullptr)) {
-    prefix_cache_queries_tokens_ += num_tokens;
-    prefix_cache_hits_tokens_ += shared_tokens;
-  }
   seq->num_computed_tokens = shared_tokens;
   const int new_tokens = std::min(seq->num_uncomputed_tokens(), budget);
   if (!blocks_->CanAppend(seq->block_table, seq->num_computed_tokens, new_tokens)) {
@@ -154,6 +150,11 @@ Scheduler::Admission Scheduler::Admit(Sequence* seq, int budget, SchedulerStep& 
   if (copy->first >= 0) step.block_copies.push_back(*copy);
   step.seqs.push_back({seq, new_tokens, new_tokens == seq->num_uncomputed_tokens()});
   step.num_tokens += new_tokens;
+  // Counted once admitted (an admission refused for room is tried again later).
+  if (fresh && (blocks_->prefix_caching() || source != nullptr)) {
+    prefix_cache_queries_tokens_ += num_tokens;
+    prefix_cache_hits_tokens_ += shared_tokens;
+  }
   return Admission::kAdmitted;
 }
 

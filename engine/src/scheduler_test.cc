@@ -304,6 +304,23 @@ TEST(SchedulerPrefixCacheTest, ComputesOnlyTheUncachedSuffix) {
   EXPECT_EQ(blocks.num_used_blocks(), 0);
 }
 
+TEST(SchedulerPrefixCacheTest, AnAdmissionRefusedForRoomIsNotCountedTwice) {
+  BlockManager blocks(4, 4, true);  // 16 token slots
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64}, &blocks);
+  auto a = MakeSeq(0, 12);
+  auto b = MakeSeq(1, 12);
+  for (int i = 0; i < 12; ++i) b->tokens[i] += 100;
+  s.Add(a.get());
+  s.Add(b.get());
+  RunStep(s, s.Schedule());  // a runs; b finds no room
+  EXPECT_EQ(s.num_waiting(), 1);
+  RunStep(s, s.Schedule());  // still none
+  EXPECT_EQ(s.prefix_cache_queries_tokens(), 12);
+  s.Finish(a.get(), FinishReason::kStop);
+  ASSERT_EQ(s.Schedule().seqs.size(), 1u);  // b admitted
+  EXPECT_EQ(s.prefix_cache_queries_tokens(), 24);
+}
+
 TEST(SchedulerPrefixCacheTest, AFullyCachedPromptStillComputesItsLastBlock) {
   BlockManager blocks(64, 4, true);
   Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64}, &blocks);
