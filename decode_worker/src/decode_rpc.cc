@@ -1,4 +1,6 @@
 // The decode worker's RPCs: their checks on the gRPC thread, their bodies on the engine loop.
+#include <algorithm>
+#include <span>
 #include <utility>
 
 #include "absl/time/clock.h"
@@ -21,6 +23,12 @@ void DecodeWorkerImpl::Reserve(const tandem::v1::ReserveRequest& request,
     if (request.n() < 0 || request.n() > kMaxReserveSamples) {
       return absl::InvalidArgumentError(
           absl::StrCat("n must be in [0, ", kMaxReserveSamples, "], got ", request.n()));
+    }
+    if (request.prompt_token_ids_size() != 0 &&
+        request.prompt_token_ids_size() != request.num_prompt_tokens()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("prompt_token_ids holds ", request.prompt_token_ids_size(),
+                       " tokens, num_prompt_tokens is ", request.num_prompt_tokens()));
     }
     if (request.max_tokens() < 0) {
       return absl::InvalidArgumentError(
@@ -72,8 +80,19 @@ absl::StatusOr<tandem::v1::KvReservation> DecodeWorkerImpl::ReserveOnLoop(
   reservation.num_prompt_tokens = request.num_prompt_tokens();
   reservation.n = std::max(1, request.n());
   reservation.expires = expires;
+  const std::span<const int32_t> prompt(request.prompt_token_ids().data(),
+                                        request.prompt_token_ids_size());
   for (int i = 0; i < reservation.n; ++i) {
-    absl::StatusOr<engine::BlockTable> blocks = engine_->ReserveBlocks(request.num_prompt_tokens());
+    int cached = 0;
+    absl::StatusOr<engine::BlockTable> blocks =
+        engine_->ReserveBlocks(request.num_prompt_tokens(), prompt, request.cache_salt(), &cached);
+    // Every sample shares the same cached prefix: the first lookup's, or none.
+    if (blocks.ok() && i == 0) {
+      reservation.num_cached_tokens = cached;
+    } else if (blocks.ok() && cached != reservation.num_cached_tokens) {
+      engine_->FreeReservation(*blocks);
+      blocks = engine_->ReserveBlocks(request.num_prompt_tokens());
+    }
     if (!blocks.ok()) {
       for (engine::BlockTable& b : reservation.blocks) engine_->FreeReservation(b);
       return absl::ResourceExhaustedError(
@@ -89,6 +108,9 @@ absl::StatusOr<tandem::v1::KvReservation> DecodeWorkerImpl::ReserveOnLoop(
     for (int32_t b : blocks) out.add_block_ids(b);
   }
   out.set_blocks_per_choice(static_cast<int>(reservation.blocks.front().size()));
+  out.set_num_cached_tokens(reservation.num_cached_tokens);
+  reservation.cached_prefix.assign(prompt.begin(), prompt.begin() + reservation.num_cached_tokens);
+  reservation.cache_salt = request.cache_salt();
   *out.mutable_endpoint() = core_->kv().Describe();
   out.set_expires_unix_ms(absl::ToUnixMillis(expires));
   reserved_request_[reservation.request_id] = id;
@@ -177,7 +199,17 @@ absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& reque
   generate.prompt_tokens.assign(request.prompt_token_ids().begin(),
                                 request.prompt_token_ids().end());
   generate.params = proto::FromProto(request.sampling());
+  generate.cache_salt = request.cache_salt();
   if (!request.sampling().has_n()) generate.params.n = reservation.n;
+  if (reservation.num_cached_tokens > 0 &&
+      (request.cache_salt() != reservation.cache_salt ||
+       request.prompt_token_ids_size() < reservation.num_cached_tokens ||
+       !std::equal(reservation.cached_prefix.begin(), reservation.cached_prefix.end(),
+                   request.prompt_token_ids().begin()))) {
+    return absl::InvalidArgumentError(
+        "the prompt or cache_salt differs from the reservation's, whose cached blocks hold "
+        "another prefix");
+  }
   std::vector<engine::PrefilledChoice> choices(reservation.n);
   std::vector<bool> seen(reservation.n, false);
   for (const tandem::v1::PrefilledChoice& wire : request.choices()) {
@@ -213,6 +245,10 @@ absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& reque
   // On refusal the reservation stays as it was (Release or expiry frees it).
   TANDEM_RETURN_IF_ERROR(engine_->AddPrefilled(std::move(generate), std::move(choices)));
   // The engine owns the blocks now.
+  const engine::KvCacheLayout& layout = engine_->cache_layout();
+  metrics_.kv_cached_bytes.Increment(
+      static_cast<double>(static_cast<uint64_t>(reservation.num_cached_tokens) * reservation.n *
+                          layout.num_layers * 2 * layout.row_bytes()));
   Running running;
   running.stream = std::move(stream);
   running.finished.assign(reservation.n, false);

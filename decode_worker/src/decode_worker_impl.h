@@ -51,6 +51,11 @@ struct Reservation {
   int n = 1;
   std::vector<engine::BlockTable> blocks;  // one table per sample
   absl::Time expires;
+  // The prompt's first num_cached_tokens tokens were this worker's cached blocks, shared at the
+  // front of every table; Start must bring the same prompt (and cache_salt).
+  int num_cached_tokens = 0;
+  std::vector<int32_t> cached_prefix;
+  std::string cache_salt;
 
   int num_blocks() const {
     int total = 0;
@@ -131,6 +136,10 @@ struct Metrics {
   prometheus::Counter& expired =
       registry.Counter("tandem_decode_reservations_expired_total",
                        "Reservations released because nobody started them in time.");
+  prometheus::Counter& kv_cached_bytes = registry.Counter(
+      "tandem_decode_kv_cached_bytes_total",
+      "Prompt KV bytes of started requests that this worker's prefix cache already held, so no "
+      "prefill worker sent them.");
   prometheus::Counter& generation_tokens =
       registry.Counter("tandem_generation_tokens_total", "Tokens generated, all samples.");
   prometheus::Gauge& batch_limit = registry.Gauge(

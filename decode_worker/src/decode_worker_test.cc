@@ -183,16 +183,21 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
                      deadline_unix_ms);
   }
 
-  static grpc::Status ReserveOn(tandem::v1::DecodeWorker::Stub& stub,
-                                const std::string& request_id, int num_prompt_tokens,
-                                int max_tokens, int n, tandem::v1::KvReservation* reservation,
-                                int64_t deadline_unix_ms = 0) {
+  // With `prompt` (and `cache_salt`), the worker shares the blocks its prefix cache holds.
+  static grpc::Status ReserveOn(tandem::v1::DecodeWorker::Stub& stub, const std::string& request_id,
+                                int num_prompt_tokens, int max_tokens, int n,
+                                tandem::v1::KvReservation* reservation,
+                                int64_t deadline_unix_ms = 0,
+                                const std::vector<int32_t>& prompt = {},
+                                const std::string& cache_salt = "") {
     tandem::v1::ReserveRequest request;
     request.set_request_id(request_id);
     request.set_num_prompt_tokens(num_prompt_tokens);
     request.set_max_tokens(max_tokens);
     request.set_n(n);
     request.set_deadline_unix_ms(deadline_unix_ms);
+    request.mutable_prompt_token_ids()->Add(prompt.begin(), prompt.end());
+    request.set_cache_salt(cache_salt);
     tandem::v1::ReserveResponse response;
     grpc::Status status = stub.Reserve(Context().get(), request, &response);
     *reservation = response.reservation();
@@ -200,7 +205,8 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
   }
 
   // Plays the prefill worker: computes `request` on a prefill-role engine, pushes each sample's
-  // prompt KV into its slice of the reservation, and returns the prefilled choices for Start.
+  // prompt KV into its slice of the reservation (but for the blocks the worker already holds:
+  // num_cached_tokens), and returns the prefilled choices for Start.
   std::vector<tandem::v1::PrefilledChoice> Prefill(const engine::GenerateRequest& request,
                                                    const tandem::v1::KvReservation& reservation) {
     std::vector<tandem::v1::PrefilledChoice> choices;
@@ -231,11 +237,14 @@ class DecodeWorkerTest : public ::testing::TestWithParam<std::string> {
     engine::KvCacheLayout dst = prefill_->cache_layout();  // the worker's, but for its size
     dst.num_blocks = endpoint.num_blocks();
     const int per_choice = reservation.blocks_per_choice();
+    const int cached = reservation.num_cached_tokens() / dst.block_size;
     for (const engine::PrefillHandoff& h : handoffs) {
       engine::BlockTable dst_blocks(
-          reservation.block_ids().begin() + h.choice_index * per_choice,
+          reservation.block_ids().begin() + h.choice_index * per_choice + cached,
           reservation.block_ids().begin() + (h.choice_index + 1) * per_choice);
-      auto ranges = engine::KvBlockCopyRanges(prefill_->cache_layout(), dst, h.blocks, dst_blocks);
+      engine::BlockTable src_blocks(h.blocks.begin() + cached, h.blocks.end());
+      auto ranges =
+          engine::KvBlockCopyRanges(prefill_->cache_layout(), dst, src_blocks, dst_blocks);
       EXPECT_TRUE(ranges.ok()) << ranges.status();
       if (ranges.ok()) {
         std::vector<kvtransfer::Range> wire;
@@ -424,6 +433,86 @@ TEST_P(DecodeWorkerTest, StreamEqualsColocatedOutput) {
     EXPECT_EQ(stats.worker_id(), "decode-test");
     EXPECT_EQ(stats.kv_blocks_total(), reservation.endpoint().num_blocks());
   }
+}
+
+// A finished request's blocks stay cached on the decode worker: a Reserve with the prompt of
+// the next turn (the previous prompt, its answer and a new message) answers how many prompt tokens
+// it holds already, only the rest is pushed, and the output still equals a colocated engine's.
+// Another tenant (cache_salt) shares nothing, and a Start whose prompt differs from the one the
+// cached blocks hold is refused.
+TEST_P(DecodeWorkerTest, ReserveSharesTheCachedPrefixOfFinishedRequests) {
+  auto colocated = MakeEngine(engine::EngineRole::kColocated);
+  ASSERT_NE(colocated, nullptr);
+  const int vocab = colocated->config().vocab_size;
+  std::vector<int32_t> history = RandomPrompt(70, vocab, 9);
+  for (int turn = 0; turn < 2; ++turn) {
+    SCOPED_TRACE(absl::StrCat("turn ", turn));
+    engine::GenerateRequest request{absl::StrCat("turn", turn), history, {}};
+    request.params.temperature = 0.8f;
+    request.params.seed = 10 + turn;
+    request.params.n = 1 + turn;
+    request.params.max_tokens = 8;
+    request.params.ignore_eos = true;
+    auto expected = engine::GenerateAll(*colocated, {request});
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    const int len = static_cast<int>(history.size());
+    tandem::v1::KvReservation reservation;
+    ASSERT_TRUE(
+        ReserveOn(*stub_, request.request_id, len, 8, request.params.n, &reservation, 0, history)
+            .ok());
+    // Turn 1: 70 prompt tokens and 7 of the 8 generated have their KV here: 4 whole blocks.
+    EXPECT_EQ(reservation.num_cached_tokens(), turn == 0 ? 0 : 64);
+    if (turn == 1) {
+      // Every sample's table starts with the same cached blocks.
+      EXPECT_EQ(reservation.block_ids(0), reservation.block_ids(reservation.blocks_per_choice()));
+      // Another tenant's identical prompt finds nothing.
+      tandem::v1::KvReservation other;
+      ASSERT_TRUE(ReserveOn(*stub_, "other", len, 8, 1, &other, 0, history, "tenant-b").ok());
+      EXPECT_EQ(other.num_cached_tokens(), 0);
+      // A Start that brings another prompt than the reserved one is refused.
+      engine::GenerateRequest wrong = request;
+      wrong.request_id = "wrong";
+      wrong.params.n = 1;
+      wrong.prompt_tokens[3] = (wrong.prompt_tokens[3] + 1) % vocab;
+      tandem::v1::KvReservation wrong_reservation;
+      ASSERT_TRUE(ReserveOn(*stub_, "wrong", len, 8, 1, &wrong_reservation, 0, history).ok());
+      engine::PrefillHandoff first;
+      first.first_token = 1;
+      StartResult refused =
+          RunStart(StartRequestFor(wrong, wrong_reservation, {proto::ToProto(0, first)}));
+      EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+      EXPECT_THAT(refused.status.error_message(), HasSubstr("differs from the reservation"));
+      tandem::v1::ReleaseRequest release;
+      tandem::v1::ReleaseResponse released;
+      for (const auto* r : {&other, &wrong_reservation}) {
+        release.set_reservation_id(r->reservation_id());
+        ASSERT_TRUE(stub_->Release(Context().get(), release, &released).ok());
+      }
+    }
+    StartResult result =
+        RunStart(StartRequestFor(request, reservation, Prefill(request, reservation)));
+    ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+    const std::vector<SampleOutput> got = Collect(result.events, request.params.n);
+    for (int c = 0; c < request.params.n; ++c) {
+      EXPECT_EQ(got[c].token_ids, (*expected)[0].choices[c].token_ids) << "sample " << c;
+    }
+    // No block is referenced; cached ones count as free.
+    EXPECT_TRUE(WaitForStats([](const tandem::v1::WorkerStats& s) {
+      return s.kv_blocks_used() == 0 && s.reservations() == 0;
+    }));
+    history.insert(history.end(), got[0].token_ids.begin(), got[0].token_ids.end());
+    const std::vector<int32_t> message = RandomPrompt(12, vocab, 30);
+    history.insert(history.end(), message.begin(), message.end());
+  }
+  const std::string metrics = HttpGet(worker_->metrics_port(), "/metrics");
+  // Looked up: turn 0, turn 1's two samples, the other tenant's and the wrong prompt's
+  // reservations; found: 64 tokens for each of turn 1's samples and the wrong prompt's.
+  EXPECT_EQ(MetricValue(metrics, "tandem_prefix_cache_queries_tokens_total"), 70 + 4 * 90);
+  EXPECT_EQ(MetricValue(metrics, "tandem_prefix_cache_hits_tokens_total"), 3 * 64);
+  // Of the started requests, turn 1's two samples found 64 tokens each: not moved.
+  const engine::KvCacheLayout& layout = colocated->cache_layout();
+  EXPECT_EQ(MetricValue(metrics, "tandem_decode_kv_cached_bytes_total"),
+            2.0 * 64 * layout.num_layers * 2 * layout.row_bytes());
 }
 
 TEST_P(DecodeWorkerTest, ConcurrentStreamsEachEqualColocatedOutput) {

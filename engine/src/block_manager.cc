@@ -1,20 +1,71 @@
 #include "tandem/engine/block_manager.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
 
 namespace tandem::engine {
 
-BlockManager::BlockManager(int num_blocks, int block_size)
-    : block_size_(block_size), ref_counts_(num_blocks, 0) {
+namespace {
+
+// splitmix64's finalizer: a bijection that spreads every input bit over the output.
+uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+uint64_t PrefixRoot(std::string_view cache_salt) {
+  uint64_t h = Mix(0x7461'6e64'656d'0001ull ^ cache_salt.size());
+  for (unsigned char c : cache_salt) h = Mix(h ^ c);
+  return h;
+}
+
+uint64_t ChainBlockHash(uint64_t parent, std::span<const int32_t> block_tokens) {
+  uint64_t h = Mix(parent ^ 0x6b76'626c'6f63'6bull);
+  for (int32_t t : block_tokens) h = Mix(h ^ static_cast<uint32_t>(t));
+  return h == 0 ? 1 : h;  // 0 means "no hash" to the block manager
+}
+
+void ExtendBlockHashes(uint64_t root, std::span<const int32_t> tokens, int block_size,
+                       std::vector<uint64_t>& hashes) {
+  const size_t full = tokens.size() / block_size;
+  while (hashes.size() < full) {
+    const uint64_t parent = hashes.empty() ? root : hashes.back();
+    hashes.push_back(
+        ChainBlockHash(parent, tokens.subspan(hashes.size() * block_size, block_size)));
+  }
+}
+
+BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching)
+    : block_size_(block_size),
+      prefix_caching_(enable_prefix_caching),
+      ref_counts_(num_blocks, 0),
+      block_hash_(num_blocks, kNoHash),
+      evictable_pos_(num_blocks) {
   TANDEM_CHECK(num_blocks >= 0 && block_size > 0);
   free_list_.reserve(num_blocks);
   for (int32_t b = num_blocks - 1; b >= 0; --b) free_list_.push_back(b);
 }
 
 int32_t BlockManager::TakeFreeBlock() {
-  int32_t b = free_list_.back();
-  free_list_.pop_back();
+  int32_t b;
+  if (!free_list_.empty()) {
+    b = free_list_.back();
+    free_list_.pop_back();
+  } else {
+    // Evict the least recently freed cached block.
+    TANDEM_CHECK(!evictable_.empty()) << "no free KV block";
+    b = evictable_.front();
+    evictable_.pop_front();
+    cached_.erase(block_hash_[b]);
+    block_hash_[b] = kNoHash;
+    ++num_evictions_;
+  }
   ref_counts_[b] = 1;
   return b;
 }
@@ -54,16 +105,74 @@ absl::StatusOr<std::pair<int32_t, int32_t>> BlockManager::Append(BlockTable& tab
 }
 
 void BlockManager::Free(BlockTable& table) {
-  for (int32_t b : table) {
+  // Last block first: when these stay cached, a prefix's tail is evicted before its head,
+  // which more requests share.
+  for (auto it = table.rbegin(); it != table.rend(); ++it) {
+    const int32_t b = *it;
     TANDEM_CHECK(ref_counts_[b] > 0) << "double free of KV block " << b;
-    if (--ref_counts_[b] == 0) free_list_.push_back(b);
+    if (--ref_counts_[b] > 0) continue;
+    if (block_hash_[b] != kNoHash) {
+      evictable_pos_[b] = evictable_.insert(evictable_.end(), b);
+    } else {
+      free_list_.push_back(b);
+    }
   }
   table.clear();
 }
 
-BlockTable BlockManager::Fork(const BlockTable& table) {
-  for (int32_t b : table) ++ref_counts_[b];
-  return table;
+BlockTable BlockManager::Fork(const BlockTable& table, int num_blocks) {
+  BlockTable fork(table.begin(), num_blocks < 0
+                                     ? table.end()
+                                     : table.begin() + std::min<size_t>(num_blocks, table.size()));
+  for (int32_t b : fork) ++ref_counts_[b];
+  return fork;
+}
+
+int32_t BlockManager::FindCached(uint64_t hash) const {
+  auto it = cached_.find(hash);
+  return it == cached_.end() ? -1 : it->second;
+}
+
+int BlockManager::CountCached(std::span<const uint64_t> hashes) const {
+  if (!prefix_caching_) return 0;
+  int n = 0;
+  while (n < static_cast<int>(hashes.size()) && FindCached(hashes[n]) >= 0) ++n;
+  return n;
+}
+
+int BlockManager::CountCachedFree(std::span<const uint64_t> hashes, int max_blocks) const {
+  if (!prefix_caching_) return 0;
+  int free = 0;
+  for (int i = 0; i < max_blocks && i < static_cast<int>(hashes.size()); ++i) {
+    const int32_t b = FindCached(hashes[i]);
+    if (b < 0) break;
+    if (ref_counts_[b] == 0) ++free;
+  }
+  return free;
+}
+
+int BlockManager::AllocateCached(BlockTable& table, std::span<const uint64_t> hashes,
+                                 int max_blocks) {
+  TANDEM_CHECK(table.empty()) << "a cached prefix starts a block table";
+  if (!prefix_caching_) return 0;
+  for (int i = 0; i < max_blocks && i < static_cast<int>(hashes.size()); ++i) {
+    const int32_t b = FindCached(hashes[i]);
+    if (b < 0) break;
+    if (ref_counts_[b]++ == 0) evictable_.erase(evictable_pos_[b]);
+    table.push_back(b);
+  }
+  return static_cast<int>(table.size());
+}
+
+void BlockManager::CacheFullBlocks(const BlockTable& table, std::span<const uint64_t> hashes,
+                                   int first) {
+  if (!prefix_caching_) return;
+  TANDEM_CHECK(hashes.size() <= table.size());
+  for (size_t i = std::max(first, 0); i < hashes.size(); ++i) {
+    const int32_t b = table[i];
+    if (block_hash_[b] != kNoHash) continue;  // named already (a cached or forked block)
+    if (cached_.try_emplace(hashes[i], b).second) block_hash_[b] = hashes[i];
+  }
 }
 
 }  // namespace tandem::engine

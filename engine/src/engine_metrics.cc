@@ -11,10 +11,16 @@ EngineMetrics::EngineMetrics(metrics::Registry& registry)
                              "Sequences waiting for admission to the running batch.")),
       preemptions(registry.Counter("tandem_preemptions_total",
                                    "Sequences preempted (their KV dropped and recomputed).")),
-      step_seconds_(registry.Histogram(
-          "tandem_step_seconds", "Measured engine steps (schedule, forward pass, sampling).",
-          {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0,
-           2.5})),
+      prefix_queries_(registry.Counter(
+          "tandem_prefix_cache_queries_tokens_total",
+          "Prompt tokens looked up in the prefix cache as sequences were admitted.")),
+      prefix_hits_(registry.Counter("tandem_prefix_cache_hits_tokens_total",
+                                    "Prompt tokens found in the prefix cache (or shared with "
+                                    "another sample), not computed.")),
+      step_seconds_(registry.Histogram("tandem_step_seconds",
+                                       "Measured engine steps (schedule, forward pass, sampling).",
+                                       {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075,
+                                        0.1, 0.15, 0.25, 0.5, 1.0, 2.5})),
       samples_(registry.Gauge("tandem_step_latency_model_samples",
                               "Steps the latency model has been fitted on.")),
       error_ratio_(registry.Gauge(
@@ -41,6 +47,8 @@ void EngineMetrics::Record(const EngineStats& stats) {
 }
 
 void EngineMetrics::RecordSteps(const EngineStats& stats) {
+  metrics::AdvanceTo(prefix_queries_, static_cast<double>(stats.prefix_cache_queries_tokens));
+  metrics::AdvanceTo(prefix_hits_, static_cast<double>(stats.prefix_cache_hits_tokens));
   if (stats.steps == steps_seen_) return;
   steps_seen_ = stats.steps;
   step_seconds_.Observe(stats.last_step_seconds);

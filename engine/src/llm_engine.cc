@@ -87,8 +87,9 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                                                    " bytes holds no block of ", block_bytes,
                                                    " bytes"));
   }
-  engine->blocks_ = std::make_unique<BlockManager>(
-      static_cast<int>(std::min<int64_t>(num_blocks, 1 << 30)), options.block_size);
+  engine->blocks_ =
+      std::make_unique<BlockManager>(static_cast<int>(std::min<int64_t>(num_blocks, 1 << 30)),
+                                     options.block_size, options.enable_prefix_caching);
   engine->scheduler_ = std::make_unique<Scheduler>(
       SchedulerOptions{options.max_num_seqs, options.max_num_batched_tokens, options.role,
                        options.queue_policy},
@@ -186,6 +187,7 @@ absl::StatusOr<std::unique_ptr<LlmEngine::Request>> LlmEngine::NewRequest(
     seq.tokens = request.prompt_tokens;
     seq.num_prompt_tokens = req->num_prompt_tokens;
     seq.params = req->params;
+    seq.prefix_root = PrefixRoot(request.cache_salt);
     choice.detokenizer = std::make_unique<text::IncrementalDetokenizer>(
         *tokenizer_, req->params->skip_special_tokens);
     if (compiled == nullptr) continue;
@@ -218,7 +220,13 @@ absl::Status LlmEngine::AddRequest(GenerateRequest request) {
     req->choices[i].seq->rng =
         SamplerRng(base_seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(i));
   }
-  for (Choice& choice : req->choices) scheduler_->Add(choice.seq.get());
+  for (Choice& choice : req->choices) {
+    // The other samples share sample 0's prompt KV.
+    if (options_.enable_prefix_caching && choice.seq->choice_index > 0) {
+      choice.seq->prompt_source = req->choices[0].seq.get();
+    }
+    scheduler_->Add(choice.seq.get());
+  }
   requests_[req->id] = std::move(req);
   return absl::OkStatus();
 }
@@ -431,11 +439,30 @@ void LlmEngine::ReleaseHandoff(const PrefillHandoff& handoff) {
   blocks_->Free(blocks);
 }
 
-absl::StatusOr<BlockTable> LlmEngine::ReserveBlocks(int num_tokens) {
+absl::StatusOr<BlockTable> LlmEngine::ReserveBlocks(int num_tokens, std::span<const int32_t> prompt,
+                                                    std::string_view cache_salt,
+                                                    int* num_cached_tokens) {
   if (num_tokens <= 0) return absl::InvalidArgumentError("reserve at least one token");
+  if (num_cached_tokens != nullptr) *num_cached_tokens = 0;
   BlockTable table;
-  auto copy = blocks_->Append(table, 0, num_tokens);
-  if (!copy.ok()) return copy.status();
+  int cached = 0;
+  if (blocks_->prefix_caching() && static_cast<int>(prompt.size()) == num_tokens) {
+    std::vector<uint64_t> hashes;
+    ExtendBlockHashes(PrefixRoot(cache_salt), prompt, blocks_->block_size(), hashes);
+    const int shared = blocks_->CountCached(hashes);
+    const int needed =
+        blocks_->CountCachedFree(hashes, shared) + blocks_->BlocksFor(num_tokens) - shared;
+    if (needed <= blocks_->num_free_blocks()) {
+      cached = blocks_->AllocateCached(table, hashes, shared) * blocks_->block_size();
+    }
+    scheduler_->RecordPrefixCacheLookup(num_tokens, cached);
+  }
+  auto copy = blocks_->Append(table, cached, num_tokens - cached);
+  if (!copy.ok()) {
+    blocks_->Free(table);
+    return copy.status();
+  }
+  if (num_cached_tokens != nullptr) *num_cached_tokens = cached;
   return table;
 }
 
@@ -617,6 +644,9 @@ EngineStats LlmEngine::stats() const {
   stats.kv_blocks_total = blocks_->num_blocks();
   stats.kv_blocks_used = blocks_->num_used_blocks();
   stats.preemptions = scheduler_->num_preemptions();
+  stats.prefix_cache_queries_tokens = scheduler_->prefix_cache_queries_tokens();
+  stats.prefix_cache_hits_tokens = scheduler_->prefix_cache_hits_tokens();
+  stats.prefix_cache_evictions = blocks_->num_evictions();
   stats.batch_limit = decode_batch_limit_ > 0 ? decode_batch_limit_ : scheduler_->max_running();
   stats.token_budget = scheduler_->token_budget();
   stats.steps = telemetry_.steps();

@@ -37,6 +37,7 @@ void Scheduler::Add(Sequence* seq) {
 void Scheduler::AddPrefilled(Sequence* seq) {
   TANDEM_CHECK(blocks_->BlocksFor(seq->num_computed_tokens) <=
                static_cast<int>(seq->block_table.size()));
+  CacheComputedBlocks(*seq, 0);
   seq->status = SequenceStatus::kRunning;
   running_.push_back(seq);
 }
@@ -88,26 +89,94 @@ SchedulerStep Scheduler::Schedule() {
   }
 
   // Admitting new work right after a preemption would only thrash the cache.
-  while (!preempted && budget > 0 && !waiting_.empty() &&
-         static_cast<int>(running_.size()) < max_running_) {
-    Sequence* seq = waiting_.front();
-    int new_tokens = std::min(seq->num_uncomputed_tokens(), budget);
-    if (!blocks_->CanAppend(seq->block_table, seq->num_computed_tokens, new_tokens)) break;
-    auto copy = blocks_->Append(seq->block_table, seq->num_computed_tokens, new_tokens);
-    TANDEM_CHECK(copy.ok()) << copy.status();
-    if (copy->first >= 0) step.block_copies.push_back(*copy);
-    waiting_.pop_front();
+  for (size_t i = 0; !preempted && budget > 0 && i < waiting_.size() &&
+                     static_cast<int>(running_.size()) < max_running_;) {
+    Sequence* seq = waiting_[i];
+    const int before = step.num_tokens;
+    Admission admission = Admit(seq, budget, step);
+    if (admission == Admission::kNoRoom) break;
+    if (admission == Admission::kNotYet) {
+      ++i;
+      continue;
+    }
+    waiting_.erase(waiting_.begin() + static_cast<std::ptrdiff_t>(i));
     seq->status = SequenceStatus::kRunning;
     running_.push_back(seq);
-    step.seqs.push_back({seq, new_tokens, new_tokens == seq->num_uncomputed_tokens()});
-    budget -= new_tokens;
+    budget -= step.num_tokens - before;
   }
   step.num_tokens = token_budget_ - budget;
   return step;
 }
 
+Scheduler::Admission Scheduler::Admit(Sequence* seq, int budget, SchedulerStep& step) {
+  const int bs = blocks_->block_size();
+  const int num_tokens = static_cast<int>(seq->tokens.size());
+  const bool fresh = seq->num_computed_tokens == 0 && seq->block_table.empty();
+  int shared_blocks = 0;  // leading blocks taken from the cache or the prompt source
+  int shared_tokens = 0;
+  const Sequence* source = seq->prompt_source;
+  if (fresh && source != nullptr && num_tokens == seq->num_prompt_tokens &&
+      source->status != SequenceStatus::kFinished) {
+    const bool source_ready = source->status == SequenceStatus::kRunning &&
+                              source->num_computed_tokens >= seq->num_prompt_tokens;
+    if (!source_ready) return Admission::kNotYet;
+    // Share the blocks of every prompt token but the last, which runs again for this sample's
+    // logits: into a copy of the shared block when that block also holds earlier tokens
+    // (copy-on-write, by Append), else into a block of its own.
+    shared_tokens = seq->num_prompt_tokens - 1;
+    shared_blocks = blocks_->BlocksFor(shared_tokens);
+    seq->block_table = blocks_->Fork(source->block_table, shared_blocks);
+  } else if (fresh && blocks_->prefix_caching()) {
+    ExtendBlockHashes(seq->prefix_root, seq->tokens, bs, seq->block_hashes);
+    // At least the last token is computed, so that the step yields its logits.
+    const int max_blocks = (num_tokens - 1) / bs;
+    shared_blocks = std::min(blocks_->CountCached(seq->block_hashes), max_blocks);
+    shared_tokens = shared_blocks * bs;
+    const int new_tokens = std::min(num_tokens - shared_tokens, budget);
+    const int needed = blocks_->CountCachedFree(seq->block_hashes, shared_blocks) +
+                       blocks_->BlocksFor(shared_tokens + new_tokens) - shared_blocks;
+    if (needed > blocks_->num_free_blocks()) return Admission::kNoRoom;
+    blocks_->AllocateCached(seq->block_table, seq->block_hashes, shared_blocks);
+  }
+  seq->num_computed_tokens = shared_tokens;
+  const int new_tokens = std::min(seq->num_uncomputed_tokens(), budget);
+  if (!blocks_->CanAppend(seq->block_table, seq->num_computed_tokens, new_tokens)) {
+    blocks_->Free(seq->block_table);
+    seq->num_computed_tokens = 0;
+    return Admission::kNoRoom;
+  }
+  auto copy = blocks_->Append(seq->block_table, seq->num_computed_tokens, new_tokens);
+  TANDEM_CHECK(copy.ok()) << copy.status();
+  if (copy->first >= 0) step.block_copies.push_back(*copy);
+  step.seqs.push_back({seq, new_tokens, new_tokens == seq->num_uncomputed_tokens()});
+  step.num_tokens += new_tokens;
+  // Counted once admitted (an admission refused for room is tried again later).
+  if (fresh && (blocks_->prefix_caching() || source != nullptr)) {
+    prefix_cache_queries_tokens_ += num_tokens;
+    prefix_cache_hits_tokens_ += shared_tokens;
+  }
+  return Admission::kAdmitted;
+}
+
 void Scheduler::Commit(const SchedulerStep& step) {
-  for (const ScheduledSequence& s : step.seqs) s.seq->num_computed_tokens += s.num_new_tokens;
+  for (const ScheduledSequence& s : step.seqs) {
+    Sequence& seq = *s.seq;
+    const int first_block = seq.num_computed_tokens / blocks_->block_size();
+    seq.num_computed_tokens += s.num_new_tokens;
+    // Name the blocks this step filled, so that later requests with this prefix share them.
+    CacheComputedBlocks(seq, first_block);
+  }
+}
+
+void Scheduler::CacheComputedBlocks(Sequence& seq, int first_block) {
+  if (!blocks_->prefix_caching()) return;
+  const int bs = blocks_->block_size();
+  const int full = seq.num_computed_tokens / bs;
+  if (full <= first_block) return;
+  ExtendBlockHashes(seq.prefix_root, std::span<const int32_t>(seq.tokens).first(full * bs), bs,
+                    seq.block_hashes);
+  blocks_->CacheFullBlocks(seq.block_table, std::span<const uint64_t>(seq.block_hashes).first(full),
+                           first_block);
 }
 
 void Scheduler::Finish(Sequence* seq, FinishReason reason) {

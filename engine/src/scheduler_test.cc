@@ -278,5 +278,157 @@ TEST(SchedulerTest, FcfsAdmitsInArrivalOrder) {
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
 }
 
+TEST(SchedulerPrefixCacheTest, ComputesOnlyTheUncachedSuffix) {
+  BlockManager blocks(64, 4, /*enable_prefix_caching=*/true);
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64}, &blocks);
+  auto a = MakeSeq(0, 14);  // three full blocks and two tokens
+  s.Add(a.get());
+  RunStep(s, s.Schedule());
+  s.Finish(a.get(), FinishReason::kStop);
+  EXPECT_EQ(blocks.num_used_blocks(), 0);
+  EXPECT_EQ(blocks.num_cached_free_blocks(), 3);
+
+  // Same first 13 tokens, then another: the three full blocks are shared.
+  auto b = MakeSeq(1, 14);
+  b->tokens[13] = 500;
+  s.Add(b.get());
+  SchedulerStep step = s.Schedule();
+  ASSERT_EQ(step.seqs.size(), 1u);
+  EXPECT_EQ(b->num_computed_tokens, 12);
+  EXPECT_EQ(step.seqs[0].num_new_tokens, 2);
+  EXPECT_TRUE(step.seqs[0].samples);
+  EXPECT_EQ(s.prefix_cache_queries_tokens(), 28);
+  EXPECT_EQ(s.prefix_cache_hits_tokens(), 12);
+  RunStep(s, step);
+  s.Finish(b.get(), FinishReason::kStop);
+  EXPECT_EQ(blocks.num_used_blocks(), 0);
+}
+
+TEST(SchedulerPrefixCacheTest, AnAdmissionRefusedForRoomIsNotCountedTwice) {
+  BlockManager blocks(4, 4, true);  // 16 token slots
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64}, &blocks);
+  auto a = MakeSeq(0, 12);
+  auto b = MakeSeq(1, 12);
+  for (int i = 0; i < 12; ++i) b->tokens[i] += 100;
+  s.Add(a.get());
+  s.Add(b.get());
+  RunStep(s, s.Schedule());  // a runs; b finds no room
+  EXPECT_EQ(s.num_waiting(), 1);
+  RunStep(s, s.Schedule());  // still none
+  EXPECT_EQ(s.prefix_cache_queries_tokens(), 12);
+  s.Finish(a.get(), FinishReason::kStop);
+  ASSERT_EQ(s.Schedule().seqs.size(), 1u);  // b admitted
+  EXPECT_EQ(s.prefix_cache_queries_tokens(), 24);
+}
+
+TEST(SchedulerPrefixCacheTest, AFullyCachedPromptStillComputesItsLastBlock) {
+  BlockManager blocks(64, 4, true);
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64}, &blocks);
+  auto a = MakeSeq(0, 12);
+  s.Add(a.get());
+  RunStep(s, s.Schedule());
+  s.Finish(a.get(), FinishReason::kStop);
+  auto b = MakeSeq(1, 12);
+  s.Add(b.get());
+  SchedulerStep step = s.Schedule();
+  ASSERT_EQ(step.seqs.size(), 1u);
+  EXPECT_EQ(step.seqs[0].num_new_tokens, 4);  // the last block, so the step has logits
+  EXPECT_TRUE(step.seqs[0].samples);
+  EXPECT_EQ(s.prefix_cache_hits_tokens(), 8);
+}
+
+TEST(SchedulerPrefixCacheTest, APreemptedSequenceResumesFromItsCachedBlocks) {
+  BlockManager blocks(4, 4, true);  // 16 token slots
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64}, &blocks);
+  auto a = MakeSeq(0, 8);
+  auto b = MakeSeq(1, 8);
+  for (int i = 0; i < 8; ++i) b->tokens[i] += 100;
+  s.Add(a.get());
+  s.Add(b.get());
+  RunStep(s, s.Schedule());
+  SchedulerStep step = s.Schedule();  // a needs a third block: b is preempted
+  ASSERT_EQ(s.num_preemptions(), 1);
+  RunStep(s, step);
+  s.Finish(a.get(), FinishReason::kStop);
+  // b's full blocks stayed cached when it was preempted, but a's third block evicted b's tail
+  // (the least valuable: its head is what more requests share). b recomputes the rest only.
+  step = s.Schedule();
+  ASSERT_EQ(step.seqs.size(), 1u);
+  EXPECT_EQ(step.seqs[0].seq, b.get());
+  EXPECT_EQ(b->num_computed_tokens, 4);
+  EXPECT_EQ(step.seqs[0].num_new_tokens, 5);  // its second block and its generated token
+}
+
+TEST(SchedulerPrefixCacheTest, SamplesForkTheirSourcesPromptAndCopyTheSharedLastBlock) {
+  BlockManager blocks(64, 4, true);
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 4}, &blocks);
+  auto a = MakeSeq(0, 10);  // two full blocks and two tokens
+  auto b = MakeSeq(1, 10);
+  b->prompt_source = a.get();
+  s.Add(a.get());
+  s.Add(b.get());
+  // While a's prompt is computed in chunks, b waits.
+  for (int i = 0; i < 3; ++i) {
+    SchedulerStep step = s.Schedule();
+    ASSERT_EQ(step.seqs.size(), 1u) << i;
+    EXPECT_EQ(step.seqs[0].seq, a.get());
+    RunStep(s, step);
+  }
+  EXPECT_EQ(b->status, SequenceStatus::kWaiting);
+  // Then b shares a's three prompt blocks and runs only its last prompt token, into a copy of
+  // the half-full third block.
+  SchedulerStep step = s.Schedule();
+  ASSERT_EQ(step.seqs.size(), 2u);
+  EXPECT_EQ(step.seqs[1].seq, b.get());
+  EXPECT_EQ(step.seqs[1].num_new_tokens, 1);
+  EXPECT_TRUE(step.seqs[1].samples);
+  EXPECT_EQ(b->num_computed_tokens, 9);
+  ASSERT_EQ(step.block_copies.size(), 1u);
+  EXPECT_EQ(step.block_copies[0].first, a->block_table[2]);
+  EXPECT_EQ(step.block_copies[0].second, b->block_table[2]);
+  EXPECT_EQ(b->block_table[0], a->block_table[0]);
+  EXPECT_EQ(b->block_table[1], a->block_table[1]);
+  EXPECT_EQ(blocks.ref_count(a->block_table[0]), 2);
+  EXPECT_EQ(blocks.ref_count(a->block_table[2]), 1);
+  EXPECT_EQ(s.prefix_cache_hits_tokens(), 9);
+  RunStep(s, step);
+  s.Finish(a.get(), FinishReason::kStop);
+  s.Finish(b.get(), FinishReason::kStop);
+  EXPECT_EQ(blocks.num_used_blocks(), 0);
+}
+
+TEST(SchedulerPrefixCacheTest, ASampleWhoseLastPromptTokenStartsABlockTakesAFreshOne) {
+  BlockManager blocks(64, 4, true);
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64}, &blocks);
+  auto a = MakeSeq(0, 9);  // token 8 starts the third block
+  auto b = MakeSeq(1, 9);
+  b->prompt_source = a.get();
+  s.Add(a.get());
+  s.Add(b.get());
+  RunStep(s, s.Schedule());
+  SchedulerStep step = s.Schedule();
+  ASSERT_EQ(step.seqs.size(), 2u);
+  EXPECT_TRUE(step.block_copies.empty());
+  EXPECT_EQ(b->block_table.size(), 3u);
+  EXPECT_NE(b->block_table[2], a->block_table[2]);
+  EXPECT_EQ(blocks.ref_count(a->block_table[2]), 1);
+}
+
+TEST(SchedulerPrefixCacheTest, ASampleWhoseSourceFinishedComputesItsOwnPrompt) {
+  BlockManager blocks(64, 4, false);
+  Scheduler s({.max_num_seqs = 8, .max_num_batched_tokens = 64}, &blocks);
+  auto a = MakeSeq(0, 6);
+  auto b = MakeSeq(1, 6);
+  b->prompt_source = a.get();
+  s.Add(a.get());
+  s.Add(b.get());
+  RunStep(s, s.Schedule());
+  s.Finish(a.get(), FinishReason::kPrefilled);  // handed over at its first token
+  s.ReleaseBlocks(a.get());
+  SchedulerStep step = s.Schedule();
+  ASSERT_EQ(step.seqs.size(), 1u);
+  EXPECT_EQ(step.seqs[0].num_new_tokens, 6);
+}
+
 }  // namespace
 }  // namespace tandem::engine

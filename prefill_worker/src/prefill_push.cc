@@ -119,13 +119,22 @@ void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> wri
       }
     }
     const int end = std::min(w.end, job.prompt_len);
+    // What the decode worker lacks of what this sample holds now: the tokens this step wrote,
+    // and, the first time or when this worker's prefix cache moved the sample ahead of what was
+    // pushed (a recomputation after preemption), the cached or shared tokens before them.
+    const int c = w.choice_index;
+    if (layer == 0 && !job.started[c]) {
+      job.started[c] = true;
+      job.cached_tokens += w.begin;
+    }
+    const int begin = std::max(job.dst_cached_tokens, std::min(w.begin, job.computed[c]));
     std::vector<kvtransfer::Range>& ranges = posts[&job];
     // The decode worker's cache: one region, or one region per layer.
     engine::KvCacheLayout dst = cache_layout_;
     dst.num_blocks = static_cast<int>(job.dst_num_blocks);
     const int dst_layer = job.descriptors.size() > 1 ? 0 : layer;
     for (int half = 0; half < 2; ++half) {
-      for (int t = w.begin; t < end;) {
+      for (int t = begin; t < end;) {
         const int logical = t / bs;
         const int slot = t % bs;
         const int count = std::min(end, (logical + 1) * bs) - t;
@@ -141,7 +150,7 @@ void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> wri
         t += count;
       }
     }
-    if (layer == num_layers_ - 1) job.computed[w.choice_index] = end;
+    if (layer == num_layers_ - 1) job.computed[c] = end;
   }
   for (auto& [job, ranges] : posts) {
     if (!ranges.empty() && !job->failing()) Post(*job, layer, std::move(ranges));
@@ -324,6 +333,7 @@ Answer PrefillWorkerImpl::Complete(Job& job) {
     }
     response.set_num_prompt_tokens(job.prompt_len);
     response.set_kv_transfer_bytes(job.bytes);
+    response.set_num_cached_tokens(job.cached_tokens);
     double transfer = 0, exposed = 0;
     if (job.bytes > 0 && job.first_post != absl::InfiniteFuture()) {
       transfer =

@@ -70,6 +70,7 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
   job->request.prompt_tokens.assign(request.prompt_token_ids().begin(),
                                     request.prompt_token_ids().end());
   job->request.params = proto::FromProto(request.sampling());
+  job->request.cache_salt = request.cache_salt();
   TANDEM_RETURN_IF_ERROR(engine_->Validate(job->request));
   job->n = job->request.params.n;
   job->prompt_len = static_cast<int>(job->request.prompt_tokens.size());
@@ -87,17 +88,37 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
         absl::StrCat("reservation has ", reservation.block_ids_size(), " block ids; n = ", job->n,
                      " samples of ", blocks_per_choice, " blocks need ", want_blocks));
   }
+  const int dst_cached = reservation.num_cached_tokens();
+  if (dst_cached < 0 || dst_cached % bs != 0 || dst_cached > job->prompt_len) {
+    return absl::InvalidArgumentError(absl::StrCat("reservation.num_cached_tokens is ", dst_cached,
+                                                   "; want a multiple of ", bs, " in [0, ",
+                                                   job->prompt_len, "]"));
+  }
+  // Blocks written must be distinct; the decode worker's cached blocks (never written) are
+  // shared by every sample.
   std::set<int32_t> seen;
-  for (int32_t id : reservation.block_ids()) {
+  for (int i = 0; i < reservation.block_ids_size(); ++i) {
+    const int32_t id = reservation.block_ids(i);
     if (id < 0 || id >= endpoint.num_blocks()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "reservation block id ", id, " is outside [0, ", endpoint.num_blocks(), ")"));
     }
+    if (i % blocks_per_choice < dst_cached / bs) continue;
     if (!seen.insert(id).second) {
       return absl::InvalidArgumentError(
           absl::StrCat("reservation block id ", id, " appears more than once"));
     }
   }
+  for (int c = 0; c < job->n; ++c) {
+    for (int i = 0; i < dst_cached / bs; ++i) {
+      if (seen.count(reservation.block_ids(c * blocks_per_choice + i)) > 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("reservation block id ", reservation.block_ids(c * blocks_per_choice + i),
+                         " is both cached and to be written"));
+      }
+    }
+  }
+  job->dst_cached_tokens = dst_cached;
   job->dst_blocks.assign(reservation.block_ids().begin(), reservation.block_ids().end());
   job->blocks_per_choice = blocks_per_choice;
   job->dst_num_blocks = endpoint.num_blocks();
@@ -117,6 +138,7 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
   job->deadline = deadline;
   job->transfer_deadline = std::min(expiry, job->received + kMaxRequestTime);
   job->computed.assign(job->n, 0);
+  job->started.assign(job->n, false);
   job->sample_done.assign(job->n, false);
 
   {

@@ -80,6 +80,8 @@ struct Job {
   std::vector<std::string> descriptors;  // one for all layers, or one per layer
   std::vector<int32_t> dst_blocks;       // n x blocks_per_choice
   int blocks_per_choice = 0;
+  // Leading prompt tokens the decode worker already holds (its prefix cache): never pushed.
+  int dst_cached_tokens = 0;
   int64_t dst_num_blocks = 0;
   // The request fails past `deadline`; its transfers may finish until `transfer_deadline`, the
   // reservation's expiry (after it the decode worker may reuse the blocks).
@@ -89,6 +91,8 @@ struct Job {
   // Progress.
   bool admitted = false;
   std::vector<int> computed;  // per sample: prompt tokens whose KV is written (all layers)
+  std::vector<bool> started;  // per sample: a step has computed some of it
+  int cached_tokens = 0;      // prompt tokens of all samples this worker's cache held
   std::deque<std::unique_ptr<kvtransfer::TransferHandle>> handles;  // oldest first
   std::vector<PrefillHandoff> handoffs;                             // samples done
   std::vector<bool> sample_done;

@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <span>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -74,18 +75,23 @@ class DecodeSide {
     address_ = agent_->address();
   }
 
-  // Blocks for n samples of a prompt, as a decode worker's Reserve would answer.
-  tandem::v1::KvReservation Reserve(const std::string& id, int prompt_len, int n) {
+  // Blocks for n samples of a prompt, as a decode worker's Reserve would answer. Given the
+  // prompt's tokens, the blocks this side's prefix cache holds are shared
+  // (num_cached_tokens), as a decode worker asked with ReserveRequest.prompt_token_ids does.
+  tandem::v1::KvReservation Reserve(const std::string& id, int prompt_len, int n,
+                                    std::span<const int32_t> prompt = {}) {
     std::lock_guard<std::mutex> lock(mu_);
     tandem::v1::KvReservation reservation;
     reservation.set_reservation_id("res-" + id);
     const int bs = engine_->kv_layout().block_size;
     reservation.set_blocks_per_choice((prompt_len + bs - 1) / bs);
     for (int c = 0; c < n; ++c) {
-      auto table = engine_->ReserveBlocks(prompt_len);
+      int cached = 0;
+      auto table = engine_->ReserveBlocks(prompt_len, prompt, "", &cached);
       EXPECT_TRUE(table.ok()) << table.status();
       for (int32_t b : *table) reservation.add_block_ids(b);
       reserved_[id].push_back(std::move(table).value());
+      reservation.set_num_cached_tokens(cached);
     }
     tandem::v1::TransferEndpoint* endpoint = reservation.mutable_endpoint();
     endpoint->set_backend(backend_);
@@ -189,6 +195,7 @@ tandem::v1::SubmitRequest MakeSubmit(const engine::GenerateRequest& request,
                                          request.prompt_tokens.end());
   *submit.mutable_sampling() = proto::ToProto(request.params);
   *submit.mutable_reservation() = reservation;
+  submit.set_cache_salt(request.cache_salt);
   submit.set_deadline_unix_ms(absl::ToUnixMillis(absl::Now() + deadline));
   return submit;
 }
@@ -554,6 +561,72 @@ TEST_P(PrefillWorkerTest, ADecodeWorkerWithAnotherKvCacheDtypeIsRefused) {
   ExpectDrained(*stub);
 }
 
+// A multi-turn conversation: each turn resends the history. The prefill worker computes only
+// what its own prefix cache lacks (the previous prompt it computed) and pushes only what the
+// decode side lacks (which also holds the KV of the previous answer it generated); the output
+// equals a colocated engine's without any cache.
+TEST_P(PrefillWorkerTest, CachedPrefixesAreNeitherComputedNorPushedAgain) {
+  const std::string backend = GetParam();
+  auto worker = MakeWorker(backend, TinyQwen3(), kTinyKvBytes);
+  ASSERT_NE(worker, nullptr);
+  DecodeSide decode(backend, TinyQwen3(), kTinyKvBytes);
+  engine::EngineOptions reference_options =
+      EngineOptionsFor(TinyQwen3(), kTinyKvBytes, engine::EngineRole::kColocated);
+  reference_options.enable_prefix_caching = false;
+  auto reference = engine::LlmEngine::Create(reference_options);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  auto stub = Connect(*worker);
+
+  std::vector<int32_t> history = RandomPrompt(100, 500, 41);
+  for (int turn = 0; turn < 3; ++turn) {
+    SCOPED_TRACE(absl::StrCat("turn ", turn));
+    engine::GenerateRequest request{absl::StrCat("turn", turn), history, {}};
+    request.params.max_tokens = 10;
+    request.params.ignore_eos = true;
+    request.params.temperature = 0.7f;
+    request.params.seed = 5 + turn;
+    request.params.n = turn == 2 ? 2 : 1;
+    auto expected = engine::GenerateAll(**reference, {request});
+    ASSERT_TRUE(expected.ok()) << expected.status();
+
+    const int len = static_cast<int>(history.size());
+    const tandem::v1::KvReservation reservation =
+        decode.Reserve(request.request_id, len, request.params.n, history);
+    SubmitResult result = CallSubmit(*stub, MakeSubmit(request, reservation));
+    ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+    const int decode_cached = reservation.num_cached_tokens();
+    const int prefill_cached = result.response.num_cached_tokens();
+    if (turn == 0) {
+      EXPECT_EQ(decode_cached, 0);
+      EXPECT_EQ(prefill_cached, 0);
+    } else {
+      // The decode side holds the previous prompt and all but the last of the 10 tokens it
+      // generated (whole blocks); the prefill side only the previous prompt (whole blocks), and
+      // a second sample finds the whole prompt but its last token cached by the first.
+      const int previous = len - 30;
+      EXPECT_EQ(decode_cached, (previous + 9) / 16 * 16);
+      EXPECT_EQ(prefill_cached,
+                previous / 16 * 16 + (request.params.n - 1) * ((len - 1) / 16 * 16));
+    }
+    EXPECT_EQ(result.response.kv_transfer_bytes(),
+              request.params.n * (PromptKvBytes(decode.engine(), len) -
+                                  PromptKvBytes(decode.engine(), decode_cached)));
+    ASSERT_TRUE(decode.Continue(request, result.response).ok());
+    std::map<std::string, engine::RequestOutput> got = decode.RunAll();
+    for (int c = 0; c < request.params.n; ++c) {
+      EXPECT_EQ(got[request.request_id].choices.at(c).token_ids,
+                (*expected)[0].choices[c].token_ids);
+    }
+    EXPECT_EQ(decode.blocks_used(), 0);
+    // The next turn: this one's answer (sample 0) and a new message.
+    const auto& answer = got[request.request_id].choices.at(0).token_ids;
+    history.insert(history.end(), answer.begin(), answer.end());
+    const std::vector<int32_t> message = RandomPrompt(20, 500, 50 + turn);
+    history.insert(history.end(), message.begin(), message.end());
+  }
+  ExpectDrained(*stub);
+}
+
 TEST_P(PrefillWorkerTest, PreemptedSamplesArePushedAgainAndStillMatch) {
   // 20 blocks for 6 prompts of 13 blocks each, prefilled one after the other: while a prompt's
   // last pages are in flight its blocks are held, and the next prompt may have to be preempted
@@ -647,6 +720,9 @@ TEST_P(MidPrefillTest, DeadlinePassingMidPrefillFailsAndFreesBlocks) {
   // worker's sweep fails the request without another step.
   for (const bool by_expiry : {false, true}) {
     SCOPED_TRACE(by_expiry ? "reservation expiry" : "submit deadline");
+    // Its own cache_salt: the prompt computed above (and the chunks of the previous attempt)
+    // stay in the worker's prefix cache, and this attempt must compute the prompt again.
+    request.cache_salt = by_expiry ? "expiry" : "deadline";
     tandem::v1::KvReservation reservation = decode_->Reserve("late", kLongPromptLen, 1);
     const absl::Duration budget = absl::Milliseconds(500);
     if (by_expiry) {

@@ -136,6 +136,7 @@ void Flight::Attempt() {
       start.mutable_prompt_token_ids()->Add(current_.prompt_tokens.begin(),
                                             current_.prompt_tokens.end());
       *start.mutable_sampling() = proto::ToProto(current_.params);
+      start.set_cache_salt(current_.cache_salt);
       *start.mutable_choices() = prefilled.choices();
       Relay(*decode, std::move(start), [this](StreamEnd end) { OnStreamEnd(std::move(end)); });
     });
@@ -344,6 +345,7 @@ void Flight::HandoffSample(std::shared_ptr<HandoffJob> job, size_t i) {
   start.set_reservation_id(job->target->reservation.reservation_id());
   start.mutable_prompt_token_ids()->Add(job->r.prompt_tokens.begin(), job->r.prompt_tokens.end());
   *start.mutable_sampling() = proto::ToProto(job->r.params);
+  start.set_cache_salt(job->r.cache_salt);
   for (int j = 0; j < k; ++j) {
     tandem::v1::PrefilledChoice* choice = start.add_choices();
     choice->set_index(j);

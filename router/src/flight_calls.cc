@@ -27,6 +27,9 @@ struct Flight::ReserveJob {
   const engine::GenerateRequest* r;  // the flight's current_ or a hand-off's request (kept alive)
   std::shared_ptr<const engine::GenerateRequest> owned;
   int prompt_len = 0;
+  // Whether the blocks are for the prompt's KV (the worker may share its cached prefix) rather
+  // than for a handoff's, which fills every block.
+  bool lookup_prefix = false;
   int max_tokens = 0;
   const WorkerHandle* exclude = nullptr;
   absl::Time give_up;
@@ -45,6 +48,7 @@ void Flight::Reserve(const engine::GenerateRequest& r, int num_tokens, int max_t
   job->owned = std::make_shared<const engine::GenerateRequest>(r);
   job->r = job->owned.get();
   job->prompt_len = num_tokens > 0 ? num_tokens : static_cast<int>(r.prompt_tokens.size());
+  job->lookup_prefix = num_tokens <= 0;
   job->max_tokens = max_tokens >= 0 ? max_tokens : r.params.max_tokens;
   job->exclude = exclude;
   job->wait = wait;
@@ -94,6 +98,12 @@ void Flight::ReserveNext(std::shared_ptr<ReserveJob> job) {
   request.set_num_prompt_tokens(job->prompt_len);
   request.set_max_tokens(job->max_tokens);
   request.set_n(job->r->params.n);
+  if (job->lookup_prefix) {
+    // A prompt to prefill (not a handoff's KV): the worker shares what its prefix cache holds.
+    request.mutable_prompt_token_ids()->Add(job->r->prompt_tokens.begin(),
+                                            job->r->prompt_tokens.end());
+    request.set_cache_salt(job->r->cache_salt);
+  }
   request.set_deadline_unix_ms(absl::ToUnixMillis(absl::Now() + env_.options.prefill_timeout));
   // Not cancelled from Abort: a Reserve cut short could still have reserved, unseen. It is
   // quick; an abort meanwhile is handled by releasing what it returns.
@@ -167,6 +177,7 @@ void Flight::Prefill(const engine::GenerateRequest& r,
   request.mutable_prompt_token_ids()->Add(r.prompt_tokens.begin(), r.prompt_tokens.end());
   *request.mutable_sampling() = proto::ToProto(r.params);
   *request.mutable_reservation() = reservation;
+  request.set_cache_salt(r.cache_salt);
   request.set_deadline_unix_ms(reservation.expires_unix_ms());
   if (!BeginCall(call->context)) {
     return then(absl::CancelledError("request aborted"), call->response);

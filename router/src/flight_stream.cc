@@ -47,9 +47,19 @@ class Flight::StartStream : public grpc::ClientReadReactor<tandem::v1::TokenEven
     std::shared_ptr<Flight> flight = flight_;
     auto step = flight->Step();
     flight_->EndCall();
+    const bool unseen = !end_.any_event && flight->Cancelled();
     StreamEnd end = flight_->OnStreamDone(std::move(end_), aborted_, status, *reserved_.worker);
     std::function<void(StreamEnd)> then = std::move(then_);
+    Reserved reserved = std::move(reserved_);
     delete this;
+    if (unseen) {
+      // Cancelled before any event: the worker may never have seen the Start (a call cancelled
+      // early does not reach its handler), and then its reservation would hold the blocks until
+      // it expired. Release does nothing to a reservation that was started.
+      return flight->Release(
+          reserved, /*pending=*/false,
+          [then = std::move(then), end = std::move(end)]() mutable { then(std::move(end)); });
+    }
     then(std::move(end));
   }
 

@@ -82,6 +82,7 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
   // Registered before Submit so that no output can be handled before it is in place.
   ex->OnClientGone([gen] { gen->OnClientGone(); });
   engine::GenerateRequest request{gen->id, std::move(prompt), r.params};
+  request.cache_salt = r.cache_salt;
   absl::Status submitted = engine_->Submit(
       std::move(request), [gen](const engine::RequestOutput& out, const absl::Status& status) {
         // On the engine thread: hand over and return at once.

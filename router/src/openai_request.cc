@@ -644,6 +644,15 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKi
   }
   TANDEM_RETURN_IF_ERROR(ReadBool(body, "add_special_tokens", &r.add_special_tokens));
 
+  if (const json* v = Field(body, "cache_salt")) {
+    if (!v->is_string()) return ParamError("cache_salt", "cache_salt must be a string");
+    r.cache_salt = v->get<std::string>();
+    if (r.cache_salt.size() > kMaxCacheSaltBytes) {
+      return ParamError("cache_salt",
+                        absl::StrCat("cache_salt may hold at most ", kMaxCacheSaltBytes, " bytes"));
+    }
+  }
+
   TANDEM_RETURN_IF_ERROR(ReadBool(body, "stream", &r.stream));
   if (const json* v = Field(body, "stream_options")) {
     if (!v->is_object()) return ParamError("stream_options", "stream_options must be an object");

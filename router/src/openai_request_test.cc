@@ -59,7 +59,8 @@ TEST(ParseCompletionRequestTest, ReadsEveryField) {
     "model": "m", "prompt": "hi", "max_tokens": 7, "n": 2, "temperature": 0.5, "top_p": 0.9,
     "top_k": 5, "min_p": 0.1, "presence_penalty": 1, "frequency_penalty": -1,
     "repetition_penalty": 1.2, "seed": 42, "stop": ["a", "b"], "logprobs": 3, "stream": true,
-    "stream_options": {"include_usage": true}, "user": "ignored", "best_of": 2, "echo": false})");
+    "stream_options": {"include_usage": true}, "user": "ignored", "best_of": 2, "echo": false,
+    "cache_salt": "tenant-7"})");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(*r->model, "m");
   EXPECT_EQ(*r->prompt_text, "hi");
@@ -72,6 +73,7 @@ TEST(ParseCompletionRequestTest, ReadsEveryField) {
   EXPECT_EQ(r->params.logprobs, 3);
   EXPECT_TRUE(r->stream);
   EXPECT_TRUE(r->include_usage);
+  EXPECT_EQ(r->cache_salt, "tenant-7");
 }
 
 TEST(ParseCompletionRequestTest, ReadsLogitBias) {
@@ -140,6 +142,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadField{R"({"prompt": "x", "logprobs": 21})", "logprobs", "logprobs must be"},
         BadField{R"({"prompt": "x", "logprobs": true})", "logprobs", "must be an integer"},
         BadField{R"({"prompt": "x", "seed": "s"})", "seed", "seed must be an integer"},
+        BadField{R"({"prompt": "x", "cache_salt": 5})", "cache_salt", "must be a string"},
         BadField{R"({"prompt": "x", "stop": 5})", "stop", "stop must be"},
         BadField{R"({"prompt": "x", "stop": [1]})", "stop", "stop must be"},
         BadField{R"({"prompt": "x", "stop": [""]})", "stop", "stop string"},

@@ -201,6 +201,47 @@ class DisaggregatedServing(unittest.TestCase):
         for worker in (self.prefill, self.decode):
             self.assertEqual(wait_for_zero(worker.metrics_url, "tandem_kv_cache_blocks_used"), 0)
 
+    def test_prefix_cache_neither_computes_nor_moves_a_prompt_twice(self):
+        """The same long prompt twice: the second time the prefill worker computes at most one
+        block of it and the decode worker already holds (and so receives) all but its last
+        block; another cache_salt shares nothing. Outputs equal the colocated server's."""
+        rng = random.Random(17)
+        words = ["zebra", "violet", "tundra", "saffron", "quartz", "nebula", "walnut", "fjord"]
+        prompt = " ".join(rng.choice(words) for _ in range(300))
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "ignore_eos": True,
+                "temperature": 0.8, "seed": 5, "logprobs": 1}
+        names = ("tandem_prefix_cache_queries_tokens_total", "tandem_prefix_cache_hits_tokens_total")
+
+        def counters():
+            return {w: [metric(w.metrics_url, n) or 0 for n in names]
+                    for w in (self.prefill, self.decode)}
+
+        want = post(self.colocated.url, body)
+        first = post(self.router.url, body)
+        self.assertEqual(comparable(first), comparable(want))
+        prompt_tokens = first["usage"]["prompt_tokens"]
+        self.assertGreater(prompt_tokens, 4 * 16)
+        before = counters()
+        second = post(self.router.url, body)
+        self.assertEqual(comparable(second), comparable(want))
+        after = counters()
+        for worker in (self.prefill, self.decode):
+            queried = after[worker][0] - before[worker][0]
+            hit = after[worker][1] - before[worker][1]
+            self.assertEqual(queried, prompt_tokens, worker.metrics_url)
+            self.assertLessEqual(queried - hit, 16, worker.metrics_url)
+
+        salted = dict(body, cache_salt="another-tenant")
+        before = counters()
+        third = post(self.router.url, salted)
+        self.assertEqual(comparable(third), comparable(want))
+        after = counters()
+        for worker in (self.prefill, self.decode):
+            self.assertEqual(after[worker][0] - before[worker][0], prompt_tokens)
+            self.assertEqual(after[worker][1] - before[worker][1], 0, worker.metrics_url)
+        for worker in (self.prefill, self.decode):
+            self.assertEqual(wait_for_zero(worker.metrics_url, "tandem_kv_cache_blocks_used"), 0)
+
     def test_abort_storm_leaks_no_kv_block(self):
         host, port = re.match(r"http://([^:]+):(\d+)", self.router.url).groups()
         prompt = " ".join(["storm"] * 300)

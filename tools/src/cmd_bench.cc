@@ -115,6 +115,15 @@ absl::Status Run(int argc, char** argv) {
   args.Declare("output-len-dist", "KIND", "fixed | uniform | normal | lognormal (default fixed)");
   args.Declare("output-len-range", "R", "uniform: lengths in [O-R, O+R]");
   args.Declare("output-len-std", "S", "normal, lognormal: standard deviation");
+  args.Declare("workload", "KIND",
+               "synthetic (default): independent prompts; multi-turn: --num-requests "
+               "conversations of --turns turns, each turn a user message of --input-len words "
+               "sent with the conversation so far (earlier prompts and answers) once the "
+               "previous turn finished");
+  args.Declare("turns", "N", "multi-turn: turns per conversation (default 4)");
+  args.Declare("system-prompt-len", "L",
+               "multi-turn: words of a system prompt every conversation starts with (default 0; "
+               "with --input-len 0 every first turn is exactly that prompt)");
   args.Declare("dataset", "KIND", "sharegpt: prompts from --dataset-path (default synthetic)");
   args.Declare("dataset-path", "FILE", "ShareGPT-format JSON file");
   args.Declare("seed", "S", "seed of prompts, lengths and arrival times (default 0)");
@@ -217,7 +226,45 @@ absl::Status Run(int argc, char** argv) {
 
   std::vector<BenchRequest> requests;
   const std::string dataset = args.GetOr("dataset", "synthetic");
-  if (dataset == "sharegpt") {
+  const std::string workload = args.GetOr("workload", "synthetic");
+  if (workload != "synthetic" && workload != "multi-turn") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--workload must be synthetic or multi-turn (got '", workload, "')"));
+  }
+  if (workload != "multi-turn") {
+    for (const char* flag : {"turns", "system-prompt-len"}) {
+      if (args.Has(flag)) {
+        return absl::InvalidArgumentError(absl::StrCat("--", flag, " needs --workload multi-turn"));
+      }
+    }
+  }
+  if (workload == "multi-turn") {
+    if (args.Has("dataset")) {
+      return absl::InvalidArgumentError(
+          "--workload multi-turn makes its own prompts: no --dataset");
+    }
+    for (const char* flag : {"input-len-dist", "input-len-range", "input-len-std",
+                             "output-len-dist", "output-len-range", "output-len-std"}) {
+      if (args.Has(flag)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--", flag, " does not apply to --workload multi-turn"));
+      }
+    }
+    TANDEM_ASSIGN_OR_RETURN(int64_t turns, args.Int("turns", 4));
+    TANDEM_ASSIGN_OR_RETURN(int64_t system_len, args.Int("system-prompt-len", 0));
+    TANDEM_ASSIGN_OR_RETURN(int64_t message_len, args.Int("input-len", 32));
+    TANDEM_ASSIGN_OR_RETURN(int64_t output_len, args.Int("output-len", 32));
+    if (turns < 1 || turns > 1000)
+      return absl::InvalidArgumentError("--turns must be in [1, 1000]");
+    if (system_len < 0) return absl::InvalidArgumentError("--system-prompt-len must be >= 0");
+    if (message_len < 0 || (message_len == 0 && system_len == 0)) {
+      return absl::InvalidArgumentError(
+          "--input-len must be positive (0 only with a --system-prompt-len)");
+    }
+    if (output_len <= 0) return absl::InvalidArgumentError("--output-len must be positive");
+    requests = MultiTurnRequests(n, static_cast<int>(turns), system_len, message_len, output_len,
+                                 config.seed);
+  } else if (dataset == "sharegpt") {
     if (!dataset_path) return absl::InvalidArgumentError("--dataset sharegpt needs a FILE");
     for (const char* flag : {"input-len", "input-len-dist", "input-len-range", "input-len-std",
                              "output-len-dist", "output-len-range", "output-len-std"}) {

@@ -72,6 +72,36 @@ std::vector<BenchRequest> SyntheticRequests(const std::vector<int64_t>& input_le
   return out;
 }
 
+std::vector<BenchRequest> MultiTurnRequests(int64_t conversations, int turns,
+                                            int64_t system_prompt_len, int64_t message_len,
+                                            int64_t output_len, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  constexpr size_t kNumWords = sizeof(kWords) / sizeof(kWords[0]);
+  std::uniform_int_distribution<size_t> pick(0, kNumWords - 1);
+  auto words = [&](int64_t n) {
+    std::string out;
+    for (int64_t w = 0; w < n; ++w) {
+      if (w > 0) out += ' ';
+      out += kWords[pick(rng)];
+    }
+    return out;
+  };
+  const std::string system = words(system_prompt_len);
+  std::vector<BenchRequest> out;
+  for (int64_t c = 0; c < conversations; ++c) {
+    for (int t = 0; t < turns; ++t) {
+      BenchRequest r;
+      r.prompt = words(message_len);
+      if (t == 0 && !system.empty()) r.prompt = r.prompt.empty() ? system : system + " " + r.prompt;
+      r.max_tokens = output_len;
+      r.conversation = c;
+      r.turn = t;
+      out.push_back(std::move(r));
+    }
+  }
+  return out;
+}
+
 absl::Status ValidateLengthDist(const LengthDist& dist, const std::string& flag) {
   if (dist.kind != "fixed" && dist.kind != "uniform" && dist.kind != "normal" &&
       dist.kind != "lognormal") {

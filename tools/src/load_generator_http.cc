@@ -1,8 +1,6 @@
 // Load generator behind `tandem bench` (see load_generator.h): the HTTP client, its streaming
 // parser and the run loop. One thread per in-flight request over a plain blocking socket:
 // simple and exact enough for the rates a single machine serves.
-#include "tandem/tools/load_generator.h"
-
 #include <netdb.h>
 #include <sys/socket.h>
 #include <sys/time.h>
@@ -18,6 +16,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <random>
 #include <sstream>
@@ -25,6 +24,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "tandem/tools/load_generator.h"
 
 namespace tandem::tools {
 namespace {
@@ -289,7 +289,8 @@ RequestRecord SendOne(const LoadConfig& config, const Url& url, const BenchReque
       if (record.id.empty()) {
         if (auto id = event.find("id"); id != event.end() && id->is_string()) record.id = *id;
       }
-      if (!ChunkText(event).empty()) {
+      if (const std::string text = ChunkText(event); !text.empty()) {
+        record.text += text;
         if (content_chunks == 0) {
           record.ttft = Seconds(start, now);
         } else {
@@ -358,8 +359,6 @@ absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
     return absl::InvalidArgumentError(
         absl::StrCat("--endpoint must be completions or chat (got '", config.endpoint, "')"));
   }
-  const std::vector<double> arrivals = ArrivalTimes(
-      static_cast<int64_t>(requests.size()), config.request_rate, config.burstiness, config.seed);
   BenchResult result;
   result.records.resize(requests.size());
 
@@ -394,20 +393,54 @@ absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
     });
   }
 
+  // What is scheduled on the arrival times: each request, or each conversation's turns in order.
+  std::vector<std::vector<size_t>> units;
+  std::map<int64_t, size_t> unit_of_conversation;
   for (size_t i = 0; i < requests.size(); ++i) {
+    if (requests[i].conversation < 0) {
+      units.push_back({i});
+      continue;
+    }
+    auto [it, added] = unit_of_conversation.try_emplace(requests[i].conversation, units.size());
+    if (added) units.emplace_back();
+    units[it->second].push_back(i);
+  }
+  const std::vector<double> unit_arrivals = ArrivalTimes(
+      static_cast<int64_t>(units.size()), config.request_rate, config.burstiness, config.seed);
+  for (size_t u = 0; u < units.size(); ++u) {
     std::this_thread::sleep_until(run_start + std::chrono::duration_cast<Clock::duration>(
-                                                  std::chrono::duration<double>(arrivals[i])));
+                                                  std::chrono::duration<double>(unit_arrivals[u])));
     {
       std::unique_lock<std::mutex> lock(mu);
       cv.wait(lock,
               [&] { return config.max_concurrency <= 0 || in_flight < config.max_concurrency; });
       ++in_flight;
     }
-    ++sent;
-    threads.emplace_back([&, i] {
-      result.records[i] = SendOne(config, *url, requests[i], run_start);
-      if (!result.records[i].success) ++failed;
-      ++finished;
+    threads.emplace_back([&, u] {
+      std::string history;  // the conversation so far: prompts and answers
+      bool broken = false;
+      for (size_t i : units[u]) {
+        ++sent;
+        RequestRecord& record = result.records[i];
+        if (broken) {
+          record.error = "an earlier turn of the conversation failed";
+          record.start = Seconds(run_start, Clock::now());
+        } else if (requests[i].conversation >= 0 && requests[i].turn > 0) {
+          BenchRequest turn = requests[i];
+          turn.prompt = history + " " + turn.prompt;
+          record = SendOne(config, *url, turn, run_start);
+          history = turn.prompt + record.text;
+        } else {
+          record = SendOne(config, *url, requests[i], run_start);
+          history = requests[i].prompt + record.text;
+        }
+        record.turn = requests[i].turn;
+        if (!record.success) {
+          broken = true;
+          ++failed;
+        }
+        ++finished;
+      }
       std::lock_guard<std::mutex> lock(mu);
       --in_flight;
       cv.notify_all();

@@ -1,13 +1,13 @@
 // Load generator results: per-request statistics, SLO attainment and goodput, the report
 // (JSON, tables, progress line) and its plots.
-#include "tandem/tools/load_generator.h"
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "tandem/tools/load_generator.h"
 #include "tandem/tools/svg_plot.h"
 
 namespace tandem::tools {
@@ -117,6 +117,22 @@ json ReportJson(const BenchResult& result, double ttft_slo, double tpot_slo) {
                      {"attainment", SloAttainment(result.records, ttft_slo, tpot_slo)},
                      {"goodput", Goodput(result.records, d, ttft_slo, tpot_slo)}};
   }
+  // Multi-turn runs: TTFT of each turn (later turns resend the history, which a prefix cache
+  // holds).
+  std::map<int, std::vector<double>> ttft_by_turn;
+  for (const RequestRecord& r : result.records) {
+    if (r.success) ttft_by_turn[r.turn].push_back(r.ttft * 1e3);
+  }
+  if (ttft_by_turn.size() > 1) {
+    json turns = json::array();
+    for (const auto& [turn, samples] : ttft_by_turn) {
+      json m = metric(samples);
+      m["turn"] = turn;
+      m["count"] = samples.size();
+      turns.push_back(std::move(m));
+    }
+    report["ttft_ms_by_turn"] = std::move(turns);
+  }
   report["requests"] = std::move(records);
   return report;
 }
@@ -148,6 +164,13 @@ std::string ReportTable(const json& report) {
     absl::StrAppendFormat(&out, "%-10s %12.2f %12.2f %12.2f %12.2f\n", label,
                           m["mean"].get<double>(), m["p50"].get<double>(), m["p90"].get<double>(),
                           m["p99"].get<double>());
+  }
+  if (auto turns = report.find("ttft_ms_by_turn"); turns != report.end()) {
+    for (const json& m : *turns) {
+      absl::StrAppendFormat(&out, "%-10s %12.2f %12.2f %12.2f %12.2f\n",
+                            absl::StrCat("TTFT t", m["turn"].get<int>()), m["mean"].get<double>(),
+                            m["p50"].get<double>(), m["p90"].get<double>(), m["p99"].get<double>());
+    }
   }
   return out;
 }

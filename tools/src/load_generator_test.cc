@@ -241,6 +241,11 @@ class FakeServer {
   }
   std::string url() const { return absl::StrCat("http://127.0.0.1:", port_); }
   int max_open() const { return max_in_flight_; }
+  // Request bodies received, in arrival order.
+  std::vector<std::string> bodies() {
+    std::lock_guard lock(mu_);
+    return bodies_;
+  }
 
  private:
   void Serve(int c) {
@@ -253,6 +258,19 @@ class FakeServer {
       const ssize_t n = ::recv(c, buf, sizeof(buf), 0);
       if (n <= 0) break;
       in.append(buf, static_cast<size_t>(n));
+    }
+    // The body, by Content-Length (RunLoad sends it).
+    const size_t head_end = in.find("\r\n\r\n");
+    const size_t cl = in.find("Content-Length: ");
+    if (head_end != std::string::npos && cl != std::string::npos && cl < head_end) {
+      const size_t want = std::stoul(in.substr(cl + 16)) + head_end + 4;
+      while (in.size() < want) {
+        const ssize_t n = ::recv(c, buf, sizeof(buf), 0);
+        if (n <= 0) break;
+        in.append(buf, static_cast<size_t>(n));
+      }
+      std::lock_guard lock(mu_);
+      bodies_.push_back(in.substr(head_end + 4));
     }
     auto send = [&](const std::string& s) { ::send(c, s.data(), s.size(), MSG_NOSIGNAL); };
     auto chunk = [&](const std::string& data) {
@@ -280,6 +298,7 @@ class FakeServer {
   std::atomic<int> in_flight_{0}, max_in_flight_{0}, served_{0};
   std::mutex mu_;  // guards connections_ and serve_threads_ while the accept thread runs
   std::vector<int> connections_;
+  std::vector<std::string> bodies_;
   std::vector<std::jthread> serve_threads_;
   std::jthread accept_thread_;
 };
@@ -318,6 +337,68 @@ TEST(RunLoadTest, PerChunkItlsTpotAndMaxConcurrency) {
                                         "cmpl-6"}));
   const nlohmann::json report = ReportJson(*result, 0, 0);
   EXPECT_EQ(report["requests"][0]["id"].get<std::string>().rfind("cmpl-", 0), 0u);
+}
+
+TEST(MultiTurnRequestsTest, ConversationsShareTheSystemPrompt) {
+  const std::vector<BenchRequest> r = MultiTurnRequests(2, 3, 5, 2, 7, 1);
+  ASSERT_EQ(r.size(), 6u);
+  const std::string system =
+      r[0].prompt.substr(0, r[0].prompt.rfind(' ', r[0].prompt.rfind(' ') - 1));
+  EXPECT_EQ(r[3].prompt.rfind(system, 0), 0u);  // conversation 1 starts with it too
+  for (size_t i = 0; i < r.size(); ++i) {
+    EXPECT_EQ(r[i].conversation, static_cast<int64_t>(i / 3));
+    EXPECT_EQ(r[i].turn, static_cast<int>(i % 3));
+    EXPECT_EQ(r[i].max_tokens, 7);
+    // Later turns are the user's message alone (RunLoad puts the history before it).
+    if (i % 3 > 0) EXPECT_EQ(std::count(r[i].prompt.begin(), r[i].prompt.end(), ' '), 1);
+  }
+  // No message: the first turn is exactly the system prompt.
+  const std::vector<BenchRequest> same = MultiTurnRequests(2, 1, 50, 0, 7, 1);
+  EXPECT_EQ(same[0].prompt, same[1].prompt);
+  EXPECT_EQ(std::count(same[0].prompt.begin(), same[0].prompt.end(), ' '), 49);
+}
+
+TEST(RunLoadTest, MultiTurnResendsTheHistoryTurnAfterTurn) {
+  FakeServer server(/*tokens=*/3, /*gap_ms=*/1);
+  LoadConfig config;
+  config.url = server.url();
+  config.model = "m";
+  config.max_concurrency = 1;  // one conversation at a time: bodies arrive in order
+  const std::vector<BenchRequest> requests = MultiTurnRequests(2, 3, 4, 2, 3, 9);
+  absl::StatusOr<BenchResult> result = RunLoad(config, requests);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const std::vector<std::string> bodies = server.bodies();
+  ASSERT_EQ(bodies.size(), 6u);
+  for (int c = 0; c < 2; ++c) {
+    std::string history;
+    for (int t = 0; t < 3; ++t) {
+      const size_t i = static_cast<size_t>(c * 3 + t);
+      const nlohmann::json body = nlohmann::json::parse(bodies[i]);
+      const std::string want =
+          t == 0 ? requests[i].prompt : absl::StrCat(history, " ", requests[i].prompt);
+      EXPECT_EQ(body["prompt"].get<std::string>(), want) << c << "/" << t;
+      history = want + "tok tok tok ";  // the fake server's answer
+      ASSERT_TRUE(result->records[i].success) << result->records[i].error;
+      EXPECT_EQ(result->records[i].turn, t);
+      EXPECT_EQ(result->records[i].text, "tok tok tok ");
+    }
+  }
+  const nlohmann::json report = ReportJson(*result, 0, 0);
+  ASSERT_EQ(report["ttft_ms_by_turn"].size(), 3u);
+  EXPECT_EQ(report["ttft_ms_by_turn"][2]["turn"].get<int>(), 2);
+  EXPECT_EQ(report["ttft_ms_by_turn"][2]["count"].get<int>(), 2);
+  EXPECT_NE(ReportTable(report).find("TTFT t2"), std::string::npos);
+}
+
+TEST(RunLoadTest, AFailedTurnEndsItsConversation) {
+  LoadConfig config;
+  config.url = "http://127.0.0.1:1";  // nothing listens
+  config.model = "m";
+  absl::StatusOr<BenchResult> result = RunLoad(config, MultiTurnRequests(1, 3, 0, 2, 3, 0));
+  ASSERT_TRUE(result.ok());
+  ASSERT_EQ(result->records.size(), 3u);
+  for (const RequestRecord& r : result->records) EXPECT_FALSE(r.success);
+  EXPECT_EQ(result->records[2].error, "an earlier turn of the conversation failed");
 }
 
 // Two reports as `tandem bench` labels them, with per-request records.

@@ -75,6 +75,10 @@ void DeclareEngineFlags(Args& args) {
                "(self_attn.k_scale / v_scale in the checkpoint, else 1). Prefill and decode "
                "workers must agree");
   args.Declare("max-model-len", "N", "context length (default: the model's)");
+  args.DeclareSwitch("enable-prefix-caching",
+                     "keep full KV blocks cached after their request, named by their tokens, and "
+                     "compute only what a new prompt adds to a cached prefix (the default)");
+  args.DeclareSwitch("no-enable-prefix-caching", "compute every prompt from scratch");
   args.Declare("threads", "N", "engine CPU threads (default: all cores)");
   DeclareDeviceFlag(args);
   args.Declare("step-trace", "FILE",
@@ -96,6 +100,11 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
                           IntFlag(args, "kv-cache-bytes", 512ll << 20, 1, int64_t{1} << 50));
   TANDEM_ASSIGN_OR_RETURN(int64_t max_len, IntFlag(args, "max-model-len", 0, 0, 1 << 24));
   options.max_model_len = static_cast<int>(max_len);
+  if (args.Switch("enable-prefix-caching") && args.Switch("no-enable-prefix-caching")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --enable-prefix-caching and --no-enable-prefix-caching contradict"));
+  }
+  options.enable_prefix_caching = !args.Switch("no-enable-prefix-caching");
   TANDEM_ASSIGN_OR_RETURN(int64_t threads, IntFlag(args, "threads", 0, 0, 1024));
   options.num_threads = static_cast<int>(threads);
   TANDEM_ASSIGN_OR_RETURN(options.device, DeviceFlag(args));

@@ -21,14 +21,15 @@ namespace tandem::engine {
 class EngineMetrics {
  public:
   // Registers tandem_kv_cache_blocks_{used,capacity}, tandem_num_requests_{running,waiting},
-  // tandem_preemptions_total, tandem_step_seconds and tandem_step_latency_model_{seconds{term},
-  // samples,error_ratio}.
+  // tandem_preemptions_total, tandem_prefix_cache_{queries,hits}_tokens_total,
+  // tandem_step_seconds and tandem_step_latency_model_{seconds{term},samples,error_ratio}.
   explicit EngineMetrics(metrics::Registry& registry);
 
   // Sets the KV, batch and preemption series from `stats`, then RecordSteps(stats).
   void Record(const EngineStats& stats);
-  // Observes the steps run since the last call (the last one's time stands for any missed) and
-  // refreshes the latency model's gauges. Not thread-safe: call from one thread.
+  // Advances the prefix cache counters, observes the steps run since the last call (the last
+  // one's time stands for any missed) and refreshes the latency model's gauges. Not
+  // thread-safe: call from one thread.
   void RecordSteps(const EngineStats& stats);
 
   // The KV, batch and preemption series, for an owner that keeps the counts elsewhere (a decode
@@ -40,6 +41,8 @@ class EngineMetrics {
   prometheus::Counter& preemptions;
 
  private:
+  prometheus::Counter& prefix_queries_;
+  prometheus::Counter& prefix_hits_;
   prometheus::Histogram& step_seconds_;
   std::array<prometheus::Gauge*, StepLatencyModel::kNumTerms> terms_{};
   prometheus::Gauge& samples_;

@@ -75,6 +75,11 @@ struct EngineOptions {
   double ttft_slo_seconds = 0;
   // Admission order of waiting requests.
   QueuePolicy queue_policy = QueuePolicy::kFcfs;
+  // `--enable-prefix-caching` / `--no-enable-prefix-caching`: full KV blocks stay cached after
+  // their request ends, named by a hash of their tokens (and the request's cache_salt), and a
+  // request whose prompt begins with cached blocks computes only the rest; the samples of an
+  // n > 1 request share their prompt's blocks. Outputs are the same either way.
+  bool enable_prefix_caching = true;
   // Called on the engine thread, inside Step(), once per layer as soon as that layer's KV of
   // the step's tokens is in the cache (the later layers are not yet computed). A prefill worker
   // pushes those pages to the decode worker from here, overlapping transfer with compute. Must
@@ -131,8 +136,14 @@ class LlmEngine {
   void ReleaseHandoff(const PrefillHandoff& handoff);
 
   // --- decode role ---
-  // Allocates blocks for the prompt KV of a request about to be prefilled elsewhere.
-  absl::StatusOr<BlockTable> ReserveBlocks(int num_tokens);
+  // Allocates blocks for the prompt KV of a request about to be prefilled elsewhere. Given the
+  // prompt (all num_tokens of it) and its cache_salt, the table begins with the cached blocks
+  // of the prompt's longest cached prefix, shared (their KV is already here), and
+  // `*num_cached_tokens` says how many tokens they hold (a multiple of the block size; 0
+  // without prefix caching): only the blocks after them need the prompt's KV.
+  absl::StatusOr<BlockTable> ReserveBlocks(int num_tokens, std::span<const int32_t> prompt = {},
+                                           std::string_view cache_salt = "",
+                                           int* num_cached_tokens = nullptr);
   // Returns reserved blocks that will not be used (e.g. the prefill failed).
   void FreeReservation(BlockTable& blocks);
   // Continues `request` (its prompt and params, n == choices.size()) from prefilled samples

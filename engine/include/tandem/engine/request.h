@@ -33,6 +33,9 @@ struct GenerateRequest {
   std::string request_id;
   std::vector<int32_t> prompt_tokens;
   SamplingParams params;
+  // Isolates tenants in the prefix cache (the API's `cache_salt`): a request reuses cached KV
+  // only of requests with the same salt. Empty: the shared, unsalted cache.
+  std::string cache_salt{};
   // When the request reached the engine's owner (AsyncEngine::Submit, a worker's RPC), for the
   // step trace's first-token time, which then includes the wait for the step running at that
   // moment; unset (the epoch): when AddRequest took it.
@@ -65,6 +68,12 @@ struct EngineStats {
   int kv_blocks_total = 0;
   int kv_blocks_used = 0;
   int64_t preemptions = 0;
+  // Prefix cache, in tokens since the engine started: looked up as sequences were admitted, and
+  // found cached (not computed). Both stay 0 without prefix caching.
+  int64_t prefix_cache_queries_tokens = 0;
+  int64_t prefix_cache_hits_tokens = 0;
+  // Cached blocks given to new tokens since the engine started (their prefix forgotten).
+  int64_t prefix_cache_evictions = 0;
   // The batch cap (max_num_seqs unless the TPOT controller lowered it; sequences that already
   // run keep running above it, new ones wait) and the token budget of a step
   // (max_num_batched_tokens unless the TTFT controller lowered it).

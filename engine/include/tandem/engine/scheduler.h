@@ -48,6 +48,9 @@ struct SchedulerStep {
 // next prefill chunk), then admits waiting ones, all under max_num_batched_tokens and
 // max_num_seqs. When KV blocks run out, the most recently admitted running sequence is
 // preempted: its blocks are freed and it re-enters the queue front to be recomputed.
+// With prefix caching (BlockManager), a sequence admitted with nothing computed starts after
+// the longest cached prefix of its tokens (always leaving its last token to compute, for
+// logits), and a sample with a prompt source forks that sample's prompt blocks.
 // Plain host code; never touches a device.
 class Scheduler {
  public:
@@ -55,7 +58,8 @@ class Scheduler {
 
   // Queues a sequence (status kWaiting). Not owned.
   void Add(Sequence* seq);
-  // Adds a decode-role sequence whose prompt KV is already in `seq->block_table`.
+  // Adds a decode-role sequence whose prompt KV is already in `seq->block_table` (its first
+  // num_computed_tokens tokens), naming its full blocks in the prefix cache.
   void AddPrefilled(Sequence* seq);
   // Plans the next step and grows block tables for it.
   SchedulerStep Schedule();
@@ -81,10 +85,26 @@ class Scheduler {
   int num_running() const { return static_cast<int>(running_.size()); }
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
   int64_t num_preemptions() const { return num_preemptions_; }
+  // Prefix cache, in tokens, counted as sequences are admitted: tokens looked up, and tokens
+  // found cached (or shared with another sample of the request) and so not computed.
+  int64_t prefix_cache_queries_tokens() const { return prefix_cache_queries_tokens_; }
+  int64_t prefix_cache_hits_tokens() const { return prefix_cache_hits_tokens_; }
+  // Counts a lookup made outside admission (a decode engine's reservation).
+  void RecordPrefixCacheLookup(int queried_tokens, int hit_tokens) {
+    prefix_cache_queries_tokens_ += queried_tokens;
+    prefix_cache_hits_tokens_ += hit_tokens;
+  }
   const SchedulerOptions& options() const { return options_; }
 
  private:
+  enum class Admission { kAdmitted, kNotYet, kNoRoom };
   void Preempt(Sequence* seq);
+  // Starts a waiting sequence with up to `budget` tokens: shares what is cached or forked, grows
+  // its table for the rest. kNotYet: its prompt source is still computing (try later ones);
+  // kNoRoom: not enough blocks (admit nothing more).
+  Admission Admit(Sequence* seq, int budget, SchedulerStep& step);
+  // Names the full blocks of `seq`'s computed tokens from block `first_block` on.
+  void CacheComputedBlocks(Sequence& seq, int first_block);
   SchedulerOptions options_;
   BlockManager* blocks_;  // not owned
   std::deque<Sequence*> waiting_;
@@ -92,6 +112,8 @@ class Scheduler {
   int max_running_ = 0;
   int token_budget_ = 0;
   int64_t num_preemptions_ = 0;
+  int64_t prefix_cache_queries_tokens_ = 0;
+  int64_t prefix_cache_hits_tokens_ = 0;
 };
 
 }  // namespace tandem::engine

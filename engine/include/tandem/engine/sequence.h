@@ -50,6 +50,14 @@ struct Sequence {
   // The grammar state of a constrained sample (params->structured), advanced with every token
   // it generates; null when unconstrained.
   std::unique_ptr<grammar::GrammarMatcher> matcher;
+  // Prefix cache: the root of this sequence's hash chain (from the request's cache_salt) and
+  // the hashes of its full blocks computed so far (see ExtendBlockHashes).
+  uint64_t prefix_root = 0;
+  std::vector<uint64_t> block_hashes;
+  // Another sample of the same request (its sample 0) whose prompt KV this one shares instead of
+  // computing it: it waits until that prompt is computed, then forks its blocks and recomputes
+  // only the last prompt token, for its own logits. Null: computes its own prompt.
+  const Sequence* prompt_source = nullptr;
 
   // Sampler outputs of the latest step that sampled (filled when params->logprobs >= 0).
   float last_logprob = 0.0f;

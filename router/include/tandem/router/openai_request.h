@@ -19,6 +19,7 @@ namespace tandem::router {
 // Limits of the API layer, on top of those of engine/sampling_params.h.
 inline constexpr int kMaxMessagesPerRequest = 256;
 inline constexpr int kMaxJsonDepth = 32;  // nesting of the request body
+inline constexpr size_t kMaxCacheSaltBytes = 1024;
 
 // InvalidArgument naming the request field `param` (e.g. "temperature", "messages").
 absl::Status ParamError(std::string_view param, std::string_view message);
@@ -50,6 +51,10 @@ struct CompletionRequest {
   // Chat: [{"role", "content": string}], content parts joined; roles checked.
   nlohmann::json messages;
   bool add_generation_prompt = true;
+
+  // Isolates this request's tenant in the prefix cache (vLLM's `cache_salt`): it reuses cached
+  // KV only of requests with the same salt. Empty: the shared cache.
+  std::string cache_salt;
 
   bool stream = false;
   bool include_usage = false;

@@ -21,10 +21,15 @@
 
 namespace tandem::tools {
 
-// One request to send: its prompt and how many tokens to ask for.
+// One request to send: its prompt and how many tokens to ask for. In a multi-turn conversation
+// (`conversation` >= 0), turn k > 0 is sent once turn k - 1 of the same conversation finished,
+// with that turn's prompt and answer before its own `prompt` (the user's new message): the
+// history is resent, as chat clients do.
 struct BenchRequest {
   std::string prompt;
   int64_t max_tokens = 16;
+  int64_t conversation = -1;
+  int turn = 0;
 };
 
 // What was measured for one request. Times are seconds.
@@ -38,6 +43,8 @@ struct RequestRecord {
   int64_t output_tokens = 0;  // from the usage chunk (content chunk count when absent)
   int64_t prompt_tokens = 0;
   std::string id;  // the response's "id" (the server's request id), when it sent one
+  std::string text;  // the streamed answer
+  int turn = 0;      // BenchRequest::turn
   // (e2e - ttft) / (output_tokens - 1); 0 with fewer than two tokens.
   double Tpot() const;
 };
@@ -94,6 +101,14 @@ std::vector<BenchRequest> SyntheticRequests(const std::vector<int64_t>& input_le
                                             const std::vector<int64_t>& output_lens,
                                             uint64_t seed);
 
+// `conversations` conversations of `turns` turns each (conversation-major): every turn is a user
+// message of `message_len` random words (0 with a system prompt: the prompt is the system
+// prompt alone), asking for `output_len` tokens; the first turn of every conversation starts
+// with the same `system_prompt_len` random words (0: none).
+std::vector<BenchRequest> MultiTurnRequests(int64_t conversations, int turns,
+                                            int64_t system_prompt_len, int64_t message_len,
+                                            int64_t output_len, uint64_t seed);
+
 // A distribution of synthetic prompt or output lengths.
 //   fixed:     always `mean`
 //   uniform:   integers in [mean - range, mean + range]
@@ -119,11 +134,14 @@ absl::StatusOr<std::vector<BenchRequest>> ShareGptRequests(const std::string& pa
 
 // Sends every request on its arrival time (threads, at most max_concurrency in flight) and
 // waits for all. Per-request failures are recorded, not returned; an invalid URL is an error.
+// Multi-turn requests: the arrival times and the concurrency limit are of conversations, whose
+// turns follow one another (a failed turn ends its conversation: the later turns fail too).
 absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
                                     const std::vector<BenchRequest>& requests);
 
 // The report as JSON: counts, duration, throughputs, metric summaries in milliseconds, SLO
-// numbers when slos are given (> 0), and per-request records.
+// numbers when slos are given (> 0), per-request records, and for multi-turn runs the TTFT
+// summary of each turn ("ttft_ms_by_turn").
 nlohmann::json ReportJson(const BenchResult& result, double ttft_slo, double tpot_slo);
 // The same numbers as a human-readable table.
 std::string ReportTable(const nlohmann::json& report);
