@@ -2,54 +2,14 @@
 // not, n > 1, the usage chunk, stop strings, seeded sampling, logprobs, logit_bias, and errors
 // arriving as the client's typed errors. Starts its own servers (tiny synthetic model, free ports).
 //   node --test tests/api/openai_client_test.mjs   (TANDEM_BINARY_DIR=build)
-import { spawn } from 'node:child_process';
-import { createRequire } from 'node:module';
-import path from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
+import { requirePackage, startServer, stopServer } from './serve_process.mjs';
 
-const sourceDir = process.env.TANDEM_SOURCE_DIR ?? path.resolve(import.meta.dirname, '../..');
-const binaryDir = process.env.TANDEM_BINARY_DIR ?? path.join(sourceDir, 'build');
-const modelDir = process.env.TANDEM_API_TEST_MODEL ?? path.join(binaryDir, 'tests/api/tiny-model');
-// The client is installed with the other conformance packages in tests/js (scripts/install-deps).
-const require = createRequire(path.join(sourceDir, 'tests/js/package.json'));
-const openaiModule = require('openai');
+const openaiModule = requirePackage('openai');
 const OpenAI = openaiModule.OpenAI ?? openaiModule.default ?? openaiModule;
 
 const MODEL = 'tiny-model';
-
-// Starts `tandem serve` and resolves with {url, child} once it prints its address.
-function startServer(extraArgs = []) {
-  const child = spawn(
-    path.join(binaryDir, 'bin/tandem'),
-    ['serve', '--model', modelDir, '--port', '0', '--threads', '1', ...extraArgs],
-    { stdio: ['ignore', 'pipe', 'inherit'] },
-  );
-  return new Promise((resolve, reject) => {
-    let out = '';
-    const timer = setTimeout(() => reject(new Error(`server did not start: ${out}`)), 120000);
-    child.stdout.on('data', (chunk) => {
-      out += chunk;
-      const m = out.match(/ on (http:\/\/[^\s]+)/);
-      if (m) {
-        clearTimeout(timer);
-        resolve({ url: m[1], child });
-      }
-    });
-    child.on('exit', (code) => {
-      clearTimeout(timer);
-      reject(new Error(`server exited with ${code}: ${out}`));
-    });
-  });
-}
-
-function stopServer(server) {
-  if (!server || server.child.exitCode !== null) return Promise.resolve();
-  return new Promise((resolve) => {
-    server.child.once('exit', resolve);
-    server.child.kill('SIGTERM');
-  });
-}
 
 function client(server, apiKey = 'unused') {
   return new OpenAI({ baseURL: `${server.url}/v1`, apiKey, maxRetries: 0, timeout: 120000 });

@@ -5,20 +5,13 @@
 // other spellings (guided_regex, guided_choice, guided_grammar, structured_outputs), streaming,
 // a max_tokens cut ending with finish_reason "length", and bad constraints answered with 400.
 //   node --test tests/api/structured_outputs_test.mjs   (TANDEM_BINARY_DIR=build)
-import { spawn } from 'node:child_process';
-import { createRequire } from 'node:module';
-import path from 'node:path';
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
+import { requirePackage, startServer, stopServer } from './serve_process.mjs';
 
-const sourceDir = process.env.TANDEM_SOURCE_DIR ?? path.resolve(import.meta.dirname, '../..');
-const binaryDir = process.env.TANDEM_BINARY_DIR ?? path.join(sourceDir, 'build');
-const modelDir = process.env.TANDEM_API_TEST_MODEL ?? path.join(binaryDir, 'tests/api/tiny-model');
-// Installed with the other conformance packages in tests/js (scripts/install-deps).
-const require = createRequire(path.join(sourceDir, 'tests/js/package.json'));
-const openaiModule = require('openai');
+const openaiModule = requirePackage('openai');
 const OpenAI = openaiModule.OpenAI ?? openaiModule.default ?? openaiModule;
-const AjvModule = require('ajv');
+const AjvModule = requirePackage('ajv');
 const Ajv = AjvModule.default ?? AjvModule;
 
 const MODEL = 'tiny-model';
@@ -26,38 +19,6 @@ const NUM_SCHEMAS = 200;
 // Every schema below bounds its documents (strings by maxLength, arrays by maxItems, depth),
 // so a sample must finish well inside this; a cut would show up as finish_reason "length".
 const MAX_TOKENS = 1500;
-
-function startServer(extraArgs = []) {
-  const child = spawn(
-    path.join(binaryDir, 'bin/tandem'),
-    ['serve', '--model', modelDir, '--port', '0', '--threads', '1', ...extraArgs],
-    { stdio: ['ignore', 'pipe', 'inherit'] },
-  );
-  return new Promise((resolve, reject) => {
-    let out = '';
-    const timer = setTimeout(() => reject(new Error(`server did not start: ${out}`)), 120000);
-    child.stdout.on('data', (chunk) => {
-      out += chunk;
-      const m = out.match(/ on (http:\/\/[^\s]+)/);
-      if (m) {
-        clearTimeout(timer);
-        resolve({ url: m[1], child });
-      }
-    });
-    child.on('exit', (code) => {
-      clearTimeout(timer);
-      reject(new Error(`server exited with ${code}: ${out}`));
-    });
-  });
-}
-
-function stopServer(server) {
-  if (!server || server.child.exitCode !== null) return Promise.resolve();
-  return new Promise((resolve) => {
-    server.child.once('exit', resolve);
-    server.child.kill('SIGTERM');
-  });
-}
 
 function client(server) {
   return new OpenAI({ baseURL: `${server.url}/v1`, apiKey: 'unused', maxRetries: 0, timeout: 300000 });
