@@ -12,6 +12,9 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -25,17 +28,28 @@ namespace tandem::cluster::testing {
 
 inline constexpr char kEtcdBinary[] = "/usr/bin/etcd";
 
+// A loopback port that is free now, below the kernel's ephemeral range
+// (net.ipv4.ip_local_port_range): no bind to port 0 and no outgoing connection is given a port
+// there, so a server killed and started again on it (EtcdServer::Start after Kill) finds it still
+// free while other tests run beside it.
 inline int FreeLoopbackPort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address));
-  socklen_t size = sizeof(address);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size);
-  close(fd);
-  return ntohs(address.sin_port);
+  int ephemeral_low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> ephemeral_low;
+  constexpr int kFirst = 10000;
+  std::mt19937 rng(std::random_device{}());
+  for (int attempt = 0; attempt < 1000 && ephemeral_low > kFirst + 1000; ++attempt) {
+    const int port = kFirst + static_cast<int>(rng() % (ephemeral_low - kFirst));
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    address.sin_port = htons(static_cast<uint16_t>(port));
+    const bool free = bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+    close(fd);
+    if (free) return port;
+  }
+  ADD_FAILURE() << "no free loopback port below the ephemeral range (" << ephemeral_low << ")";
+  return 0;
 }
 
 class EtcdServer {
@@ -66,26 +80,40 @@ class EtcdServer {
     const std::string peer_url = absl::StrCat("http://127.0.0.1:", peer_port_);
     std::vector<std::string> args = {
         kEtcdBinary,
-        "--name", name_,
-        "--data-dir", data_dir_ + "/data",
-        "--listen-client-urls", client_url,
-        "--advertise-client-urls", client_url,
-        "--listen-peer-urls", peer_url,
-        "--initial-advertise-peer-urls", peer_url,
-        "--initial-cluster", absl::StrCat(name_, "=", peer_url),
-        "--initial-cluster-token", name_,
-        "--initial-cluster-state", "new",
+        "--name",
+        name_,
+        "--data-dir",
+        data_dir_ + "/data",
+        "--listen-client-urls",
+        client_url,
+        "--advertise-client-urls",
+        client_url,
+        "--listen-peer-urls",
+        peer_url,
+        "--initial-advertise-peer-urls",
+        peer_url,
+        "--initial-cluster",
+        absl::StrCat(name_, "=", peer_url),
+        "--initial-cluster-token",
+        name_,
+        "--initial-cluster-state",
+        "new",
         // A single member elects itself quickly; leases may be as short as 0.75 s.
-        "--heartbeat-interval", "50",
-        "--election-timeout", "500",
-        "--logger", "zap",
-        "--log-outputs", data_dir_ + "/etcd.log",
-        "--log-level", "warn",
+        "--heartbeat-interval",
+        "50",
+        "--election-timeout",
+        "500",
+        "--logger",
+        "zap",
+        "--log-outputs",
+        data_dir_ + "/etcd.log",
+        "--log-level",
+        "warn",
     };
     if (tls_.enabled()) {
-      for (const std::string& arg : {"--client-cert-auth", "--trusted-ca-file", tls_.ca.c_str(),
-                                     "--cert-file", tls_.cert.c_str(), "--key-file",
-                                     tls_.key.c_str()}) {
+      for (const std::string& arg :
+           {"--client-cert-auth", "--trusted-ca-file", tls_.ca.c_str(), "--cert-file",
+            tls_.cert.c_str(), "--key-file", tls_.key.c_str()}) {
         args.push_back(arg);
       }
     }
@@ -101,21 +129,32 @@ class EtcdServer {
       _exit(127);
     }
     ASSERT_GT(pid_, 0) << "fork failed";
-    auto client = EtcdClient::Create(
-        {.endpoints = endpoint(), .timeout = absl::Seconds(1), .tls = tls_});
+    auto client =
+        EtcdClient::Create({.endpoints = endpoint(), .timeout = absl::Seconds(1), .tls = tls_});
     ASSERT_TRUE(client.ok()) << client.status();
     const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(15);
     absl::Status last;
     while (std::chrono::steady_clock::now() < give_up) {
       int status = 0;
       ASSERT_EQ(waitpid(pid_, &status, WNOHANG), 0)
-          << "etcd exited at start (status " << status << "); see " << data_dir_ << "/etcd.log";
+          << "etcd exited at start (status " << status << "); its log:\n"
+          << LogTail();
       auto answer = (*client)->Get("/tandem-test-ready");
       if (answer.ok()) return;
       last = answer.status();
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    FAIL() << "etcd did not answer on " << endpoint() << " within 15 s: " << last;
+    FAIL() << "etcd did not answer on " << endpoint() << " within 15 s: " << last << "; its log:\n"
+           << LogTail();
+  }
+
+  // The end of etcd's log (the data directory goes with the server).
+  std::string LogTail() const {
+    std::ifstream file(data_dir_ + "/etcd.log");
+    std::stringstream text;
+    text << file.rdbuf();
+    const std::string log = text.str();
+    return log.size() > 3000 ? log.substr(log.size() - 3000) : log;
   }
 
   // SIGKILL, as a crash; the data directory is kept for a restart.

@@ -172,14 +172,7 @@ INSTANTIATE_TEST_SUITE_P(Checkpoints, WeightPrecisionTest,
                            return info.param.arch + "_" + DTypeFlagName(info.param.dtype);
                          });
 
-struct QuantCase {
-  std::string name;
-  std::string arch;
-  std::string quant;  // int8, awq, gptq
-  DType dtype;        // of the unquantised tensors (and the default KV cache)
-  bool desc_act = false;
-  bool sym = true;
-};
+using testing::QuantCase;
 
 class QuantizedWeightTest : public ::testing::TestWithParam<QuantCase> {};
 
@@ -189,7 +182,7 @@ class QuantizedWeightTest : public ::testing::TestWithParam<QuantCase> {};
 // reference rounding K and V alike), and greedy tokens identical for 32 steps.
 TEST_P(QuantizedWeightTest, LogprobsWithin1e3OfTheReferenceOnTheDequantisedWeights) {
   const QuantCase& c = GetParam();
-  const std::string model = testing::TinyQuantModel(c.arch, c.quant, c.dtype, c.desc_act, c.sym);
+  const std::string model = c.Model();
   auto checkpoint = Checkpoint::Open(model);
   ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
   ASSERT_NE((*checkpoint)->quantization().method, QuantMethod::kNone);

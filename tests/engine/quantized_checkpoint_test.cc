@@ -22,14 +22,7 @@ namespace {
 
 using ::testing::HasSubstr;
 
-struct QuantCase {
-  std::string name;
-  std::string arch;
-  std::string quant;
-  DType dtype;
-  bool desc_act = false;
-  bool sym = true;
-};
+using testing::QuantCase;
 
 class QuantizedCheckpointTest : public ::testing::TestWithParam<QuantCase> {};
 
@@ -38,7 +31,7 @@ class QuantizedCheckpointTest : public ::testing::TestWithParam<QuantCase> {};
 // own, and lies within the quantisation step of the float weights it was rounded from.
 TEST_P(QuantizedCheckpointTest, DequantisedWeightsMatchTheNumPyDequantiser) {
   const QuantCase& c = GetParam();
-  const std::string model = testing::TinyQuantModel(c.arch, c.quant, c.dtype, c.desc_act, c.sym);
+  const std::string model = c.Model();
   const std::string original = testing::TinyModel(c.arch, DType::kF32);
   auto checkpoint = Checkpoint::Open(model);
   ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();

@@ -58,4 +58,16 @@ inline std::string TinyQuantModel(const std::string& arch, const std::string& qu
   return dir;
 }
 
+// A quantised tiny checkpoint that a parameterised test runs on; `name` names the test case.
+struct QuantCase {
+  std::string name;
+  std::string arch;
+  std::string quant;  // int8, awq, gptq
+  DType dtype;        // of the unquantised tensors (and the default KV cache)
+  bool desc_act = false;
+  bool sym = true;
+
+  std::string Model() const { return TinyQuantModel(arch, quant, dtype, desc_act, sym); }
+};
+
 }  // namespace tandem::testing
