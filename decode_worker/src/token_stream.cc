@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "tandem/base/tsan.h"
 #include "tandem/proto/status.h"
 #include "tandem/worker/grpc_call.h"
 
@@ -45,17 +46,17 @@ class TokenStream::Reactor final : public grpc::ServerWriteReactor<tandem::v1::T
   // gRPC runs OnDone only after every other reaction has returned; the released edges at the
   // end of each reaction state that ordering (made inside libgrpc) to ThreadSanitizer.
   void OnWriteDone(bool ok) override {
-    worker::internal::TsanAcquired(this);
+    TsanAcquire(this);
     stream_->OnWriteDone(ok);
-    worker::internal::TsanReleased(this);
+    TsanRelease(this);
   }
   void OnCancel() override {
-    worker::internal::TsanAcquired(this);
+    TsanAcquire(this);
     stream_->OnCancel();
-    worker::internal::TsanReleased(this);
+    TsanRelease(this);
   }
   void OnDone() override {
-    worker::internal::TsanAcquired(this);
+    TsanAcquire(this);
     delete this;
   }
 
@@ -85,7 +86,7 @@ void TokenStream::Fail(const absl::Status& status) {
   finished_ = true;
   on_abandoned_ = nullptr;
   lock.unlock();
-  worker::internal::TsanReleased(reactor_);
+  TsanRelease(reactor_);
   reactor_->Finish(proto::ToGrpcStatus(status));
 }
 
@@ -102,7 +103,7 @@ void TokenStream::Pump(std::unique_lock<std::mutex> lock) {
     writing_ = true;
     ++writes_;
     lock.unlock();
-    worker::internal::TsanReleased(reactor_);
+    TsanRelease(reactor_);
     reactor_->StartWrite(&in_flight_);  // nothing else touches in_flight_ until OnWriteDone
     return;
   }
@@ -110,7 +111,7 @@ void TokenStream::Pump(std::unique_lock<std::mutex> lock) {
   finished_ = true;
   on_abandoned_ = nullptr;
   lock.unlock();
-  worker::internal::TsanReleased(reactor_);
+  TsanRelease(reactor_);
   reactor_->Finish(grpc::Status::OK);
 }
 
@@ -123,7 +124,7 @@ void TokenStream::Abandon(std::unique_lock<std::mutex> lock) {
   lock.unlock();
   if (on_abandoned) on_abandoned(this);
   if (finish) {
-    worker::internal::TsanReleased(reactor_);
+    TsanRelease(reactor_);
     reactor_->Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the call was cancelled"));
   }
 }

@@ -112,8 +112,4 @@ class StateHandle : public TransferHandle {
 // A handle that has already finished with `status`.
 std::unique_ptr<TransferHandle> FinishedHandle(absl::Status status);
 
-// The release half of AcquireTransferred: a backend that wrote into `region_base` on a thread of
-// this process calls it once the bytes are in place. Nothing without TSan.
-void ReleaseTransferred(const void* region_base);
-
 }  // namespace tandem::kvtransfer::internal

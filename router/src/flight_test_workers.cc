@@ -2,24 +2,13 @@
 
 #include <chrono>
 
-#if defined(__SANITIZE_THREAD__)
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-#endif
+#include "tandem/base/tsan.h"
 
 namespace tandem::router::fakes {
 
-void Published([[maybe_unused]] const void* object) {
-#if defined(__SANITIZE_THREAD__)
-  __tsan_release(const_cast<void*>(object));
-#endif
-}
+void Published(const void* object) { TsanRelease(object); }
 
-void Reached([[maybe_unused]] const void* object) {
-#if defined(__SANITIZE_THREAD__)
-  __tsan_acquire(const_cast<void*>(object));
-#endif
-}
+void Reached(const void* object) { TsanAcquire(object); }
 
 namespace {
 

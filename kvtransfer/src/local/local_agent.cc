@@ -11,6 +11,7 @@
 #include "absl/strings/str_format.h"
 #include "kvtransfer/src/internal.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/base/tsan.h"
 
 namespace tandem::kvtransfer::local {
 namespace {
@@ -250,7 +251,7 @@ class LocalAgent : public Agent {
       // memmove: an agent may push into its own region, overlapping the source.
       std::memmove(dst.base + r.dst_offset, src.base + r.src_offset, r.bytes);
     }
-    internal::ReleaseTransferred(dst.base);
+    TsanRelease(dst.base);  // the receiver acquires it (AcquireTransferred)
     return absl::OkStatus();
   }
 

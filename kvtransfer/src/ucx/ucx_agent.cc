@@ -439,11 +439,9 @@ void UcxAgent::MaybeFinishOp(Op* op) {
   if (!op->posted || op->outstanding > 0) return;
   absl::Status result;
   if (op->error != UCS_OK) {
-    auto peer = peers_.find(op->peer);
+    // FailPeer stamps every op of a peer it fails, and a failed peer takes no new op.
     if (!op->closed_because.ok()) {
       result = op->closed_because;  // Says why: peer lost, disconnected, agent destroyed.
-    } else if (peer != peers_.end() && peer->second.state == PeerState::kFailed) {
-      result = peer->second.failure;
     } else {
       // UCX gave the requests up before the endpoint's error handler ran (a peer that died
       // completes them with UCS_ERR_CANCELED too): the connection is lost.

@@ -24,32 +24,17 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "tandem/base/tsan.h"
 #include "tandem/proto/status.h"
 #include "tandem/v1/worker.pb.h"
 #include "tandem/worker/engine_loop.h"
 
 namespace tandem::worker {
 
-namespace internal {
-#if defined(__SANITIZE_THREAD__)
-extern "C" void __tsan_acquire(void* addr);
-extern "C" void __tsan_release(void* addr);
-#endif
 // ThreadSanitizer cannot see how libgrpc (not TSan-built) orders a reactor's operation (Finish,
 // StartWrite) before the reaction it causes (OnWriteDone, OnDone) on another thread: the
-// reactor states the edge itself, Released before each operation, Acquired at each reaction.
-// Nothing without TSan.
-inline void TsanReleased([[maybe_unused]] void* reactor) {
-#if defined(__SANITIZE_THREAD__)
-  __tsan_release(reactor);
-#endif
-}
-inline void TsanAcquired([[maybe_unused]] void* reactor) {
-#if defined(__SANITIZE_THREAD__)
-  __tsan_acquire(reactor);
-#endif
-}
-}  // namespace internal
+// reactors below state the edge themselves (tandem/base/tsan.h), released before each operation,
+// acquired at each reaction.
 
 // A wire timestamp in unix milliseconds as absl::Time; 0 or less (unset) is InfiniteFuture.
 absl::Time FromUnixMillisOrInfinite(int64_t ms);
@@ -77,12 +62,12 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
   // Sends the value, or the error converted to a gRPC status. Exactly once.
   void Answer(absl::StatusOr<Response> result) {
     if (!result.ok()) {
-      internal::TsanReleased(this);
+      TsanRelease(this);
       Finish(proto::ToGrpcStatus(result.status()));
       return;
     }
     *response_ = std::move(result).value();
-    internal::TsanReleased(this);
+    TsanRelease(this);
     Finish(grpc::Status::OK);
   }
 
@@ -102,7 +87,7 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
 
  private:
   void OnCancel() override {
-    internal::TsanAcquired(this);
+    TsanAcquire(this);
     std::function<void()> fn;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -110,10 +95,10 @@ class UnaryCall final : public grpc::ServerUnaryReactor {
       fn.swap(on_cancel_);
     }
     if (fn) fn();
-    internal::TsanReleased(this);  // OnDone runs after this returns (ordered inside libgrpc)
+    TsanRelease(this);  // OnDone runs after this returns (ordered inside libgrpc)
   }
   void OnDone() override {
-    internal::TsanAcquired(this);
+    TsanAcquire(this);
     delete this;
   }
 
