@@ -1,7 +1,5 @@
 #include "kv_index.h"
 
-#include <grpcpp/alarm.h>
-
 #include <algorithm>
 #include <cstdio>
 #include <utility>
@@ -66,46 +64,38 @@ int64_t KvIndex::dropped() const {
 // --- KvSubscriptions ---
 
 // One worker's subscription: one KvEvents call at a time (a Call, gRPC's reactor, which deletes
-// itself when done), and an alarm for the pause before subscribing again.
+// itself when done). After a call ends the next one is started by Retry(), which the pool's
+// poller runs every round, once the back-off has passed: no timer, no thread of its own.
 class KvSubscriptions::Subscription final : public std::enable_shared_from_this<Subscription> {
  public:
   Subscription(KvSubscriptions* owner, std::shared_ptr<WorkerHandle> worker)
       : owner_(owner), worker_(std::move(worker)) {}
 
-  // Opens a stream now, or after `pause`, unless stopped. Each call and pause counts in the
-  // owner's live_ until it is over.
-  void Subscribe(absl::Duration pause) {
-    owner_->Enter();
-    std::unique_lock<std::mutex> lock(mu_);
-    if (stopped_) {
-      lock.unlock();
-      return owner_->Leave();
+  // Starts a call when none runs, the subscription is not stopped and `now` is past the
+  // back-off since the last call ended.
+  void Retry(absl::Time now) {
+    Call* call;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopped_ || calling_ || now < retry_at_) return;
+      calling_ = true;
+      owner_->Enter();  // until OnCallDone
+      call = NewCallLocked();
     }
-    if (pause > absl::ZeroDuration()) {
-      alarm_ = std::make_unique<grpc::Alarm>();
-      alarm_->Set(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(pause),
-                  [self = shared_from_this()](bool) { self->AfterPause(); });
-      return;
-    }
-    Call* call = NewCallLocked();
-    lock.unlock();
     Go(call);
   }
 
   void Stop() {
     std::shared_ptr<grpc::ClientContext> context;
-    grpc::Alarm* alarm;  // alarm_ is replaced only while not stopped
     {
       std::lock_guard<std::mutex> lock(mu_);
       stopped_ = true;
       synced_ = false;
       context = context_;
-      alarm = alarm_.get();
     }
     // No batch is applied from now on; what was applied goes.
     owner_->index_->Drop(worker_->id);
     if (context != nullptr) context->TryCancel();
-    if (alarm != nullptr) alarm->Cancel();  // AfterPause runs at once and subscribes no more
   }
 
   bool synced() const {
@@ -115,17 +105,6 @@ class KvSubscriptions::Subscription final : public std::enable_shared_from_this<
 
  private:
   class Call;
-
-  void AfterPause() {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (stopped_) {
-      lock.unlock();
-      return owner_->Leave();
-    }
-    Call* call = NewCallLocked();  // takes over the pause's count
-    lock.unlock();
-    Go(call);
-  }
 
   // A KvEvents call with a fresh context (context_). Requires mu_. Go(call) starts it, without
   // mu_ held: gRPC may run its reactions on the calling thread.
@@ -143,14 +122,14 @@ class KvSubscriptions::Subscription final : public std::enable_shared_from_this<
 
   // The current call is over (on a gRPC thread).
   void OnCallDone(const grpc::Status& status) {
-    absl::Duration pause;
     bool stopped;
     {
       std::lock_guard<std::mutex> lock(mu_);
       context_.reset();
+      calling_ = false;
       synced_ = false;
       stopped = stopped_;
-      pause = backoff_;
+      retry_at_ = absl::Now() + backoff_;
       backoff_ = std::min(backoff_ * 2, absl::Seconds(2));
       if (!stopped && status.error_code() == grpc::StatusCode::UNIMPLEMENTED && !warned_) {
         warned_ = true;
@@ -161,23 +140,23 @@ class KvSubscriptions::Subscription final : public std::enable_shared_from_this<
                      status.error_message().c_str());
       }
     }
-    if (!stopped) {
-      // Its entries may be stale from here on: forgotten until the next stream's snapshot.
-      owner_->index_->Drop(worker_->id);
-      Subscribe(pause);
-    }
+    // Its entries may be stale from here on: forgotten until the next stream's snapshot.
+    if (!stopped) owner_->index_->Drop(worker_->id);
     owner_->Leave();
   }
 
   KvSubscriptions* owner_;
   std::shared_ptr<WorkerHandle> worker_;
+  // Held by each operation and reaction of this subscription's calls (Call), taken before mu_.
+  std::recursive_mutex step_mu_;
   mutable std::mutex mu_;
   bool stopped_ = false;                              // guarded by mu_
+  bool calling_ = false;                              // guarded by mu_: a call runs
   bool synced_ = false;                               // guarded by mu_
   bool warned_ = false;                               // guarded by mu_
+  absl::Time retry_at_ = absl::InfinitePast();        // guarded by mu_
   absl::Duration backoff_ = absl::Milliseconds(100);  // guarded by mu_
   std::shared_ptr<grpc::ClientContext> context_;      // guarded by mu_: the call in progress
-  std::unique_ptr<grpc::Alarm> alarm_;                // guarded by mu_
 };
 
 class KvSubscriptions::Subscription::Call final
@@ -187,6 +166,7 @@ class KvSubscriptions::Subscription::Call final
       : subscription_(std::move(subscription)), context_(std::move(context)) {}
 
   void Go(const WorkerHandle& worker) {
+    std::lock_guard<std::recursive_mutex> step(subscription_->step_mu_);
     if (worker.decode) {
       worker.decode->async()->KvEvents(context_.get(), &request_, this);
     } else {
@@ -197,14 +177,22 @@ class KvSubscriptions::Subscription::Call final
   }
 
  private:
+  // Reactions run one at a time, on whichever gRPC thread (or inline, on the thread that starts
+  // an operation); the subscription's step_mu_ states that order to readers such as
+  // ThreadSanitizer that cannot see gRPC's own.
   void OnReadDone(bool ok) override {
+    std::lock_guard<std::recursive_mutex> step(subscription_->step_mu_);
     if (!ok) return;  // the stream ended: OnDone follows
     subscription_->OnBatch(batch_);
     StartRead(&batch_);
   }
   void OnDone(const grpc::Status& status) override {
-    std::shared_ptr<Subscription> subscription = std::move(subscription_);
-    subscription->OnCallDone(status);
+    std::shared_ptr<Subscription> subscription = subscription_;  // outlives the lock
+    {
+      std::lock_guard<std::recursive_mutex> step(subscription->step_mu_);
+      subscription_.reset();
+      subscription->OnCallDone(status);
+    }
     delete this;
   }
 
@@ -242,7 +230,7 @@ void KvSubscriptions::Start(std::shared_ptr<WorkerHandle> worker) {
     slot = subscription;
   }
   if (replaced != nullptr) replaced->Stop();
-  subscription->Subscribe(absl::ZeroDuration());
+  subscription->Retry(absl::Now());
 }
 
 void KvSubscriptions::Stop(const std::string& id) {
@@ -255,6 +243,16 @@ void KvSubscriptions::Stop(const std::string& id) {
     subscriptions_.erase(it);
   }
   stopped->Stop();
+}
+
+void KvSubscriptions::Retry() {
+  std::vector<std::shared_ptr<Subscription>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, s] : subscriptions_) all.push_back(s);
+  }
+  const absl::Time now = absl::Now();
+  for (const std::shared_ptr<Subscription>& s : all) s->Retry(now);
 }
 
 int KvSubscriptions::synced() const {

@@ -4,8 +4,9 @@
 //
 // KvIndex is the data (thread-safe); KvSubscriptions keeps one KvEvents stream open per worker
 // in the pools, on gRPC's callback API (a ClientReadReactor per worker, no thread of its own).
-// A worker's entries are dropped when its stream ends (it resubscribes after a back-off and
-// starts again from the snapshot the worker sends first) and when it leaves the pools.
+// A worker's entries are dropped when its stream ends (the router subscribes again after a
+// back-off, from the pool's poller, and starts over from the snapshot the worker sends first)
+// and when it leaves the pools.
 //
 // Memory is bounded: at most `max_blocks_per_worker` hashes per worker (a worker cannot hold
 // more blocks than its KV cache has, so the cap only bites on a misconfigured router or a
@@ -75,9 +76,12 @@ class KvSubscriptions {
   // Stops every stream and waits until their calls are over.
   ~KvSubscriptions();
 
-  // Subscribes to `worker`'s KV events (replacing a subscription under the same id), and keeps
-  // subscribing again, backing off from 100 ms to 2 s, whenever the stream ends.
+  // Subscribes to `worker`'s KV events (replacing a subscription under the same id).
   void Start(std::shared_ptr<WorkerHandle> worker);
+  // Subscribes again where a stream has ended and its back-off (100 ms, doubling up to 2 s,
+  // back to 100 ms once a stream delivers its snapshot) has passed. The pool's poller calls it
+  // every round.
+  void Retry();
   // Ends the subscription of worker `id` and drops its entries from the index.
   void Stop(const std::string& id);
 
@@ -87,7 +91,7 @@ class KvSubscriptions {
  private:
   class Subscription;
   friend class Subscription;
-  void Enter();  // a call or pause of some subscription begins
+  void Enter();  // a call of some subscription begins
   void Leave();  // ... and ends
 
   KvIndex* index_;

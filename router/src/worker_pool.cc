@@ -274,6 +274,8 @@ void WorkerPool::PollLoop() {
   while (!stopping_) {
     lock.unlock();
     PollOnce(options_.stats_timeout);
+    // KV events streams that ended are opened again (after their back-off).
+    if (kv_subscriptions_) kv_subscriptions_->Retry();
     lock.lock();
     poll_wake_.wait_for(lock, absl::ToChronoMilliseconds(options_.stats_interval),
                         [&] { return stopping_; });
