@@ -6,8 +6,11 @@
 #   then off.
 # routing: 2 prefill workers + 1 decode worker + `tandem router` as processes (threads 1 each),
 #   8 conversations of 10 turns (a shared 100-word system prompt, 20-word messages, 16-token
-#   answers, all 8 at a time), `--routing kv-aware` and then `--routing load`. The
-#   prompt tokens the prefill workers computed (tandem_prefix_cache_queries_tokens_total minus
+#   answers, all 8 at a time), `--routing kv-aware` and then `--routing load`. PREFILL_KV_BYTES
+#   sets the prefill workers' --kv-cache-bytes (default: theirs, 512 MiB, where nothing is
+#   evicted; 50331648, 48 MiB, holds about 6,100 tokens of the small model: more than half of
+#   the conversations' final histories, less than all of them). The prompt tokens the prefill workers
+#   computed (tandem_prefix_cache_queries_tokens_total minus
 #   tandem_prefix_cache_hits_tokens_total, summed over both) go to OUT_DIR/routing-MODE.tokens.
 #
 # usage: bench/prefix_cache_multi_turn.sh build/bin/tandem OUT_DIR [caching|routing|all]
@@ -30,10 +33,13 @@ fi
 
 if [ $WHAT = routing ] || [ $WHAT = all ]; then
   ENGINE="--threads 1 --max-num-batched-tokens 512"
+  PREFILL_KV_BYTES=${PREFILL_KV_BYTES:-0}
+  PREFILL="$ENGINE"
+  [ $PREFILL_KV_BYTES != 0 ] && PREFILL="$ENGINE --kv-cache-bytes $PREFILL_KV_BYTES"
   for routing in kv-aware load; do
     PIDS=""
-    start_worker $OUT/routing-$routing-p0.log prefill $ENGINE --worker-id p0; P0=$ADDR; M0=$METRICS
-    start_worker $OUT/routing-$routing-p1.log prefill $ENGINE --worker-id p1; P1=$ADDR; M1=$METRICS
+    start_worker $OUT/routing-$routing-p0.log prefill $PREFILL --worker-id p0; P0=$ADDR; M0=$METRICS
+    start_worker $OUT/routing-$routing-p1.log prefill $PREFILL --worker-id p1; P1=$ADDR; M1=$METRICS
     start_worker $OUT/routing-$routing-d0.log decode $ENGINE --worker-id d0; D0=$ADDR
     start_router $OUT/routing-$routing-router.log $P0,$P1 $D0 --routing $routing
     $BIN bench --url $URL --model prefix-small --workload multi-turn --num-requests 8 --turns 10 \

@@ -9,7 +9,7 @@ MODEL=${MODEL:-/tmp/prefix-small}
 wait_for() {
   local i found
   for i in $(seq 1 600); do
-    found=$(grep -o -E "$2" $1 | head -1)
+    found=$(grep -s -o -E "$2" $1 | head -1)
     [ -n "$found" ] && { echo "$found"; return 0; }
     sleep 0.5
   done

@@ -5,8 +5,9 @@ processes, the router following each worker's KV events (docs/protocol.md, "KV e
 - Requests that repeat a prefix land on the prefill worker that holds it (its prefix-cache hits
   grow, the other worker never sees them), although the other one is listed first and just as
   idle, which is where `--routing load` sends them.
-- A worker's entries in the router's index (tandem_router_kv_index_blocks) go when the worker
-  leaves the pool (etcd membership), and come for a worker that joins.
+- A worker's entries in the router's index (tandem_router_kv_index_blocks) go when its KV events
+  stream is lost, and come back once it runs again (the router subscribes again); they go when
+  the worker leaves the pool (etcd membership), and come for a worker that joins.
 
 Every wait has a generous bound that only a hang reaches; nothing depends on machine speed.
 
@@ -105,6 +106,35 @@ class KvAwareRouting(unittest.TestCase):
         self.assertGreater(metric(p0.metrics_url, QUERIES), 0)
         self.assertEqual(metric(p0.metrics_url, HITS), 0)
         self.assertEqual(decisions(load, "prefill", "load"), 1)
+
+    def test_a_lost_stream_drops_the_index_and_a_restarted_worker_is_followed_again(self):
+        port = chaos_test.free_port()
+        listen = ["--listen", f"127.0.0.1:{port}"]
+
+        def start_prefill():
+            return self.start(cluster.Process(
+                ["prefill", "--model", cluster.MODEL, "--kv-host", "127.0.0.1",
+                 "--metrics-listen", "127.0.0.1:0"] + listen + cluster.ENGINE_FLAGS,
+                r"listening on (\S+) \(metrics on port (\d+)\)"))
+
+        prefill = start_prefill()
+        address = prefill.match.group(1)
+        decode = self.start(cluster.start_worker("decode"))
+        router = self.start(cluster.start_router(address, decode.address))
+        cluster.post(router.url, body(PREFIX))
+        wait_until(lambda: index_blocks(router, address) >= 16, "index entries for the worker")
+        # The worker goes (its stream ends): the router forgets what it held.
+        prefill.stop()
+        wait_until(lambda: index_blocks(router, address) == 0, "the lost worker's index dropped")
+        # Started again at the same address, with an empty cache: the router subscribes again
+        # and follows what it computes from then on.
+        start_prefill()
+        wait_until(lambda: metric(router.url + "/metrics",
+                                  'tandem_workers{role="prefill",state="up"}') == 1,
+                   "the restarted worker up")
+        cluster.post(router.url, body(PREFIX))
+        wait_until(lambda: index_blocks(router, address) >= 16,
+                   "index entries for the restarted worker")
 
     def test_a_workers_index_goes_when_it_leaves_and_comes_when_it_joins(self):
         with tempfile.TemporaryDirectory() as data:
