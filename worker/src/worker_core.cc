@@ -50,7 +50,7 @@ absl::Status WorkerCore::Serve(EngineLoop::Options loop, grpc::Service* service,
                                std::function<std::string()> render_metrics) {
   // The KV events of each iteration (its posted calls and its step) go out after it.
   loop.iterate = [this, iterate = std::move(loop.iterate)] {
-    const absl::Duration wake = iterate();
+    const absl::Duration wake = iterate ? iterate() : absl::InfiniteDuration();
     kv_events_->Publish();
     return wake;
   };
