@@ -8,15 +8,12 @@
 set -e
 BIN=$1; OUT=$2; WORDS=${3:-760}
 mkdir -p $OUT
-MODEL=${MODEL:-/tmp/prefix-small}
-[ -f $MODEL/config.json ] || $BIN synth-model --out $MODEL --preset small
+. $(dirname $0)/serve_lib.sh
 for mode in on off; do
   flag=""; [ $mode = off ] && flag="--no-enable-prefix-caching"
-  $BIN serve --model $MODEL --served-model-name prefix-small --port 0 --threads 2 --max-num-batched-tokens 512 $flag > $OUT/serve-$mode.log 2>&1 &
-  pid=$!
-  for i in $(seq 1 600); do url=$(grep -o "http://127.0.0.1:[0-9]*" $OUT/serve-$mode.log | head -1); [ -n "$url" ] && break; sleep 0.5; done
-  $BIN bench --url $url --model prefix-small --workload multi-turn --num-requests 2 --turns 1 \
+  start_serve $OUT/serve-$mode.log --threads 2 --max-num-batched-tokens 512 $flag
+  $BIN bench --url $URL --model prefix-small --workload multi-turn --num-requests 2 --turns 1 \
     --system-prompt-len $WORDS --input-len 0 --output-len 4 --max-concurrency 1 --no-progress \
     --json $OUT/ttft-$mode.json > $OUT/ttft-$mode.txt 2>&1 || true
-  kill -INT $pid; wait $pid || true
+  stop $PID
 done

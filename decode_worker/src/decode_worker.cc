@@ -255,6 +255,8 @@ tandem::v1::WorkerStats DecodeWorkerImpl::ComputeStats() const {
   stats.set_kv_blocks_reserved(reserved);
   stats.set_reservations(static_cast<int>(reservations_.size()));
   stats.set_preemptions_total(engine_stats.preemptions);
+  stats.set_prefix_cache_queries_tokens(engine_stats.prefix_cache_queries_tokens);
+  stats.set_prefix_cache_hits_tokens(engine_stats.prefix_cache_hits_tokens);
   return stats;
 }
 

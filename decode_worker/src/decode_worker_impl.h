@@ -103,7 +103,8 @@ using AsyncService = tandem::v1::DecodeWorker::WithCallbackMethod_Reserve<
             tandem::v1::DecodeWorker::WithCallbackMethod_Cancel<
                 tandem::v1::DecodeWorker::WithCallbackMethod_Stats<
                     tandem::v1::DecodeWorker::WithCallbackMethod_Handshake<
-                        tandem::v1::DecodeWorker::Service>>>>>>;
+                        tandem::v1::DecodeWorker::WithCallbackMethod_KvEvents<
+                            tandem::v1::DecodeWorker::Service>>>>>>>;
 
 class Service final : public worker::WithStatsAndHandshake<AsyncService, DecodeWorkerImpl> {
  public:
@@ -185,6 +186,9 @@ class DecodeWorkerImpl final : public DecodeWorker {
   absl::StatusOr<tandem::v1::HandshakeResponse> Handshake(
       const tandem::v1::HandshakeRequest& request) const {
     return core_->kv().Handshake(request, core_->options().worker_id, /*this_side_sends=*/false);
+  }
+  grpc::ServerWriteReactor<tandem::v1::KvEventBatch>* KvEvents() {
+    return core_->kv_events().Subscribe(core_->loop());
   }
   absl::StatusOr<tandem::v1::HandoffResponse> Handoff(const tandem::v1::HandoffRequest& request);
 

@@ -7,40 +7,6 @@
 
 namespace tandem::engine {
 
-namespace {
-
-// splitmix64's finalizer: a bijection that spreads every input bit over the output.
-uint64_t Mix(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-}  // namespace
-
-uint64_t PrefixRoot(std::string_view cache_salt) {
-  uint64_t h = Mix(0x7461'6e64'656d'0001ull ^ cache_salt.size());
-  for (unsigned char c : cache_salt) h = Mix(h ^ c);
-  return h;
-}
-
-uint64_t ChainBlockHash(uint64_t parent, std::span<const int32_t> block_tokens) {
-  uint64_t h = Mix(parent ^ 0x6b76'626c'6f63'6bull);
-  for (int32_t t : block_tokens) h = Mix(h ^ static_cast<uint32_t>(t));
-  return h == 0 ? 1 : h;  // 0 means "no hash" to the block manager
-}
-
-void ExtendBlockHashes(uint64_t root, std::span<const int32_t> tokens, int block_size,
-                       std::vector<uint64_t>& hashes) {
-  const size_t full = tokens.size() / block_size;
-  while (hashes.size() < full) {
-    const uint64_t parent = hashes.empty() ? root : hashes.back();
-    hashes.push_back(
-        ChainBlockHash(parent, tokens.subspan(hashes.size() * block_size, block_size)));
-  }
-}
-
 BlockManager::BlockManager(int num_blocks, int block_size, bool enable_prefix_caching)
     : block_size_(block_size),
       prefix_caching_(enable_prefix_caching),
@@ -63,6 +29,7 @@ int32_t BlockManager::TakeFreeBlock() {
     b = evictable_.front();
     evictable_.pop_front();
     cached_.erase(block_hash_[b]);
+    if (record_events_) events_.push_back({block_hash_[b], /*stored=*/false});
     block_hash_[b] = kNoHash;
     ++num_evictions_;
   }
@@ -171,8 +138,29 @@ void BlockManager::CacheFullBlocks(const BlockTable& table, std::span<const uint
   for (size_t i = std::max(first, 0); i < hashes.size(); ++i) {
     const int32_t b = table[i];
     if (block_hash_[b] != kNoHash) continue;  // named already (a cached or forked block)
-    if (cached_.try_emplace(hashes[i], b).second) block_hash_[b] = hashes[i];
+    if (cached_.try_emplace(hashes[i], b).second) {
+      block_hash_[b] = hashes[i];
+      if (record_events_) events_.push_back({hashes[i], /*stored=*/true});
+    }
   }
+}
+
+void BlockManager::RecordEvents(bool on) {
+  record_events_ = on;
+  if (!on) events_.clear();
+}
+
+std::vector<BlockManager::CacheEvent> BlockManager::TakeEvents() {
+  std::vector<CacheEvent> taken;
+  taken.swap(events_);
+  return taken;
+}
+
+std::vector<uint64_t> BlockManager::CachedHashes() const {
+  std::vector<uint64_t> hashes;
+  hashes.reserve(cached_.size());
+  for (const auto& [hash, block] : cached_) hashes.push_back(hash);
+  return hashes;
 }
 
 }  // namespace tandem::engine

@@ -275,5 +275,42 @@ TEST(BlockManagerTest, ForkOfAPrefixSharesOnlyThoseBlocks) {
   EXPECT_EQ(blocks.num_free_blocks(), 8);
 }
 
+TEST(PrefixCacheTest, EventsNameEveryHashStoredAndEvicted) {
+  BlockManager blocks(3, 4, /*enable_prefix_caching=*/true);
+  // Nothing is recorded until asked for.
+  BlockTable unrecorded;
+  ASSERT_TRUE(blocks.Append(unrecorded, 0, 4).ok());
+  const auto early = Hashes(Tokens(4, 100), 4);
+  blocks.CacheFullBlocks(unrecorded, early);
+  EXPECT_TRUE(blocks.TakeEvents().empty());
+  blocks.Free(unrecorded);  // stays cached
+
+  blocks.RecordEvents(true);
+  const auto hashes = Hashes(Tokens(8), 4);
+  BlockTable table;
+  ASSERT_TRUE(blocks.Append(table, 0, 8).ok());
+  blocks.CacheFullBlocks(table, hashes);
+  blocks.CacheFullBlocks(table, hashes);  // named already: no second event
+  std::vector<BlockManager::CacheEvent> events = blocks.TakeEvents();
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[0].hash, hashes[0]);
+  EXPECT_TRUE(events[0].stored);
+  EXPECT_EQ(events[1].hash, hashes[1]);
+  EXPECT_TRUE(blocks.TakeEvents().empty());  // taken
+  std::vector<uint64_t> cached = blocks.CachedHashes();
+  EXPECT_EQ(std::set<uint64_t>(cached.begin(), cached.end()),
+            (std::set<uint64_t>{early[0], hashes[0], hashes[1]}));
+
+  // Three blocks, all named: a fresh block evicts the least recently freed cached one.
+  blocks.Free(table);
+  BlockTable fresh;
+  ASSERT_TRUE(blocks.Append(fresh, 0, 4).ok());
+  events = blocks.TakeEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].hash, early[0]);
+  EXPECT_FALSE(events[0].stored);
+  EXPECT_EQ(blocks.CachedHashes().size(), 2u);
+}
+
 }  // namespace
 }  // namespace tandem::engine

@@ -190,6 +190,9 @@ class PrefillWorkerImpl final : public PrefillWorker {
       const tandem::v1::HandshakeRequest& request) const {
     return core_->kv().Handshake(request, core_->options().worker_id, /*this_side_sends=*/true);
   }
+  grpc::ServerWriteReactor<tandem::v1::KvEventBatch>* KvEvents() {
+    return core_->kv_events().Subscribe(core_->loop());
+  }
 
  private:
   // Checks a Submit against this worker and builds its job (connecting to the decode worker).

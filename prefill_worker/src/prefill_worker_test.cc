@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <span>
 #include <thread>
 
@@ -625,6 +626,66 @@ TEST_P(PrefillWorkerTest, CachedPrefixesAreNeitherComputedNorPushedAgain) {
     history.insert(history.end(), message.begin(), message.end());
   }
   ExpectDrained(*stub);
+}
+
+// KV events: a new stream begins with a snapshot of the hashes cached (none on a fresh worker),
+// then names every block a request's prompt filled, by the hash the engine (and the router)
+// gives it; a stream opened later finds them in its snapshot; shutting down ends every stream
+// with UNAVAILABLE.
+TEST(PrefillWorkerKvEventsTest, ASnapshotThenEveryBlockStoredUntilShutdown) {
+  auto worker = MakeWorker("local", TinyQwen3(), kTinyKvBytes);
+  ASSERT_NE(worker, nullptr);
+  DecodeSide decode("local", TinyQwen3(), kTinyKvBytes);
+  auto stub = Connect(*worker);
+  auto open = [&](grpc::ClientContext& context) {
+    return stub->KvEvents(&context, tandem::v1::KvEventsRequest());
+  };
+
+  grpc::ClientContext first_context;
+  auto first = open(first_context);
+  tandem::v1::KvEventBatch batch;
+  ASSERT_TRUE(first->Read(&batch));
+  EXPECT_TRUE(batch.reset());
+  EXPECT_EQ(batch.stored_size(), 0);
+  EXPECT_EQ(batch.removed_size(), 0);
+  const int block_size = batch.block_size();
+  ASSERT_GT(block_size, 0);
+
+  const std::vector<int32_t> prompt = RandomPrompt(100, 500, 7);
+  std::vector<uint64_t> hashes;
+  engine::ExtendBlockHashes(engine::PrefixRoot("tenant"), prompt, block_size, hashes);
+  ASSERT_EQ(hashes.size(), static_cast<size_t>(100 / block_size));
+  engine::GenerateRequest request{"salted", prompt, {}};
+  request.cache_salt = "tenant";
+  request.params.max_tokens = 2;
+  SubmitResult result =
+      CallSubmit(*stub, MakeSubmit(request, decode.Reserve("salted", 100, 1)));
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+  decode.Release("salted");
+
+  std::set<uint64_t> stored;
+  while (stored.size() < hashes.size() && first->Read(&batch)) {
+    EXPECT_FALSE(batch.reset());
+    EXPECT_EQ(batch.removed_size(), 0);
+    stored.insert(batch.stored().begin(), batch.stored().end());
+  }
+  EXPECT_EQ(stored, std::set<uint64_t>(hashes.begin(), hashes.end()));
+
+  grpc::ClientContext second_context;
+  auto second = open(second_context);
+  std::set<uint64_t> snapshot;
+  ASSERT_TRUE(second->Read(&batch));
+  EXPECT_TRUE(batch.reset());
+  snapshot.insert(batch.stored().begin(), batch.stored().end());
+  EXPECT_EQ(snapshot, stored);
+
+  worker->Shutdown(absl::Seconds(5));
+  while (first->Read(&batch)) {
+  }
+  EXPECT_EQ(first->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  while (second->Read(&batch)) {
+  }
+  EXPECT_EQ(second->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
 TEST_P(PrefillWorkerTest, PreemptedSamplesArePushedAgainAndStillMatch) {

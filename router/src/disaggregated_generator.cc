@@ -62,6 +62,8 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
                                        .cluster = options_.cluster,
                                        .tls = options_.tls,
                                        .stats_interval = options_.stats_interval,
+                                       .kv_events = options_.routing == Routing::kKvAware,
+                                       .kv_index_max_blocks = options_.kv_index_max_blocks,
                                    }));
     env_.pool = pool_.get();
     env_.options = {.admission_timeout = options_.admission_timeout,
@@ -69,6 +71,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
                     .stream_timeout = options_.stream_timeout,
                     .max_retries = options_.max_retries};
     env_.counters = &counters_;
+    env_.routing = options_.routing;
     env_.detokenize = [this](const std::vector<int32_t>& tokens, bool skip_special) {
       return tokenizer_->Decode(tokens, skip_special);
     };
@@ -140,6 +143,9 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     for (const WorkerView& w : pools->prefill) {
       total.running += w.stats.running();
       total.waiting += w.stats.waiting();
+      // Where prompts are computed: the tokens the prefill pool found cached.
+      total.prefix_cache_queries_tokens += w.stats.prefix_cache_queries_tokens();
+      total.prefix_cache_hits_tokens += w.stats.prefix_cache_hits_tokens();
     }
     return total;
   }
@@ -155,6 +161,14 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     c.decode_workers = static_cast<int>(pools->decode.size());
     for (const WorkerView& w : pools->prefill) c.prefill_workers_up += w.up ? 1 : 0;
     for (const WorkerView& w : pools->decode) c.decode_workers_up += w.up ? 1 : 0;
+    if (const KvIndex* index = pool_->kv_index()) c.kv_index_blocks = index->Entries();
+    const char* pools_named[2] = {"prefill", "decode"};
+    for (int p = 0; p < 2; ++p) {
+      for (RouteReason r : {RouteReason::kKvHit, RouteReason::kKvMiss, RouteReason::kLoad}) {
+        c.routing_decisions[{pools_named[p], RouteReasonName(r)}] =
+            counters_.routed[p][static_cast<int>(r)].load();
+      }
+    }
     return c;
   }
 

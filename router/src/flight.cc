@@ -87,6 +87,10 @@ void Flight::Finish() {
 // Start, relaying its events; its end goes to OnStreamEnd.
 void Flight::Attempt() {
   base_ = current_;
+  hits_ = {};
+  if (env_.routing == Routing::kKvAware && env_.pool->kv_index() != nullptr) {
+    hits_ = env_.pool->kv_index()->Lookup(current_.prompt_tokens, current_.cache_salt);
+  }
   SetState(FlightState::kReserving);
   Reserve(current_, -1, -1, nullptr, env_.options.admission_timeout,
           [this, self = shared_from_this()](absl::StatusOr<Reserved> reserved) {
@@ -98,11 +102,16 @@ void Flight::Attempt() {
     SetState(FlightState::kPrefilling);
     std::shared_ptr<WorkerHandle> prefill;
     int64_t queued_ahead = 0;
+    int64_t tokens = 0;
     {
       std::shared_ptr<const PoolSnapshot> pools = env_.pool->Snapshot();
-      if (const WorkerView* p = PickPrefill(*pools)) {
-        prefill = p->handle;
-        queued_ahead = p->stats.queued_prefill_tokens() + p->pending_load;
+      const RouteRequest route = Route();
+      const PrefillPick pick = PickPrefill(*pools, route);
+      if (pick.worker != nullptr) {
+        prefill = pick.worker->handle;
+        queued_ahead = pick.queued;
+        tokens = pick.compute_tokens;
+        CountRoute(0, ReasonFor(route, *pick.worker));
       }
     }
     auto decode = std::make_shared<Reserved>(std::move(reserved).value());
@@ -127,7 +136,7 @@ void Flight::Attempt() {
                });
     };
     if (prefill == nullptr) return failed(absl::UnavailableError("no prefill worker is up"));
-    Prefill(current_, prefill, queued_ahead, decode->reservation,
+    Prefill(current_, prefill, queued_ahead, tokens, decode->reservation,
             [this, decode, failed](absl::Status status, tandem::v1::SubmitResponse& prefilled) {
       if (!status.ok()) return failed(std::move(status));
       tandem::v1::StartRequest start;

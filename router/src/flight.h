@@ -10,8 +10,9 @@
 //
 // reserving:   Reserve the prompt's KV blocks on the best decode worker (placement.h), trying
 //              the others and waiting for room up to admission_timeout.
-// prefilling:  Submit the prompt to the prefill worker with the fewest queued tokens; its KV
-//              lands in the reservation.
+// prefilling:  Submit the prompt to the prefill worker with the least work (queued tokens, plus
+//              with KV-aware routing what it would compute of this prompt); its KV lands in the
+//              reservation.
 // streaming:   Start on the decode worker and relay its TokenEvents to the callback.
 // handing off: the decode worker drained and parked the unfinished samples with their KV:
 //              Reserve on another decode worker, Handoff the KV there, Start again.
@@ -67,12 +68,17 @@ struct FlightCounters {
   std::atomic<int64_t> migrations{0};
   std::atomic<int64_t> kv_handoffs{0};
   std::atomic<int64_t> kv_handoff_bytes{0};
+  // Workers chosen, by pool (0 prefill, 1 decode) and RouteReason.
+  std::atomic<int64_t> routed[2][3] = {};
 };
 
 // What every flight shares; outlives them all.
 struct FlightEnv {
   WorkerPool* pool = nullptr;
   FlightOptions options;
+  // kv-aware: prefill and decode workers are scored with what their prefix caches hold of the
+  // prompt (pool->kv_index()); load: by load alone.
+  Routing routing = Routing::kLoad;
   FlightCounters* counters = nullptr;
   // The text of tokens (the tokenizer's Decode), for what a worker that went away held back.
   std::function<std::string(const std::vector<int32_t>& tokens, bool skip_special_tokens)>
@@ -148,8 +154,9 @@ class Flight : public std::enable_shared_from_this<Flight> {
   void Release(const Reserved& reserved, bool pending, Then then);
   void CancelOn(const WorkerHandle& worker, const std::string& request_id,
                 const std::string& reason, absl::Duration timeout, Then then);
+  // `tokens`: the prompt tokens the prefill worker is expected to compute (its pending load).
   void Prefill(const engine::GenerateRequest& r, const std::shared_ptr<WorkerHandle>& prefill,
-               int64_t queued_ahead, const tandem::v1::KvReservation& reservation,
+               int64_t queued_ahead, int64_t tokens, const tandem::v1::KvReservation& reservation,
                std::function<void(absl::Status, tandem::v1::SubmitResponse&)> then);
   // Starts `start` on reserved.worker (whose reservation it consumes) and relays its stream.
   void Relay(const Reserved& reserved, tandem::v1::StartRequest start,
@@ -167,6 +174,9 @@ class Flight : public std::enable_shared_from_this<Flight> {
   bool BeginCall(std::shared_ptr<grpc::ClientContext> context);
   void EndCall();
   bool Cancelled() const;
+  // How current_ is routed: env_.routing, with what the workers' caches hold of its prompt.
+  RouteRequest Route() const;
+  void CountRoute(int pool, RouteReason reason) const;
   // Calls the callback unless the request was aborted.
   void Deliver(const engine::RequestOutput& output, const absl::Status& status);
   bool AllDone() const;
@@ -192,6 +202,7 @@ class Flight : public std::enable_shared_from_this<Flight> {
   std::vector<int> samples_;    // the running attempt's sample i is the request's samples_[i]
   engine::GenerateRequest current_;  // the attempt's request (a continuation after a migration)
   engine::GenerateRequest base_;     // what the streaming worker holds (a hand-off continues it)
+  PrefixHits hits_;                  // what the workers' caches hold of current_'s prompt
   int attempt_ = 0;
   int retries_ = 0;
 

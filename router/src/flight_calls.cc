@@ -36,6 +36,7 @@ struct Flight::ReserveJob {
   absl::Duration backoff = absl::Milliseconds(5);
   absl::Status last = absl::UnavailableError("no decode worker is up");
   std::vector<std::shared_ptr<WorkerHandle>> order;  // this round's decode workers, best first
+  std::vector<RouteReason> reasons;                  // why each of them (order's indexes)
   size_t next = 0;
   absl::Duration wait;
   std::function<void(absl::StatusOr<Reserved>)> then;
@@ -63,10 +64,19 @@ void Flight::ReserveRound(std::shared_ptr<ReserveJob> job) {
     return job->then(absl::UnavailableError("no decode worker is registered"));
   }
   job->order.clear();
+  job->reasons.clear();
   job->next = 0;
+  // The prompt's KV (the flight's current_, whose cached prefix hits_ holds) is routed as asked;
+  // a handoff's KV by load (no worker holds any of it).
+  const RouteRequest route =
+      job->lookup_prefix ? Route() : RouteRequest{.prompt_tokens = job->prompt_len,
+                                                  .n = job->r->params.n};
   for (const WorkerView* w :
-       RankDecode(*pools, EstimateBlocks(job->prompt_len, job->r->params.n))) {
-    if (w->handle.get() != job->exclude) job->order.push_back(w->handle);
+       RankDecode(*pools, EstimateBlocks(job->prompt_len, job->r->params.n), route)) {
+    if (w->handle.get() != job->exclude) {
+      job->order.push_back(w->handle);
+      job->reasons.push_back(ReasonFor(route, *w));
+    }
   }
   ReserveNext(std::move(job));
 }
@@ -90,6 +100,7 @@ void Flight::ReserveNext(std::shared_ptr<ReserveJob> job) {
     return job->then(absl::UnavailableError(
         absl::StrCat("no decode worker could take the request: ", job->last.message())));
   }
+  const RouteReason reason = job->reasons[job->next];
   std::shared_ptr<WorkerHandle> w = job->order[job->next++];
   using Call = Unary<tandem::v1::ReserveRequest, tandem::v1::ReserveResponse>;
   auto call = std::make_shared<Call>(absl::Now() + absl::Seconds(10));
@@ -109,10 +120,11 @@ void Flight::ReserveNext(std::shared_ptr<ReserveJob> job) {
   // quick; an abort meanwhile is handled by releasing what it returns.
   w->decode->async()->Reserve(
       call->context.get(), &call->request, &call->response,
-      [self = shared_from_this(), job, w, call](grpc::Status status) {
+      [self = shared_from_this(), job, w, call, reason](grpc::Status status) {
         auto step = self->Step();
         if (status.ok()) {
           Reserved reserved{w, call->response.reservation()};
+          if (job->lookup_prefix) self->CountRoute(1, reason);
           if (self->Cancelled()) {
             return self->Release(reserved, /*pending=*/false, [job] {
               job->then(absl::CancelledError("request aborted"));
@@ -167,7 +179,7 @@ void Flight::CancelOn(const WorkerHandle& worker, const std::string& request_id,
 
 void Flight::Prefill(const engine::GenerateRequest& r,
                      const std::shared_ptr<WorkerHandle>& prefill, int64_t queued_ahead,
-                     const tandem::v1::KvReservation& reservation,
+                     int64_t tokens, const tandem::v1::KvReservation& reservation,
                      std::function<void(absl::Status, tandem::v1::SubmitResponse&)> then) {
   using Call = Unary<tandem::v1::SubmitRequest, tandem::v1::SubmitResponse>;
   auto call = std::make_shared<Call>(absl::FromUnixMillis(reservation.expires_unix_ms()) +
@@ -182,7 +194,6 @@ void Flight::Prefill(const engine::GenerateRequest& r,
   if (!BeginCall(call->context)) {
     return then(absl::CancelledError("request aborted"), call->response);
   }
-  const int64_t tokens = static_cast<int64_t>(r.prompt_tokens.size()) * r.params.n;
   env_.pool->AddPending(*prefill, tokens, 1);
   const absl::Time sent = absl::Now();
   prefill->prefill->async()->Submit(
@@ -252,6 +263,19 @@ void Flight::Abort() {
   // Outside the lock: either may complete the flight's step on this thread.
   if (call != nullptr) call->TryCancel();
   if (pause != nullptr) pause->Cancel();
+}
+
+RouteRequest Flight::Route() const {
+  return {.routing = env_.routing,
+          .hits = &hits_,
+          .prompt_tokens = static_cast<int64_t>(current_.prompt_tokens.size()),
+          .n = current_.params.n};
+}
+
+void Flight::CountRoute(int pool, RouteReason reason) const {
+  if (env_.counters != nullptr) {
+    env_.counters->routed[pool][static_cast<int>(reason)].fetch_add(1);
+  }
 }
 
 void Flight::Deliver(const engine::RequestOutput& output, const absl::Status& status) {

@@ -26,6 +26,7 @@ void ApiServerImpl::HandleMetrics(http::HttpExchange& ex) {
   metrics_.workers[0][1]->Set(counters.prefill_workers - counters.prefill_workers_up);
   metrics_.workers[1][0]->Set(counters.decode_workers_up);
   metrics_.workers[1][1]->Set(counters.decode_workers - counters.decode_workers_up);
+  metrics_.PrefixCacheAndRouting(stats, counters);
   metrics_.in_flight->Set(active_.load());
   if (const http::HttpServer* server = http_for_handlers_.load(std::memory_order_acquire)) {
     metrics_.connections->Set(server->num_connections());

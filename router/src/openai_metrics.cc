@@ -69,6 +69,13 @@ ApiMetrics::ApiMetrics(const ApiServerOptions& options)
     }
   }
 
+  prefix_queries = &registry.Counter(
+      "tandem_prefix_cache_queries_tokens_total",
+      "Prompt tokens looked up in the prefix cache as sequences were admitted.");
+  prefix_hits = &registry.Counter("tandem_prefix_cache_hits_tokens_total",
+                                  "Prompt tokens found in the prefix cache (or shared with "
+                                  "another sample), not computed.");
+
   tpot = &registry.Histogram(
       "tandem_time_per_output_token_seconds",
       "Per request that finished normally with at least 2 tokens: (end - first token) / "
@@ -110,6 +117,35 @@ void ApiMetrics::Classify(double ttft_seconds, std::optional<double> tpot_second
   if (tpot_slo) count(slo_tpot, !tpot_seconds || *tpot_seconds <= *tpot_slo);
   if (ttft_slo || tpot_slo) count(slo_both, all_met);
   if (all_met) slo_met->Increment();
+}
+
+void ApiMetrics::PrefixCacheAndRouting(const engine::EngineStats& stats,
+                                       const engine::GeneratorCounters& counters) {
+  metrics::AdvanceTo(*prefix_queries, static_cast<double>(stats.prefix_cache_queries_tokens));
+  metrics::AdvanceTo(*prefix_hits, static_cast<double>(stats.prefix_cache_hits_tokens));
+  for (const auto& [key, n] : counters.routing_decisions) {
+    metrics::AdvanceTo(
+        registry.Counter("tandem_router_routing_decisions_total",
+                         "Workers the router chose for requests, by pool (prefill, decode) and "
+                         "reason (kv_hit: KV-aware, the worker holds part of the prompt; kv_miss: "
+                         "KV-aware, it holds none; load: --routing load).",
+                         {{"pool", key.first}, {"reason", key.second}}),
+        static_cast<double>(n));
+  }
+  // A worker that left keeps its series, at 0 (series live as long as the registry).
+  std::lock_guard<std::mutex> lock(kv_index_mu);
+  constexpr const char* kIndexHelp =
+      "Block hashes the router's KV-event index holds for each worker (KV-aware routing).";
+  for (const std::string& id : kv_index_workers) {
+    if (!counters.kv_index_blocks.contains(id)) {
+      registry.Gauge("tandem_router_kv_index_blocks", kIndexHelp, {{"worker", id}}).Set(0);
+    }
+  }
+  for (const auto& [id, n] : counters.kv_index_blocks) {
+    kv_index_workers.insert(id);
+    registry.Gauge("tandem_router_kv_index_blocks", kIndexHelp, {{"worker", id}})
+        .Set(static_cast<double>(n));
+  }
 }
 
 }  // namespace tandem::router::internal

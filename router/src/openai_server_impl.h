@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,14 @@ struct ApiMetrics {
   prometheus::Counter* kv_handoffs;
   prometheus::Counter* kv_handoff_bytes;
   prometheus::Gauge* workers[2][2];  // [prefill, decode][up, down]
+  // Prefix cache (the engine's, or the prefill pool's summed) and KV-aware routing.
+  prometheus::Counter* prefix_queries;
+  prometheus::Counter* prefix_hits;
+  std::mutex kv_index_mu;                  // scrapes may run at once
+  std::set<std::string> kv_index_workers;  // workers given a series so far; guarded by kv_index_mu
+  // Sets the prefix-cache and routing series from the generator's stats and counters.
+  void PrefixCacheAndRouting(const engine::EngineStats& stats,
+                             const engine::GeneratorCounters& counters);
 
   // SLO accounting (see Classify). A pair is null where that objective is not configured;
   // "both" exists when any is.

@@ -70,19 +70,19 @@ TEST(PlacementTest, DownWorkersAreNeverChosen) {
   pools.decode = {Decode("down", 100, 0, 0, /*up=*/false), Decode("up", 100, 90, 5)};
   pools.prefill = {Prefill("down", 0, 0, 0, /*up=*/false), Prefill("up", 1000)};
   EXPECT_THAT(Ids(RankDecode(pools, 1)), testing::ElementsAre("up"));
-  ASSERT_NE(PickPrefill(pools), nullptr);
-  EXPECT_EQ(PickPrefill(pools)->id, "up");
+  ASSERT_NE(PickPrefill(pools).worker, nullptr);
+  EXPECT_EQ(PickPrefill(pools).worker->id, "up");
 }
 
 TEST(PlacementTest, NoWorkerUpMeansNoChoice) {
   PoolSnapshot empty;
   EXPECT_TRUE(RankDecode(empty, 1).empty());
-  EXPECT_EQ(PickPrefill(empty), nullptr);
+  EXPECT_EQ(PickPrefill(empty).worker, nullptr);
   PoolSnapshot all_down;
   all_down.decode = {Decode("d", 100, 0, 0, false)};
   all_down.prefill = {Prefill("p", 0, 0, 0, false)};
   EXPECT_TRUE(RankDecode(all_down, 1).empty());
-  EXPECT_EQ(PickPrefill(all_down), nullptr);
+  EXPECT_EQ(PickPrefill(all_down).worker, nullptr);
 }
 
 TEST(PlacementTest, AllDecodeWorkersFullStillRanksThemForAWaitingReserve) {
@@ -95,9 +95,79 @@ TEST(PlacementTest, AllDecodeWorkersFullStillRanksThemForAWaitingReserve) {
 TEST(PlacementTest, PrefillGoesToTheFewestQueuedTokensPendingIncluded) {
   PoolSnapshot pools;
   pools.prefill = {Prefill("a", 500), Prefill("b", 100), Prefill("c", 300)};
-  EXPECT_EQ(PickPrefill(pools)->id, "b");
+  EXPECT_EQ(PickPrefill(pools).worker->id, "b");
   pools.prefill[1].pending_load = 450;  // prompts sent to "b" since its last Stats
-  EXPECT_EQ(PickPrefill(pools)->id, "c");
+  EXPECT_EQ(PickPrefill(pools).worker->id, "c");
+}
+
+// A request of `prompt` tokens whose prefix `hits` holds, routed kv-aware.
+RouteRequest KvAware(const PrefixHits& hits, int64_t prompt, int n = 1) {
+  return {.routing = Routing::kKvAware, .hits = &hits, .prompt_tokens = prompt, .n = n};
+}
+
+TEST(KvAwareRoutingTest, PrefillGoesWhereThePrefixIsUnlessItsQueueOutweighsIt) {
+  PoolSnapshot pools;
+  pools.prefill = {Prefill("a", 100), Prefill("b", 300)};
+  PrefixHits hits;
+  hits.cached_tokens["b"] = 960;  // "b" holds 960 of the prompt's 1,000 tokens
+  // Load alone: "a" (fewer queued tokens). KV-aware: "b" computes 40 + 300 queued < 1,000 + 100.
+  EXPECT_EQ(PickPrefill(pools, {.prompt_tokens = 1000}).worker->id, "a");
+  const PrefillPick pick = PickPrefill(pools, KvAware(hits, 1000));
+  ASSERT_NE(pick.worker, nullptr);
+  EXPECT_EQ(pick.worker->id, "b");
+  EXPECT_EQ(pick.compute_tokens, 40);
+  EXPECT_EQ(pick.queued, 300);
+  EXPECT_EQ(ReasonFor(KvAware(hits, 1000), *pick.worker), RouteReason::kKvHit);
+  // A long enough queue on "b" sends the request to "a" after all, computing everything.
+  pools.prefill[1].pending_load = 2000;
+  const PrefillPick busy = PickPrefill(pools, KvAware(hits, 1000));
+  EXPECT_EQ(busy.worker->id, "a");
+  EXPECT_EQ(ReasonFor(KvAware(hits, 1000), *busy.worker), RouteReason::kKvMiss);
+  EXPECT_EQ(ReasonFor({.prompt_tokens = 1000}, *busy.worker), RouteReason::kLoad);
+}
+
+TEST(KvAwareRoutingTest, PrefillComputesAtLeastTheLastTokenAndOnePerFurtherSample) {
+  WorkerView w = Prefill("a", 0);
+  PrefixHits hits;
+  hits.cached_tokens["a"] = 64;  // the whole prompt
+  EXPECT_EQ(PrefillTokens(KvAware(hits, 64), w), 1);
+  EXPECT_EQ(PrefillTokens(KvAware(hits, 64, /*n=*/3), w), 3);
+  EXPECT_EQ(PrefillTokens(KvAware(hits, 100), w), 36);
+  // Load routing counts the whole prompt per sample, cached or not.
+  EXPECT_EQ(PrefillTokens({.hits = &hits, .prompt_tokens = 100, .n = 2}, w), 200);
+  // A worker the index knows nothing of holds nothing.
+  EXPECT_EQ(PrefillTokens(KvAware(hits, 100), Prefill("b", 0)), 100);
+}
+
+TEST(KvAwareRoutingTest, DecodeWeighsKvToMoveAgainstTheRunningBatch) {
+  PoolSnapshot pools;
+  pools.decode = {Decode("empty", 100, 0, 1), Decode("holder", 100, 30, 2)};
+  PrefixHits hits;
+  hits.cached_tokens["holder"] = 1024;
+  // Load: the smaller batch. KV-aware: "holder" moves 0 tokens + 2 x 512 < 1,024 + 1 x 512.
+  EXPECT_THAT(Ids(RankDecode(pools, 64, {.prompt_tokens = 1024})),
+              testing::ElementsAre("empty", "holder"));
+  EXPECT_THAT(Ids(RankDecode(pools, 64, KvAware(hits, 1024))),
+              testing::ElementsAre("holder", "empty"));
+  EXPECT_EQ(TokensToMove(KvAware(hits, 1024, /*n=*/2), pools.decode[0]), 2048);
+  EXPECT_EQ(TokensToMove(KvAware(hits, 1024), pools.decode[1]), 0);
+  // Three more sequences in "holder"'s batch outweigh the 1,024 tokens it saves moving.
+  pools.decode[1].pending_requests = 3;
+  EXPECT_THAT(Ids(RankDecode(pools, 64, KvAware(hits, 1024))),
+              testing::ElementsAre("empty", "holder"));
+  // Room comes first whatever the cache holds.
+  pools.decode[1].pending_requests = 0;
+  pools.decode[1].pending_load = 58;  // 12 blocks free, 64 needed
+  EXPECT_THAT(Ids(RankDecode(pools, 64, KvAware(hits, 1024))),
+              testing::ElementsAre("empty", "holder"));
+}
+
+TEST(KvAwareRoutingTest, RoutingNamesParse) {
+  EXPECT_EQ(*ParseRouting("kv-aware"), Routing::kKvAware);
+  EXPECT_EQ(*ParseRouting("load"), Routing::kLoad);
+  EXPECT_EQ(ParseRouting("random").status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_STREQ(RoutingName(Routing::kKvAware), "kv-aware");
+  EXPECT_STREQ(RouteReasonName(RouteReason::kKvMiss), "kv_miss");
 }
 
 TEST(AdmissionTest, RefusesWhenThePredictedTtftExceedsTheTarget) {

@@ -53,6 +53,10 @@ absl::StatusOr<std::unique_ptr<WorkerPool>> WorkerPool::Create(const WorkerPoolO
 
 absl::Status WorkerPool::Init() {
   TANDEM_ASSIGN_OR_RETURN(credentials_, proto::MakeChannelCredentials(options_.tls));
+  if (options_.kv_events) {
+    kv_index_ = std::make_unique<KvIndex>(options_.kv_index_max_blocks);
+    kv_subscriptions_ = std::make_unique<KvSubscriptions>(kv_index_.get());
+  }
   for (const std::string& address : options_.decode_addresses) Add("decode", address, address);
   for (const std::string& address : options_.prefill_addresses) Add("prefill", address, address);
   if (!options_.etcd_endpoints.empty()) {
@@ -98,6 +102,7 @@ WorkerPool::~WorkerPool() {
   }
   poll_wake_.notify_all();
   if (poller_.joinable()) poller_.join();
+  kv_subscriptions_.reset();  // ends every KV events stream and waits for it
 }
 
 std::shared_ptr<const PoolSnapshot> WorkerPool::Snapshot() const {
@@ -176,23 +181,32 @@ void WorkerPool::Add(const std::string& role, const std::string& id, const std::
   } else {
     handle->prefill = tandem::v1::PrefillWorker::NewStub(handle->channel);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<Entry>& pool = role == "decode" ? decode_ : prefill_;
-  for (const Entry& e : pool) {
-    if (e.view.id == id && e.view.address == address) return;  // unchanged
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<Entry>& pool = role == "decode" ? decode_ : prefill_;
+    for (const Entry& e : pool) {
+      if (e.view.id == id && e.view.address == address) return;  // unchanged
+    }
+    std::erase_if(pool, [&](const Entry& e) { return e.view.id == id; });
+    Entry& e = pool.emplace_back();
+    e.view.handle = handle;
+    e.view.id = id;
+    e.view.address = address;
+    Changed();
   }
-  std::erase_if(pool, [&](const Entry& e) { return e.view.id == id; });
-  Entry& e = pool.emplace_back();
-  e.view.handle = std::move(handle);
-  e.view.id = id;
-  e.view.address = address;
-  Changed();
+  // Replaces the subscription of a worker that moved to another address.
+  if (kv_subscriptions_) kv_subscriptions_->Start(std::move(handle));
 }
 
 void WorkerPool::Remove(const std::string& role, const std::string& id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::vector<Entry>& pool = role == "decode" ? decode_ : prefill_;
-  if (std::erase_if(pool, [&](const Entry& e) { return e.view.id == id; }) > 0) Changed();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<Entry>& pool = role == "decode" ? decode_ : prefill_;
+    if (std::erase_if(pool, [&](const Entry& e) { return e.view.id == id; }) == 0) return;
+    Changed();
+  }
+  // Its index goes with it.
+  if (kv_subscriptions_) kv_subscriptions_->Stop(id);
 }
 
 std::vector<std::string> WorkerPool::PollOnce(absl::Duration timeout) {
@@ -260,6 +274,8 @@ void WorkerPool::PollLoop() {
   while (!stopping_) {
     lock.unlock();
     PollOnce(options_.stats_timeout);
+    // KV events streams that ended are opened again (after their back-off).
+    if (kv_subscriptions_) kv_subscriptions_->Retry();
     lock.lock();
     poll_wake_.wait_for(lock, absl::ToChronoMilliseconds(options_.stats_interval),
                         [&] { return stopping_; });

@@ -22,6 +22,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "kv_index.h"
 #include "placement.h"
 #include "tandem/cluster/membership.h"
 #include "tandem/proto/tls.h"
@@ -52,6 +53,10 @@ struct WorkerPoolOptions {
   // answer before the worker counts as down (until it answers again).
   absl::Duration stats_interval = absl::Milliseconds(100);
   absl::Duration stats_timeout = absl::Seconds(1);
+  // Follow every worker's KV events into a KvIndex (KV-aware routing), keeping at most this
+  // many block hashes per worker.
+  bool kv_events = false;
+  size_t kv_index_max_blocks = 1 << 20;
 };
 
 class WorkerPool {
@@ -80,6 +85,11 @@ class WorkerPool {
   void Add(const std::string& role, const std::string& id, const std::string& address);
   void Remove(const std::string& role, const std::string& id);
 
+  // What each worker's prefix cache holds, from its KV events; null without kv_events.
+  const KvIndex* kv_index() const { return kv_index_.get(); }
+  // Workers whose KV events stream is open and past its snapshot.
+  int kv_streams_synced() const { return kv_subscriptions_ ? kv_subscriptions_->synced() : 0; }
+
   // One poll round, waiting up to `timeout` for the answers; "ADDRESS (why)" of each worker that
   // did not answer.
   std::vector<std::string> PollOnce(absl::Duration timeout);
@@ -99,6 +109,8 @@ class WorkerPool {
   WorkerPoolOptions options_;
   std::shared_ptr<grpc::ChannelCredentials> credentials_;
   std::unique_ptr<cluster::Membership> membership_;
+  std::unique_ptr<KvIndex> kv_index_;
+  std::unique_ptr<KvSubscriptions> kv_subscriptions_;  // feeds kv_index_
 
   mutable std::mutex mu_;
   std::vector<Entry> decode_;   // guarded by mu_

@@ -172,11 +172,17 @@ TEST(ApiServerTest, TwoHundredConcurrentStreamsAllFinishCorrectly) {
   // No SLO configured: every request that finished counts as meeting all (none) of them, and
   // there is no per-objective series.
   const int finished = kClients + static_cast<int>(prompts.size());
+  // Prompt tokens looked up in the prefix cache: the engine's (colocated) or the prefill
+  // pool's, from its Stats (disaggregated).
+  const std::string queries = "tandem_prefix_cache_queries_tokens_total";
   std::string metrics = WaitForMetrics(port, [&](const std::string& m) {
     return Has(m, "tandem_kv_cache_blocks_used", 0) &&
            Has(m, "tandem_requests_slo_met_total", finished) &&
-           Has(m, "tandem_time_per_output_token_seconds_count", finished);
+           Has(m, "tandem_time_per_output_token_seconds_count", finished) &&
+           MetricValue(m, queries).value_or(0) > 0;
   });
+  EXPECT_GT(MetricValue(metrics, queries).value_or(0), 0);
+  EXPECT_TRUE(MetricValue(metrics, "tandem_prefix_cache_hits_tokens_total").has_value());
   EXPECT_EQ(MetricValue(metrics, "tandem_kv_cache_blocks_used"), 0);
   EXPECT_GE(MetricValue(metrics, "tandem_requests_total{finish_reason=\"length\"}").value_or(0),
             kClients);

@@ -5,7 +5,9 @@ separate processes, KV pages over UCX, driven through the OpenAI API.
 - Output equals `tandem serve --colocated` token for token (greedy and seeded sampling, n=2,
   1..32 concurrent requests, prompts longer than one prefill chunk).
 - Abort storm: 300 concurrent streams with long prompts, cut mid-prefill and mid-decode, four
-  times; afterwards a request succeeds and every worker's /metrics shows 0 KV blocks in use.
+  times, with prefix caching on (the prompts share cached blocks on both workers); afterwards a
+  request succeeds and every worker's /metrics shows 0 KV blocks in use (referenced; blocks
+  still cached but free are allowed).
   The decode worker runs with --step-delay-ms, so a stream cut after its first tokens still
   has seconds of generation left on any machine: the cuts are mid-decode (the router counts
   them as aborts), not after a stream that already ended.
@@ -257,6 +259,10 @@ class DisaggregatedServing(unittest.TestCase):
         completed = 'tandem_requests_total{finish_reason="length"}'
         aborted_before = metric(router_metrics, aborts) or 0
         completed_before = metric(router_metrics, completed) or 0
+        # The storm's prompts are all alike: with prefix caching on (the workers' default) they
+        # share cached blocks, on both workers, while they are cut.
+        hits = "tandem_prefix_cache_hits_tokens_total"
+        hits_before = {w: metric(w.metrics_url, hits) or 0 for w in (self.prefill, self.decode)}
 
         def client(i):
             s = socket.create_connection((host, int(port)), timeout=120)
@@ -301,9 +307,12 @@ class DisaggregatedServing(unittest.TestCase):
                                    "ignore_eos": True, "temperature": 0})
         self.assertEqual(r["usage"]["completion_tokens"], 8)
         for worker in (self.prefill, self.decode):
+            # No block is referenced any more (cached-but-free blocks are not "used").
             self.assertEqual(wait_for_zero(worker.metrics_url, "tandem_kv_cache_blocks_used"), 0,
                              worker.metrics_url)
             self.assertEqual(worker.proc.poll(), None, "a worker died in the storm")
+            self.assertGreater((metric(worker.metrics_url, hits) or 0) - hits_before[worker], 0,
+                               f"{worker.metrics_url}: the storm shared no cached block")
         self.assertEqual(wait_for_zero(self.decode.metrics_url, "tandem_kv_cache_blocks_reserved"),
                          0)
 

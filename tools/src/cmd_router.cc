@@ -51,6 +51,7 @@ absl::Status Router(int argc, char** argv) {
   args.Declare("max-model-len", "N", "context length (default: the model's)");
   args.Declare("admission-timeout-ms", "N",
                "how long a request may wait for KV room on a decode worker (default 30000)");
+  DeclareRoutingFlags(args);
   DeclareApiFlags(args);
   DeclareTlsFlags(args, "the channels to the workers and etcd");
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
@@ -83,6 +84,7 @@ absl::Status Router(int argc, char** argv) {
   TANDEM_ASSIGN_OR_RETURN(int64_t admission,
                           IntFlag(args, "admission-timeout-ms", 30000, 0, 3600000));
   options.admission_timeout = absl::Milliseconds(admission);
+  TANDEM_RETURN_IF_ERROR(RoutingFlags(args, options));
   TANDEM_ASSIGN_OR_RETURN(router::ApiServerOptions api, ApiFlags(args, options.model_dir));
   // With a TTFT target, requests predicted to miss it are refused at once.
   options.admission_ttft_seconds = api.ttft_slo_seconds;
@@ -93,14 +95,17 @@ absl::Status Router(int argc, char** argv) {
   const std::string host =
       api.http.host == "0.0.0.0" || api.http.host == "::" ? "127.0.0.1" : api.http.host;
   if (options.etcd_endpoints.empty()) {
-    std::printf("tandem: routing %s on http://%s:%d (prefill %s; decode %s)\n",
+    std::printf("tandem: routing %s on http://%s:%d (prefill %s; decode %s; %s routing)\n",
                 api.served_model_names.front().c_str(), host.c_str(), server->port(),
                 absl::StrJoin(options.prefill_addresses, ",").c_str(),
-                absl::StrJoin(options.decode_addresses, ",").c_str());
+                absl::StrJoin(options.decode_addresses, ",").c_str(),
+                router::RoutingName(options.routing));
   } else {
-    std::printf("tandem: routing %s on http://%s:%d (workers of cluster '%s' in etcd %s)\n",
-                api.served_model_names.front().c_str(), host.c_str(), server->port(),
-                options.cluster.c_str(), options.etcd_endpoints.c_str());
+    std::printf(
+        "tandem: routing %s on http://%s:%d (workers of cluster '%s' in etcd %s; %s routing)\n",
+        api.served_model_names.front().c_str(), host.c_str(), server->port(),
+        options.cluster.c_str(), options.etcd_endpoints.c_str(),
+        router::RoutingName(options.routing));
   }
   std::fflush(stdout);
   WaitForSignal(signals, "finishing requests in flight");

@@ -28,6 +28,7 @@ absl::Status Serve(int argc, char** argv) {
   DeclareApiFlags(args);
   DeclareSloControllerFlags(args, /*tpot=*/false, /*ttft=*/false, /*policy=*/true);
   args.DeclareSwitch("colocated", "one engine does prefill and decode (no workers, no transfer)");
+  DeclareRoutingFlags(args);
   args.Declare("kv-backend", "ucx|local|cuda_ipc",
                "how KV pages move from the prefill to the decode worker (default: cuda_ipc "
                "with --device cuda, else ucx)");
@@ -41,6 +42,14 @@ absl::Status Serve(int argc, char** argv) {
   if (colocated && args.Has("kv-backend")) {
     return absl::InvalidArgumentError("serve: --kv-backend has no use with --colocated");
   }
+  for (const char* flag : {"routing", "kv-index-max-blocks"}) {
+    if (colocated && args.Has(flag)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("serve: --", flag, " has no use with --colocated"));
+    }
+  }
+  router::DisaggregatedOptions routing;  // --routing, checked before any worker starts
+  TANDEM_RETURN_IF_ERROR(RoutingFlags(args, routing));
   std::string kv_backend;
   if (!colocated) {
     TANDEM_ASSIGN_OR_RETURN(kv_backend, KvBackendFlag(args, engine_options.device));
@@ -74,6 +83,8 @@ absl::Status Serve(int argc, char** argv) {
     router_options.decode_addresses = {decode->grpc_address()};
     // With a TTFT target, requests predicted to miss it are refused at once.
     router_options.admission_ttft_seconds = options.ttft_slo_seconds;
+    router_options.routing = routing.routing;
+    router_options.kv_index_max_blocks = routing.kv_index_max_blocks;
     TANDEM_ASSIGN_OR_RETURN(generator, router::DisaggregatedGenerator::Create(router_options));
   }
   TANDEM_ASSIGN_OR_RETURN(auto server, router::ApiServer::Create(options, std::move(generator)));

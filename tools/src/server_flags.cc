@@ -273,6 +273,35 @@ absl::StatusOr<router::ApiServerOptions> ApiFlags(const Args& args, const std::s
   return options;
 }
 
+void DeclareRoutingFlags(Args& args) {
+  args.Declare("routing", "kv-aware|load",
+               "how workers are chosen: kv-aware (default) sends a request where the workers' "
+               "prefix caches already hold most of its prompt, weighed against their queued "
+               "work and batch (from each worker's KV events); load by load alone");
+  args.Declare("kv-index-max-blocks", "N",
+               "with --routing kv-aware: block hashes the router's index keeps per worker "
+               "(default 1048576; more are not recorded)");
+}
+
+absl::Status RoutingFlags(const Args& args, router::DisaggregatedOptions& options) {
+  if (args.Has("routing")) {
+    absl::StatusOr<router::Routing> routing = router::ParseRouting(*args.Get("routing"));
+    if (!routing.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(args.command(), ": ", routing.status().message()));
+    }
+    options.routing = *routing;
+  }
+  if (args.Has("kv-index-max-blocks") && options.routing != router::Routing::kKvAware) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(args.command(), ": --kv-index-max-blocks needs --routing kv-aware"));
+  }
+  TANDEM_ASSIGN_OR_RETURN(int64_t max_blocks,
+                          IntFlag(args, "kv-index-max-blocks", 1 << 20, 1, int64_t{1} << 32));
+  options.kv_index_max_blocks = static_cast<size_t>(max_blocks);
+  return absl::OkStatus();
+}
+
 void DeclareTlsFlags(Args& args, const std::string& side) {
   args.Declare("tls-ca", "FILE",
                absl::StrCat("mutual TLS for ", side,

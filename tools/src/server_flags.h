@@ -8,6 +8,7 @@
 #include "absl/status/statusor.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/proto/tls.h"
+#include "tandem/router/disaggregated_generator.h"
 #include "tandem/router/openai_server.h"
 #include "tandem/tools/args.h"
 
@@ -33,6 +34,12 @@ absl::Status SloControllerFlags(const Args& args, engine::EngineOptions& options
 // The HTTP API flags (--host, --port, --api-key, limits) and --served-model-name.
 void DeclareApiFlags(Args& args);
 absl::StatusOr<router::ApiServerOptions> ApiFlags(const Args& args, const std::string& model_dir);
+
+// --routing kv-aware|load and --kv-index-max-blocks N: how the router chooses workers (the
+// disaggregated router of `router` and `serve`).
+void DeclareRoutingFlags(Args& args);
+// Sets options.routing and options.kv_index_max_blocks ("COMMAND: ..." errors).
+absl::Status RoutingFlags(const Args& args, router::DisaggregatedOptions& options);
 
 // --tls-ca, --tls-cert, --tls-key, --tls-server-name: mutual TLS on the internal plane (gRPC
 // between router and workers, and etcd). `side` says what the files secure, for --help.

@@ -38,6 +38,7 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(WorkerOptions opt
                                               .role = role_name,
                                               .listen_host = core->options_.kv_listen_host},
                                              *core->engine_));
+  core->kv_events_ = std::make_unique<KvEventHub>(core->engine_->block_manager());
   return core;
 }
 
@@ -47,6 +48,12 @@ WorkerCore::~WorkerCore() {
 
 absl::Status WorkerCore::Serve(EngineLoop::Options loop, grpc::Service* service,
                                std::function<std::string()> render_metrics) {
+  // The KV events of each iteration (its posted calls and its step) go out after it.
+  loop.iterate = [this, iterate = std::move(loop.iterate)] {
+    const absl::Duration wake = iterate ? iterate() : absl::InfiniteDuration();
+    kv_events_->Publish();
+    return wake;
+  };
   loop_ = std::make_unique<EngineLoop>(std::move(loop));
   loop_->Start();
   TANDEM_ASSIGN_OR_RETURN(proto::StartedServer started,
@@ -68,6 +75,7 @@ void WorkerCore::Shutdown(const std::function<void()>& wind_down) {
       wind_down();
       loop_->Stop();
     }
+    if (kv_events_ != nullptr) kv_events_->Close();
     if (server_ != nullptr) {
       server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(1));
       server_->Wait();

@@ -13,20 +13,9 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "tandem/engine/handoff.h"
+#include "tandem/engine/prefix_hash.h"
 
 namespace tandem::engine {
-
-// The hash that names a full block of tokens in the prefix cache: chained over the parent
-// block's hash and the block's token ids, so equal hashes mean equal prefixes (up to a 64-bit
-// collision). Stable across processes and runs, so two workers name the same prefix alike.
-// The chain of a sequence starts at PrefixRoot(cache_salt): requests with different salts never
-// share a block.
-uint64_t PrefixRoot(std::string_view cache_salt);
-uint64_t ChainBlockHash(uint64_t parent, std::span<const int32_t> block_tokens);
-// Extends `hashes` (the chain of `tokens`' first hashes.size() full blocks) to every full
-// block of `tokens`.
-void ExtendBlockHashes(uint64_t root, std::span<const int32_t> tokens, int block_size,
-                       std::vector<uint64_t>& hashes);
 
 // Hands out physical block ids 0..num_blocks-1. Plain host code, no device.
 //   BlockManager blocks(/*num_blocks=*/1024, /*block_size=*/16, /*enable_prefix_caching=*/true);
@@ -87,6 +76,21 @@ class BlockManager {
   // block (the same prefix computed twice at once) is left to that block.
   void CacheFullBlocks(const BlockTable& table, std::span<const uint64_t> hashes, int first = 0);
 
+  // --- KV events: changes to the set of cached hashes, which workers publish to the router's
+  // index (docs/protocol.md, "KV events") ---
+  // A hash that came to name a block (stored) or stopped naming one (removed: its block was
+  // evicted). A hash is stored at most once until it is removed.
+  struct CacheEvent {
+    uint64_t hash;
+    bool stored;
+  };
+  // Records events from now on for TakeEvents() (off by default: nothing is kept).
+  void RecordEvents(bool on);
+  // The events since the last call, in order.
+  std::vector<CacheEvent> TakeEvents();
+  // Every hash that names a block now (referenced or not), in no particular order.
+  std::vector<uint64_t> CachedHashes() const;
+
   int ref_count(int32_t block) const { return ref_counts_[block]; }
 
  private:
@@ -104,6 +108,8 @@ class BlockManager {
   std::list<int32_t> evictable_;
   std::vector<std::list<int32_t>::iterator> evictable_pos_;  // [num_blocks]
   int64_t num_evictions_ = 0;
+  bool record_events_ = false;
+  std::vector<CacheEvent> events_;
 };
 
 }  // namespace tandem::engine

@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "tandem/engine/request.h"
@@ -31,6 +33,10 @@ struct GeneratorCounters {
   int decode_workers = 0;
   int prefill_workers_up = 0;   // ... of which answering Stats
   int decode_workers_up = 0;
+  // KV-aware routing: block hashes the router's index holds per worker id, and workers chosen
+  // per {pool ("prefill" or "decode"), reason ("kv_hit", "kv_miss" or "load")}.
+  std::map<std::string, int64_t> kv_index_blocks;
+  std::map<std::pair<std::string, std::string>, int64_t> routing_decisions;
 };
 
 class Generator {

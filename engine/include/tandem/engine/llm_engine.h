@@ -158,6 +158,11 @@ class LlmEngine {
   // still to be returned by Step() (call it right after a Step()).
   absl::StatusOr<std::vector<ParkedSample>> Park(const std::string& request_id);
 
+  // The KV block manager: the prefix cache's hashes and its events, which a worker publishes
+  // for KV-aware routing (BlockManager::RecordEvents). The engine's thread only.
+  BlockManager& block_manager() { return *blocks_; }
+  const BlockManager& block_manager() const { return *blocks_; }
+
   // The KV cache, for registration with a transfer agent.
   // Device memory with Device::kCuda (kv_cache_on_host() false): only a CUDA-aware transfer
   // backend ("cuda_ipc") can send it.

@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -28,6 +29,14 @@
 #include "tandem/proto/tls.h"
 
 namespace tandem::router {
+
+// `--routing`: kv-aware (the default) scores prefill workers by the prompt tokens they would
+// compute (what their prefix caches lack) plus their queued work, and decode workers by the KV
+// that would move to them plus their running batch, from the workers' KV events; load looks at
+// load alone (docs/architecture.md, "KV-aware routing").
+enum class Routing { kKvAware, kLoad };
+absl::StatusOr<Routing> ParseRouting(std::string_view name);  // "kv-aware" or "load"
+const char* RoutingName(Routing routing);
 
 struct DisaggregatedOptions {
   // The checkpoint directory: the router reads its config.json, tokenizer.json and chat
@@ -66,6 +75,10 @@ struct DisaggregatedOptions {
   // How often each worker's Stats are polled (all at once) for routing and /metrics; /metrics
   // shows the last round.
   absl::Duration stats_interval = absl::Milliseconds(100);
+  // How workers are chosen (Routing). kv-aware subscribes to every worker's KV events and keeps
+  // an index of at most `kv_index_max_blocks` block hashes per worker.
+  Routing routing = Routing::kKvAware;
+  size_t kv_index_max_blocks = 1 << 20;
 };
 
 class DisaggregatedGenerator : public engine::Generator {

@@ -135,8 +135,8 @@ void AnswerOnLoop(EngineLoop& loop, UnaryCall<Response>* call,
   }
 }
 
-// The two methods every worker service answers alike and at once: Stats from the worker's
-// Stats(), Handshake from its Handshake(request). `Base` is the role's generated service on the
+// The methods every worker service answers alike: Stats from the worker's Stats(), Handshake
+// from its Handshake(request), both at once, and KvEvents from its KvEvents() (a stream). `Base` is the role's generated service on the
 // callback API; the role's service derives from this and adds its protocol.
 template <typename Base, typename Worker>
 class WithStatsAndHandshake : public Base {
@@ -151,6 +151,10 @@ class WithStatsAndHandshake : public Base {
                                       const tandem::v1::HandshakeRequest* request,
                                       tandem::v1::HandshakeResponse* response) override {
     return AnswerNow(response, worker_->Handshake(*request));
+  }
+  grpc::ServerWriteReactor<tandem::v1::KvEventBatch>* KvEvents(
+      grpc::CallbackServerContext*, const tandem::v1::KvEventsRequest*) override {
+    return worker_->KvEvents();
   }
 
  protected:

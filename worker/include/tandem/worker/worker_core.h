@@ -24,6 +24,7 @@
 #include "tandem/proto/tls.h"
 #include "tandem/worker/engine_loop.h"
 #include "tandem/worker/kv_endpoint.h"
+#include "tandem/worker/kv_events.h"
 #include "tandem/worker/status_server.h"
 
 namespace tandem::worker {
@@ -58,8 +59,8 @@ class WorkerCore {
   // Shutdown() with no wind-down.
   ~WorkerCore();
 
-  // Starts the engine loop (before any call can arrive, so every accepted call is answered),
-  // then the gRPC server for `service` (which must outlive Shutdown()) and, when asked for, the
+  // Starts the engine loop (before any call can arrive, so every accepted call is answered;
+  // after each of its iterations the KV events recorded are published), then the gRPC server for `service` (which must outlive Shutdown()) and, when asked for, the
   // status endpoint, whose /metrics calls `render_metrics` on its own thread.
   absl::Status Serve(EngineLoop::Options loop, grpc::Service* service,
                      std::function<std::string()> render_metrics);
@@ -69,7 +70,8 @@ class WorkerCore {
   //   2. `wind_down` runs on the caller's thread while the loop still runs: the role's grace
   //      period, then it ends or parks what is left;
   //   3. the loop drains and stops (its `finish` answers whatever is still owed);
-  //   4. the gRPC server stops, giving calls a second to take their last answer;
+  //   4. the KV event streams end (UNAVAILABLE), then the gRPC server stops, giving calls a
+  //      second to take their last answer;
   //   5. the status endpoint stops;
   //   6. the KV endpoint closes, waiting until no transfer reads the cache.
   // The engine itself is destroyed with the core.
@@ -81,6 +83,8 @@ class WorkerCore {
   KvEndpoint& kv() { return *kv_; }
   const KvEndpoint& kv() const { return *kv_; }
   EngineLoop& loop() { return *loop_; }
+  // The KvEvents streams of this worker's prefix cache (the service's KvEvents handler).
+  KvEventHub& kv_events() { return *kv_events_; }
   // False once a shutdown began. Any thread.
   bool accepting() const { return accepting_.load(); }
   // "host:port" the control plane is bound to.
@@ -94,6 +98,7 @@ class WorkerCore {
   WorkerOptions options_;
   std::unique_ptr<engine::LlmEngine> engine_;  // destroyed last: the agent reads its cache
   std::unique_ptr<KvEndpoint> kv_;
+  std::unique_ptr<KvEventHub> kv_events_;  // reads engine_'s block manager
   std::unique_ptr<EngineLoop> loop_;
   std::unique_ptr<grpc::Server> server_;
   std::string grpc_address_;
