@@ -89,8 +89,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   if (options.num_kv_blocks <= 0) {
     return absl::InvalidArgumentError("the KV cache needs at least one block");
   }
-  if (options.max_num_batched_tokens <= 0 || options.max_num_seqs <= 0) {
-    return absl::InvalidArgumentError("max_num_batched_tokens and max_num_seqs must be positive");
+  if (options.max_num_batched_tokens <= 0 || options.max_num_seqs <= 0 ||
+      options.max_logit_rows_per_seq <= 0) {
+    return absl::InvalidArgumentError(
+        "max_num_batched_tokens, max_num_seqs and max_logit_rows_per_seq must be positive");
   }
   std::unique_ptr<ModelRunner> runner(new ModelRunner());
   runner->config_ = checkpoint.config();
@@ -120,7 +122,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                           backend->Allocate(runner->cache_layout_.total_bytes()));
 
   const size_t t = options.max_num_batched_tokens;
-  const size_t s = std::min(options.max_num_seqs, options.max_num_batched_tokens);
+  const size_t s = std::min<int64_t>(
+      static_cast<int64_t>(options.max_num_seqs) * options.max_logit_rows_per_seq,
+      options.max_num_batched_tokens);
+  runner->max_logit_rows_ = static_cast<int>(s);
   const size_t q_dim = static_cast<size_t>(c.num_heads) * c.head_dim;
   const size_t kv_dim = static_cast<size_t>(c.num_kv_heads) * c.head_dim;
   TANDEM_ASSIGN_OR_RETURN(runner->step_ints_, backend->Allocate((3 * t + s) * sizeof(int32_t)));
@@ -131,8 +136,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
     runner->planned_ints_ = runner->host_step_ints_.data();
     runner->host_logits_.resize(s * c.vocab_size);
   }
-  runner->query_start_.resize(s + 1);
-  runner->context_len_.resize(s);
+  runner->query_start_.resize(options.max_num_seqs + 1);
+  runner->context_len_.resize(options.max_num_seqs);
   for (auto [buffer, floats] : {std::pair{&runner->residual_, t * c.hidden_size},
                                 {&runner->hidden_, t * c.hidden_size},
                                 {&runner->qkv_, t * (q_dim + 2 * kv_dim)},
@@ -283,10 +288,22 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
   const text::ModelConfig& c = config_;
   const int num_seqs = static_cast<int>(step.seqs.size());
   int tokens = 0;
-  for (const ScheduledSequence& s : step.seqs) tokens += s.num_new_tokens;
-  if (tokens > options_.max_num_batched_tokens || num_seqs > options_.max_num_seqs) {
-    return absl::InvalidArgumentError(absl::StrCat("step of ", tokens, " tokens and ", num_seqs,
-                                                   " sequences exceeds the runner"));
+  int rows = 0;
+  for (const ScheduledSequence& s : step.seqs) {
+    tokens += s.num_new_tokens;
+    if (s.samples) rows += 1 + s.num_draft_tokens;
+    if (s.num_draft_tokens < 0 || s.num_draft_tokens >= s.num_new_tokens ||
+        s.num_draft_tokens > static_cast<int>(s.seq->draft_tokens.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("a sequence of ", s.num_new_tokens,
+                                                     " new tokens cannot run ",
+                                                     s.num_draft_tokens, " draft tokens"));
+    }
+  }
+  if (tokens > options_.max_num_batched_tokens || num_seqs > options_.max_num_seqs ||
+      rows > max_logit_rows_) {
+    return absl::InvalidArgumentError(absl::StrCat("step of ", tokens, " tokens, ", num_seqs,
+                                                   " sequences and ", rows,
+                                                   " logit rows exceeds the runner"));
   }
   kernels::Backend& b = *backend_;
   for (const auto& [src, dst] : step.block_copies) CopyBlock(src, dst);
@@ -309,8 +326,10 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     const Sequence& seq = *step.seqs[i].seq;
     const int begin = seq.num_computed_tokens;
     const int end = begin + step.seqs[i].num_new_tokens;
+    const int known = static_cast<int>(seq.tokens.size());
     for (int pos = begin; pos < end; ++pos, ++t) {
-      token_ids[t] = seq.tokens[pos];
+      // Past the known tokens: the draft tokens being verified.
+      token_ids[t] = pos < known ? seq.tokens[pos] : seq.draft_tokens[pos - known];
       positions[t] = pos;
       slots[t] = seq.block_table[pos / bs] * bs + pos % bs;
     }
@@ -318,7 +337,9 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     context_len_[i] = end;
     std::copy(seq.block_table.begin(), seq.block_table.end(),
               block_table_.begin() + static_cast<size_t>(i) * max_blocks);
-    if (step.seqs[i].samples) sample_rows[num_sampled++] = t - 1;
+    if (step.seqs[i].samples) {
+      for (int r = step.seqs[i].num_draft_tokens; r >= 0; --r) sample_rows[num_sampled++] = t - 1 - r;
+    }
   }
   // The same offsets in backend memory; one upload when that is not the host's.
   const int32_t* d_token_ids = step_ints_.as<int32_t>();

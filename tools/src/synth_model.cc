@@ -604,6 +604,7 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options) {
   TANDEM_ASSIGN_OR_RETURN(TokenizerFiles tokenizer, PrepareTokenizer(options, *preset));
   TANDEM_ASSIGN_OR_RETURN(ModelConfig config,
                           SyntheticConfig(options.preset, options.arch, tokenizer.vocab_size));
+  if (options.vocab_size > 0) config.vocab_size = options.vocab_size;
   config.torch_dtype = options.dtype;
   config.bos_token_id = tokenizer.bos_token_id;
   config.eos_token_ids = tokenizer.eos_token_ids;

@@ -26,6 +26,9 @@ struct ModelRunnerOptions {
   std::optional<DType> weight_dtype;
   // Element type of the KV cache; unset: the weight dtype (`--kv-cache-dtype auto`).
   std::optional<DType> kv_cache_dtype;
+  // Logit rows a sequence can ask for in one step: 1, or 1 + the most draft tokens a
+  // speculative step verifies.
+  int max_logit_rows_per_seq = 1;
 };
 
 // The dtypes a runner of `options` over a checkpoint of `config` holds its weights and KV cache
@@ -57,8 +60,9 @@ class ModelRunner {
   static int64_t KvBytesPerBlock(const text::ModelConfig& config, int block_size,
                                  DType kv_dtype = DType::kF32);
 
-  // Runs the step and returns logits [number of sampling sequences, vocab], one row per
-  // sequence with `samples` set, in step order (host memory). The span is valid until the next
+  // Runs the step and returns logits [rows, vocab] in step order (host memory): for each
+  // sequence with `samples` set, 1 + num_draft_tokens rows, its last real token's and then each
+  // draft token's (the distributions that verify draft tokens 0.. and the one after them). The span is valid until the next
   // call. When it returns, the step's K and V are in the cache (the device has finished).
   absl::StatusOr<std::span<const float>> Execute(const SchedulerStep& step);
 
@@ -122,7 +126,7 @@ class ModelRunner {
 
   // The step's per-token metadata in backend memory, packed for one upload:
   // [token_ids (tokens)][positions (tokens)][slots (tokens)][sample_rows (sampled)].
-  // Capacity 3 * max_num_batched_tokens + max sequences.
+  // Capacity 3 * max_num_batched_tokens + max_logit_rows_.
   kernels::DeviceBuffer step_ints_;
   // Where a step is planned: step_ints_ itself when backend memory is host memory (no copy),
   // otherwise host_step_ints_, uploaded into step_ints_.
@@ -130,6 +134,8 @@ class ModelRunner {
   std::vector<int32_t> host_step_ints_;
   // PagedAttentionBatch arrays, host memory as the Backend interface takes them.
   std::vector<int32_t> query_start_, context_len_, block_table_;
+  // Logit rows one step can return: min(max_num_seqs x max_logit_rows_per_seq, tokens).
+  int max_logit_rows_ = 0;
 
   // Activations in backend memory, sized for max_num_batched_tokens (sampled_hidden_ and logits_
   // for the most sequences a step can have).
