@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tandem/engine/block_manager.h"
+#include "tandem/engine/engine_metrics.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/engine/speculative.h"
 #include "test_models.h"
@@ -324,6 +325,34 @@ TEST(SpeculativeTest, SampledDistributionIsThatWithoutSpeculation) {
   EXPECT_GT(stats.spec_proposed_tokens, kSamples);
   EXPECT_GT(stats.spec_accepted_tokens, stats.spec_proposed_tokens / 20);
   EXPECT_LT(stats.spec_accepted_tokens, stats.spec_proposed_tokens * 19 / 20);
+}
+
+// What /metrics shows of speculation: the counters equal the engine's stats, per position too.
+TEST(SpeculativeTest, MetricsReportProposedAndAcceptedTokens) {
+  const std::string model = testing::TinyModel("llama", DType::kBF16);
+  auto spec = MakeEngine(model, Ngram(3));
+  std::mt19937 rng(3);
+  SamplingParams p{.temperature = 0, .max_tokens = 40, .ignore_eos = true};
+  RunAll(*spec, {{"m", RepetitivePrompt(rng, spec->config().vocab_size, 4, 5), p}});
+  const EngineStats stats = spec->stats();
+  ASSERT_GT(stats.spec_accepted_tokens, 0);
+  metrics::Registry registry;
+  EngineMetrics engine_metrics(registry);
+  engine_metrics.Record(stats);
+  const std::string text = registry.Render();
+  EXPECT_NE(text.find(absl::StrCat("tandem_spec_proposed_tokens_total ",
+                                   stats.spec_proposed_tokens)),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find(absl::StrCat("tandem_spec_accepted_tokens_total ",
+                                   stats.spec_accepted_tokens)),
+            std::string::npos);
+  EXPECT_NE(text.find(absl::StrCat("tandem_spec_accepted_tokens_by_position_total{position=\"0\"} ",
+                                   stats.spec_accepted_by_position[0])),
+            std::string::npos);
+  EXPECT_NE(text.find("tandem_spec_proposed_tokens_by_position_total{position=\"2\"}"),
+            std::string::npos);
+  EXPECT_NE(text.find("tandem_spec_mean_accepted_length"), std::string::npos);
 }
 
 TEST(NgramProposerTest, ProposesWhatFollowedTheMostRecentLongestMatch) {
