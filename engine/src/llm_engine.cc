@@ -83,6 +83,12 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                           text::Tokenizer::FromFile(options.model_dir + "/tokenizer.json"));
   TANDEM_ASSIGN_OR_RETURN(engine->chat_formatter_, text::ChatFormatter::Load(options.model_dir));
   const text::ModelConfig& config = engine->checkpoint_->config();
+  if (engine->options_.speculative.method == SpeculativeMethod::kEarlyExit &&
+      options.speculative.draft_layers >= config.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("early-exit speculation: draft_layers (", options.speculative.draft_layers,
+                     ") must be fewer than the model's ", config.num_layers, " layers"));
+  }
   engine->max_model_len_ = config.max_position_embeddings;
   if (options.max_model_len > 0) {
     engine->max_model_len_ = std::min(engine->max_model_len_, options.max_model_len);
@@ -340,6 +346,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   if (options_.before_step && !options_.before_step()) return outputs;
   telemetry_.BeginStep();
   TANDEM_ASSIGN_OR_RETURN(SchedulerStep step, ScheduleStep());
+  TANDEM_RETURN_IF_ERROR(DraftStep(step));
   TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits, ExecuteStep(step));
   SampleStep(step, logits, outputs);
   telemetry_.EndStep(scheduler_->has_work());
@@ -373,7 +380,7 @@ absl::StatusOr<std::span<const float>> LlmEngine::ExecuteStep(const SchedulerSte
 }
 
 void LlmEngine::ProposeDrafts() {
-  if (ngram_ == nullptr) return;
+  if (!options_.speculative.enabled()) return;
   const int k = options_.speculative.num_speculative_tokens;
   for (Sequence* seq : scheduler_->running()) {
     seq->draft_tokens.clear();
@@ -383,8 +390,33 @@ void LlmEngine::ProposeDrafts() {
     const int limit = std::min({k, seq->params->max_tokens - seq->num_output_tokens() - 1,
                                 max_model_len_ - static_cast<int>(seq->tokens.size())});
     if (limit <= 0) continue;
-    seq->draft_tokens = ngram_->Propose(seq->tokens, limit);
+    if (ngram_ != nullptr) {
+      seq->draft_tokens = ngram_->Propose(seq->tokens, limit);
+    } else {
+      seq->draft_tokens.assign(limit, 0);  // places, for DraftStep to fill
+    }
   }
+}
+
+absl::Status LlmEngine::DraftStep(const SchedulerStep& step) {
+  if (options_.speculative.method != SpeculativeMethod::kEarlyExit) return absl::OkStatus();
+  int most = 0;
+  for (const ScheduledSequence& s : step.seqs) most = std::max(most, s.num_draft_tokens);
+  const size_t vocab = checkpoint_->config().vocab_size;
+  for (int j = 0; j < most; ++j) {
+    TANDEM_ASSIGN_OR_RETURN(
+        std::span<const float> logits,
+        runner_->ExecuteDraft(step, j, options_.speculative.draft_layers));
+    size_t r = 0;
+    for (const ScheduledSequence& s : step.seqs) {
+      if (s.num_draft_tokens <= j) continue;
+      // The draft proposes its argmax (lowest id among equals): a point-mass proposal, which
+      // verification accepts with the target's own probability of it.
+      const float* row = logits.data() + r++ * vocab;
+      s.seq->draft_tokens[j] = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+    }
+  }
+  return absl::OkStatus();
 }
 
 void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> logits,

@@ -285,7 +285,6 @@ void ModelRunner::CopyBlock(int32_t src, int32_t dst) {
 }
 
 absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep& step) {
-  const text::ModelConfig& c = config_;
   const int num_seqs = static_cast<int>(step.seqs.size());
   int tokens = 0;
   int rows = 0;
@@ -305,7 +304,6 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
                                                    " sequences and ", rows,
                                                    " logit rows exceeds the runner"));
   }
-  kernels::Backend& b = *backend_;
   for (const auto& [src, dst] : step.block_copies) CopyBlock(src, dst);
 
   // Flatten the step on the host: tokens of every sequence back to back.
@@ -341,6 +339,61 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
       for (int r = step.seqs[i].num_draft_tokens; r >= 0; --r) sample_rows[num_sampled++] = t - 1 - r;
     }
   }
+  return Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
+                 /*layer_hook=*/true);
+}
+
+absl::StatusOr<std::span<const float>> ModelRunner::ExecuteDraft(const SchedulerStep& step,
+                                                                 int offset, int num_layers) {
+  if (num_layers < 1 || num_layers > config_.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("a draft pass of ", num_layers,
+                                                   " layers on a model of ", config_.num_layers));
+  }
+  if (offset == 0) {
+    // Execute copies them again before the target pass, which rewrites every slot of the step
+    // before reading it: the second copy changes nothing the target reads.
+    for (const auto& [src, dst] : step.block_copies) CopyBlock(src, dst);
+  }
+  int num_seqs = 0;
+  int max_blocks = 0;
+  for (const ScheduledSequence& s : step.seqs) {
+    if (s.num_draft_tokens <= offset) continue;
+    ++num_seqs;
+    max_blocks = std::max(max_blocks, static_cast<int>(s.seq->block_table.size()));
+  }
+  if (num_seqs == 0) return std::span<const float>();
+  block_table_.assign(static_cast<size_t>(num_seqs) * max_blocks, 0);
+  const int bs = kv_layout_.block_size;
+  int32_t* token_ids = planned_ints_;
+  int32_t* positions = token_ids + num_seqs;
+  int32_t* slots = positions + num_seqs;
+  int32_t* sample_rows = slots + num_seqs;
+  int i = 0;
+  query_start_[0] = 0;
+  for (const ScheduledSequence& s : step.seqs) {
+    if (s.num_draft_tokens <= offset) continue;
+    const Sequence& seq = *s.seq;
+    // The sequence's last real token, then the draft tokens proposed so far.
+    const int known = static_cast<int>(seq.tokens.size());
+    const int pos = known - 1 + offset;
+    token_ids[i] = offset == 0 ? seq.tokens[known - 1] : seq.draft_tokens[offset - 1];
+    positions[i] = pos;
+    slots[i] = seq.block_table[pos / bs] * bs + pos % bs;
+    sample_rows[i] = i;
+    query_start_[i + 1] = i + 1;
+    context_len_[i] = pos + 1;
+    std::copy(seq.block_table.begin(), seq.block_table.end(),
+              block_table_.begin() + static_cast<size_t>(i) * max_blocks);
+    ++i;
+  }
+  return Forward(num_seqs, num_seqs, max_blocks, num_seqs, num_layers, /*layer_hook=*/false);
+}
+
+absl::StatusOr<std::span<const float>> ModelRunner::Forward(int tokens, int num_seqs,
+                                                            int max_blocks, int num_sampled,
+                                                            int num_layers, bool layer_hook) {
+  const text::ModelConfig& c = config_;
+  kernels::Backend& b = *backend_;
   // The same offsets in backend memory; one upload when that is not the host's.
   const int32_t* d_token_ids = step_ints_.as<int32_t>();
   const int32_t* d_positions = d_token_ids + tokens;
@@ -370,7 +423,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
   const float* inv_freq = inv_freq_.as<float>();
 
   b.Embedding(embed_.data(), weight_dtype_, d_token_ids, tokens, hidden, residual);
-  for (int l = 0; l < c.num_layers; ++l) {
+  for (int l = 0; l < num_layers; ++l) {
     Layer& layer = *layers_[l];
     if (l == 0) {
       b.RmsNorm(residual, layer.input_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
@@ -396,7 +449,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     void* cache = layer_cache(l);
     const kernels::KvLayout& kv_layout = layer_kv_layouts_[l];
     b.WriteKv(k, v, d_slots, tokens, kv_layout, cache);
-    if (layer_written_hook_) {
+    if (layer_hook && layer_written_hook_) {
       if (!b.host_memory()) TANDEM_RETURN_IF_ERROR(b.Synchronize());
       layer_written_hook_(l);
     }

@@ -18,6 +18,10 @@ absl::Status SpeculativeOptions::Validate() const {
         "ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max <= 64, got ", ngram_min,
         " and ", ngram_max));
   }
+  if (method == SpeculativeMethod::kEarlyExit && draft_layers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("early-exit speculation needs draft_layers >= 1, got ", draft_layers));
+  }
   return absl::OkStatus();
 }
 
@@ -27,6 +31,8 @@ const char* SpeculativeMethodName(SpeculativeMethod method) {
       return "none";
     case SpeculativeMethod::kNgram:
       return "ngram";
+    case SpeculativeMethod::kEarlyExit:
+      return "early-exit";
   }
   return "none";
 }
@@ -36,6 +42,8 @@ bool ParseSpeculativeMethod(const std::string& name, SpeculativeMethod* method) 
     *method = SpeculativeMethod::kNone;
   } else if (name == "ngram") {
     *method = SpeculativeMethod::kNgram;
+  } else if (name == "early-exit") {
+    *method = SpeculativeMethod::kEarlyExit;
   } else {
     return false;
   }

@@ -55,12 +55,13 @@ with tempfile.TemporaryDirectory() as tmp:
         greedy = ["generate", "--model", model, "--prompt", code, "--max-tokens", "48",
                   "--temperature", "0", "--json", *extra]
         plain = run(*greedy)
-        spec = run(*greedy, "--speculative-method", "ngram", "--num-speculative-tokens", "5",
-                   "--ngram-max", "4")
-        check(plain.returncode == 0 and spec.returncode == 0,
-              f"generate with/without --speculative-method ngram: {plain.stderr} {spec.stderr}")
-        check(plain.stdout == spec.stdout and plain.stdout.strip() != "",
-              f"greedy output changed by speculation ({extra})")
+        for method in (["ngram", "--num-speculative-tokens", "5", "--ngram-max", "4"],
+                       ["early-exit", "--draft-layers", "1", "--num-speculative-tokens", "3"]):
+            spec = run(*greedy, "--speculative-method", *method)
+            check(plain.returncode == 0 and spec.returncode == 0,
+                  f"generate with/without --speculative-method {method}: {spec.stderr}")
+            check(plain.stdout == spec.stdout and plain.stdout.strip() != "",
+                  f"greedy output changed by speculation ({method}, {extra})")
 
     # Weight-only quantised checkpoints generate; a quantization_config Tandem cannot serve stops
     # generate with one line naming the field.
@@ -101,6 +102,12 @@ with tempfile.TemporaryDirectory() as tmp:
           "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
         (["generate", "--model", model, "--prompt", "x", "--speculative-method", "ngram",
           "--ngram-min", "3", "--ngram-max", "2"], "--ngram-max"),
+        (["generate", "--model", model, "--prompt", "x", "--speculative-method", "early-exit"],
+         "--draft-layers"),
+        (["generate", "--model", model, "--prompt", "x", "--speculative-method", "early-exit",
+          "--draft-layers", "2"], "draft_layers"),
+        (["generate", "--model", model, "--prompt", "x", "--draft-layers", "1"],
+         "--speculative-method"),
         (["nonsense"], "nonsense"),
     ]
     for args, needle in bad:

@@ -119,13 +119,27 @@ std::vector<std::string> StopsFrom(const std::vector<RequestOutput>& outputs) {
   return stops;
 }
 
-class SpeculativeGreedyTest : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+SpeculativeOptions EarlyExit(int k, int draft_layers) {
+  return {.method = SpeculativeMethod::kEarlyExit,
+          .num_speculative_tokens = k,
+          .draft_layers = draft_layers};
+}
+
+struct GreedyCase {
+  std::string name;
+  SpeculativeOptions spec;
+  bool prefix_caching = true;
+};
+
+class SpeculativeGreedyTest : public ::testing::TestWithParam<GreedyCase> {};
 
 TEST_P(SpeculativeGreedyTest, OutputsAreThoseWithoutSpeculation) {
-  const auto [k, prefix_caching] = GetParam();
+  const GreedyCase& param = GetParam();
+  const bool prefix_caching = param.prefix_caching;
+  const int k = param.spec.num_speculative_tokens;
   const std::string model = testing::TinyModel("llama", DType::kBF16);
   auto plain = MakeEngine(model, {}, prefix_caching);
-  auto spec = MakeEngine(model, Ngram(k), prefix_caching);
+  auto spec = MakeEngine(model, param.spec, prefix_caching);
   ASSERT_NE(plain, nullptr);
   ASSERT_NE(spec, nullptr);
   const std::vector<std::string> stops = StopsFrom(RunAll(*plain, GreedyWorkload(*plain, {})));
@@ -153,8 +167,15 @@ TEST_P(SpeculativeGreedyTest, OutputsAreThoseWithoutSpeculation) {
   EXPECT_EQ(plain->stats().spec_proposed_tokens, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(KAndCache, SpeculativeGreedyTest,
-                         ::testing::Combine(::testing::Values(1, 4, 7), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(
+    Methods, SpeculativeGreedyTest,
+    ::testing::Values(GreedyCase{"ngram_k1", Ngram(1)}, GreedyCase{"ngram_k4", Ngram(4)},
+                      GreedyCase{"ngram_k7", Ngram(7)},
+                      GreedyCase{"ngram_k4_no_prefix_cache", Ngram(4), false},
+                      GreedyCase{"ngram_k4_n2", Ngram(4, 2, 2)},
+                      GreedyCase{"early_exit_k3", EarlyExit(3, 1)},
+                      GreedyCase{"early_exit_k5_no_prefix_cache", EarlyExit(5, 1), false}),
+    [](const ::testing::TestParamInfo<GreedyCase>& info) { return info.param.name; });
 
 // Prefix caching after speculation: a second round of the same prompts reuses blocks the first
 // round generated into (they were named with accepted tokens only) and still gives the same
@@ -296,26 +317,38 @@ std::map<std::vector<int32_t>, int> FirstThreeTokens(LlmEngine& engine,
 }
 
 // The acceptance criterion of exactness: at temperature 0.8, top-p 0.9 and a repetition
-// penalty, the joint distribution of the first three tokens with n-gram speculation matches
-// the one without (p > 0.01) over 20,000 seeded samples of a 12-token-vocabulary model, whose
-// prompt lets the proposer propose at nearly every position, so that both the accepting and the
-// rejecting branch of verification decide tokens 2 and 3.
-TEST(SpeculativeTest, SampledDistributionIsThatWithoutSpeculation) {
-  const std::string model = testing::TinySmallVocabModel(12);
-  auto plain = MakeEngine(model, {}, true, /*max_num_seqs=*/256);
-  auto spec = MakeEngine(model, Ngram(2, 1, 2), true, /*max_num_seqs=*/256);
-  ASSERT_NE(plain, nullptr);
-  ASSERT_NE(spec, nullptr);
-  const std::vector<int32_t> prompt = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 1, 3, 5,
-                                       7, 9, 11, 0, 2, 4, 6, 8, 10, 3, 6, 9, 0, 4, 8};
-  const SamplingParams params{.temperature = 0.8f,
+// penalty, the joint distribution of the first three tokens with speculation matches the one
+// without (p > 0.01) over 20,000 seeded samples of a 12-token-vocabulary model. Its prompt lets
+// the n-gram proposer propose at nearly every position, and the early-exit draft proposes
+// always, so that both the accepting and the rejecting branch of verification decide tokens 2
+// and 3.
+class SpeculativeSampledTest : public ::testing::TestWithParam<GreedyCase> {};
+
+constexpr int kSamples = 20000;
+const std::vector<int32_t> kSmallVocabPrompt = {0, 1, 2,  3, 4, 5,  6, 7, 8, 9, 10, 11, 1, 3, 5,
+                                                7, 9, 11, 0, 2, 4, 6, 8, 10, 3, 6, 9, 0, 4, 8};
+const SamplingParams kSampled{.temperature = 0.8f,
                               .top_p = 0.9f,
                               .repetition_penalty = 1.3f,
                               .max_tokens = 3,
                               .ignore_eos = true};
-  constexpr int kSamples = 20000;
-  const auto want = FirstThreeTokens(*plain, prompt, params, kSamples);
-  const auto got = FirstThreeTokens(*spec, prompt, params, kSamples);
+
+// The distribution without speculation, counted once for every case.
+const std::map<std::vector<int32_t>, int>& UnspeculatedCounts(const std::string& model) {
+  static const auto* counts = [&] {
+    auto plain = MakeEngine(model, {}, true, /*max_num_seqs=*/256);
+    return new std::map<std::vector<int32_t>, int>(
+        FirstThreeTokens(*plain, kSmallVocabPrompt, kSampled, kSamples));
+  }();
+  return *counts;
+}
+
+TEST_P(SpeculativeSampledTest, DistributionIsThatWithoutSpeculation) {
+  const std::string model = testing::TinySmallVocabModel(12);
+  auto spec = MakeEngine(model, GetParam().spec, true, /*max_num_seqs=*/256);
+  ASSERT_NE(spec, nullptr);
+  const auto& want = UnspeculatedCounts(model);
+  const auto got = FirstThreeTokens(*spec, kSmallVocabPrompt, kSampled, kSamples);
   int bins = 0;
   const double p_value = HomogeneityPValue(got, want, &bins);
   EXPECT_GT(p_value, 0.01) << "over " << bins << " bins";
@@ -326,6 +359,13 @@ TEST(SpeculativeTest, SampledDistributionIsThatWithoutSpeculation) {
   EXPECT_GT(stats.spec_accepted_tokens, stats.spec_proposed_tokens / 20);
   EXPECT_LT(stats.spec_accepted_tokens, stats.spec_proposed_tokens * 19 / 20);
 }
+
+INSTANTIATE_TEST_SUITE_P(Methods, SpeculativeSampledTest,
+                         ::testing::Values(GreedyCase{"ngram_k2", Ngram(2, 1, 2)},
+                                           GreedyCase{"early_exit_k2", EarlyExit(2, 1)}),
+                         [](const ::testing::TestParamInfo<GreedyCase>& info) {
+                           return info.param.name;
+                         });
 
 // What /metrics shows of speculation: the counters equal the engine's stats, per position too.
 TEST(SpeculativeTest, MetricsReportProposedAndAcceptedTokens) {

@@ -152,14 +152,17 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
 
 void DeclareSpeculativeFlags(Args& args) {
   args.Declare("speculative-method", "NAME",
-               "none | ngram: speculative decoding; ngram proposes the tokens that followed the "
-               "last earlier occurrence of a sequence's last tokens (prompt lookup), and each "
-               "decode step verifies them, keeping the output distribution unchanged "
-               "(default none)");
+               "none | ngram | early-exit: speculative decoding; ngram proposes the tokens that "
+               "followed the last earlier occurrence of a sequence's last tokens (prompt lookup), "
+               "early-exit those the model's first --draft-layers layers predict; each decode "
+               "step verifies them, keeping the output distribution unchanged (default none)");
   args.Declare("num-speculative-tokens", "K",
                "draft tokens proposed per sequence and step, 1..32 (default 4 with a method)");
   args.Declare("ngram-min", "N", "shortest suffix the ngram method matches (default 1)");
   args.Declare("ngram-max", "N", "longest suffix the ngram method matches, tried first (default 3)");
+  args.Declare("draft-layers", "L",
+               "early-exit: the draft is the model's first L layers with its final norm and LM "
+               "head, reading the model's own KV of those layers (fewer than the model has)");
 }
 
 absl::Status SpeculativeFlags(const Args& args, engine::EngineOptions& options) {
@@ -167,16 +170,36 @@ absl::Status SpeculativeFlags(const Args& args, engine::EngineOptions& options) 
   engine::SpeculativeOptions& spec = options.speculative;
   if (!engine::ParseSpeculativeMethod(method, &spec.method)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        args.command(), ": --speculative-method must be none or ngram, got '", method, "'"));
+        args.command(), ": --speculative-method must be none, ngram or early-exit, got '",
+        method, "'"));
   }
   if (spec.method == engine::SpeculativeMethod::kNone) {
-    for (const char* flag : {"num-speculative-tokens", "ngram-min", "ngram-max"}) {
+    for (const char* flag : {"num-speculative-tokens", "ngram-min", "ngram-max", "draft-layers"}) {
       if (args.Has(flag)) {
         return absl::InvalidArgumentError(absl::StrCat(
-            args.command(), ": --", flag, " needs --speculative-method ngram"));
+            args.command(), ": --", flag, " needs --speculative-method ngram or early-exit"));
       }
     }
     return absl::OkStatus();
+  }
+  const bool early_exit = spec.method == engine::SpeculativeMethod::kEarlyExit;
+  for (const char* flag : {"ngram-min", "ngram-max"}) {
+    if (early_exit && args.Has(flag)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(args.command(), ": --", flag, " is an option of --speculative-method ngram"));
+    }
+  }
+  if (early_exit && !args.Has("draft-layers")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(args.command(), ": --speculative-method early-exit needs --draft-layers L"));
+  }
+  if (!early_exit && args.Has("draft-layers")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --draft-layers is an option of --speculative-method early-exit"));
+  }
+  if (early_exit) {
+    TANDEM_ASSIGN_OR_RETURN(int64_t layers, IntFlag(args, "draft-layers", 0, 1, 1024));
+    spec.draft_layers = static_cast<int>(layers);
   }
   TANDEM_ASSIGN_OR_RETURN(int64_t k, IntFlag(args, "num-speculative-tokens", 4, 1, 32));
   TANDEM_ASSIGN_OR_RETURN(int64_t ngram_min, IntFlag(args, "ngram-min", 1, 1, 64));

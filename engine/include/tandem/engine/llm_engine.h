@@ -208,8 +208,11 @@ class LlmEngine {
   // The stages of Step(): plan the step, run the forward pass (and commit the KV), sample and
   // process each sampling sequence's token into `outputs`, mark finished requests.
   absl::StatusOr<SchedulerStep> ScheduleStep();
-  // Sets the draft tokens of every decoding sequence (speculative decoding) before Schedule.
+  // Sets the draft tokens of every decoding sequence (speculative decoding) before Schedule;
+  // early exit reserves their places, filled by DraftStep once the step is planned.
   void ProposeDrafts();
+  // Early-exit self-speculation: the draft passes that fill in the step's draft tokens.
+  absl::Status DraftStep(const SchedulerStep& step);
   // Samples the logit rows of one sampling sequence of the step (1 + its draft tokens, from
   // `rows`): verifies its draft tokens in order, processing each token, until one is rejected
   // or the choice ends; gives back the rejected tokens' KV.

@@ -66,6 +66,16 @@ class ModelRunner {
   // call. When it returns, the step's K and V are in the cache (the device has finished).
   absl::StatusOr<std::span<const float>> Execute(const SchedulerStep& step);
 
+  // Early-exit self-speculation's draft pass over a step planned with draft tokens: for each
+  // sequence with more than `offset` draft tokens, runs one token (its last real token when
+  // `offset` is 0, else draft token offset - 1, at the position after the last) through the
+  // first `num_layers` layers, the final norm and the LM head, and returns one logit row per
+  // such sequence, in step order. It writes those layers' KV of that token into the step's own
+  // slots and attends over the KV the target computed before, so the draft needs no cache or
+  // prefill of its own; Execute then recomputes every layer of those slots.
+  absl::StatusOr<std::span<const float>> ExecuteDraft(const SchedulerStep& step, int offset,
+                                                      int num_layers);
+
   // Called by Execute on its own thread as soon as layer `layer`'s K and V of every token of
   // the step are in the cache, before the next layer runs: lets a prefill worker push a
   // layer's pages while the later layers are still being computed. On a device backend Execute
@@ -102,6 +112,11 @@ class ModelRunner {
   // Backend memory holding `values` (an empty buffer for an empty vector).
   absl::StatusOr<kernels::DeviceBuffer> Upload(const std::vector<float>& values);
   void CopyBlock(int32_t src, int32_t dst);
+  // Runs the planned step (planned_ints_, query_start_, context_len_, block_table_) through the
+  // first `num_layers` layers and returns the logits of its `num_sampled` sample rows.
+  absl::StatusOr<std::span<const float>> Forward(int tokens, int num_seqs, int max_blocks,
+                                                 int num_sampled, int num_layers,
+                                                 bool layer_hook);
 
   text::ModelConfig config_;
   ModelRunnerOptions options_;

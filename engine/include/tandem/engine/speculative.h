@@ -13,7 +13,9 @@ namespace tandem::engine {
 
 // How the draft tokens are proposed. kNone: no speculation. kNgram: prompt lookup, the tokens
 // that followed the most recent earlier occurrence of the sequence's last n tokens.
-enum class SpeculativeMethod { kNone, kNgram };
+// kEarlyExit: self-speculation, the target's own first draft_layers layers with its final norm
+// and LM head as the draft model (greedy), over the target's own KV of those layers.
+enum class SpeculativeMethod { kNone, kNgram, kEarlyExit };
 
 struct SpeculativeOptions {
   SpeculativeMethod method = SpeculativeMethod::kNone;
@@ -22,13 +24,15 @@ struct SpeculativeOptions {
   // `--ngram-min` / `--ngram-max`: the suffix lengths the n-gram proposer tries, longest first.
   int ngram_min = 1;
   int ngram_max = 3;
+  // `--draft-layers`: the early-exit draft's layers (fewer than the model has).
+  int draft_layers = 0;
 
   bool enabled() const { return method != SpeculativeMethod::kNone && num_speculative_tokens > 0; }
   // InvalidArgument naming the field for values no proposer can run with.
   absl::Status Validate() const;
 };
 
-// "none" / "ngram", and back (false for an unknown name).
+// "none" / "ngram" / "early-exit", and back (false for an unknown name).
 const char* SpeculativeMethodName(SpeculativeMethod method);
 bool ParseSpeculativeMethod(const std::string& name, SpeculativeMethod* method);
 
