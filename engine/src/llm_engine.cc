@@ -74,6 +74,10 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
     engine->ngram_ = std::make_unique<NgramProposer>(options.speculative.ngram_min,
                                                      options.speculative.ngram_max);
   }
+  engine->spec_tokens_ = num_spec;
+  if (num_spec > 0 && engine->options_.speculative.adaptive) {
+    engine->spec_length_ = std::make_unique<SpeculationLength>(num_spec);
+  }
   engine->spec_proposed_by_position_.assign(num_spec, 0);
   engine->spec_accepted_by_position_.assign(num_spec, 0);
   engine->role_ = std::make_unique<internal::DisaggRole>(options.role);
@@ -355,6 +359,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
 }
 
 absl::StatusOr<SchedulerStep> LlmEngine::ScheduleStep() {
+  ChooseSpeculationLength();
   ApplySloLimits();
   ProposeDrafts();
   SchedulerStep step = scheduler_->Schedule();
@@ -379,9 +384,21 @@ absl::StatusOr<std::span<const float>> LlmEngine::ExecuteStep(const SchedulerSte
   return logits;
 }
 
+void LlmEngine::ChooseSpeculationLength() {
+  if (spec_length_ == nullptr) return;
+  int num_seqs = 0;
+  int64_t context = 0;
+  for (const Sequence* seq : scheduler_->running()) {
+    if (seq->num_uncomputed_tokens() != 1) continue;
+    ++num_seqs;
+    context += seq->num_computed_tokens + 1;
+  }
+  spec_tokens_ = spec_length_->Choose(telemetry_.latency_model(), num_seqs, context);
+}
+
 void LlmEngine::ProposeDrafts() {
   if (!options_.speculative.enabled()) return;
-  const int k = options_.speculative.num_speculative_tokens;
+  const int k = spec_tokens_;
   for (Sequence* seq : scheduler_->running()) {
     seq->draft_tokens.clear();
     if (seq->num_uncomputed_tokens() != 1) continue;  // still prefilling
@@ -491,6 +508,7 @@ void LlmEngine::SampleSequence(const ScheduledSequence& s, std::span<const float
     ++spec_verify_steps_;
     for (int j = 0; j < s.num_draft_tokens; ++j) ++spec_proposed_by_position_[j];
     for (int j = 0; j < accepted; ++j) ++spec_accepted_by_position_[j];
+    if (spec_length_ != nullptr) spec_length_->Observe(s.num_draft_tokens, accepted);
   }
   // A finished choice's blocks are gone already; a running one keeps the accepted tokens' KV.
   if (s.num_draft_tokens > 0 && !choice.done) scheduler_->AcceptDrafts(&seq, accepted);
@@ -712,8 +730,9 @@ void LlmEngine::ApplySloLimits() {
     }
     // What the caller's loop spends between steps is part of every token's time too.
     const double step_target = kTpotMargin * options_.tpot_slo_seconds - telemetry_.step_gap_seconds();
-    decode_batch_limit_ =
-        DecodeBatchLimit(telemetry_.latency_model(), contexts, options_.max_num_seqs, step_target);
+    // A verification step runs each sequence's draft tokens too.
+    decode_batch_limit_ = DecodeBatchLimit(telemetry_.latency_model(), contexts,
+                                           options_.max_num_seqs, step_target, 1 + spec_tokens_);
     // Sequences that ran in the last step (the front of the running list) keep running when
     // the cap drops: parking one would add its wait to its own time per token. The batch comes
     // down as they finish, while nothing new joins above the cap.

@@ -67,4 +67,58 @@ std::vector<int32_t> NgramProposer::Propose(std::span<const int32_t> tokens,
   return {};
 }
 
+SpeculationLength::SpeculationLength(int max_tokens)
+    : max_(max_tokens), proposed_(max_tokens, 0.0), accepted_(max_tokens, 0.0) {}
+
+void SpeculationLength::Observe(int proposed, int accepted) {
+  // A memory of about 200 observations per position.
+  constexpr double kDecay = 0.995;
+  for (int j = 0; j < std::min(proposed, max_); ++j) {
+    // Position j was decided only when every earlier draft was accepted.
+    if (j > accepted) break;
+    proposed_[j] = kDecay * proposed_[j] + 1.0;
+    accepted_[j] = kDecay * accepted_[j] + (j < accepted ? 1.0 : 0.0);
+  }
+}
+
+double SpeculationLength::acceptance(int position) const {
+  if (position < 0 || position >= max_ || proposed_[position] < 1.0) {
+    // Unmeasured: as likely as the position before it (optimistic at the start).
+    return position > 0 && position < max_ ? acceptance(position - 1) : 1.0;
+  }
+  return accepted_[position] / proposed_[position];
+}
+
+double SpeculationLength::ExpectedTokens(int k) const {
+  double expected = 1.0;
+  double all_accepted = 1.0;
+  for (int j = 0; j < std::min(k, max_); ++j) {
+    all_accepted *= acceptance(j);
+    expected += all_accepted;
+  }
+  return expected;
+}
+
+int SpeculationLength::Choose(const StepLatencyModel& model, int num_seqs, int64_t context) {
+  if (!model.ready() || num_seqs <= 0) return max_;
+  int best = 0;
+  double best_rate = 0;
+  for (int k = 0; k <= max_; ++k) {
+    const int64_t tokens = static_cast<int64_t>(num_seqs) * (1 + k);
+    const double seconds = model.Predict(tokens, num_seqs, context + tokens - num_seqs);
+    if (!(seconds > 0)) return max_;
+    const double rate = ExpectedTokens(k) / seconds;
+    if (rate > best_rate) {
+      best_rate = rate;
+      best = k;
+    }
+  }
+  if (best > 0) {
+    steps_off_ = 0;
+    return best;
+  }
+  // Off: probe now and then, or acceptance would never be measured again.
+  return ++steps_off_ % 32 == 0 ? max_ : 0;
+}
+
 }  // namespace tandem::engine

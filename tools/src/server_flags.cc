@@ -163,6 +163,12 @@ void DeclareSpeculativeFlags(Args& args) {
   args.Declare("draft-layers", "L",
                "early-exit: the draft is the model's first L layers with its final norm and LM "
                "head, reading the model's own KV of those layers (fewer than the model has)");
+  args.DeclareSwitch("speculative-adaptive",
+                     "choose each step's draft length (0: off) from the measured acceptance and "
+                     "step times, for the most tokens per second (the default)");
+  args.DeclareSwitch("no-speculative-adaptive",
+                     "always propose --num-speculative-tokens (seeded sampled outputs then repeat "
+                     "run to run)");
 }
 
 absl::Status SpeculativeFlags(const Args& args, engine::EngineOptions& options) {
@@ -174,14 +180,20 @@ absl::Status SpeculativeFlags(const Args& args, engine::EngineOptions& options) 
         method, "'"));
   }
   if (spec.method == engine::SpeculativeMethod::kNone) {
-    for (const char* flag : {"num-speculative-tokens", "ngram-min", "ngram-max", "draft-layers"}) {
-      if (args.Has(flag)) {
+    for (const char* flag : {"num-speculative-tokens", "ngram-min", "ngram-max", "draft-layers",
+                             "speculative-adaptive", "no-speculative-adaptive"}) {
+      if (args.Has(flag) || args.Switch(flag)) {
         return absl::InvalidArgumentError(absl::StrCat(
             args.command(), ": --", flag, " needs --speculative-method ngram or early-exit"));
       }
     }
     return absl::OkStatus();
   }
+  if (args.Switch("speculative-adaptive") && args.Switch("no-speculative-adaptive")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --speculative-adaptive and --no-speculative-adaptive contradict"));
+  }
+  spec.adaptive = !args.Switch("no-speculative-adaptive");
   const bool early_exit = spec.method == engine::SpeculativeMethod::kEarlyExit;
   for (const char* flag : {"ngram-min", "ngram-max"}) {
     if (early_exit && args.Has(flag)) {

@@ -211,6 +211,8 @@ class LlmEngine {
   // Sets the draft tokens of every decoding sequence (speculative decoding) before Schedule;
   // early exit reserves their places, filled by DraftStep once the step is planned.
   void ProposeDrafts();
+  // Sets spec_tokens_, the draft length of the coming step, for the running batch.
+  void ChooseSpeculationLength();
   // Early-exit self-speculation: the draft passes that fill in the step's draft tokens.
   absl::Status DraftStep(const SchedulerStep& step);
   // Samples the logit rows of one sampling sequence of the step (1 + its draft tokens, from
@@ -245,6 +247,9 @@ class LlmEngine {
   std::vector<KvWritten> step_writes_;          // of the running step, for on_layer_kv_written
   int decode_batch_limit_ = 0;  // the TPOT controller's cap; 0 without one
   std::unique_ptr<NgramProposer> ngram_;  // with SpeculativeMethod::kNgram
+  // The draft length of the coming step (speculation on): fixed, or chosen by spec_length_.
+  int spec_tokens_ = 0;
+  std::unique_ptr<SpeculationLength> spec_length_;  // with options_.speculative.adaptive
   // Speculative decoding counters (EngineStats::spec_*).
   int64_t spec_proposed_ = 0;
   int64_t spec_accepted_ = 0;

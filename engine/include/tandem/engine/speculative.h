@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "tandem/engine/step_latency_model.h"
 
 namespace tandem::engine {
 
@@ -26,6 +27,13 @@ struct SpeculativeOptions {
   int ngram_max = 3;
   // `--draft-layers`: the early-exit draft's layers (fewer than the model has).
   int draft_layers = 0;
+  // `--speculative-adaptive` (the default) / `--no-speculative-adaptive`: each step's draft
+  // length is chosen by SpeculationLength from the measured acceptance and the step latency
+  // model, 0 (off) where speculating would lower the tokens per second; otherwise always
+  // num_speculative_tokens. Outputs are exact either way; a seeded sampled stream is
+  // reproducible run to run only with a fixed length (the length decides how many random
+  // numbers a step draws).
+  bool adaptive = true;
 
   bool enabled() const { return method != SpeculativeMethod::kNone && num_speculative_tokens > 0; }
   // InvalidArgument naming the field for values no proposer can run with.
@@ -49,6 +57,32 @@ class NgramProposer {
  private:
   int ngram_min_;
   int ngram_max_;
+};
+
+// The draft length controller: after each step, the acceptance it saw per draft position; before
+// each step, the length k in [0, max] that maximises the expected tokens per sequence-step
+// (1 + sum over j < k of the chance that drafts 0..j are all accepted, from decayed per-position
+// acceptance rates) over the step time the latency model predicts for the running batch with k
+// draft tokens each. k = 0 is speculation off; while off, every 32nd step still speculates at
+// the longest length, so that the acceptance it measures stays current. `max` until the latency
+// model is ready.
+class SpeculationLength {
+ public:
+  explicit SpeculationLength(int max_tokens);
+  // One sequence-step proposed `proposed` draft tokens and the first `accepted` were accepted.
+  void Observe(int proposed, int accepted);
+  // The length for a step of `num_seqs` sequences reading `context` tokens in all.
+  int Choose(const StepLatencyModel& model, int num_seqs, int64_t context);
+  // The decayed share of proposals at `position` accepted when every earlier one was.
+  double acceptance(int position) const;
+  // Expected tokens one sequence-step yields with k draft tokens.
+  double ExpectedTokens(int k) const;
+
+ private:
+  int max_;
+  std::vector<double> proposed_;  // [max], decayed counts
+  std::vector<double> accepted_;  // [max]
+  int steps_off_ = 0;
 };
 
 }  // namespace tandem::engine
