@@ -13,6 +13,7 @@
 #include "tandem/engine/engine_metrics.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/engine/speculative.h"
+#include "tandem/engine/step_latency_model.h"
 #include "test_models.h"
 
 namespace tandem::engine {
@@ -426,6 +427,58 @@ TEST(SpeculativeOptionsTest, RefusesValuesNoProposerRunsWith) {
   ASSERT_FALSE(engine.ok());
   EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(engine.status().message().find("ngram_min"), std::string::npos);
+}
+
+// A step latency model of a machine where a step costs 10 ms plus `per_token` per batch token.
+StepLatencyModel FittedModel(double per_token) {
+  StepLatencyModel model;
+  std::mt19937 rng(1);
+  for (int i = 0; i < 60; ++i) {
+    const int seqs = 1 + static_cast<int>(rng() % 16);
+    const int tokens = seqs * (1 + static_cast<int>(rng() % 5));
+    const int context = seqs * 100;
+    model.Observe(tokens, seqs, context, 0.01 + per_token * tokens + 1e-7 * context);
+  }
+  return model;
+}
+
+// The draft length follows what pays: long when drafts are accepted and extra tokens are cheap
+// (decode bound by weights), off when they are rejected or each token costs as much as a step,
+// and probed again now and then while off.
+TEST(SpeculationLengthTest, ChoosesTheLengthWithTheMostTokensPerSecond) {
+  const StepLatencyModel cheap_tokens = FittedModel(0.0001);
+  const StepLatencyModel costly_tokens = FittedModel(0.01);
+  ASSERT_TRUE(cheap_tokens.ready());
+  SpeculationLength length(4);
+  EXPECT_EQ(length.Choose(StepLatencyModel(), 1, 100), 4);  // no model yet: the most
+  for (int i = 0; i < 200; ++i) length.Observe(4, 4);
+  EXPECT_NEAR(length.acceptance(0), 1.0, 1e-9);
+  EXPECT_NEAR(length.ExpectedTokens(4), 5.0, 1e-9);
+  EXPECT_EQ(length.Choose(cheap_tokens, 1, 100), 4);
+  EXPECT_EQ(length.Choose(cheap_tokens, 8, 800), 4);
+  // Each token costing as much as a whole small step: speculating 4 for 5 tokens still pays at
+  // batch 1, and a batch that is compute-bound already gains less.
+  EXPECT_GE(length.Choose(costly_tokens, 1, 100), 1);
+
+  SpeculationLength rejected(4);
+  for (int i = 0; i < 200; ++i) rejected.Observe(4, 0);
+  EXPECT_LT(rejected.acceptance(0), 0.05);
+  int off = 0;
+  int probes = 0;
+  for (int i = 0; i < 64; ++i) {
+    const int k = rejected.Choose(cheap_tokens, 8, 800);
+    off += k == 0;
+    probes += k == 4;
+  }
+  EXPECT_EQ(off, 62);
+  EXPECT_EQ(probes, 2);
+
+  // Acceptance that decays with the position: the expected tokens follow the product.
+  SpeculationLength halves(3);
+  for (int i = 0; i < 400; ++i) halves.Observe(3, i % 2 == 0 ? 0 : (i % 4 == 1 ? 1 : 3));
+  EXPECT_NEAR(halves.acceptance(0), 0.5, 0.05);
+  EXPECT_NEAR(halves.acceptance(1), 0.5, 0.05);
+  EXPECT_NEAR(halves.ExpectedTokens(2), 1 + 0.5 + 0.25, 0.06);
 }
 
 TEST(BlockManagerTruncateTest, GivesBackTheBlocksPastTheKeptTokens) {
