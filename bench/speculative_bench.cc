@@ -18,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "tandem/base/status_macros.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/tools/synth_model.h"
 
@@ -40,8 +41,20 @@ struct Result {
   int64_t steps = 0;
 };
 
-absl::StatusOr<Result> Run(const std::string& model, const Flags& flags, int batch,
-                           engine::SpeculativeOptions spec) {
+// Prompts of 32 random tokens, one per sequence of the batch.
+std::vector<std::vector<int32_t>> RandomPrompts(int batch, int vocab) {
+  std::mt19937 rng(11);
+  std::vector<std::vector<int32_t>> prompts(batch, std::vector<int32_t>(32));
+  for (auto& prompt : prompts) {
+    for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % vocab);
+  }
+  return prompts;
+}
+
+absl::StatusOr<Result> Run(const std::string& model, const Flags& flags,
+                           const std::vector<std::vector<int32_t>>& prompts,
+                           engine::SpeculativeOptions spec,
+                           std::vector<std::vector<int32_t>>* generated = nullptr) {
   engine::EngineOptions options;
   options.model_dir = model;
   options.num_threads = flags.threads;
@@ -49,13 +62,9 @@ absl::StatusOr<Result> Run(const std::string& model, const Flags& flags, int bat
   options.max_num_seqs = 16;
   options.speculative = spec;
   TANDEM_ASSIGN_OR_RETURN(auto engine, engine::LlmEngine::Create(options));
-  const int vocab = engine->config().vocab_size;
-  std::mt19937 rng(11);
   std::vector<engine::GenerateRequest> requests;
-  for (int i = 0; i < batch; ++i) {
-    std::vector<int32_t> prompt(32);
-    for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % vocab);
-    requests.push_back({absl::StrCat("r", i), prompt,
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    requests.push_back({absl::StrCat("r", i), prompts[i],
                         {.temperature = 0, .max_tokens = flags.tokens, .ignore_eos = true}});
   }
   // A warm-up request (page faults of the weights, thread pool start) outside the timing.
@@ -69,10 +78,13 @@ absl::StatusOr<Result> Run(const std::string& model, const Flags& flags, int bat
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const engine::EngineStats after = engine->stats();
-  int64_t generated = 0;
-  for (const auto& o : outputs) generated += o.num_generation_tokens;
+  int64_t num_generated = 0;
+  for (const auto& o : outputs) {
+    num_generated += o.num_generation_tokens;
+    if (generated != nullptr) generated->push_back(o.choices[0].token_ids);
+  }
   Result r;
-  r.tokens_per_second = static_cast<double>(generated) / seconds;
+  r.tokens_per_second = static_cast<double>(num_generated) / seconds;
   const double proposed =
       static_cast<double>(after.spec_proposed_tokens - before.spec_proposed_tokens);
   const double accepted =
@@ -119,7 +131,10 @@ absl::Status Main(int argc, char** argv) {
       TANDEM_RETURN_IF_ERROR(tools::WriteSyntheticModel(synth));
     }
     for (int batch : {1, 8}) {
-      TANDEM_ASSIGN_OR_RETURN(Result base, Run(model, flags, batch, {}));
+      // Ids below 512: every preset's tokenizer has at least that many.
+      const auto prompts = RandomPrompts(batch, 512);
+      std::vector<std::vector<int32_t>> answers;
+      TANDEM_ASSIGN_OR_RETURN(Result base, Run(model, flags, prompts, {}, &answers));
       std::printf("| %.2f | %d | none | - | 1 | %lld | %.1f | 1.00 |\n", scale, batch,
                   static_cast<long long>(base.steps), base.tokens_per_second);
       const engine::SpeculativeOptions methods[] = {
@@ -135,7 +150,7 @@ absl::Status Main(int argc, char** argv) {
            .draft_layers = flags.draft_layers,
            .adaptive = true}};
       for (const engine::SpeculativeOptions& spec : methods) {
-        TANDEM_ASSIGN_OR_RETURN(Result r, Run(model, flags, batch, spec));
+        TANDEM_ASSIGN_OR_RETURN(Result r, Run(model, flags, prompts, spec));
         const std::string name =
             spec.method == engine::SpeculativeMethod::kNgram
                 ? absl::StrCat("ngram k=", flags.k)
@@ -146,6 +161,27 @@ absl::Status Main(int argc, char** argv) {
                     r.tokens_per_second, r.tokens_per_second / base.tokens_per_second);
         std::fflush(stdout);
       }
+      // Output that repeats the context, as in editing or rewriting a document: the prompt is
+      // P + the model's own answer to P + P again, so the answer tends to recur and the n-gram
+      // proposer finds it; how often it does is the measured acceptance.
+      std::vector<std::vector<int32_t>> echo = prompts;
+      for (size_t i = 0; i < echo.size(); ++i) {
+        echo[i].insert(echo[i].end(), answers[i].begin(), answers[i].end());
+        echo[i].insert(echo[i].end(), prompts[i].begin(), prompts[i].end());
+      }
+      TANDEM_ASSIGN_OR_RETURN(Result echo_base, Run(model, flags, echo, {}));
+      std::printf("| %.2f | %d | none, echo prompt | - | 1 | %lld | %.1f | 1.00 |\n", scale,
+                  batch, static_cast<long long>(echo_base.steps), echo_base.tokens_per_second);
+      TANDEM_ASSIGN_OR_RETURN(
+          Result r, Run(model, flags, echo,
+                        {.method = engine::SpeculativeMethod::kNgram,
+                         .num_speculative_tokens = flags.k,
+                         .adaptive = false}));
+      std::printf("| %.2f | %d | ngram k=%d, echo prompt | %.2f | %.2f | %lld | %.1f | %.2f |\n",
+                  scale, batch, flags.k, r.acceptance, r.mean_length,
+                  static_cast<long long>(r.steps), r.tokens_per_second,
+                  r.tokens_per_second / echo_base.tokens_per_second);
+      std::fflush(stdout);
     }
   }
   return absl::OkStatus();

@@ -415,8 +415,10 @@ class SpeculativeDecodeWorker(unittest.TestCase):
     and exports what it proposed and accepted."""
 
     def test_greedy_output_equals_colocated_without_speculation(self):
+        # A fixed draft length: the adaptive one follows measured step times.
         decode = start_worker("decode", extra=["--speculative-method", "ngram",
-                                               "--num-speculative-tokens", "4"])
+                                               "--num-speculative-tokens", "4",
+                                               "--no-speculative-adaptive"])
         prefill = start_worker("prefill")
         router = start_router(prefill.address, decode.address)
         colocated = start_colocated()

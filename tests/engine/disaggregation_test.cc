@@ -75,7 +75,8 @@ TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
   // A prefill engine ignores speculation (it samples first tokens only).
   const SpeculativeOptions spec =
       speculative ? SpeculativeOptions{.method = SpeculativeMethod::kNgram,
-                                       .num_speculative_tokens = 4}
+                                       .num_speculative_tokens = 4,
+                                       .adaptive = false}
                   : SpeculativeOptions{};
   auto prefill = MakeEngine(EngineRole::kPrefill, spec);
   auto decode = MakeEngine(EngineRole::kDecode, spec);

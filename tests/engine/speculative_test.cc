@@ -19,11 +19,14 @@
 namespace tandem::engine {
 namespace {
 
+// Fixed draft lengths (no adaptive controller, which follows measured step times): what a test
+// sees must not depend on the machine's speed.
 SpeculativeOptions Ngram(int k, int ngram_min = 1, int ngram_max = 3) {
   return {.method = SpeculativeMethod::kNgram,
           .num_speculative_tokens = k,
           .ngram_min = ngram_min,
-          .ngram_max = ngram_max};
+          .ngram_max = ngram_max,
+          .adaptive = false};
 }
 
 std::unique_ptr<LlmEngine> MakeEngine(const std::string& model, SpeculativeOptions spec,
@@ -123,7 +126,8 @@ std::vector<std::string> StopsFrom(const std::vector<RequestOutput>& outputs) {
 SpeculativeOptions EarlyExit(int k, int draft_layers) {
   return {.method = SpeculativeMethod::kEarlyExit,
           .num_speculative_tokens = k,
-          .draft_layers = draft_layers};
+          .draft_layers = draft_layers,
+          .adaptive = false};
 }
 
 struct GreedyCase {
@@ -131,6 +135,8 @@ struct GreedyCase {
   SpeculativeOptions spec;
   bool prefix_caching = true;
 };
+
+void PrintTo(const GreedyCase& c, std::ostream* os) { *os << c.name; }
 
 class SpeculativeGreedyTest : public ::testing::TestWithParam<GreedyCase> {};
 
