@@ -36,8 +36,8 @@ struct Flags {
 
 struct Result {
   double tokens_per_second = 0;
-  double acceptance = 0;       // accepted / proposed draft tokens
-  double mean_length = 0;      // tokens per verifying sequence-step
+  double acceptance = 0;   // accepted / proposed draft tokens
+  double mean_length = 0;  // tokens per verifying sequence-step
   int64_t steps = 0;
 };
 
@@ -64,12 +64,14 @@ absl::StatusOr<Result> Run(const std::string& model, const Flags& flags,
   TANDEM_ASSIGN_OR_RETURN(auto engine, engine::LlmEngine::Create(options));
   std::vector<engine::GenerateRequest> requests;
   for (size_t i = 0; i < prompts.size(); ++i) {
-    requests.push_back({absl::StrCat("r", i), prompts[i],
+    requests.push_back({absl::StrCat("r", i),
+                        prompts[i],
                         {.temperature = 0, .max_tokens = flags.tokens, .ignore_eos = true}});
   }
   // A warm-up request (page faults of the weights, thread pool start) outside the timing.
   TANDEM_RETURN_IF_ERROR(
-      engine::GenerateAll(*engine, {{"warm", requests[0].prompt_tokens,
+      engine::GenerateAll(*engine, {{"warm",
+                                     requests[0].prompt_tokens,
                                      {.temperature = 0, .max_tokens = 4, .ignore_eos = true}}})
           .status());
   const engine::EngineStats before = engine->stats();
@@ -117,8 +119,9 @@ absl::Status Main(int argc, char** argv) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", name));
     }
   }
-  std::printf("| late-layer scale | batch | method | acceptance | mean accepted length | steps | "
-              "tokens/s | speed-up |\n|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "| late-layer scale | batch | method | acceptance | mean accepted length | steps | "
+      "tokens/s | speed-up |\n|---|---|---|---|---|---|---|---|\n");
   for (float scale : {1.0f, 0.3f, 0.1f, 0.03f, 0.0f}) {
     const std::string model =
         absl::StrCat(flags.dir, "/", flags.preset, "-late", flags.draft_layers, "-x", scale);
@@ -170,13 +173,12 @@ absl::Status Main(int argc, char** argv) {
         echo[i].insert(echo[i].end(), prompts[i].begin(), prompts[i].end());
       }
       TANDEM_ASSIGN_OR_RETURN(Result echo_base, Run(model, flags, echo, {}));
-      std::printf("| %.2f | %d | none, echo prompt | - | 1 | %lld | %.1f | 1.00 |\n", scale,
-                  batch, static_cast<long long>(echo_base.steps), echo_base.tokens_per_second);
-      TANDEM_ASSIGN_OR_RETURN(
-          Result r, Run(model, flags, echo,
-                        {.method = engine::SpeculativeMethod::kNgram,
-                         .num_speculative_tokens = flags.k,
-                         .adaptive = false}));
+      std::printf("| %.2f | %d | none, echo prompt | - | 1 | %lld | %.1f | 1.00 |\n", scale, batch,
+                  static_cast<long long>(echo_base.steps), echo_base.tokens_per_second);
+      TANDEM_ASSIGN_OR_RETURN(Result r, Run(model, flags, echo,
+                                            {.method = engine::SpeculativeMethod::kNgram,
+                                             .num_speculative_tokens = flags.k,
+                                             .adaptive = false}));
       std::printf("| %.2f | %d | ngram k=%d, echo prompt | %.2f | %.2f | %lld | %.1f | %.2f |\n",
                   scale, batch, flags.k, r.acceptance, r.mean_length,
                   static_cast<long long>(r.steps), r.tokens_per_second,

@@ -421,9 +421,8 @@ absl::Status LlmEngine::DraftStep(const SchedulerStep& step) {
   for (const ScheduledSequence& s : step.seqs) most = std::max(most, s.num_draft_tokens);
   const size_t vocab = checkpoint_->config().vocab_size;
   for (int j = 0; j < most; ++j) {
-    TANDEM_ASSIGN_OR_RETURN(
-        std::span<const float> logits,
-        runner_->ExecuteDraft(step, j, options_.speculative.draft_layers));
+    TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits,
+                            runner_->ExecuteDraft(step, j, options_.speculative.draft_layers));
     size_t r = 0;
     for (const ScheduledSequence& s : step.seqs) {
       if (s.num_draft_tokens <= j) continue;

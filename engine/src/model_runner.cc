@@ -122,9 +122,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                           backend->Allocate(runner->cache_layout_.total_bytes()));
 
   const size_t t = options.max_num_batched_tokens;
-  const size_t s = std::min<int64_t>(
-      static_cast<int64_t>(options.max_num_seqs) * options.max_logit_rows_per_seq,
-      options.max_num_batched_tokens);
+  const size_t s =
+      std::min<int64_t>(static_cast<int64_t>(options.max_num_seqs) * options.max_logit_rows_per_seq,
+                        options.max_num_batched_tokens);
   runner->max_logit_rows_ = static_cast<int>(s);
   const size_t q_dim = static_cast<size_t>(c.num_heads) * c.head_dim;
   const size_t kv_dim = static_cast<size_t>(c.num_kv_heads) * c.head_dim;
@@ -294,8 +294,8 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     if (s.num_draft_tokens < 0 || s.num_draft_tokens >= s.num_new_tokens ||
         s.num_draft_tokens > static_cast<int>(s.seq->draft_tokens.size())) {
       return absl::InvalidArgumentError(absl::StrCat("a sequence of ", s.num_new_tokens,
-                                                     " new tokens cannot run ",
-                                                     s.num_draft_tokens, " draft tokens"));
+                                                     " new tokens cannot run ", s.num_draft_tokens,
+                                                     " draft tokens"));
     }
   }
   if (tokens > options_.max_num_batched_tokens || num_seqs > options_.max_num_seqs ||
@@ -336,7 +336,8 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     std::copy(seq.block_table.begin(), seq.block_table.end(),
               block_table_.begin() + static_cast<size_t>(i) * max_blocks);
     if (step.seqs[i].samples) {
-      for (int r = step.seqs[i].num_draft_tokens; r >= 0; --r) sample_rows[num_sampled++] = t - 1 - r;
+      for (int r = step.seqs[i].num_draft_tokens; r >= 0; --r)
+        sample_rows[num_sampled++] = t - 1 - r;
     }
   }
   return Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
@@ -346,8 +347,8 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
 absl::StatusOr<std::span<const float>> ModelRunner::ExecuteDraft(const SchedulerStep& step,
                                                                  int offset, int num_layers) {
   if (num_layers < 1 || num_layers > config_.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("a draft pass of ", num_layers,
-                                                   " layers on a model of ", config_.num_layers));
+    return absl::InvalidArgumentError(
+        absl::StrCat("a draft pass of ", num_layers, " layers on a model of ", config_.num_layers));
   }
   if (offset == 0) {
     // Execute copies them again before the target pass, which rewrites every slot of the step

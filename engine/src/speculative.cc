@@ -9,14 +9,14 @@ namespace tandem::engine {
 absl::Status SpeculativeOptions::Validate() const {
   if (method == SpeculativeMethod::kNone) return absl::OkStatus();
   if (num_speculative_tokens < 1 || num_speculative_tokens > 32) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "num_speculative_tokens must be in [1, 32], got ", num_speculative_tokens));
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_speculative_tokens must be in [1, 32], got ", num_speculative_tokens));
   }
   if (method == SpeculativeMethod::kNgram &&
       (ngram_min < 1 || ngram_max < ngram_min || ngram_max > 64)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max <= 64, got ", ngram_min,
-        " and ", ngram_max));
+    return absl::InvalidArgumentError(
+        absl::StrCat("ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max <= 64, got ",
+                     ngram_min, " and ", ngram_max));
   }
   if (method == SpeculativeMethod::kEarlyExit && draft_layers < 1) {
     return absl::InvalidArgumentError(
@@ -50,8 +50,7 @@ bool ParseSpeculativeMethod(const std::string& name, SpeculativeMethod* method) 
   return true;
 }
 
-std::vector<int32_t> NgramProposer::Propose(std::span<const int32_t> tokens,
-                                            int max_tokens) const {
+std::vector<int32_t> NgramProposer::Propose(std::span<const int32_t> tokens, int max_tokens) const {
   const int size = static_cast<int>(tokens.size());
   if (max_tokens <= 0) return {};
   for (int n = std::min(ngram_max_, size - 1); n >= ngram_min_; --n) {

@@ -73,11 +73,11 @@ TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
   const auto& [backend, concurrency, constrained, speculative] = GetParam();
   auto colocated = MakeEngine(EngineRole::kColocated);
   // A prefill engine ignores speculation (it samples first tokens only).
-  const SpeculativeOptions spec =
-      speculative ? SpeculativeOptions{.method = SpeculativeMethod::kNgram,
-                                       .num_speculative_tokens = 4,
-                                       .adaptive = false}
-                  : SpeculativeOptions{};
+  const SpeculativeOptions spec = speculative
+                                      ? SpeculativeOptions{.method = SpeculativeMethod::kNgram,
+                                                           .num_speculative_tokens = 4,
+                                                           .adaptive = false}
+                                      : SpeculativeOptions{};
   auto prefill = MakeEngine(EngineRole::kPrefill, spec);
   auto decode = MakeEngine(EngineRole::kDecode, spec);
   const std::vector<GenerateRequest> requests =

@@ -3,6 +3,8 @@
 // speculation, bit for bit, whatever the stop strings, max_tokens, min_tokens, n, prefix caching
 // or grammar; sampled outputs follow the same distribution (a chi-square test over 20,000 seeded
 // samples of a small-vocabulary model); rejected tokens leave no KV block behind.
+#include "tandem/engine/speculative.h"
+
 #include <cmath>
 #include <map>
 #include <random>
@@ -12,7 +14,6 @@
 #include "tandem/engine/block_manager.h"
 #include "tandem/engine/engine_metrics.h"
 #include "tandem/engine/llm_engine.h"
-#include "tandem/engine/speculative.h"
 #include "tandem/engine/step_latency_model.h"
 #include "test_models.h"
 
@@ -309,8 +310,8 @@ double HomogeneityPValue(const std::map<std::vector<int32_t>, int>& a,
 
 // The first three tokens of `samples` seeded samples (seeds 1..samples) of `params`.
 std::map<std::vector<int32_t>, int> FirstThreeTokens(LlmEngine& engine,
-                                                    const std::vector<int32_t>& prompt,
-                                                    SamplingParams params, int samples) {
+                                                     const std::vector<int32_t>& prompt,
+                                                     SamplingParams params, int samples) {
   std::vector<GenerateRequest> requests;
   for (int i = 0; i < samples; ++i) {
     params.seed = 1000003ull * (i + 1);
@@ -332,8 +333,8 @@ std::map<std::vector<int32_t>, int> FirstThreeTokens(LlmEngine& engine,
 class SpeculativeSampledTest : public ::testing::TestWithParam<GreedyCase> {};
 
 constexpr int kSamples = 20000;
-const std::vector<int32_t> kSmallVocabPrompt = {0, 1, 2,  3, 4, 5,  6, 7, 8, 9, 10, 11, 1, 3, 5,
-                                                7, 9, 11, 0, 2, 4, 6, 8, 10, 3, 6, 9, 0, 4, 8};
+const std::vector<int32_t> kSmallVocabPrompt = {0, 1, 2,  3, 4, 5, 6, 7, 8,  9, 10, 11, 1, 3, 5,
+                                                7, 9, 11, 0, 2, 4, 6, 8, 10, 3, 6,  9,  0, 4, 8};
 const SamplingParams kSampled{.temperature = 0.8f,
                               .top_p = 0.9f,
                               .repetition_penalty = 1.3f,
@@ -387,13 +388,13 @@ TEST(SpeculativeTest, MetricsReportProposedAndAcceptedTokens) {
   EngineMetrics engine_metrics(registry);
   engine_metrics.Record(stats);
   const std::string text = registry.Render();
-  EXPECT_NE(text.find(absl::StrCat("tandem_spec_proposed_tokens_total ",
-                                   stats.spec_proposed_tokens)),
-            std::string::npos)
+  EXPECT_NE(
+      text.find(absl::StrCat("tandem_spec_proposed_tokens_total ", stats.spec_proposed_tokens)),
+      std::string::npos)
       << text;
-  EXPECT_NE(text.find(absl::StrCat("tandem_spec_accepted_tokens_total ",
-                                   stats.spec_accepted_tokens)),
-            std::string::npos);
+  EXPECT_NE(
+      text.find(absl::StrCat("tandem_spec_accepted_tokens_total ", stats.spec_accepted_tokens)),
+      std::string::npos);
   EXPECT_NE(text.find(absl::StrCat("tandem_spec_accepted_tokens_by_position_total{position=\"0\"} ",
                                    stats.spec_accepted_by_position[0])),
             std::string::npos);

@@ -159,7 +159,8 @@ void DeclareSpeculativeFlags(Args& args) {
   args.Declare("num-speculative-tokens", "K",
                "draft tokens proposed per sequence and step, 1..32 (default 4 with a method)");
   args.Declare("ngram-min", "N", "shortest suffix the ngram method matches (default 1)");
-  args.Declare("ngram-max", "N", "longest suffix the ngram method matches, tried first (default 3)");
+  args.Declare("ngram-max", "N",
+               "longest suffix the ngram method matches, tried first (default 3)");
   args.Declare("draft-layers", "L",
                "early-exit: the draft is the model's first L layers with its final norm and LM "
                "head, reading the model's own KV of those layers (fewer than the model has)");
@@ -176,8 +177,8 @@ absl::Status SpeculativeFlags(const Args& args, engine::EngineOptions& options) 
   engine::SpeculativeOptions& spec = options.speculative;
   if (!engine::ParseSpeculativeMethod(method, &spec.method)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        args.command(), ": --speculative-method must be none, ngram or early-exit, got '",
-        method, "'"));
+        args.command(), ": --speculative-method must be none, ngram or early-exit, got '", method,
+        "'"));
   }
   if (spec.method == engine::SpeculativeMethod::kNone) {
     for (const char* flag : {"num-speculative-tokens", "ngram-min", "ngram-max", "draft-layers",
@@ -197,8 +198,8 @@ absl::Status SpeculativeFlags(const Args& args, engine::EngineOptions& options) 
   const bool early_exit = spec.method == engine::SpeculativeMethod::kEarlyExit;
   for (const char* flag : {"ngram-min", "ngram-max"}) {
     if (early_exit && args.Has(flag)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(args.command(), ": --", flag, " is an option of --speculative-method ngram"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          args.command(), ": --", flag, " is an option of --speculative-method ngram"));
     }
   }
   if (early_exit && !args.Has("draft-layers")) {
@@ -215,7 +216,8 @@ absl::Status SpeculativeFlags(const Args& args, engine::EngineOptions& options) 
   }
   TANDEM_ASSIGN_OR_RETURN(int64_t k, IntFlag(args, "num-speculative-tokens", 4, 1, 32));
   TANDEM_ASSIGN_OR_RETURN(int64_t ngram_min, IntFlag(args, "ngram-min", 1, 1, 64));
-  TANDEM_ASSIGN_OR_RETURN(int64_t ngram_max, IntFlag(args, "ngram-max", std::max<int64_t>(3, ngram_min), 1, 64));
+  TANDEM_ASSIGN_OR_RETURN(int64_t ngram_max,
+                          IntFlag(args, "ngram-max", std::max<int64_t>(3, ngram_min), 1, 64));
   if (ngram_max < ngram_min) {
     return absl::InvalidArgumentError(absl::StrCat(args.command(), ": --ngram-max (", ngram_max,
                                                    ") is below --ngram-min (", ngram_min, ")"));

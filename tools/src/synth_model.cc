@@ -137,8 +137,8 @@ Init InitFor(const std::string& name, const std::vector<int64_t>& shape, const M
 float LateLayerScale(const std::string& name, const SynthModelOptions& options) {
   constexpr char kLayers[] = "model.layers.";
   if (options.late_layer_scale == 1.0f || name.rfind(kLayers, 0) != 0) return 1.0f;
-  const bool branch_output = name.find("o_proj.") != std::string::npos ||
-                             name.find("down_proj.") != std::string::npos;
+  const bool branch_output =
+      name.find("o_proj.") != std::string::npos || name.find("down_proj.") != std::string::npos;
   const int layer = std::atoi(name.c_str() + sizeof(kLayers) - 1);
   return branch_output && layer >= options.late_layers_from ? options.late_layer_scale : 1.0f;
 }

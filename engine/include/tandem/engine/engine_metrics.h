@@ -31,9 +31,9 @@ class EngineMetrics {
 
   // Sets the KV, batch and preemption series from `stats`, then RecordSteps(stats).
   void Record(const EngineStats& stats);
-  // Advances the prefix cache and speculative decoding counters, observes the steps run since the last call (the last
-  // one's time stands for any missed) and refreshes the latency model's gauges. Not
-  // thread-safe: call from one thread.
+  // Advances the prefix cache and speculative decoding counters, observes the steps run since the
+  // last call (the last one's time stands for any missed) and refreshes the latency model's gauges.
+  // Not thread-safe: call from one thread.
   void RecordSteps(const EngineStats& stats);
 
   // The KV, batch and preemption series, for an owner that keeps the counts elsewhere (a decode

@@ -62,8 +62,9 @@ class ModelRunner {
 
   // Runs the step and returns logits [rows, vocab] in step order (host memory): for each
   // sequence with `samples` set, 1 + num_draft_tokens rows, its last real token's and then each
-  // draft token's (the distributions that verify draft tokens 0.. and the one after them). The span is valid until the next
-  // call. When it returns, the step's K and V are in the cache (the device has finished).
+  // draft token's (the distributions that verify draft tokens 0.. and the one after them). The span
+  // is valid until the next call. When it returns, the step's K and V are in the cache (the device
+  // has finished).
   absl::StatusOr<std::span<const float>> Execute(const SchedulerStep& step);
 
   // Early-exit self-speculation's draft pass over a step planned with draft tokens: for each
@@ -115,8 +116,7 @@ class ModelRunner {
   // Runs the planned step (planned_ints_, query_start_, context_len_, block_table_) through the
   // first `num_layers` layers and returns the logits of its `num_sampled` sample rows.
   absl::StatusOr<std::span<const float>> Forward(int tokens, int num_seqs, int max_blocks,
-                                                 int num_sampled, int num_layers,
-                                                 bool layer_hook);
+                                                 int num_sampled, int num_layers, bool layer_hook);
 
   text::ModelConfig config_;
   ModelRunnerOptions options_;
