@@ -71,20 +71,29 @@ absl::StatusOr<std::pair<int32_t, int32_t>> BlockManager::Append(BlockTable& tab
   return copy;
 }
 
+void BlockManager::Release(int32_t b) {
+  TANDEM_CHECK(ref_counts_[b] > 0) << "double free of KV block " << b;
+  if (--ref_counts_[b] > 0) return;
+  if (block_hash_[b] != kNoHash) {
+    evictable_pos_[b] = evictable_.insert(evictable_.end(), b);
+  } else {
+    free_list_.push_back(b);
+  }
+}
+
 void BlockManager::Free(BlockTable& table) {
   // Last block first: when these stay cached, a prefix's tail is evicted before its head,
   // which more requests share.
-  for (auto it = table.rbegin(); it != table.rend(); ++it) {
-    const int32_t b = *it;
-    TANDEM_CHECK(ref_counts_[b] > 0) << "double free of KV block " << b;
-    if (--ref_counts_[b] > 0) continue;
-    if (block_hash_[b] != kNoHash) {
-      evictable_pos_[b] = evictable_.insert(evictable_.end(), b);
-    } else {
-      free_list_.push_back(b);
-    }
-  }
+  for (auto it = table.rbegin(); it != table.rend(); ++it) Release(*it);
   table.clear();
+}
+
+void BlockManager::Truncate(BlockTable& table, int num_tokens) {
+  const size_t keep = static_cast<size_t>(BlocksFor(std::max(num_tokens, 0)));
+  while (table.size() > keep) {
+    Release(table.back());
+    table.pop_back();
+  }
 }
 
 BlockTable BlockManager::Fork(const BlockTable& table, int num_blocks) {

@@ -63,8 +63,23 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
     return absl::InvalidArgumentError(
         absl::StrCat("block size must be in [1, 1024], got ", options.block_size));
   }
+  TANDEM_RETURN_IF_ERROR(options.speculative.Validate());
   std::unique_ptr<LlmEngine> engine(new LlmEngine());
   engine->options_ = options;
+  // A prefill engine samples only first tokens: nothing to speculate on.
+  const bool speculates = options.speculative.enabled() && options.role != EngineRole::kPrefill;
+  if (!speculates) engine->options_.speculative = {};
+  const int num_spec = engine->options_.speculative.num_speculative_tokens;
+  if (engine->options_.speculative.method == SpeculativeMethod::kNgram) {
+    engine->ngram_ = std::make_unique<NgramProposer>(options.speculative.ngram_min,
+                                                     options.speculative.ngram_max);
+  }
+  engine->spec_tokens_ = num_spec;
+  if (num_spec > 0 && engine->options_.speculative.adaptive) {
+    engine->spec_length_ = std::make_unique<SpeculationLength>(num_spec);
+  }
+  engine->spec_proposed_by_position_.assign(num_spec, 0);
+  engine->spec_accepted_by_position_.assign(num_spec, 0);
   engine->role_ = std::make_unique<internal::DisaggRole>(options.role);
   engine->telemetry_ = StepTelemetry(options.step_trace, engine->role_->name());
   TANDEM_ASSIGN_OR_RETURN(engine->checkpoint_, Checkpoint::Open(options.model_dir));
@@ -72,6 +87,12 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                           text::Tokenizer::FromFile(options.model_dir + "/tokenizer.json"));
   TANDEM_ASSIGN_OR_RETURN(engine->chat_formatter_, text::ChatFormatter::Load(options.model_dir));
   const text::ModelConfig& config = engine->checkpoint_->config();
+  if (engine->options_.speculative.method == SpeculativeMethod::kEarlyExit &&
+      options.speculative.draft_layers >= config.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("early-exit speculation: draft_layers (", options.speculative.draft_layers,
+                     ") must be fewer than the model's ", config.num_layers, " layers"));
+  }
   engine->max_model_len_ = config.max_position_embeddings;
   if (options.max_model_len > 0) {
     engine->max_model_len_ = std::min(engine->max_model_len_, options.max_model_len);
@@ -104,7 +125,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                            .num_kv_blocks = engine->blocks_->num_blocks(),
                            .block_size = options.block_size,
                            .weight_dtype = dtypes.weights,
-                           .kv_cache_dtype = dtypes.kv_cache}));
+                           .kv_cache_dtype = dtypes.kv_cache,
+                           .max_logit_rows_per_seq = 1 + num_spec}));
   engine->sampler_ = std::make_unique<Sampler>(config.eos_token_ids);
   {
     // Rows of the embedding past the tokenizer's ids are no text: empty, never allowed.
@@ -328,6 +350,7 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   if (options_.before_step && !options_.before_step()) return outputs;
   telemetry_.BeginStep();
   TANDEM_ASSIGN_OR_RETURN(SchedulerStep step, ScheduleStep());
+  TANDEM_RETURN_IF_ERROR(DraftStep(step));
   TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits, ExecuteStep(step));
   SampleStep(step, logits, outputs);
   telemetry_.EndStep(scheduler_->has_work());
@@ -336,7 +359,9 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
 }
 
 absl::StatusOr<SchedulerStep> LlmEngine::ScheduleStep() {
+  ChooseSpeculationLength();
   ApplySloLimits();
+  ProposeDrafts();
   SchedulerStep step = scheduler_->Schedule();
   if (step.empty()) {
     return absl::InternalError("scheduler made no progress with requests pending");
@@ -359,51 +384,133 @@ absl::StatusOr<std::span<const float>> LlmEngine::ExecuteStep(const SchedulerSte
   return logits;
 }
 
+void LlmEngine::ChooseSpeculationLength() {
+  if (spec_length_ == nullptr) return;
+  int num_seqs = 0;
+  int64_t context = 0;
+  for (const Sequence* seq : scheduler_->running()) {
+    if (seq->num_uncomputed_tokens() != 1) continue;
+    ++num_seqs;
+    context += seq->num_computed_tokens + 1;
+  }
+  spec_tokens_ = spec_length_->Choose(telemetry_.latency_model(), num_seqs, context);
+}
+
+void LlmEngine::ProposeDrafts() {
+  if (!options_.speculative.enabled()) return;
+  const int k = spec_tokens_;
+  for (Sequence* seq : scheduler_->running()) {
+    seq->draft_tokens.clear();
+    if (seq->num_uncomputed_tokens() != 1) continue;  // still prefilling
+    // Never more than the sequence may still produce: max_tokens and the context length, one
+    // token coming after the drafts either way.
+    const int limit = std::min({k, seq->params->max_tokens - seq->num_output_tokens() - 1,
+                                max_model_len_ - static_cast<int>(seq->tokens.size())});
+    if (limit <= 0) continue;
+    if (ngram_ != nullptr) {
+      seq->draft_tokens = ngram_->Propose(seq->tokens, limit);
+    } else {
+      seq->draft_tokens.assign(limit, 0);  // places, for DraftStep to fill
+    }
+  }
+}
+
+absl::Status LlmEngine::DraftStep(const SchedulerStep& step) {
+  if (options_.speculative.method != SpeculativeMethod::kEarlyExit) return absl::OkStatus();
+  int most = 0;
+  for (const ScheduledSequence& s : step.seqs) most = std::max(most, s.num_draft_tokens);
+  const size_t vocab = checkpoint_->config().vocab_size;
+  for (int j = 0; j < most; ++j) {
+    TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits,
+                            runner_->ExecuteDraft(step, j, options_.speculative.draft_layers));
+    size_t r = 0;
+    for (const ScheduledSequence& s : step.seqs) {
+      if (s.num_draft_tokens <= j) continue;
+      // The draft proposes its argmax (lowest id among equals): a point-mass proposal, which
+      // verification accepts with the target's own probability of it.
+      const float* row = logits.data() + r++ * vocab;
+      s.seq->draft_tokens[j] = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+    }
+  }
+  return absl::OkStatus();
+}
+
 void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> logits,
                            std::vector<RequestOutput>& outputs) {
-  const int vocab = checkpoint_->config().vocab_size;
+  const size_t vocab = checkpoint_->config().vocab_size;
   std::vector<float> row(vocab);
   std::map<std::string, size_t> output_index;
   for (size_t i = 0; i < outputs.size(); ++i) output_index[outputs[i].request_id] = i;
-  int r = 0;
+  size_t r = 0;
   for (const ScheduledSequence& s : step.seqs) {
     if (!s.samples) continue;
-    const float* src = logits.data() + static_cast<size_t>(r++) * vocab;
-    row.assign(src, src + vocab);
-    Sequence& seq = *s.seq;
-    Request& request = *requests_.at(seq.request_id);
-    Choice& choice = request.choices[seq.choice_index];
-    int32_t token = sampler_->Sample(row, seq);
-    // The sampler draws from the grammar's mask: a refusal here is a defect, not bad input.
-    const bool allowed = seq.matcher == nullptr || token < 0 || seq.matcher->AcceptToken(token);
-    TANDEM_CHECK(allowed) << "token " << token << " was sampled outside the grammar's mask";
-
+    const size_t num_rows = 1 + s.num_draft_tokens;
+    std::span<const float> rows = logits.subspan(r * vocab, num_rows * vocab);
+    r += num_rows;
+    const Request& request = *requests_.at(s.seq->request_id);
     auto [it, inserted] = output_index.try_emplace(request.id, outputs.size());
     if (inserted) {
       outputs.emplace_back();
       outputs.back().request_id = request.id;
       outputs.back().num_prompt_tokens = request.num_prompt_tokens;
     }
-    RequestOutput& out = outputs[it->second];
-    if (telemetry_.tracing() && !request.first_token_traced) {
-      request.first_token_traced = true;
-      telemetry_.FirstToken(request.id, request.num_prompt_tokens, request.added);
-    }
-    out.choices.emplace_back();
-    out.choices.back().index = seq.choice_index;
+    SampleSequence(s, rows, row, outputs[it->second]);
+  }
+  // Draft tokens of sequences that did not run (past the batch cap) are proposed afresh.
+  for (Sequence* seq : scheduler_->running()) seq->draft_tokens.clear();
+}
+
+void LlmEngine::SampleSequence(const ScheduledSequence& s, std::span<const float> rows,
+                               std::vector<float>& row, RequestOutput& out) {
+  const size_t vocab = row.size();
+  Sequence& seq = *s.seq;
+  Request& request = *requests_.at(seq.request_id);
+  Choice& choice = request.choices[seq.choice_index];
+  if (telemetry_.tracing() && !request.first_token_traced) {
+    request.first_token_traced = true;
+    telemetry_.FirstToken(request.id, request.num_prompt_tokens, request.added);
+  }
+  out.choices.emplace_back();
+  out.choices.back().index = seq.choice_index;
+  ChoiceDelta& delta = out.choices.back();
+  // Row j is the distribution after the real tokens and drafts 0..j-1: it verifies draft j,
+  // and the row after the last draft gives one more token when every draft was accepted. The
+  // accepted tokens are in seq.tokens (penalties, min_tokens) and the matcher before the next
+  // row is sampled, exactly as if each had been sampled in a step of its own.
+  const std::vector<int32_t> drafts(seq.draft_tokens.begin(),
+                                    seq.draft_tokens.begin() + s.num_draft_tokens);
+  int accepted = 0;
+  for (int j = 0; j <= s.num_draft_tokens; ++j) {
+    const float* src = rows.data() + static_cast<size_t>(j) * vocab;
+    row.assign(src, src + vocab);
+    const int32_t draft = j < s.num_draft_tokens ? drafts[j] : -1;
+    const int32_t token = sampler_->Sample(row, seq, draft);
+    // The sampler draws from the grammar's mask: a refusal here is a defect, not bad input.
+    const bool allowed = seq.matcher == nullptr || token < 0 || seq.matcher->AcceptToken(token);
+    TANDEM_CHECK(allowed) << "token " << token << " was sampled outside the grammar's mask";
     if (token < 0) {
       // The grammar allows no token of this vocabulary here: the sample cannot go on, and what
       // it has is no complete document, so it ends as aborted, with the text it has.
-      ChoiceDelta& delta = out.choices.back();
-      delta.text = choice.held + choice.detokenizer->Finish();
+      delta.text += choice.held + choice.detokenizer->Finish();
       choice.held.clear();
       FinishChoice(choice, FinishReason::kAbort, delta);
-      out.num_generation_tokens = request.num_generation_tokens;
-      continue;
+      break;
     }
-    ProcessToken(request, choice, token, out.choices.back());
-    out.num_generation_tokens = request.num_generation_tokens;
+    ProcessToken(request, choice, token, delta);
+    if (choice.done || token != draft) break;
+    ++accepted;
   }
+  out.num_generation_tokens = request.num_generation_tokens;
+  if (s.num_draft_tokens > 0) {
+    spec_proposed_ += s.num_draft_tokens;
+    spec_accepted_ += accepted;
+    ++spec_verify_steps_;
+    for (int j = 0; j < s.num_draft_tokens; ++j) ++spec_proposed_by_position_[j];
+    for (int j = 0; j < accepted; ++j) ++spec_accepted_by_position_[j];
+    if (spec_length_ != nullptr) spec_length_->Observe(s.num_draft_tokens, accepted);
+  }
+  // A finished choice's blocks are gone already; a running one keeps the accepted tokens' KV.
+  if (s.num_draft_tokens > 0 && !choice.done) scheduler_->AcceptDrafts(&seq, accepted);
 }
 
 void LlmEngine::FinishOutputs(std::vector<RequestOutput>& outputs) {
@@ -622,8 +729,9 @@ void LlmEngine::ApplySloLimits() {
     }
     // What the caller's loop spends between steps is part of every token's time too.
     const double step_target = kTpotMargin * options_.tpot_slo_seconds - telemetry_.step_gap_seconds();
-    decode_batch_limit_ =
-        DecodeBatchLimit(telemetry_.latency_model(), contexts, options_.max_num_seqs, step_target);
+    // A verification step runs each sequence's draft tokens too.
+    decode_batch_limit_ = DecodeBatchLimit(telemetry_.latency_model(), contexts,
+                                           options_.max_num_seqs, step_target, 1 + spec_tokens_);
     // Sequences that ran in the last step (the front of the running list) keep running when
     // the cap drops: parking one would add its wait to its own time per token. The batch comes
     // down as they finish, while nothing new joins above the cap.
@@ -656,6 +764,11 @@ EngineStats LlmEngine::stats() const {
   stats.step_model = telemetry_.latency_model().coefficients();
   stats.step_model_samples = telemetry_.latency_model().num_observed();
   stats.step_model_error_ratio = telemetry_.latency_model().error_ratio();
+  stats.spec_proposed_tokens = spec_proposed_;
+  stats.spec_accepted_tokens = spec_accepted_;
+  stats.spec_verify_steps = spec_verify_steps_;
+  stats.spec_proposed_by_position = spec_proposed_by_position_;
+  stats.spec_accepted_by_position = spec_accepted_by_position_;
   return stats;
 }
 

@@ -89,8 +89,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   if (options.num_kv_blocks <= 0) {
     return absl::InvalidArgumentError("the KV cache needs at least one block");
   }
-  if (options.max_num_batched_tokens <= 0 || options.max_num_seqs <= 0) {
-    return absl::InvalidArgumentError("max_num_batched_tokens and max_num_seqs must be positive");
+  if (options.max_num_batched_tokens <= 0 || options.max_num_seqs <= 0 ||
+      options.max_logit_rows_per_seq <= 0) {
+    return absl::InvalidArgumentError(
+        "max_num_batched_tokens, max_num_seqs and max_logit_rows_per_seq must be positive");
   }
   std::unique_ptr<ModelRunner> runner(new ModelRunner());
   runner->config_ = checkpoint.config();
@@ -120,7 +122,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                           backend->Allocate(runner->cache_layout_.total_bytes()));
 
   const size_t t = options.max_num_batched_tokens;
-  const size_t s = std::min(options.max_num_seqs, options.max_num_batched_tokens);
+  const size_t s =
+      std::min<int64_t>(static_cast<int64_t>(options.max_num_seqs) * options.max_logit_rows_per_seq,
+                        options.max_num_batched_tokens);
+  runner->max_logit_rows_ = static_cast<int>(s);
   const size_t q_dim = static_cast<size_t>(c.num_heads) * c.head_dim;
   const size_t kv_dim = static_cast<size_t>(c.num_kv_heads) * c.head_dim;
   TANDEM_ASSIGN_OR_RETURN(runner->step_ints_, backend->Allocate((3 * t + s) * sizeof(int32_t)));
@@ -131,8 +136,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
     runner->planned_ints_ = runner->host_step_ints_.data();
     runner->host_logits_.resize(s * c.vocab_size);
   }
-  runner->query_start_.resize(s + 1);
-  runner->context_len_.resize(s);
+  runner->query_start_.resize(options.max_num_seqs + 1);
+  runner->context_len_.resize(options.max_num_seqs);
   for (auto [buffer, floats] : {std::pair{&runner->residual_, t * c.hidden_size},
                                 {&runner->hidden_, t * c.hidden_size},
                                 {&runner->qkv_, t * (q_dim + 2 * kv_dim)},
@@ -280,15 +285,25 @@ void ModelRunner::CopyBlock(int32_t src, int32_t dst) {
 }
 
 absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep& step) {
-  const text::ModelConfig& c = config_;
   const int num_seqs = static_cast<int>(step.seqs.size());
   int tokens = 0;
-  for (const ScheduledSequence& s : step.seqs) tokens += s.num_new_tokens;
-  if (tokens > options_.max_num_batched_tokens || num_seqs > options_.max_num_seqs) {
-    return absl::InvalidArgumentError(absl::StrCat("step of ", tokens, " tokens and ", num_seqs,
-                                                   " sequences exceeds the runner"));
+  int rows = 0;
+  for (const ScheduledSequence& s : step.seqs) {
+    tokens += s.num_new_tokens;
+    if (s.samples) rows += 1 + s.num_draft_tokens;
+    if (s.num_draft_tokens < 0 || s.num_draft_tokens >= s.num_new_tokens ||
+        s.num_draft_tokens > static_cast<int>(s.seq->draft_tokens.size())) {
+      return absl::InvalidArgumentError(absl::StrCat("a sequence of ", s.num_new_tokens,
+                                                     " new tokens cannot run ", s.num_draft_tokens,
+                                                     " draft tokens"));
+    }
   }
-  kernels::Backend& b = *backend_;
+  if (tokens > options_.max_num_batched_tokens || num_seqs > options_.max_num_seqs ||
+      rows > max_logit_rows_) {
+    return absl::InvalidArgumentError(absl::StrCat("step of ", tokens, " tokens, ", num_seqs,
+                                                   " sequences and ", rows,
+                                                   " logit rows exceeds the runner"));
+  }
   for (const auto& [src, dst] : step.block_copies) CopyBlock(src, dst);
 
   // Flatten the step on the host: tokens of every sequence back to back.
@@ -309,8 +324,10 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     const Sequence& seq = *step.seqs[i].seq;
     const int begin = seq.num_computed_tokens;
     const int end = begin + step.seqs[i].num_new_tokens;
+    const int known = static_cast<int>(seq.tokens.size());
     for (int pos = begin; pos < end; ++pos, ++t) {
-      token_ids[t] = seq.tokens[pos];
+      // Past the known tokens: the draft tokens being verified.
+      token_ids[t] = pos < known ? seq.tokens[pos] : seq.draft_tokens[pos - known];
       positions[t] = pos;
       slots[t] = seq.block_table[pos / bs] * bs + pos % bs;
     }
@@ -318,8 +335,66 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     context_len_[i] = end;
     std::copy(seq.block_table.begin(), seq.block_table.end(),
               block_table_.begin() + static_cast<size_t>(i) * max_blocks);
-    if (step.seqs[i].samples) sample_rows[num_sampled++] = t - 1;
+    if (step.seqs[i].samples) {
+      for (int r = step.seqs[i].num_draft_tokens; r >= 0; --r)
+        sample_rows[num_sampled++] = t - 1 - r;
+    }
   }
+  return Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
+                 /*layer_hook=*/true);
+}
+
+absl::StatusOr<std::span<const float>> ModelRunner::ExecuteDraft(const SchedulerStep& step,
+                                                                 int offset, int num_layers) {
+  if (num_layers < 1 || num_layers > config_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a draft pass of ", num_layers, " layers on a model of ", config_.num_layers));
+  }
+  if (offset == 0) {
+    // Execute copies them again before the target pass, which rewrites every slot of the step
+    // before reading it: the second copy changes nothing the target reads.
+    for (const auto& [src, dst] : step.block_copies) CopyBlock(src, dst);
+  }
+  int num_seqs = 0;
+  int max_blocks = 0;
+  for (const ScheduledSequence& s : step.seqs) {
+    if (s.num_draft_tokens <= offset) continue;
+    ++num_seqs;
+    max_blocks = std::max(max_blocks, static_cast<int>(s.seq->block_table.size()));
+  }
+  if (num_seqs == 0) return std::span<const float>();
+  block_table_.assign(static_cast<size_t>(num_seqs) * max_blocks, 0);
+  const int bs = kv_layout_.block_size;
+  int32_t* token_ids = planned_ints_;
+  int32_t* positions = token_ids + num_seqs;
+  int32_t* slots = positions + num_seqs;
+  int32_t* sample_rows = slots + num_seqs;
+  int i = 0;
+  query_start_[0] = 0;
+  for (const ScheduledSequence& s : step.seqs) {
+    if (s.num_draft_tokens <= offset) continue;
+    const Sequence& seq = *s.seq;
+    // The sequence's last real token, then the draft tokens proposed so far.
+    const int known = static_cast<int>(seq.tokens.size());
+    const int pos = known - 1 + offset;
+    token_ids[i] = offset == 0 ? seq.tokens[known - 1] : seq.draft_tokens[offset - 1];
+    positions[i] = pos;
+    slots[i] = seq.block_table[pos / bs] * bs + pos % bs;
+    sample_rows[i] = i;
+    query_start_[i + 1] = i + 1;
+    context_len_[i] = pos + 1;
+    std::copy(seq.block_table.begin(), seq.block_table.end(),
+              block_table_.begin() + static_cast<size_t>(i) * max_blocks);
+    ++i;
+  }
+  return Forward(num_seqs, num_seqs, max_blocks, num_seqs, num_layers, /*layer_hook=*/false);
+}
+
+absl::StatusOr<std::span<const float>> ModelRunner::Forward(int tokens, int num_seqs,
+                                                            int max_blocks, int num_sampled,
+                                                            int num_layers, bool layer_hook) {
+  const text::ModelConfig& c = config_;
+  kernels::Backend& b = *backend_;
   // The same offsets in backend memory; one upload when that is not the host's.
   const int32_t* d_token_ids = step_ints_.as<int32_t>();
   const int32_t* d_positions = d_token_ids + tokens;
@@ -349,7 +424,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
   const float* inv_freq = inv_freq_.as<float>();
 
   b.Embedding(embed_.data(), weight_dtype_, d_token_ids, tokens, hidden, residual);
-  for (int l = 0; l < c.num_layers; ++l) {
+  for (int l = 0; l < num_layers; ++l) {
     Layer& layer = *layers_[l];
     if (l == 0) {
       b.RmsNorm(residual, layer.input_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
@@ -375,7 +450,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     void* cache = layer_cache(l);
     const kernels::KvLayout& kv_layout = layer_kv_layouts_[l];
     b.WriteKv(k, v, d_slots, tokens, kv_layout, cache);
-    if (layer_written_hook_) {
+    if (layer_hook && layer_written_hook_) {
       if (!b.host_memory()) TANDEM_RETURN_IF_ERROR(b.Synchronize());
       layer_written_hook_(l);
     }

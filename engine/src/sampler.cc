@@ -42,7 +42,7 @@ uint64_t SamplerRng::Next() {
   return result;
 }
 
-int32_t Sampler::Sample(std::span<float> logits, Sequence& seq) {
+int32_t Sampler::Sample(std::span<float> logits, Sequence& seq, int32_t draft) {
   const SamplingParams& p = *seq.params;
   const int vocab = static_cast<int>(logits.size());
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -214,8 +214,35 @@ int32_t Sampler::Sample(std::span<float> logits, Sequence& seq) {
     }
     double mass = 0;
     for (int i = 0; i < keep; ++i) mass += probs_[i];
+    if (draft >= 0) {
+      // Accept the draft with probability p(draft); else draw from p without it.
+      int at = -1;
+      for (int i = 0; i < keep; ++i) {
+        if (candidates_[i] == draft) at = i;
+      }
+      if (at >= 0) {
+        if (seq.rng.Uniform() * mass < probs_[at]) {
+          if (p.logprobs >= 0) seq.last_logprob = raw_logits_[draft] - log_z;
+          return draft;
+        }
+        mass -= probs_[at];
+        probs_[at] = 0.0f;
+        if (!(mass > 0)) {
+          // Rounding left no other token: the draft was p's only token after all.
+          if (p.logprobs >= 0) seq.last_logprob = raw_logits_[draft] - log_z;
+          return draft;
+        }
+      }
+    }
     double u = seq.rng.Uniform() * mass;
+    // Should rounding put u past the last sum: the last token with any probability.
     chosen = candidates_[keep - 1];
+    for (int i = keep - 1; i >= 0; --i) {
+      if (probs_[i] > 0) {
+        chosen = candidates_[i];
+        break;
+      }
+    }
     double cum = 0;
     for (int i = 0; i < keep; ++i) {
       cum += probs_[i];

@@ -64,9 +64,21 @@ SchedulerStep Scheduler::Schedule() {
     Sequence* seq = running_[i];
     int new_tokens = std::min(seq->num_uncomputed_tokens(), budget);
     if (new_tokens <= 0) {
+      seq->draft_tokens.clear();
       ++i;
       continue;
     }
+    // Draft tokens ride along with a sequence's last real token while budget and free blocks
+    // allow; they never cost a preemption.
+    int drafts = 0;
+    if (new_tokens == seq->num_uncomputed_tokens()) {
+      drafts = std::min(static_cast<int>(seq->draft_tokens.size()), budget - new_tokens);
+      if (drafts > 0 &&
+          !blocks_->CanAppend(seq->block_table, seq->num_computed_tokens, new_tokens + drafts)) {
+        drafts = 0;
+      }
+    }
+    seq->draft_tokens.resize(drafts);
     // Make room by preempting the newest running sequences, possibly this one.
     bool self_preempted = false;
     while (!blocks_->CanAppend(seq->block_table, seq->num_computed_tokens, new_tokens)) {
@@ -80,10 +92,12 @@ SchedulerStep Scheduler::Schedule() {
       }
     }
     if (self_preempted) break;
+    const bool samples = new_tokens == seq->num_uncomputed_tokens();
+    new_tokens += drafts;
     auto copy = blocks_->Append(seq->block_table, seq->num_computed_tokens, new_tokens);
     TANDEM_CHECK(copy.ok()) << copy.status();
     if (copy->first >= 0) step.block_copies.push_back(*copy);
-    step.seqs.push_back({seq, new_tokens, new_tokens == seq->num_uncomputed_tokens()});
+    step.seqs.push_back({seq, new_tokens, samples, drafts});
     budget -= new_tokens;
     ++i;
   }
@@ -162,10 +176,22 @@ void Scheduler::Commit(const SchedulerStep& step) {
   for (const ScheduledSequence& s : step.seqs) {
     Sequence& seq = *s.seq;
     const int first_block = seq.num_computed_tokens / blocks_->block_size();
-    seq.num_computed_tokens += s.num_new_tokens;
+    seq.num_computed_tokens += s.num_new_tokens - s.num_draft_tokens;
     // Name the blocks this step filled, so that later requests with this prefix share them.
     CacheComputedBlocks(seq, first_block);
   }
+}
+
+void Scheduler::AcceptDrafts(Sequence* seq, int accepted) {
+  TANDEM_CHECK(accepted >= 0 &&
+               seq->num_computed_tokens + accepted < static_cast<int>(seq->tokens.size()))
+      << "accepted " << accepted << " draft tokens of a sequence of " << seq->tokens.size()
+      << " tokens, " << seq->num_computed_tokens << " computed";
+  const int first_block = seq->num_computed_tokens / blocks_->block_size();
+  seq->num_computed_tokens += accepted;
+  blocks_->Truncate(seq->block_table, seq->num_computed_tokens);
+  CacheComputedBlocks(*seq, first_block);
+  seq->draft_tokens.clear();
 }
 
 void Scheduler::CacheComputedBlocks(Sequence& seq, int first_block) {

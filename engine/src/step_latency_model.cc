@@ -158,7 +158,8 @@ double StepLatencyModel::Predict(int64_t batch_tokens, int64_t batch_seqs,
 }
 
 int DecodeBatchLimit(const StepLatencyModel& model, std::span<const int64_t> contexts, int max_seqs,
-                     double target_seconds) {
+                     double target_seconds, int tokens_per_seq) {
+  tokens_per_seq = std::max(1, tokens_per_seq);
   if (!model.ready() || !(target_seconds > 0) || max_seqs <= 1) return std::max(1, max_seqs);
   int64_t sum = 0;
   for (int64_t c : contexts) sum += c;
@@ -167,7 +168,8 @@ int DecodeBatchLimit(const StepLatencyModel& model, std::span<const int64_t> con
   int64_t context = 0;
   for (int n = 1; n <= max_seqs; ++n) {
     context += n <= static_cast<int>(contexts.size()) ? contexts[n - 1] : mean;
-    if (model.Predict(n, n, context) <= target_seconds) best = n;
+    const int64_t tokens = static_cast<int64_t>(n) * tokens_per_seq;
+    if (model.Predict(tokens, n, context + tokens - n) <= target_seconds) best = n;
   }
   return best;
 }

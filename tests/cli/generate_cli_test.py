@@ -48,6 +48,21 @@ with tempfile.TemporaryDirectory() as tmp:
     check(r.returncode == 0 and len(lines) == 3, f"--n 3 prints 3 objects: {r.stderr}")
     check([json.loads(l)["index"] for l in lines] == [0, 1, 2], "indexes 0..2")
 
+    # Speculative decoding (n-gram prompt lookup) leaves greedy output as it is: tokens, text,
+    # logprobs; n > 1 and stop strings included.
+    code = "def f(x): return x + 1\ndef g(x): return x + 2\ndef h(x): return x + 3\ndef k(x):"
+    for extra in ([], ["--n", "2", "--stop", "x)"], ["--logprobs", "3"]):
+        greedy = ["generate", "--model", model, "--prompt", code, "--max-tokens", "48",
+                  "--temperature", "0", "--json", *extra]
+        plain = run(*greedy)
+        for method in (["ngram", "--num-speculative-tokens", "5", "--ngram-max", "4"],
+                       ["early-exit", "--draft-layers", "1", "--num-speculative-tokens", "3"]):
+            spec = run(*greedy, "--speculative-method", *method)
+            check(plain.returncode == 0 and spec.returncode == 0,
+                  f"generate with/without --speculative-method {method}: {spec.stderr}")
+            check(plain.stdout == spec.stdout and plain.stdout.strip() != "",
+                  f"greedy output changed by speculation ({method}, {extra})")
+
     # Weight-only quantised checkpoints generate; a quantization_config Tandem cannot serve stops
     # generate with one line naming the field.
     for quant in (["--quant", "int8"], ["--quant", "awq", "--group-size", "32"],
@@ -79,6 +94,20 @@ with tempfile.TemporaryDirectory() as tmp:
         (["generate", "--model", model, "--prompt", "x", "--bogus"], "--bogus"),
         (["generate", "--model", model, "--prompt", "x", "--max-tokens", "100000"], "context"),
         (["generate", "--model", os.path.join(tmp, "missing"), "--prompt", "x"], "config.json"),
+        (["generate", "--model", model, "--prompt", "x", "--speculative-method", "eagle"],
+         "--speculative-method"),
+        (["generate", "--model", model, "--prompt", "x", "--num-speculative-tokens", "4"],
+         "--speculative-method"),
+        (["generate", "--model", model, "--prompt", "x", "--speculative-method", "ngram",
+          "--num-speculative-tokens", "0"], "--num-speculative-tokens"),
+        (["generate", "--model", model, "--prompt", "x", "--speculative-method", "ngram",
+          "--ngram-min", "3", "--ngram-max", "2"], "--ngram-max"),
+        (["generate", "--model", model, "--prompt", "x", "--speculative-method", "early-exit"],
+         "--draft-layers"),
+        (["generate", "--model", model, "--prompt", "x", "--speculative-method", "early-exit",
+          "--draft-layers", "2"], "draft_layers"),
+        (["generate", "--model", model, "--prompt", "x", "--draft-layers", "1"],
+         "--speculative-method"),
         (["nonsense"], "nonsense"),
     ]
     for args, needle in bad:

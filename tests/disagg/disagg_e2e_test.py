@@ -418,6 +418,36 @@ class AcrossNetworkNamespaces(unittest.TestCase):
         self.assertEqual(decode_used, 0)
 
 
+class SpeculativeDecodeWorker(unittest.TestCase):
+    """A decode worker verifying n-gram proposals (--speculative-method ngram) streams the
+    greedy output of a colocated server without speculation, token for token, with logprobs,
+    and exports what it proposed and accepted."""
+
+    def test_greedy_output_equals_colocated_without_speculation(self):
+        # A fixed draft length: the adaptive one follows measured step times.
+        decode = start_worker("decode", extra=["--speculative-method", "ngram",
+                                               "--num-speculative-tokens", "4",
+                                               "--no-speculative-adaptive"])
+        prefill = start_worker("prefill")
+        router = start_router(prefill.address, decode.address)
+        colocated = start_colocated()
+        try:
+            bodies = [dict(b, temperature=0, max_tokens=24) for b in requests_for(8)]
+            for b in bodies:
+                b.pop("seed", None)
+                b.pop("n", None)
+            want = run_all(colocated.url, bodies)
+            got = run_all(router.url, bodies)
+            for i, (w, g) in enumerate(zip(want, got)):
+                self.assertEqual(comparable(g), comparable(w), f"request {i}")
+            self.assertGreater(metric(decode.metrics_url, "tandem_spec_accepted_tokens_total") or 0,
+                               0)
+            self.assertEqual(wait_for_zero(decode.metrics_url, "tandem_kv_cache_blocks_used"), 0)
+        finally:
+            codes = [p.stop() for p in (router, colocated, prefill, decode)]
+        self.assertEqual(codes, [0, 0, 0, 0])
+
+
 def main():
     global TANDEM, MODEL
     TANDEM = sys.argv[1]

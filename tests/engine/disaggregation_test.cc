@@ -14,8 +14,9 @@ namespace {
 
 constexpr int64_t kKvBytes = 24ll << 20;
 
-std::unique_ptr<LlmEngine> MakeEngine(EngineRole role) {
+std::unique_ptr<LlmEngine> MakeEngine(EngineRole role, SpeculativeOptions speculative = {}) {
   EngineOptions options;
+  options.speculative = speculative;
   options.model_dir = testing::TinyModel("qwen3", DType::kBF16);
   options.num_threads = 2;
   options.kv_cache_bytes = kKvBytes;
@@ -61,13 +62,24 @@ std::vector<GenerateRequest> MakeRequests(int count, int vocab, bool constrained
   return requests;
 }
 
-class DisaggregationTest : public ::testing::TestWithParam<std::tuple<std::string, int, bool>> {};
+// (kv backend, requests, constrained, speculative): with `speculative` the decode engine
+// verifies n-gram proposals (speculative decoding), and its greedy samples still equal the
+// colocated engine's without speculation (seeded ones draw their random stream differently, so
+// they are only checked to finish).
+class DisaggregationTest
+    : public ::testing::TestWithParam<std::tuple<std::string, int, bool, bool>> {};
 
 TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
-  const auto& [backend, concurrency, constrained] = GetParam();
+  const auto& [backend, concurrency, constrained, speculative] = GetParam();
   auto colocated = MakeEngine(EngineRole::kColocated);
-  auto prefill = MakeEngine(EngineRole::kPrefill);
-  auto decode = MakeEngine(EngineRole::kDecode);
+  // A prefill engine ignores speculation (it samples first tokens only).
+  const SpeculativeOptions spec = speculative
+                                      ? SpeculativeOptions{.method = SpeculativeMethod::kNgram,
+                                                           .num_speculative_tokens = 4,
+                                                           .adaptive = false}
+                                      : SpeculativeOptions{};
+  auto prefill = MakeEngine(EngineRole::kPrefill, spec);
+  auto decode = MakeEngine(EngineRole::kDecode, spec);
   const std::vector<GenerateRequest> requests =
       MakeRequests(concurrency, colocated->config().vocab_size, constrained);
   auto expected = GenerateAll(*colocated, requests);
@@ -137,6 +149,12 @@ TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
     const RequestOutput& want = (*expected)[i];
     const RequestOutput& have = got[requests[i].request_id];
     for (size_t c = 0; c < want.choices.size(); ++c) {
+      if (speculative && !requests[i].params.greedy()) {
+        EXPECT_NE(have.choices[c].finish_reason, FinishReason::kNone) << i << "/" << c;
+        EXPECT_LE(static_cast<int>(have.choices[c].token_ids.size()),
+                  requests[i].params.max_tokens);
+        continue;
+      }
       EXPECT_EQ(have.choices[c].token_ids, want.choices[c].token_ids) << i << "/" << c;
       EXPECT_EQ(have.choices[c].logprobs, want.choices[c].logprobs) << i << "/" << c;
       EXPECT_EQ(have.choices[c].text, want.choices[c].text) << i << "/" << c;
@@ -144,6 +162,9 @@ TEST_P(DisaggregationTest, OutputEqualsColocatedTokenForToken) {
                 constrained ? want.choices[c].finish_reason : FinishReason::kLength);
     }
   }
+  // Enough samples for the proposer to find repeats in (random models' output loops).
+  if (speculative && concurrency >= 32) EXPECT_GT(decode->stats().spec_accepted_tokens, 0);
+  EXPECT_EQ(prefill->stats().spec_proposed_tokens, 0);
   // Nothing leaks on either side.
   EXPECT_EQ(prefill->stats().kv_blocks_used, 0);
   EXPECT_EQ(decode->stats().kv_blocks_used, 0);
@@ -261,10 +282,14 @@ TEST(DisaggregationPrefixCacheTest, OnlyWhatTheDecodeEngineLacksMoves) {
 
 INSTANTIATE_TEST_SUITE_P(BackendsAndConcurrency, DisaggregationTest,
                          ::testing::Combine(::testing::Values("local", "ucx"),
-                                            ::testing::Values(1, 8, 32), ::testing::Values(false)));
+                                            ::testing::Values(1, 8, 32), ::testing::Values(false),
+                                            ::testing::Values(false)));
 INSTANTIATE_TEST_SUITE_P(StructuredOutputs, DisaggregationTest,
                          ::testing::Combine(::testing::Values("local"), ::testing::Values(8),
-                                            ::testing::Values(true)));
+                                            ::testing::Values(true), ::testing::Bool()));
+INSTANTIATE_TEST_SUITE_P(SpeculativeDecode, DisaggregationTest,
+                         ::testing::Combine(::testing::Values("local"), ::testing::Values(8, 32),
+                                            ::testing::Values(false), ::testing::Values(true)));
 
 }  // namespace
 }  // namespace tandem::engine

@@ -30,6 +30,24 @@ inline std::string TinyModel(const std::string& arch, DType dtype = DType::kF32,
   return dir;
 }
 
+// The tiny llama with only the first `vocab_size` token ids in its embedding and LM head (f32), for
+// tests that count output distributions; created on first use.
+inline std::string TinySmallVocabModel(int vocab_size) {
+  const char* bin = std::getenv("TANDEM_BINARY_DIR");
+  std::string root = bin != nullptr ? bin : std::filesystem::temp_directory_path().string();
+  std::string dir = absl::StrCat(root, "/test-models/tiny-llama-vocab", vocab_size);
+  if (!std::filesystem::exists(dir + "/config.json")) {
+    tools::SynthModelOptions options;
+    options.out_dir = dir;
+    options.dtype = DType::kF32;
+    options.seed = 7;
+    options.vocab_size = vocab_size;
+    absl::Status status = tools::WriteSyntheticModel(options);
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  return dir;
+}
+
 // A tiny synthetic model of `arch` with weight-only quantised linear layers (`quant`: int8, awq
 // or gptq; groups of 32, as the tiny preset's 64-wide hidden size cannot hold 128), its other
 // tensors of `dtype`; created on first use. The same seed as TinyModel: the float weights it

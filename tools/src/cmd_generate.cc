@@ -7,6 +7,7 @@
 #include "commands.h"
 #include "device_flag.h"
 #include "nlohmann/json.hpp"
+#include "server_flags.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/tools/args.h"
@@ -26,6 +27,7 @@ absl::Status Generate(int argc, char** argv) {
   DeclareDeviceFlag(args);
   args.DeclareSwitch("json", "print one JSON object per sample instead of the text");
   DeclareSamplingFlags(args);
+  DeclareSpeculativeFlags(args);
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
   if (args.HandleHelp()) return absl::OkStatus();
   auto model = args.Get("model");
@@ -42,6 +44,7 @@ absl::Status Generate(int argc, char** argv) {
   options.model_dir = *model;
   options.num_threads = static_cast<int>(threads);
   options.kv_cache_bytes = kv_bytes;
+  TANDEM_RETURN_IF_ERROR(SpeculativeFlags(args, options));
   TANDEM_ASSIGN_OR_RETURN(auto llm, engine::LlmEngine::Create(options));
 
   std::vector<int32_t> prompt;

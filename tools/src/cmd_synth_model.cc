@@ -29,6 +29,13 @@ absl::Status Run(int argc, char** argv) {
   args.Declare("preset", "NAME", "tiny | small | medium | llama3-8b (default tiny)");
   args.Declare("arch", "NAME", "llama | mistral | qwen2 | qwen3 (default llama)");
   args.Declare("seed", "N", "weight seed (default 0)");
+  args.Declare("late-layer-scale", "S",
+               "scale the o_proj/down_proj outputs of layers from --late-layers-from on by S "
+               "(near 0: late layers barely change the residual stream; default 1)");
+  args.Declare("late-layers-from", "L", "first layer --late-layer-scale applies to (default 0)");
+  args.Declare("vocab-size", "N",
+               "keep only the first N token ids in the embedding and LM head (a small-vocabulary "
+               "model for statistical tests; default: the tokenizer's)");
   args.Declare("dtype", "TYPE", "bfloat16 | float16 | float32 (default bfloat16)");
   args.Declare("tokenizer", "FILE", "tokenizer.json to copy (default: train a small BPE)");
   args.Declare("max-shard-bytes", "N", "shard the weights into files of at most N bytes");
@@ -47,6 +54,21 @@ absl::Status Run(int argc, char** argv) {
   TANDEM_ASSIGN_OR_RETURN(int64_t seed, args.Int("seed", 0));
   if (seed < 0) return absl::InvalidArgumentError("--seed must be >= 0");
   options.seed = static_cast<uint64_t>(seed);
+  TANDEM_ASSIGN_OR_RETURN(int64_t vocab_size, args.Int("vocab-size", 0));
+  if (vocab_size < 0 || vocab_size > (1 << 24)) {
+    return absl::InvalidArgumentError("--vocab-size must be in [0, 16777216]");
+  }
+  options.vocab_size = static_cast<int>(vocab_size);
+  TANDEM_ASSIGN_OR_RETURN(double late_scale, args.Double("late-layer-scale", 1.0));
+  if (!(late_scale >= 0.0 && late_scale <= 1e3)) {
+    return absl::InvalidArgumentError("--late-layer-scale must be in [0, 1000]");
+  }
+  options.late_layer_scale = static_cast<float>(late_scale);
+  TANDEM_ASSIGN_OR_RETURN(int64_t late_from, args.Int("late-layers-from", 0));
+  if (late_from < 0 || late_from > 4096) {
+    return absl::InvalidArgumentError("--late-layers-from must be in [0, 4096]");
+  }
+  options.late_layers_from = static_cast<int>(late_from);
   TANDEM_ASSIGN_OR_RETURN(options.dtype, ParseDType(args.GetOr("dtype", "bf16")));
   options.tokenizer_json_path = args.GetOr("tokenizer", "");
   TANDEM_ASSIGN_OR_RETURN(int64_t shard_bytes, args.Int("max-shard-bytes", 0));

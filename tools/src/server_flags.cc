@@ -81,6 +81,7 @@ void DeclareEngineFlags(Args& args) {
   args.DeclareSwitch("no-enable-prefix-caching", "compute every prompt from scratch");
   args.Declare("threads", "N", "engine CPU threads (default: all cores)");
   DeclareDeviceFlag(args);
+  DeclareSpeculativeFlags(args);
   args.Declare("step-trace", "FILE",
                "write every engine step and each request's in-engine first-token time to FILE "
                "as JSON lines, for `tandem plan calibrate --trace` (default: none)");
@@ -123,6 +124,7 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
     options.step_trace = *std::move(trace);
   }
 
+  TANDEM_RETURN_IF_ERROR(SpeculativeFlags(args, options));
   TANDEM_ASSIGN_OR_RETURN(int64_t delay_ms, IntFlag(args, "step-delay-ms", 0, 0, 60000));
   if (delay_ms > 0) {
     options.before_step = [delay = absl::Milliseconds(delay_ms)] {
@@ -146,6 +148,84 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
     }
   }
   return options;
+}
+
+void DeclareSpeculativeFlags(Args& args) {
+  args.Declare("speculative-method", "NAME",
+               "none | ngram | early-exit: speculative decoding; ngram proposes the tokens that "
+               "followed the last earlier occurrence of a sequence's last tokens (prompt lookup), "
+               "early-exit those the model's first --draft-layers layers predict; each decode "
+               "step verifies them, keeping the output distribution unchanged (default none)");
+  args.Declare("num-speculative-tokens", "K",
+               "draft tokens proposed per sequence and step, 1..32 (default 4 with a method)");
+  args.Declare("ngram-min", "N", "shortest suffix the ngram method matches (default 1)");
+  args.Declare("ngram-max", "N",
+               "longest suffix the ngram method matches, tried first (default 3)");
+  args.Declare("draft-layers", "L",
+               "early-exit: the draft is the model's first L layers with its final norm and LM "
+               "head, reading the model's own KV of those layers (fewer than the model has)");
+  args.DeclareSwitch("speculative-adaptive",
+                     "choose each step's draft length (0: off) from the measured acceptance and "
+                     "step times, for the most tokens per second (the default)");
+  args.DeclareSwitch("no-speculative-adaptive",
+                     "always propose --num-speculative-tokens (seeded sampled outputs then repeat "
+                     "run to run)");
+}
+
+absl::Status SpeculativeFlags(const Args& args, engine::EngineOptions& options) {
+  const std::string method = args.GetOr("speculative-method", "none");
+  engine::SpeculativeOptions& spec = options.speculative;
+  if (!engine::ParseSpeculativeMethod(method, &spec.method)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --speculative-method must be none, ngram or early-exit, got '", method,
+        "'"));
+  }
+  if (spec.method == engine::SpeculativeMethod::kNone) {
+    for (const char* flag : {"num-speculative-tokens", "ngram-min", "ngram-max", "draft-layers",
+                             "speculative-adaptive", "no-speculative-adaptive"}) {
+      if (args.Has(flag) || args.Switch(flag)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            args.command(), ": --", flag, " needs --speculative-method ngram or early-exit"));
+      }
+    }
+    return absl::OkStatus();
+  }
+  if (args.Switch("speculative-adaptive") && args.Switch("no-speculative-adaptive")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --speculative-adaptive and --no-speculative-adaptive contradict"));
+  }
+  spec.adaptive = !args.Switch("no-speculative-adaptive");
+  const bool early_exit = spec.method == engine::SpeculativeMethod::kEarlyExit;
+  for (const char* flag : {"ngram-min", "ngram-max"}) {
+    if (early_exit && args.Has(flag)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          args.command(), ": --", flag, " is an option of --speculative-method ngram"));
+    }
+  }
+  if (early_exit && !args.Has("draft-layers")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(args.command(), ": --speculative-method early-exit needs --draft-layers L"));
+  }
+  if (!early_exit && args.Has("draft-layers")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --draft-layers is an option of --speculative-method early-exit"));
+  }
+  if (early_exit) {
+    TANDEM_ASSIGN_OR_RETURN(int64_t layers, IntFlag(args, "draft-layers", 0, 1, 1024));
+    spec.draft_layers = static_cast<int>(layers);
+  }
+  TANDEM_ASSIGN_OR_RETURN(int64_t k, IntFlag(args, "num-speculative-tokens", 4, 1, 32));
+  TANDEM_ASSIGN_OR_RETURN(int64_t ngram_min, IntFlag(args, "ngram-min", 1, 1, 64));
+  TANDEM_ASSIGN_OR_RETURN(int64_t ngram_max,
+                          IntFlag(args, "ngram-max", std::max<int64_t>(3, ngram_min), 1, 64));
+  if (ngram_max < ngram_min) {
+    return absl::InvalidArgumentError(absl::StrCat(args.command(), ": --ngram-max (", ngram_max,
+                                                   ") is below --ngram-min (", ngram_min, ")"));
+  }
+  spec.num_speculative_tokens = static_cast<int>(k);
+  spec.ngram_min = static_cast<int>(ngram_min);
+  spec.ngram_max = static_cast<int>(ngram_max);
+  return absl::OkStatus();
 }
 
 void DeclareSloControllerFlags(Args& args, bool tpot, bool ttft, bool policy) {

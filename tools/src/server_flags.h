@@ -24,6 +24,12 @@ void DeclareEngineFlags(Args& args);
 // into ~/.cache/tandem/models/small-llama.
 absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args);
 
+// Speculative decoding: --speculative-method none|ngram, --num-speculative-tokens K,
+// --ngram-min N, --ngram-max N (part of DeclareEngineFlags; `generate` declares them itself).
+void DeclareSpeculativeFlags(Args& args);
+// Sets options.speculative from them ("COMMAND: --FLAG ..." errors for bad values).
+absl::Status SpeculativeFlags(const Args& args, engine::EngineOptions& options);
+
 // The SLO controllers' flags (docs/architecture.md, "SLO-driven batch sizing"): --tpot-slo on a
 // decode worker, --ttft-slo on a prefill worker (`serve` takes both from its API flags), and
 // --prefill-policy wherever prefill runs.

@@ -132,6 +132,17 @@ Init InitFor(const std::string& name, const std::vector<int64_t>& shape, const M
   return {0.0f, std};
 }
 
+// SynthModelOptions::late_layer_scale on the residual branches (o_proj, down_proj) of layers
+// from late_layers_from on; 1 elsewhere.
+float LateLayerScale(const std::string& name, const SynthModelOptions& options) {
+  constexpr char kLayers[] = "model.layers.";
+  if (options.late_layer_scale == 1.0f || name.rfind(kLayers, 0) != 0) return 1.0f;
+  const bool branch_output =
+      name.find("o_proj.") != std::string::npos || name.find("down_proj.") != std::string::npos;
+  const int layer = std::atoi(name.c_str() + sizeof(kLayers) - 1);
+  return branch_output && layer >= options.late_layers_from ? options.late_layer_scale : 1.0f;
+}
+
 // Tensors in checkpoint order (embedding, layers by number, final norm, lm_head), which is the
 // order a reader streams them in and the order shards are filled.
 std::vector<std::pair<std::string, std::vector<int64_t>>> OrderedTensors(const ModelConfig& c) {
@@ -604,6 +615,7 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options) {
   TANDEM_ASSIGN_OR_RETURN(TokenizerFiles tokenizer, PrepareTokenizer(options, *preset));
   TANDEM_ASSIGN_OR_RETURN(ModelConfig config,
                           SyntheticConfig(options.preset, options.arch, tokenizer.vocab_size));
+  if (options.vocab_size > 0) config.vocab_size = options.vocab_size;
   config.torch_dtype = options.dtype;
   config.bos_token_id = tokenizer.bos_token_id;
   config.eos_token_ids = tokenizer.eos_token_ids;
@@ -693,7 +705,8 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options) {
       const Item& item = items[i];
       const std::vector<int64_t> weight_shape =
           item.module.empty() ? item.shape : std::vector<int64_t>{item.out, item.in};
-      const Init init = InitFor(item.weight_name, weight_shape, config);
+      Init init = InitFor(item.weight_name, weight_shape, config);
+      init.std *= LateLayerScale(item.weight_name, options);
       const uint64_t key = TensorKey(options.seed, item.weight_name);
       auto generate = [init, key](int64_t first, int64_t count, float* out) {
         for (int64_t j = 0; j < count; ++j) {

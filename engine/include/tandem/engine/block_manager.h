@@ -59,6 +59,9 @@ class BlockManager {
   // Drops this table's reference to each of its blocks and clears it. A block nobody references
   // any more stays cached when it is named, its table's later blocks to be evicted first.
   void Free(BlockTable& table);
+  // Drops this table's reference to its blocks past the first BlocksFor(num_tokens), last
+  // first (speculative tokens that were rejected).
+  void Truncate(BlockTable& table, int num_tokens);
   // A second table sharing the first `num_blocks` blocks of `table` (all when -1; reference
   // counts go up).
   BlockTable Fork(const BlockTable& table, int num_blocks = -1);
@@ -96,6 +99,8 @@ class BlockManager {
  private:
   static constexpr uint64_t kNoHash = 0;
   int32_t TakeFreeBlock();
+  // Drops one reference to `block`; unreferenced, it becomes cached (named) or free.
+  void Release(int32_t block);
   int32_t FindCached(uint64_t hash) const;
   int block_size_;
   bool prefix_caching_;

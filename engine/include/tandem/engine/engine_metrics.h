@@ -11,6 +11,7 @@
 
 #include <array>
 #include <cstdint>
+#include <vector>
 
 #include "tandem/engine/llm_engine.h"
 #include "tandem/engine/step_latency_model.h"
@@ -22,14 +23,17 @@ class EngineMetrics {
  public:
   // Registers tandem_kv_cache_blocks_{used,capacity}, tandem_num_requests_{running,waiting},
   // tandem_preemptions_total, tandem_prefix_cache_{queries,hits}_tokens_total,
-  // tandem_step_seconds and tandem_step_latency_model_{seconds{term},samples,error_ratio}.
+  // tandem_step_seconds, tandem_step_latency_model_{seconds{term},samples,error_ratio} and
+  // speculative decoding's tandem_spec_{proposed,accepted}_tokens_total,
+  // tandem_spec_verify_steps_total, tandem_spec_{proposed,accepted}_tokens_by_position_total
+  // {position} and tandem_spec_mean_accepted_length.
   explicit EngineMetrics(metrics::Registry& registry);
 
   // Sets the KV, batch and preemption series from `stats`, then RecordSteps(stats).
   void Record(const EngineStats& stats);
-  // Advances the prefix cache counters, observes the steps run since the last call (the last
-  // one's time stands for any missed) and refreshes the latency model's gauges. Not
-  // thread-safe: call from one thread.
+  // Advances the prefix cache and speculative decoding counters, observes the steps run since the
+  // last call (the last one's time stands for any missed) and refreshes the latency model's gauges.
+  // Not thread-safe: call from one thread.
   void RecordSteps(const EngineStats& stats);
 
   // The KV, batch and preemption series, for an owner that keeps the counts elsewhere (a decode
@@ -47,6 +51,12 @@ class EngineMetrics {
   std::array<prometheus::Gauge*, StepLatencyModel::kNumTerms> terms_{};
   prometheus::Gauge& samples_;
   prometheus::Gauge& error_ratio_;
+  metrics::Registry& registry_;  // for the per-position series, made as positions appear
+  prometheus::Counter& spec_proposed_;
+  prometheus::Counter& spec_accepted_;
+  prometheus::Counter& spec_verify_steps_;
+  prometheus::Gauge& spec_mean_accepted_length_;
+  std::vector<prometheus::Counter*> spec_proposed_by_position_, spec_accepted_by_position_;
   int64_t steps_seen_ = 0;
 };
 

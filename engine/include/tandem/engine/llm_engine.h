@@ -22,6 +22,7 @@
 #include "tandem/engine/sampler.h"
 #include "tandem/engine/sampling_params.h"
 #include "tandem/engine/scheduler.h"
+#include "tandem/engine/speculative.h"
 #include "tandem/engine/step_latency_model.h"
 #include "tandem/engine/step_telemetry.h"
 #include "tandem/engine/step_trace.h"
@@ -95,6 +96,11 @@ struct EngineOptions {
   // the owner's loop goes on taking commands; `--step-delay-ms` sleeps here (fault injection:
   // a slower device).
   std::function<bool()> before_step;
+  // Speculative decoding (`--speculative-method`, `--num-speculative-tokens`, `--ngram-min`,
+  // `--ngram-max`; docs/architecture.md, "Speculative decoding"): decoding sequences (decode
+  // and colocated roles) run proposed tokens after their last one and keep those the target
+  // model's own sampling accepts, so outputs are distributed exactly as without.
+  SpeculativeOptions speculative;
 };
 
 // Single-threaded: one caller drives AddRequest / Abort / Step.
@@ -207,6 +213,18 @@ class LlmEngine {
   // The stages of Step(): plan the step, run the forward pass (and commit the KV), sample and
   // process each sampling sequence's token into `outputs`, mark finished requests.
   absl::StatusOr<SchedulerStep> ScheduleStep();
+  // Sets the draft tokens of every decoding sequence (speculative decoding) before Schedule;
+  // early exit reserves their places, filled by DraftStep once the step is planned.
+  void ProposeDrafts();
+  // Sets spec_tokens_, the draft length of the coming step, for the running batch.
+  void ChooseSpeculationLength();
+  // Early-exit self-speculation: the draft passes that fill in the step's draft tokens.
+  absl::Status DraftStep(const SchedulerStep& step);
+  // Samples the logit rows of one sampling sequence of the step (1 + its draft tokens, from
+  // `rows`): verifies its draft tokens in order, processing each token, until one is rejected
+  // or the choice ends; gives back the rejected tokens' KV.
+  void SampleSequence(const ScheduledSequence& s, std::span<const float> rows,
+                      std::vector<float>& row, RequestOutput& out);
   absl::StatusOr<std::span<const float>> ExecuteStep(const SchedulerStep& step);
   void SampleStep(const SchedulerStep& step, std::span<const float> logits,
                   std::vector<RequestOutput>& outputs);
@@ -233,6 +251,15 @@ class LlmEngine {
   std::unique_ptr<internal::DisaggRole> role_;
   std::vector<KvWritten> step_writes_;          // of the running step, for on_layer_kv_written
   int decode_batch_limit_ = 0;  // the TPOT controller's cap; 0 without one
+  std::unique_ptr<NgramProposer> ngram_;  // with SpeculativeMethod::kNgram
+  // The draft length of the coming step (speculation on): fixed, or chosen by spec_length_.
+  int spec_tokens_ = 0;
+  std::unique_ptr<SpeculationLength> spec_length_;  // with options_.speculative.adaptive
+  // Speculative decoding counters (EngineStats::spec_*).
+  int64_t spec_proposed_ = 0;
+  int64_t spec_accepted_ = 0;
+  int64_t spec_verify_steps_ = 0;
+  std::vector<int64_t> spec_proposed_by_position_, spec_accepted_by_position_;
   StepTelemetry telemetry_{nullptr, "colocated"};  // set up by Create
 };
 

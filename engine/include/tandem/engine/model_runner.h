@@ -26,6 +26,9 @@ struct ModelRunnerOptions {
   std::optional<DType> weight_dtype;
   // Element type of the KV cache; unset: the weight dtype (`--kv-cache-dtype auto`).
   std::optional<DType> kv_cache_dtype;
+  // Logit rows a sequence can ask for in one step: 1, or 1 + the most draft tokens a
+  // speculative step verifies.
+  int max_logit_rows_per_seq = 1;
 };
 
 // The dtypes a runner of `options` over a checkpoint of `config` holds its weights and KV cache
@@ -57,10 +60,22 @@ class ModelRunner {
   static int64_t KvBytesPerBlock(const text::ModelConfig& config, int block_size,
                                  DType kv_dtype = DType::kF32);
 
-  // Runs the step and returns logits [number of sampling sequences, vocab], one row per
-  // sequence with `samples` set, in step order (host memory). The span is valid until the next
-  // call. When it returns, the step's K and V are in the cache (the device has finished).
+  // Runs the step and returns logits [rows, vocab] in step order (host memory): for each
+  // sequence with `samples` set, 1 + num_draft_tokens rows, its last real token's and then each
+  // draft token's (the distributions that verify draft tokens 0.. and the one after them). The span
+  // is valid until the next call. When it returns, the step's K and V are in the cache (the device
+  // has finished).
   absl::StatusOr<std::span<const float>> Execute(const SchedulerStep& step);
+
+  // Early-exit self-speculation's draft pass over a step planned with draft tokens: for each
+  // sequence with more than `offset` draft tokens, runs one token (its last real token when
+  // `offset` is 0, else draft token offset - 1, at the position after the last) through the
+  // first `num_layers` layers, the final norm and the LM head, and returns one logit row per
+  // such sequence, in step order. It writes those layers' KV of that token into the step's own
+  // slots and attends over the KV the target computed before, so the draft needs no cache or
+  // prefill of its own; Execute then recomputes every layer of those slots.
+  absl::StatusOr<std::span<const float>> ExecuteDraft(const SchedulerStep& step, int offset,
+                                                      int num_layers);
 
   // Called by Execute on its own thread as soon as layer `layer`'s K and V of every token of
   // the step are in the cache, before the next layer runs: lets a prefill worker push a
@@ -98,6 +113,10 @@ class ModelRunner {
   // Backend memory holding `values` (an empty buffer for an empty vector).
   absl::StatusOr<kernels::DeviceBuffer> Upload(const std::vector<float>& values);
   void CopyBlock(int32_t src, int32_t dst);
+  // Runs the planned step (planned_ints_, query_start_, context_len_, block_table_) through the
+  // first `num_layers` layers and returns the logits of its `num_sampled` sample rows.
+  absl::StatusOr<std::span<const float>> Forward(int tokens, int num_seqs, int max_blocks,
+                                                 int num_sampled, int num_layers, bool layer_hook);
 
   text::ModelConfig config_;
   ModelRunnerOptions options_;
@@ -122,7 +141,7 @@ class ModelRunner {
 
   // The step's per-token metadata in backend memory, packed for one upload:
   // [token_ids (tokens)][positions (tokens)][slots (tokens)][sample_rows (sampled)].
-  // Capacity 3 * max_num_batched_tokens + max sequences.
+  // Capacity 3 * max_num_batched_tokens + max_logit_rows_.
   kernels::DeviceBuffer step_ints_;
   // Where a step is planned: step_ints_ itself when backend memory is host memory (no copy),
   // otherwise host_step_ints_, uploaded into step_ints_.
@@ -130,6 +149,8 @@ class ModelRunner {
   std::vector<int32_t> host_step_ints_;
   // PagedAttentionBatch arrays, host memory as the Backend interface takes them.
   std::vector<int32_t> query_start_, context_len_, block_table_;
+  // Logit rows one step can return: min(max_num_seqs x max_logit_rows_per_seq, tokens).
+  int max_logit_rows_ = 0;
 
   // Activations in backend memory, sized for max_num_batched_tokens (sampled_hidden_ and logits_
   // for the most sequences a step can have).

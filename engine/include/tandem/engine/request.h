@@ -92,6 +92,15 @@ struct EngineStats {
   StepCoefficients step_model;
   int64_t step_model_samples = 0;
   double step_model_error_ratio = 0;
+  // Speculative decoding since the engine started: draft tokens verified and accepted,
+  // sequence-steps that verified at least one, and per draft position (0-based) how many
+  // sequence-steps proposed a token there and how many had it accepted. All 0 (empty) without
+  // speculation.
+  int64_t spec_proposed_tokens = 0;
+  int64_t spec_accepted_tokens = 0;
+  int64_t spec_verify_steps = 0;
+  std::vector<int64_t> spec_proposed_by_position;
+  std::vector<int64_t> spec_accepted_by_position;
 };
 
 // The checks of a request that need only the model (so a router without an engine makes them

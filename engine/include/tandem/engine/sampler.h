@@ -25,7 +25,14 @@ class Sampler {
   // A constrained sequence always gets a token its grammar allows: when min_tokens masked every
   // one of them (the grammar can only end), the lowest allowed id (an EOS); -1 when the grammar
   // allows no token at all (a dead end: it needs bytes no token of the vocabulary holds).
-  int32_t Sample(std::span<float> logits, Sequence& seq);
+  //
+  // Speculative verification: `draft` >= 0 is a token a proposer put at this position with
+  // certainty (a point-mass draft distribution q). The result is still an exact draw from the
+  // distribution p described above: greedy returns the argmax as always (the draft is accepted
+  // when it equals it); a sampled sequence accepts the draft with probability p(draft) and
+  // otherwise draws from p with the draft removed, renormalised (the residual max(p - q, 0)).
+  // The draft was accepted exactly when the result equals it.
+  int32_t Sample(std::span<float> logits, Sequence& seq, int32_t draft = -1);
 
  private:
   std::vector<int32_t> eos_token_ids_;

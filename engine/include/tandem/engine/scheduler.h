@@ -34,6 +34,11 @@ struct ScheduledSequence {
   int num_new_tokens = 0;
   // The step completes the sequence's known tokens, so its last position yields logits.
   bool samples = false;
+  // Speculative decoding: the last num_draft_tokens of the num_new_tokens are the sequence's
+  // draft_tokens, run after its real tokens; each of them yields logits too (a sampling
+  // sequence has 1 + num_draft_tokens logit rows). Their KV counts as computed only once
+  // AcceptDrafts says how many were accepted.
+  int num_draft_tokens = 0;
 };
 
 struct SchedulerStep {
@@ -63,8 +68,13 @@ class Scheduler {
   void AddPrefilled(Sequence* seq);
   // Plans the next step and grows block tables for it.
   SchedulerStep Schedule();
-  // After the step ran: advances num_computed_tokens of every scheduled sequence.
+  // After the step ran: advances num_computed_tokens of every scheduled sequence past its real
+  // tokens (draft tokens wait for AcceptDrafts).
   void Commit(const SchedulerStep& step);
+  // After a speculative step was verified and the accepted tokens appended to seq->tokens: the
+  // first `accepted` draft tokens' KV counts as computed, the rejected ones' slots are given
+  // back (blocks past the computed tokens are freed) and never named in the prefix cache.
+  void AcceptDrafts(Sequence* seq, int accepted);
   // Ends a sequence (any state) with `reason` and frees its blocks, except for kPrefilled,
   // whose blocks stay until ReleaseBlocks().
   void Finish(Sequence* seq, FinishReason reason);

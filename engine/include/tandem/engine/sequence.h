@@ -58,6 +58,10 @@ struct Sequence {
   // computing it: it waits until that prompt is computed, then forks its blocks and recomputes
   // only the last prompt token, for its own logits. Null: computes its own prompt.
   const Sequence* prompt_source = nullptr;
+  // Speculative decoding: tokens proposed to follow `tokens`, verified by the next step (which
+  // runs them after the last sampled token; the scheduler drops those that do not fit). Empty
+  // outside a speculative step.
+  std::vector<int32_t> draft_tokens;
 
   // Sampler outputs of the latest step that sampled (filled when params->logprobs >= 0).
   float last_logprob = 0.0f;

@@ -82,9 +82,10 @@ class StepLatencyModel {
 // (n tokens, n sequences, the context of the first n running sequences) takes at most
 // `target_seconds`. `contexts` are the running sequences' context lengths in the order the
 // scheduler runs them; positions past its end count as their mean. max_seqs while the model is
-// not ready or the target is not positive.
+// not ready or the target is not positive. With speculative decoding each sequence runs
+// `tokens_per_seq` tokens (its last one and its draft tokens), all counted in the prediction.
 int DecodeBatchLimit(const StepLatencyModel& model, std::span<const int64_t> contexts, int max_seqs,
-                     double target_seconds);
+                     double target_seconds, int tokens_per_seq = 1);
 
 // The prefill controller's rule: the largest token budget in [min_tokens, max_tokens], a multiple
 // of `granularity` (or max_tokens itself), whose predicted step (one sequence of that many

@@ -27,6 +27,16 @@ struct SynthModelOptions {
   // "qwen3" (per-head q/k RMSNorm).
   std::string arch = "llama";
   uint64_t seed = 0;  // same seed, preset and arch: byte-identical weights
+  // > 0: the embedding and LM head hold only the first vocab_size token ids (fewer than the
+  // tokenizer has; ids past them are never produced). A small-vocabulary model whose output
+  // distributions statistical tests can count (speculative decoding's exactness test).
+  int vocab_size = 0;
+  // Scales the residual-branch outputs (o_proj, down_proj) of layers late_layers_from.. by
+  // late_layer_scale: near 0 those layers barely change the residual stream, so the first
+  // late_layers_from layers predict what the whole model does (an early-exit draft whose
+  // agreement with the target is dialled; speculative decoding's benchmark).
+  float late_layer_scale = 1.0f;
+  int late_layers_from = 0;
   DType dtype = DType::kBF16;
   std::string tokenizer_json_path;  // empty: train a small byte-level BPE on built-in text
   // 0 writes model.safetensors; otherwise shards of at most this many bytes (one tensor larger

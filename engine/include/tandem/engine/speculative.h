@@ -1,0 +1,88 @@
+// Speculative decoding: a cheap proposer guesses the next tokens of a decoding sequence, and one
+// target step verifies them all at once (docs/architecture.md, "Speculative decoding").
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "tandem/engine/step_latency_model.h"
+
+namespace tandem::engine {
+
+// How the draft tokens are proposed. kNone: no speculation. kNgram: prompt lookup, the tokens
+// that followed the most recent earlier occurrence of the sequence's last n tokens.
+// kEarlyExit: self-speculation, the target's own first draft_layers layers with its final norm
+// and LM head as the draft model (greedy), over the target's own KV of those layers.
+enum class SpeculativeMethod { kNone, kNgram, kEarlyExit };
+
+struct SpeculativeOptions {
+  SpeculativeMethod method = SpeculativeMethod::kNone;
+  // `--num-speculative-tokens`: draft tokens proposed per sequence and step (the most).
+  int num_speculative_tokens = 0;
+  // `--ngram-min` / `--ngram-max`: the suffix lengths the n-gram proposer tries, longest first.
+  int ngram_min = 1;
+  int ngram_max = 3;
+  // `--draft-layers`: the early-exit draft's layers (fewer than the model has).
+  int draft_layers = 0;
+  // `--speculative-adaptive` (the default) / `--no-speculative-adaptive`: each step's draft
+  // length is chosen by SpeculationLength from the measured acceptance and the step latency
+  // model, 0 (off) where speculating would lower the tokens per second; otherwise always
+  // num_speculative_tokens. Outputs are exact either way; a seeded sampled stream is
+  // reproducible run to run only with a fixed length (the length decides how many random
+  // numbers a step draws).
+  bool adaptive = true;
+
+  bool enabled() const { return method != SpeculativeMethod::kNone && num_speculative_tokens > 0; }
+  // InvalidArgument naming the field for values no proposer can run with.
+  absl::Status Validate() const;
+};
+
+// "none" / "ngram" / "early-exit", and back (false for an unknown name).
+const char* SpeculativeMethodName(SpeculativeMethod method);
+bool ParseSpeculativeMethod(const std::string& name, SpeculativeMethod* method);
+
+// Prompt lookup: for n from ngram_max down to ngram_min, finds the most recent earlier
+// occurrence of the last n tokens of `tokens` and proposes up to `max_tokens` of the tokens that
+// followed it. Empty when no suffix recurs. Plain host code over the sequence's own tokens.
+//   NgramProposer proposer(/*ngram_min=*/1, /*ngram_max=*/3);
+//   std::vector<int32_t> draft = proposer.Propose(seq.tokens, /*max_tokens=*/4);
+class NgramProposer {
+ public:
+  NgramProposer(int ngram_min, int ngram_max) : ngram_min_(ngram_min), ngram_max_(ngram_max) {}
+  std::vector<int32_t> Propose(std::span<const int32_t> tokens, int max_tokens) const;
+
+ private:
+  int ngram_min_;
+  int ngram_max_;
+};
+
+// The draft length controller: after each step, the acceptance it saw per draft position; before
+// each step, the length k in [0, max] that maximises the expected tokens per sequence-step
+// (1 + sum over j < k of the chance that drafts 0..j are all accepted, from decayed per-position
+// acceptance rates) over the step time the latency model predicts for the running batch with k
+// draft tokens each. k = 0 is speculation off; while off, every 32nd step still speculates at
+// the longest length, so that the acceptance it measures stays current. `max` until the latency
+// model is ready.
+class SpeculationLength {
+ public:
+  explicit SpeculationLength(int max_tokens);
+  // One sequence-step proposed `proposed` draft tokens and the first `accepted` were accepted.
+  void Observe(int proposed, int accepted);
+  // The length for a step of `num_seqs` sequences reading `context` tokens in all.
+  int Choose(const StepLatencyModel& model, int num_seqs, int64_t context);
+  // The decayed share of proposals at `position` accepted when every earlier one was.
+  double acceptance(int position) const;
+  // Expected tokens one sequence-step yields with k draft tokens.
+  double ExpectedTokens(int k) const;
+
+ private:
+  int max_;
+  std::vector<double> proposed_;  // [max], decayed counts
+  std::vector<double> accepted_;  // [max]
+  int steps_off_ = 0;
+};
+
+}  // namespace tandem::engine
