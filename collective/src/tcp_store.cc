@@ -148,7 +148,7 @@ class Server : public TcpStoreServer {
           values_[key] = std::move(value);
         }
         changed_.notify_all();
-        reply = "K";
+        reply.assign(1, 'K');
       } else if (op == 'G') {
         std::string key;
         if (!ReadString(fd, key)) break;
@@ -166,7 +166,7 @@ class Server : public TcpStoreServer {
         if (!ok) break;
         std::unique_lock<std::mutex> lock(mu_);
         if (!WaitFor(keys, lock)) break;
-        reply = "K";
+        reply.assign(1, 'K');
       } else {
         break;  // not a store client
       }
