@@ -10,12 +10,13 @@ absl::StatusOr<std::vector<KvCopyRange>> KvBlockCopyRanges(const KvCacheLayout& 
                                                            const std::vector<int32_t>& dst_blocks) {
   if (src.num_layers != dst.num_layers || src.block_size != dst.block_size ||
       src.num_kv_heads != dst.num_kv_heads || src.head_dim != dst.head_dim ||
-      src.dtype != dst.dtype) {
+      src.dtype != dst.dtype || src.kv_head_begin != dst.kv_head_begin) {
     return absl::InvalidArgumentError(absl::StrCat(
         "KV layouts differ: layers ", src.num_layers, " vs ", dst.num_layers, ", block_size ",
         src.block_size, " vs ", dst.block_size, ", kv_heads ", src.num_kv_heads, " vs ",
         dst.num_kv_heads, ", head_dim ", src.head_dim, " vs ", dst.head_dim, ", dtype ",
-        DTypeName(src.dtype), " vs ", DTypeName(dst.dtype)));
+        DTypeName(src.dtype), " vs ", DTypeName(dst.dtype), ", first KV head ",
+        src.kv_head_begin, " vs ", dst.kv_head_begin));
   }
   if (src_blocks.size() != dst_blocks.size()) {
     return absl::InvalidArgumentError(

@@ -32,6 +32,11 @@ struct KvCacheLayout {
   int num_kv_heads = 0;
   int head_dim = 0;
   DType dtype = DType::kF32;
+  // Which of the model's KV heads this cache holds: [kv_head_begin, + num_kv_heads), the shard
+  // of one rank of a tensor-parallel group of tp_size ranks (engine/tensor_parallel.h); 0 and 1
+  // for a cache of every head.
+  int kv_head_begin = 0;
+  int tp_size = 1;
 
   uint64_t element_bytes() const { return static_cast<uint64_t>(DTypeSize(dtype)); }
   // One token's K (or V) in one layer.
