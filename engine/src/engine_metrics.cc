@@ -26,7 +26,13 @@ EngineMetrics::EngineMetrics(metrics::Registry& registry)
       error_ratio_(registry.Gauge(
           "tandem_step_latency_model_error_ratio",
           "Recent mean of |predicted - measured| / measured step time, predicted before each "
-          "step.")) {
+          "step.")),
+      collective_seconds_(registry.Counter(
+          "tandem_tensor_parallel_collective_seconds_total",
+          "Wall time rank 0 of a tensor-parallel group spent in collectives (step plans, "
+          "all-reduces, the logits' all-gather).")),
+      collective_bytes_(registry.Counter("tandem_tensor_parallel_collective_bytes_total",
+                                         "Payload bytes of rank 0's tensor-parallel collectives.")) {
   const char* names[] = {"intercept", "per_token", "per_seq", "per_context_token"};
   for (int i = 0; i < StepLatencyModel::kNumTerms; ++i) {
     terms_[i] = &registry.Gauge(
@@ -49,6 +55,8 @@ void EngineMetrics::Record(const EngineStats& stats) {
 void EngineMetrics::RecordSteps(const EngineStats& stats) {
   metrics::AdvanceTo(prefix_queries_, static_cast<double>(stats.prefix_cache_queries_tokens));
   metrics::AdvanceTo(prefix_hits_, static_cast<double>(stats.prefix_cache_hits_tokens));
+  metrics::AdvanceTo(collective_seconds_, stats.collective_seconds);
+  metrics::AdvanceTo(collective_bytes_, static_cast<double>(stats.collective_bytes));
   if (stats.steps == steps_seen_) return;
   steps_seen_ = stats.steps;
   step_seconds_.Observe(stats.last_step_seconds);

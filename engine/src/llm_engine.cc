@@ -670,6 +670,11 @@ EngineStats LlmEngine::stats() const {
   stats.step_model = telemetry_.latency_model().coefficients();
   stats.step_model_samples = telemetry_.latency_model().num_observed();
   stats.step_model_error_ratio = telemetry_.latency_model().error_ratio();
+  if (options_.tensor_parallel != nullptr) {
+    const collective::CollectiveStats& c = options_.tensor_parallel->stats();
+    stats.collective_seconds = c.seconds;
+    stats.collective_bytes = static_cast<int64_t>(c.bytes);
+  }
   return stats;
 }
 

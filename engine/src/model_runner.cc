@@ -169,11 +169,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
           "tensor parallelism runs on the CPU backend (Gloo) for now; the CUDA backend's "
           "NCCL wiring is not built yet");
     }
-    if (checkpoint.quantization().method != QuantMethod::kNone) {
-      return absl::UnimplementedError(absl::StrCat(
-          "tensor parallelism does not shard quantised checkpoints yet (",
-          checkpoint.quantization().Describe(), "); run it with --tensor-parallel-size 1"));
-    }
+    TANDEM_RETURN_IF_ERROR(TensorParallelWeightsSupported(checkpoint));
     const text::ModelConfig& c = checkpoint.config();
     std::vector<int32_t> settings(kSettingsFields);
     settings[kMaxBatchedTokens] = options.max_num_batched_tokens;

@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/base/status_macros.h"
+#include "tandem/engine/checkpoint.h"
 
 namespace tandem::engine {
 
@@ -48,6 +50,20 @@ absl::StatusOr<TensorParallelShard> TensorParallelShard::For(const text::ModelCo
   s.vocab_begin = std::min(config.vocab_size, rank * s.vocab_stride);
   s.vocab_rows = std::min(config.vocab_size, s.vocab_begin + s.vocab_stride) - s.vocab_begin;
   return s;
+}
+
+absl::Status CheckTensorParallelModel(const std::string& model_dir, int size) {
+  if (size <= 1) return absl::OkStatus();
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint, Checkpoint::Open(model_dir));
+  TANDEM_RETURN_IF_ERROR(TensorParallelShard::For(checkpoint->config(), 0, size).status());
+  return TensorParallelWeightsSupported(*checkpoint);
+}
+
+absl::Status TensorParallelWeightsSupported(const Checkpoint& checkpoint) {
+  if (checkpoint.quantization().method == QuantMethod::kNone) return absl::OkStatus();
+  return absl::UnimplementedError(absl::StrCat(
+      "tensor parallelism does not shard quantised checkpoints yet (",
+      checkpoint.quantization().Describe(), "); run it with --tensor-parallel-size 1"));
 }
 
 }  // namespace tandem::engine

@@ -62,6 +62,9 @@ struct ApiMetrics {
   prometheus::Counter* kv_handoffs;
   prometheus::Counter* kv_handoff_bytes;
   prometheus::Gauge* workers[2][2];  // [prefill, decode][up, down]
+  // Tensor parallelism of a colocated engine (zero without it).
+  prometheus::Counter* collective_seconds;
+  prometheus::Counter* collective_bytes;
 
   // SLO accounting (see Classify). A pair is null where that objective is not configured;
   // "both" exists when any is.

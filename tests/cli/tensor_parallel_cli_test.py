@@ -160,10 +160,18 @@ with tempfile.TemporaryDirectory() as tmp:
             time.sleep(0.05)
         check(not alive(pid), "the follower dies with its leader")
 
-    # SIGTERM: the leader shuts down in order, its follower exits with it, status 0.
+    # /metrics counts collective time and bytes; SIGTERM: the leader shuts down in order, its
+    # follower exits with it, status 0.
     proc, url = start_serve(model)
     if url:
         complete(url, "Bye")
+        with urllib.request.urlopen(url + "/metrics", timeout=HANG_GUARD_S) as r:
+            metrics = r.read().decode()
+        values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+                  if line.startswith("tandem_tensor_parallel_collective_")}
+        check(values.get("tandem_tensor_parallel_collective_bytes_total", 0) > 0 and
+              values.get("tandem_tensor_parallel_collective_seconds_total", 0) > 0,
+              f"/metrics counts the collectives: {values}")
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=HANG_GUARD_S)
     err = proc.stderr.read()

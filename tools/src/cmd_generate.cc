@@ -50,6 +50,7 @@ absl::Status Generate(int argc, char** argv) {
   options.num_threads = static_cast<int>(threads);
   options.kv_cache_bytes = kv_bytes;
   if (tp.follower()) return tp.RunFollower(options);
+  TANDEM_RETURN_IF_ERROR(tp.CheckModel(options));
   TANDEM_RETURN_IF_ERROR(tp.Start());
   options.tensor_parallel = tp.communicator();
   // The engine is gone (its followers released) before the group finishes.

@@ -60,6 +60,7 @@ absl::Status Serve(int argc, char** argv) {
     TANDEM_ASSIGN_OR_RETURN(kv_backend, KvBackendFlag(args, engine_options.device));
   }
   RaiseFileLimit();
+  TANDEM_RETURN_IF_ERROR(tp.CheckModel(engine_options));
   TANDEM_RETURN_IF_ERROR(tp.Start());
   engine_options.tensor_parallel = tp.communicator();
   // The engine (and so the followers' steps) ends inside; then the group finishes.

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/engine/tensor_parallel.h"
 
 namespace tandem::tools {
 namespace {
@@ -105,6 +106,15 @@ absl::Status TensorParallelGroup::RunFollower(engine::EngineOptions options) {
                         absl::StrCat("tensor-parallel rank ", rank_, ": ", status.message()));
   }
   return status;
+}
+
+absl::Status TensorParallelGroup::CheckModel(const engine::EngineOptions& options) const {
+  if (size_ == 1) return absl::OkStatus();
+  if (options.device != engine::Device::kCpu) {
+    return absl::UnimplementedError(
+        "tensor parallelism runs on the CPU backend (--device cpu) for now");
+  }
+  return engine::CheckTensorParallelModel(options.model_dir, size_);
 }
 
 absl::Status TensorParallelGroup::Start() {

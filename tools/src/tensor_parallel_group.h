@@ -53,6 +53,9 @@ class TensorParallelGroup {
 
   // Rank > 0: joins the group and runs the leader's steps until it stops (OK) or fails.
   absl::Status RunFollower(engine::EngineOptions options);
+  // Rank 0, before Start: refuses what no rank could run (shapes that do not divide, quantised
+  // weights, the CUDA backend), so that the reason is said once, before any rank starts.
+  absl::Status CheckModel(const engine::EngineOptions& options) const;
   // Rank 0: starts the followers (one node), joins the group. Nothing for a group of one.
   absl::Status Start();
   // The group's communicator for EngineOptions::tensor_parallel; null for a group of one.

@@ -22,7 +22,8 @@ class EngineMetrics {
  public:
   // Registers tandem_kv_cache_blocks_{used,capacity}, tandem_num_requests_{running,waiting},
   // tandem_preemptions_total, tandem_prefix_cache_{queries,hits}_tokens_total,
-  // tandem_step_seconds and tandem_step_latency_model_{seconds{term},samples,error_ratio}.
+  // tandem_step_seconds, tandem_step_latency_model_{seconds{term},samples,error_ratio} and
+  // tandem_tensor_parallel_collective_{seconds,bytes}_total.
   explicit EngineMetrics(metrics::Registry& registry);
 
   // Sets the KV, batch and preemption series from `stats`, then RecordSteps(stats).
@@ -47,6 +48,8 @@ class EngineMetrics {
   std::array<prometheus::Gauge*, StepLatencyModel::kNumTerms> terms_{};
   prometheus::Gauge& samples_;
   prometheus::Gauge& error_ratio_;
+  prometheus::Counter& collective_seconds_;
+  prometheus::Counter& collective_bytes_;
   int64_t steps_seen_ = 0;
 };
 

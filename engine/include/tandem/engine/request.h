@@ -92,6 +92,10 @@ struct EngineStats {
   StepCoefficients step_model;
   int64_t step_model_samples = 0;
   double step_model_error_ratio = 0;
+  // Tensor parallelism (rank 0's view, since the engine started): wall time inside collectives
+  // (step plans, all-reduces, the logits' all-gather) and their payload bytes. 0 without it.
+  double collective_seconds = 0;
+  int64_t collective_bytes = 0;
 };
 
 // The checks of a request that need only the model (so a router without an engine makes them

@@ -16,6 +16,8 @@
 //   // shard.q_head_begin == config.num_heads / 2, ...
 #pragma once
 
+#include <string>
+
 #include "absl/status/statusor.h"
 #include "tandem/text/model_config.h"
 
@@ -44,6 +46,15 @@ struct TensorParallelShard {
   static absl::StatusOr<TensorParallelShard> For(const text::ModelConfig& config, int rank,
                                                  int size);
 };
+
+// Whether the checkpoint in `model_dir` can be split over `size` ranks: the shapes divide
+// (TensorParallelShard::For) and its weights are not quantised (not sharded yet). A launcher
+// checks this before it starts any rank, so a refusal is said once.
+absl::Status CheckTensorParallelModel(const std::string& model_dir, int size);
+
+class Checkpoint;
+// Unimplemented, naming the method, for a quantised checkpoint.
+absl::Status TensorParallelWeightsSupported(const Checkpoint& checkpoint);
 
 // The KV heads each rank of a group of `size` holds (the model's own count when size is 1).
 int KvHeadsPerRank(const text::ModelConfig& config, int size);
