@@ -121,8 +121,8 @@ void BM_DecodeStep(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(1));
   const std::string model = SmallModel();
   const std::string dir = TempDir("tandem_bench_tp");
-  tandem::engine::EngineOptions options{.model_dir = model, .num_threads = 1,
-                                        .kv_cache_bytes = 256 << 20};
+  tandem::engine::EngineOptions options{
+      .model_dir = model, .num_threads = 1, .kv_cache_bytes = 256 << 20};
   std::vector<std::thread> followers;
   for (int r = 1; r < tp; ++r) {
     followers.emplace_back([&, r] {
@@ -137,8 +137,9 @@ void BM_DecodeStep(benchmark::State& state) {
   }
   std::unique_ptr<Communicator> comm;
   if (tp > 1) {
-    comm = tandem::collective::CreateGlooCommunicator({.rank = 0, .size = tp, .file_store_dir = dir})
-               .value();
+    comm =
+        tandem::collective::CreateGlooCommunicator({.rank = 0, .size = tp, .file_store_dir = dir})
+            .value();
     options.tensor_parallel = comm.get();
   }
   {
@@ -146,9 +147,10 @@ void BM_DecodeStep(benchmark::State& state) {
     for (int i = 0; i < batch; ++i) {
       std::vector<int32_t> prompt(16);
       for (int j = 0; j < 16; ++j) prompt[j] = 1 + (i * 16 + j) % 400;
-      absl::Status s = engine->AddRequest(
-          {absl::StrCat("r", i), prompt,
-           {.temperature = 0, .max_tokens = 3000, .ignore_eos = true}});
+      absl::Status s =
+          engine->AddRequest({absl::StrCat("r", i),
+                              prompt,
+                              {.temperature = 0, .max_tokens = 3000, .ignore_eos = true}});
       if (!s.ok()) std::abort();
     }
     (void)engine->Step();  // the prompts
@@ -166,9 +168,8 @@ void BM_DecodeStep(benchmark::State& state) {
   }  // the engine stops its followers
   for (std::thread& t : followers) t.join();
   std::filesystem::remove_all(dir);
-  state.counters["tokens_per_s"] =
-      benchmark::Counter(static_cast<double>(state.iterations()) * batch,
-                         benchmark::Counter::kIsRate);
+  state.counters["tokens_per_s"] = benchmark::Counter(
+      static_cast<double>(state.iterations()) * batch, benchmark::Counter::kIsRate);
 }
 BENCHMARK(BM_DecodeStep)
     ->ArgNames({"tp", "batch"})

@@ -11,13 +11,12 @@ absl::Status Communicator::Run(const char* name, uint64_t bytes, F&& op) {
   if (!failed_.ok()) return failed_;
   const auto start = std::chrono::steady_clock::now();
   absl::Status status = op();
-  stats_.seconds +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats_.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   stats_.calls += 1;
   stats_.bytes += bytes;
   if (!status.ok()) {
-    failed_ = absl::Status(status.code(), absl::StrCat(kind(), " ", name, " on rank ", rank_, " of ",
-                                                       size_, ": ", status.message()));
+    failed_ = absl::Status(status.code(), absl::StrCat(kind(), " ", name, " on rank ", rank_,
+                                                       " of ", size_, ": ", status.message()));
   }
   return failed_;
 }

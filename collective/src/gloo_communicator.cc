@@ -5,7 +5,6 @@
 #include <exception>
 #include <memory>
 
-
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gloo/allgather.h"
@@ -168,9 +167,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> Connect(const GlooOptions& options
   } catch (const std::exception& e) {
     absl::Status status = FromException(e);
     return absl::Status(status.code(),
-                        absl::StrCat("gloo rendezvous of rank ", options.rank, " of ",
-                                     options.size, " (group ", options.group, ") failed: ",
-                                     status.message()));
+                        absl::StrCat("gloo rendezvous of rank ", options.rank, " of ", options.size,
+                                     " (group ", options.group, ") failed: ", status.message()));
   }
 }
 

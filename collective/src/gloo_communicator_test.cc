@@ -77,7 +77,8 @@ TEST_P(GlooGroupTest, EveryCollectiveGivesTheSameResultOnEveryRank) {
   RunGroup(size, how, absl::Seconds(60), [size = size](int rank, Communicator& comm) {
     // All-reduce: rank r contributes (r + 1) * i, over more than one Gloo segment.
     std::vector<float> values(300000);
-    for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>((rank + 1) * (i % 97));
+    for (size_t i = 0; i < values.size(); ++i)
+      values[i] = static_cast<float>((rank + 1) * (i % 97));
     ASSERT_TRUE(comm.AllReduceSum(values.data(), values.size()).ok());
     const float ranks_sum = size * (size + 1) / 2.0f;
     for (size_t i = 0; i < values.size(); i += 997) {
@@ -105,15 +106,16 @@ TEST_P(GlooGroupTest, EveryCollectiveGivesTheSameResultOnEveryRank) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    SizesAndStores, GlooGroupTest,
-    ::testing::Combine(::testing::Values(2, 3, 4),
-                       ::testing::Values(Rendezvous::kFileStore, Rendezvous::kTcpStore)),
-    [](const auto& info) {
-      return absl::StrCat(std::get<0>(info.param), "Ranks",
-                          std::get<1>(info.param) == Rendezvous::kFileStore ? "FileStore"
-                                                                            : "TcpStore");
-    });
+INSTANTIATE_TEST_SUITE_P(SizesAndStores, GlooGroupTest,
+                         ::testing::Combine(::testing::Values(2, 3, 4),
+                                            ::testing::Values(Rendezvous::kFileStore,
+                                                              Rendezvous::kTcpStore)),
+                         [](const auto& info) {
+                           return absl::StrCat(std::get<0>(info.param), "Ranks",
+                                               std::get<1>(info.param) == Rendezvous::kFileStore
+                                                   ? "FileStore"
+                                                   : "TcpStore");
+                         });
 
 TEST(GlooCommunicatorTest, AGroupOfOneNeedsNoPeer) {
   RunGroup(1, Rendezvous::kFileStore, absl::Seconds(10), [](int, Communicator& comm) {
@@ -196,8 +198,10 @@ TEST(GlooCommunicatorTest, AKilledRankProcessFailsTheLeaderAtOnce) {
 
 TEST(GlooCommunicatorTest, ARankThatNeverJoinsFailsTheRendezvous) {
   TempDir dir;
-  auto comm = CreateGlooCommunicator(
-      {.rank = 0, .size = 2, .file_store_dir = dir.path(), .connect_timeout = absl::Milliseconds(300)});
+  auto comm = CreateGlooCommunicator({.rank = 0,
+                                      .size = 2,
+                                      .file_store_dir = dir.path(),
+                                      .connect_timeout = absl::Milliseconds(300)});
   ASSERT_FALSE(comm.ok());
   EXPECT_EQ(comm.status().code(), absl::StatusCode::kDeadlineExceeded) << comm.status();
   EXPECT_NE(comm.status().message().find("rendezvous of rank 0 of 2"), std::string::npos)

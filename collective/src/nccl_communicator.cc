@@ -79,8 +79,8 @@ class NcclCommunicator : public Communicator {
 
   absl::Status DoBarrier() override {
     cudaSetDevice(device_);
-    ncclResult_t r = ncclAllReduce(scratch_.get(), scratch_.get(), 1, ncclFloat32, ncclSum, comm_,
-                                   stream_);
+    ncclResult_t r =
+        ncclAllReduce(scratch_.get(), scratch_.get(), 1, ncclFloat32, ncclSum, comm_, stream_);
     if (r != ncclSuccess) return NcclError(r, "ncclAllReduce (barrier)");
     return Wait(timeout_);
   }
@@ -128,9 +128,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicato
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || options.device < 0 ||
       options.device >= devices) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "NCCL rank ", bootstrap.rank(), ": no CUDA device ", options.device, " (", devices,
-        " visible)"));
+    return absl::FailedPreconditionError(absl::StrCat("NCCL rank ", bootstrap.rank(),
+                                                      ": no CUDA device ", options.device, " (",
+                                                      devices, " visible)"));
   }
   ncclUniqueId id{};
   if (bootstrap.rank() == 0) {
@@ -155,9 +155,9 @@ absl::StatusOr<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicato
   ncclComm_t comm = nullptr;
   ncclResult_t r = ncclCommInitRank(&comm, bootstrap.size(), id, bootstrap.rank());
   if (r != ncclSuccess) return NcclError(r, "ncclCommInitRank");
-  return std::unique_ptr<Communicator>(new NcclCommunicator(
-      bootstrap.rank(), bootstrap.size(), options.device, comm, stream, std::move(own_stream),
-      std::move(scratch_owner), options.timeout));
+  return std::unique_ptr<Communicator>(
+      new NcclCommunicator(bootstrap.rank(), bootstrap.size(), options.device, comm, stream,
+                           std::move(own_stream), std::move(scratch_owner), options.timeout));
 }
 
 bool NcclBuilt() { return true; }

@@ -49,9 +49,9 @@ TEST(NcclCommunicatorTest, TwoGpusAllReduceGatherAndBroadcast) {
                 cudaSuccess);
       for (size_t i = 0; i < kCount; i += 4099) EXPECT_EQ(host[i], 3.0f * (i % 13));
       std::vector<float> all(kSize * kCount);
-      ASSERT_EQ(cudaMemcpy(all.data(), gathered, all.size() * sizeof(float),
-                           cudaMemcpyDeviceToHost),
-                cudaSuccess);
+      ASSERT_EQ(
+          cudaMemcpy(all.data(), gathered, all.size() * sizeof(float), cudaMemcpyDeviceToHost),
+          cudaSuccess);
       EXPECT_EQ(all[kCount + 5], 2.0f * 5);
       EXPECT_EQ(all[5], 5.0f);
       int32_t* word = nullptr;

@@ -182,7 +182,7 @@ class Server : public TcpStoreServer {
   std::thread accept_thread_;
   std::mutex mu_;
   std::condition_variable changed_;
-  bool stopping_ = false;                     // guarded by mu_
+  bool stopping_ = false;                      // guarded by mu_
   std::map<std::string, std::string> values_;  // guarded by mu_
   std::set<int> connections_;                  // guarded by mu_
   std::vector<std::thread> threads_;           // guarded by mu_ (joined after stopping_)
@@ -214,8 +214,8 @@ absl::StatusOr<std::unique_ptr<TcpStoreServer>> StartTcpStoreServer(const std::s
                          : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
     ::freeaddrinfo(*resolved);
     const std::string host = host_port->first.find(':') != std::string::npos
-                                  ? absl::StrCat("[", host_port->first, "]")
-                                  : host_port->first;
+                                 ? absl::StrCat("[", host_port->first, "]")
+                                 : host_port->first;
     return std::unique_ptr<TcpStoreServer>(new Server(fd, absl::StrCat(host, ":", port)));
   }
   ::freeaddrinfo(*resolved);
@@ -245,8 +245,8 @@ absl::StatusOr<std::unique_ptr<TcpStoreClient>> TcpStoreClient::Connect(
     ::freeaddrinfo(*resolved);
     // The leader may not be listening yet: poll until the deadline.
     if (std::chrono::steady_clock::now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat("no rendezvous store at ", address,
-                                                      " within the timeout: ", error));
+      return absl::DeadlineExceededError(
+          absl::StrCat("no rendezvous store at ", address, " within the timeout: ", error));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
@@ -267,9 +267,9 @@ void TcpStoreClient::Exchange(const std::string& request, void* out, size_t size
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     pollfd pfd{fd_, POLLIN, 0};
-    int rc = left.count() > 0 ? ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(
-                                                     left.count(), 1 << 30)))
-                              : 0;
+    int rc = left.count() > 0
+                 ? ::poll(&pfd, 1, static_cast<int>(std::min<int64_t>(left.count(), 1 << 30)))
+                 : 0;
     if (rc < 0 && errno == EINTR) continue;
     if (rc == 0) {
       // The answer may still come; this connection is out of step now.
@@ -281,8 +281,8 @@ void TcpStoreClient::Exchange(const std::string& request, void* out, size_t size
     ssize_t n = ::recv(fd_, p, size, 0);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
-      throw gloo::IoException(absl::StrCat("rendezvous store ", address_, " went away waiting for ",
-                                           what));
+      throw gloo::IoException(
+          absl::StrCat("rendezvous store ", address_, " went away waiting for ", what));
     }
     p += n;
     size -= static_cast<size_t>(n);

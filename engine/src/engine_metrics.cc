@@ -31,8 +31,9 @@ EngineMetrics::EngineMetrics(metrics::Registry& registry)
           "tandem_tensor_parallel_collective_seconds_total",
           "Wall time rank 0 of a tensor-parallel group spent in collectives (step plans, "
           "all-reduces, the logits' all-gather).")),
-      collective_bytes_(registry.Counter("tandem_tensor_parallel_collective_bytes_total",
-                                         "Payload bytes of rank 0's tensor-parallel collectives.")) {
+      collective_bytes_(
+          registry.Counter("tandem_tensor_parallel_collective_bytes_total",
+                           "Payload bytes of rank 0's tensor-parallel collectives.")) {
   const char* names[] = {"intercept", "per_token", "per_seq", "per_context_token"};
   for (int i = 0; i < StepLatencyModel::kNumTerms; ++i) {
     terms_[i] = &registry.Gauge(

@@ -17,8 +17,8 @@ absl::StatusOr<std::vector<KvCopyRange>> KvBlockCopyRanges(const KvCacheLayout& 
         "KV layouts differ: layers ", src.num_layers, " vs ", dst.num_layers, ", block_size ",
         src.block_size, " vs ", dst.block_size, ", kv_heads ", src.num_kv_heads, " vs ",
         dst.num_kv_heads, ", head_dim ", src.head_dim, " vs ", dst.head_dim, ", dtype ",
-        DTypeName(src.dtype), " vs ", DTypeName(dst.dtype), ", first KV head ",
-        src.kv_head_begin, " vs ", dst.kv_head_begin));
+        DTypeName(src.dtype), " vs ", DTypeName(dst.dtype), ", first KV head ", src.kv_head_begin,
+        " vs ", dst.kv_head_begin));
   }
   if (src_blocks.size() != dst_blocks.size()) {
     return absl::InvalidArgumentError(
@@ -124,9 +124,9 @@ absl::StatusOr<std::vector<KvShardTransfer>> KvReshardPlan(const std::vector<KvC
               continue;
             }
             for (int slot = 0; slot < a.block_size; ++slot) {
-              transfer.ranges.push_back(
-                  {from.Offset(layer, half, src_blocks[i], slot) + src_skip,
-                   to.Offset(layer, half, dst_blocks[i], slot) + dst_skip, bytes});
+              transfer.ranges.push_back({from.Offset(layer, half, src_blocks[i], slot) + src_skip,
+                                         to.Offset(layer, half, dst_blocks[i], slot) + dst_skip,
+                                         bytes});
             }
           }
         }

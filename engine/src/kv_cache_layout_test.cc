@@ -102,9 +102,14 @@ std::vector<KvCacheLayout> GroupLayouts(int kv_heads, int tp, int blocks) {
   for (int r = 0; r < tp; ++r) {
     auto shard = TensorParallelShard::For(c, r, tp);
     EXPECT_TRUE(shard.ok()) << shard.status();
-    out.push_back({.num_layers = 2, .num_blocks = blocks, .block_size = 4,
-                   .num_kv_heads = shard->num_kv_heads, .head_dim = 3, .dtype = DType::kBF16,
-                   .kv_head_begin = shard->kv_head_begin, .tp_size = tp});
+    out.push_back({.num_layers = 2,
+                   .num_blocks = blocks,
+                   .block_size = 4,
+                   .num_kv_heads = shard->num_kv_heads,
+                   .head_dim = 3,
+                   .dtype = DType::kBF16,
+                   .kv_head_begin = shard->kv_head_begin,
+                   .tp_size = tp});
   }
   return out;
 }
@@ -176,17 +181,18 @@ TEST_P(KvReshardTest, EveryDestinationRankGetsItsHeads) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Degrees, KvReshardTest,
-    // (KV heads, source degree, destination degree): 2 -> 1, 1 -> 2, 4 -> 2, 2 -> 4, and with
-    // KV heads replicated (2 heads over 4 or 8 ranks).
-    ::testing::Values(std::tuple{4, 2, 1}, std::tuple{4, 1, 2}, std::tuple{4, 4, 2},
-                      std::tuple{4, 2, 4}, std::tuple{2, 4, 1}, std::tuple{2, 1, 4},
-                      std::tuple{2, 8, 2}, std::tuple{4, 1, 1}),
-    [](const auto& info) {
-      return absl::StrCat(std::get<0>(info.param), "Heads", std::get<1>(info.param), "To",
-                          std::get<2>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Degrees, KvReshardTest,
+                         // (KV heads, source degree, destination degree): 2 -> 1, 1 -> 2, 4 -> 2, 2
+                         // -> 4, and with KV heads replicated (2 heads over 4 or 8 ranks).
+                         ::testing::Values(std::tuple{4, 2, 1}, std::tuple{4, 1, 2},
+                                           std::tuple{4, 4, 2}, std::tuple{4, 2, 4},
+                                           std::tuple{2, 4, 1}, std::tuple{2, 1, 4},
+                                           std::tuple{2, 8, 2}, std::tuple{4, 1, 1}),
+                         [](const auto& info) {
+                           return absl::StrCat(std::get<0>(info.param), "Heads",
+                                               std::get<1>(info.param), "To",
+                                               std::get<2>(info.param));
+                         });
 
 TEST(KvReshardTest, RefusesWhatCannotBeMapped) {
   auto src = GroupLayouts(4, 2, 4);
@@ -199,8 +205,7 @@ TEST(KvReshardTest, RefusesWhatCannotBeMapped) {
             std::string::npos)
       << missing.status();
   dst[0].head_dim = 4;
-  EXPECT_EQ(KvReshardPlan(src, dst, {0}, {0}).status().code(),
-            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(KvReshardPlan(src, dst, {0}, {0}).status().code(), absl::StatusCode::kInvalidArgument);
   dst = GroupLayouts(4, 1, 4);
   EXPECT_EQ(KvReshardPlan(src, dst, {4}, {0}).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(KvReshardPlan(src, dst, {0, 1}, {0}).status().code(),

@@ -714,8 +714,9 @@ absl::Status RunTensorParallelFollower(const EngineOptions& options) {
   const text::ModelConfig& config = checkpoint->config();
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Backend> backend,
                           CreateBackend(options, config, config.max_position_embeddings, 1));
-  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<ModelRunner> runner,
-                          ModelRunner::Create(*checkpoint, backend.get(), {.tensor_parallel = comm}));
+  TANDEM_ASSIGN_OR_RETURN(
+      std::unique_ptr<ModelRunner> runner,
+      ModelRunner::Create(*checkpoint, backend.get(), {.tensor_parallel = comm}));
   return runner->RunFollower();
 }
 

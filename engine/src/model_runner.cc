@@ -37,8 +37,7 @@ namespace {
 absl::StatusOr<std::vector<unsigned char>> ReadSliceAs(const Checkpoint& checkpoint,
                                                        const std::string& name, DType dtype,
                                                        int64_t row_begin = 0, int64_t rows = -1,
-                                                       int64_t col_begin = 0,
-                                                       int64_t cols = -1) {
+                                                       int64_t col_begin = 0, int64_t cols = -1) {
   TANDEM_ASSIGN_OR_RETURN(TensorView tensor, checkpoint.Tensor(name));
   const int64_t total_rows = tensor.shape.empty() ? 1 : tensor.shape[0];
   const int64_t total_cols = tensor.shape.size() == 2 ? tensor.shape[1] : 1;
@@ -46,10 +45,9 @@ absl::StatusOr<std::vector<unsigned char>> ReadSliceAs(const Checkpoint& checkpo
   if (cols < 0) cols = total_cols - col_begin;
   if (row_begin < 0 || col_begin < 0 || row_begin + rows > total_rows ||
       col_begin + cols > total_cols) {
-    return absl::InvalidArgumentError(absl::StrCat(tensor.file, ": tensor ", name,
-                                                   " has no slice of rows [", row_begin, ", ",
-                                                   row_begin + rows, ") and columns [", col_begin,
-                                                   ", ", col_begin + cols, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(tensor.file, ": tensor ", name, " has no slice of rows [", row_begin, ", ",
+                     row_begin + rows, ") and columns [", col_begin, ", ", col_begin + cols, ")"));
   }
   const auto* data = static_cast<const unsigned char*>(tensor.data);
   const size_t out_size = DTypeSize(dtype);
@@ -159,8 +157,9 @@ enum SettingsField {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
-    const Checkpoint& checkpoint, kernels::Backend* backend, const ModelRunnerOptions& input) {
+absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoint& checkpoint,
+                                                                 kernels::Backend* backend,
+                                                                 const ModelRunnerOptions& input) {
   ModelRunnerOptions options = input;
   collective::Communicator* comm = options.tensor_parallel;
   if (comm != nullptr && comm->size() > 1) {
@@ -176,8 +175,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
     settings[kMaxSeqs] = options.max_num_seqs;
     settings[kNumKvBlocks] = options.num_kv_blocks;
     settings[kBlockSize] = options.block_size;
-    settings[kWeightDType] = options.weight_dtype ? static_cast<int32_t>(*options.weight_dtype) : -1;
-    settings[kKvDType] = options.kv_cache_dtype ? static_cast<int32_t>(*options.kv_cache_dtype) : -1;
+    settings[kWeightDType] =
+        options.weight_dtype ? static_cast<int32_t>(*options.weight_dtype) : -1;
+    settings[kKvDType] =
+        options.kv_cache_dtype ? static_cast<int32_t>(*options.kv_cache_dtype) : -1;
     settings[kLayers] = c.num_layers;
     settings[kHidden] = c.hidden_size;
     settings[kVocab] = c.vocab_size;
@@ -216,9 +217,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   runner->backend_ = backend;
   const text::ModelConfig& c = runner->config_;
   if (comm != nullptr && comm->size() > 1) runner->comm_ = comm;
-  TANDEM_ASSIGN_OR_RETURN(
-      runner->shard_,
-      TensorParallelShard::For(c, comm ? comm->rank() : 0, comm ? comm->size() : 1));
+  TANDEM_ASSIGN_OR_RETURN(runner->shard_, TensorParallelShard::For(c, comm ? comm->rank() : 0,
+                                                                   comm ? comm->size() : 1));
   const TensorParallelShard& shard = runner->shard_;
   TANDEM_ASSIGN_OR_RETURN(RunnerDTypes dtypes,
                           ResolveRunnerDTypes(c, options.weight_dtype, options.kv_cache_dtype));
@@ -365,7 +365,8 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight
     // Padded with zero rows to vocab_stride under tensor parallelism (equal all-gather parts).
     TANDEM_ASSIGN_OR_RETURN(
         std::vector<unsigned char> lm_head,
-        ReadSliceAs(checkpoint, c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight",
+        ReadSliceAs(checkpoint,
+                    c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight",
                     weight_dtype, shard.vocab_begin, shard.vocab_rows));
     const int rows = tensor_parallel() ? shard.vocab_stride : c.vocab_size;
     lm_head.resize(static_cast<size_t>(rows) * c.hidden_size * DTypeSize(weight_dtype), 0);
@@ -406,8 +407,8 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight
     }
     // Row-parallel: this rank's input columns; the partial outputs are summed across ranks.
     TANDEM_ASSIGN_OR_RETURN(
-        layer->o, load_projection({{p + "self_attn.o_proj", 0, c.hidden_size, q_begin, q_dim}},
-                                  q_dim));
+        layer->o,
+        load_projection({{p + "self_attn.o_proj", 0, c.hidden_size, q_begin, q_dim}}, q_dim));
     // The bias is added once, by rank 0, before the sum.
     if (c.o_proj_bias && shard.rank == 0) {
       TANDEM_ASSIGN_OR_RETURN(layer->o_bias, read(p + "self_attn.o_proj.bias"));
@@ -433,8 +434,9 @@ void ModelRunner::CopyBlock(int32_t src, int32_t dst) {
 
 absl::Status ModelRunner::SendPlan(int tokens, int num_seqs, int num_sampled, int max_blocks,
                                    const std::vector<std::pair<int32_t, int32_t>>& block_copies) {
-  int32_t header[kPlanHeader] = {kPlanStep,  tokens,     num_seqs,
-                                 num_sampled, max_blocks, static_cast<int32_t>(block_copies.size())};
+  int32_t header[kPlanHeader] = {kPlanStep,  tokens,
+                                 num_seqs,   num_sampled,
+                                 max_blocks, static_cast<int32_t>(block_copies.size())};
   TANDEM_RETURN_IF_ERROR(comm_->Broadcast(header, sizeof(header), /*root=*/0));
   plan_.clear();
   plan_.insert(plan_.end(), planned_ints_, planned_ints_ + 3 * tokens + num_sampled);
@@ -606,8 +608,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
                kv_dim * sizeof(float), tokens);
     if (c.qk_norm) {
       b.RmsNorm(q, layer.q_norm.as<float>(), c.rms_norm_eps, tokens * num_heads, c.head_dim, q);
-      b.RmsNorm(k, layer.k_norm.as<float>(), c.rms_norm_eps, tokens * num_kv_heads, c.head_dim,
-                k);
+      b.RmsNorm(k, layer.k_norm.as<float>(), c.rms_norm_eps, tokens * num_kv_heads, c.head_dim, k);
     }
     b.Rope(q, d_positions, tokens, num_heads, c.head_dim, inv_freq);
     b.Rope(k, d_positions, tokens, num_kv_heads, c.head_dim, inv_freq);

@@ -21,9 +21,9 @@ absl::StatusOr<TensorParallelShard> TensorParallelShard::For(const text::ModelCo
   }
   const std::string model = config.architecture_name;
   if (config.num_heads % size != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tensor-parallel-size ", size, " does not divide the ", config.num_heads,
-                     " attention heads of ", model));
+    return absl::InvalidArgumentError(absl::StrCat("--tensor-parallel-size ", size,
+                                                   " does not divide the ", config.num_heads,
+                                                   " attention heads of ", model));
   }
   const int kv = config.num_kv_heads;
   if (kv >= size ? kv % size != 0 : size % kv != 0) {
@@ -32,9 +32,9 @@ absl::StatusOr<TensorParallelShard> TensorParallelShard::For(const text::ModelCo
         " must divide one another (heads are split, or replicated when fewer than ranks)"));
   }
   if (config.intermediate_size % size != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tensor-parallel-size ", size, " does not divide the intermediate size ",
-                     config.intermediate_size, " of ", model));
+    return absl::InvalidArgumentError(absl::StrCat("--tensor-parallel-size ", size,
+                                                   " does not divide the intermediate size ",
+                                                   config.intermediate_size, " of ", model));
   }
   TensorParallelShard s;
   s.rank = rank;

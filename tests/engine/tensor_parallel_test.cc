@@ -4,6 +4,8 @@
 // their partial products in another order), for llama, qwen2 (q/k/v biases, tied embeddings)
 // and qwen3 (q/k norms, head_dim != hidden / heads). The tiny models have 2 KV heads, so tp=4
 // replicates each KV head on two ranks.
+#include "tandem/engine/tensor_parallel.h"
+
 #include <cstdlib>
 #include <filesystem>
 #include <random>
@@ -14,7 +16,6 @@
 #include "gtest/gtest.h"
 #include "tandem/collective/gloo_communicator.h"
 #include "tandem/engine/llm_engine.h"
-#include "tandem/engine/tensor_parallel.h"
 #include "test_models.h"
 
 namespace tandem::engine {
@@ -43,8 +44,8 @@ std::vector<GenerateRequest> Requests(int vocab) {
   for (size_t i = 0; i < lengths.size(); ++i) {
     std::vector<int32_t> prompt(lengths[i]);
     for (int32_t& t : prompt) t = static_cast<int32_t>(rng() % vocab);
-    SamplingParams greedy{.temperature = 0, .max_tokens = kSteps, .ignore_eos = true,
-                          .logprobs = 2};
+    SamplingParams greedy{
+        .temperature = 0, .max_tokens = kSteps, .ignore_eos = true, .logprobs = 2};
     SamplingParams seeded{.temperature = 0.8f,
                           .top_p = 0.95f,
                           .seed = 99 + i,
@@ -59,7 +60,9 @@ std::vector<GenerateRequest> Requests(int vocab) {
 
 EngineOptions Options(const std::string& model) {
   // Small chunks so that prompts span several steps, and a batch of all requests at once.
-  return {.model_dir = model, .num_threads = 1, .kv_cache_bytes = 8 << 20,
+  return {.model_dir = model,
+          .num_threads = 1,
+          .kv_cache_bytes = 8 << 20,
           .max_num_batched_tokens = 32};
 }
 
@@ -84,8 +87,8 @@ std::vector<RequestOutput> RunGroup(const std::string& model, int tp,
         follower_status[rank] = RunTensorParallelFollower(options);
       });
     }
-    auto comm = collective::CreateGlooCommunicator(
-        {.rank = 0, .size = tp, .file_store_dir = dir.path()});
+    auto comm =
+        collective::CreateGlooCommunicator({.rank = 0, .size = tp, .file_store_dir = dir.path()});
     EXPECT_TRUE(comm.ok()) << comm.status();
     if (!comm.ok()) return {};
     EngineOptions options = Options(model);
@@ -176,8 +179,7 @@ TEST(TensorParallelShardTest, SplitsOrReplicatesKvHeads) {
   EXPECT_EQ(replicated->vocab_rows, 0);
   auto bad = TensorParallelShard::For(c, 0, 3);
   ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("does not divide the 8 attention heads"),
-            std::string::npos)
+  EXPECT_NE(bad.status().message().find("does not divide the 8 attention heads"), std::string::npos)
       << bad.status();
 }
 

@@ -70,7 +70,6 @@ absl::Status Serve(int argc, char** argv) {
 absl::Status ServeOn(const Args& args, const sigset_t& signals,
                      engine::EngineOptions engine_options, router::ApiServerOptions options,
                      bool colocated, const std::string& kv_backend) {
-
   // Destroyed in reverse order: the API server (and the generator it owns) before the workers.
   std::unique_ptr<decode_worker::DecodeWorker> decode;
   std::unique_ptr<prefill_worker::PrefillWorker> prefill;
@@ -107,13 +106,11 @@ absl::Status ServeOn(const Args& args, const sigset_t& signals,
       options.http.host == "0.0.0.0" || options.http.host == "::" ? "127.0.0.1" : options.http.host;
   const std::string url = absl::StrCat("http://", host, ":", server->port());
   if (colocated) {
-    const std::string tp =
-        engine_options.tensor_parallel
-            ? absl::StrCat(", tensor-parallel over ", engine_options.tensor_parallel->size(),
-                           " ranks")
-            : "";
-    std::printf("tandem: serving %s on %s (colocated%s)\n", name.c_str(), url.c_str(),
-                tp.c_str());
+    const std::string tp = engine_options.tensor_parallel
+                               ? absl::StrCat(", tensor-parallel over ",
+                                              engine_options.tensor_parallel->size(), " ranks")
+                               : "";
+    std::printf("tandem: serving %s on %s (colocated%s)\n", name.c_str(), url.c_str(), tp.c_str());
   } else {
     std::printf("tandem: serving %s on %s (prefill %s, decode %s, KV over %s)\n", name.c_str(),
                 url.c_str(), prefill->grpc_address().c_str(), decode->grpc_address().c_str(),

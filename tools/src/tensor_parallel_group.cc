@@ -73,8 +73,9 @@ absl::Status TensorParallelGroup::Configure(const Args& args, int argc, char** a
   rank_ = static_cast<int>(rank);
   if (!leader_.empty() && !args.Has("tp-rank")) {
     return absl::InvalidArgumentError(
-        absl::StrCat(prefix, "--tp-leader needs --tp-rank (every rank of a multi-node group "
-                             "is started with its rank)"));
+        absl::StrCat(prefix,
+                     "--tp-leader needs --tp-rank (every rank of a multi-node group "
+                     "is started with its rank)"));
   }
   host_given_ = args.Has("tp-host");
   if (host_given_) {
@@ -136,9 +137,8 @@ absl::Status TensorParallelGroup::Start() {
   for (int r = 1; r < size_; ++r) {
     std::vector<std::string> args = {"tandem"};
     args.insert(args.end(), argv_.begin(), argv_.end());
-    for (const std::string& flag :
-         {std::string("--tp-rank"), std::to_string(r), std::string("--tp-leader"),
-          store_->address()}) {
+    for (const std::string& flag : {std::string("--tp-rank"), std::to_string(r),
+                                    std::string("--tp-leader"), store_->address()}) {
       args.push_back(flag);
     }
     if (!host_given_) {
@@ -151,8 +151,8 @@ absl::Status TensorParallelGroup::Start() {
     const pid_t pid = ::fork();
     if (pid < 0) {
       KillFollowers();
-      return absl::InternalError(absl::StrCat("cannot start tensor-parallel rank ", r, ": ",
-                                              std::strerror(errno)));
+      return absl::InternalError(
+          absl::StrCat("cannot start tensor-parallel rank ", r, ": ", std::strerror(errno)));
     }
     if (pid == 0) {
       // Dies with rank 0; its own process group, so a terminal's Ctrl-C reaches rank 0 only
@@ -207,8 +207,8 @@ absl::Status TensorParallelGroup::Finish(absl::Status status) {
   if (status.ok()) {
     for (const Child& child : children_) {
       if (!WIFEXITED(child.status) || WEXITSTATUS(child.status) != 0) {
-        status = absl::InternalError(absl::StrCat("tensor-parallel rank ", child.rank, " ",
-                                                  DescribeExit(child.status)));
+        status = absl::InternalError(
+            absl::StrCat("tensor-parallel rank ", child.rank, " ", DescribeExit(child.status)));
         break;
       }
     }

@@ -115,10 +115,9 @@ class ModelRunner {
   absl::Status LoadWeights(const Checkpoint& checkpoint, DType weight_dtype);
   // The forward pass of the step planned in planned_ints_, query_start_, context_len_ and
   // block_table_ (on every rank alike), after its block copies; the logits on the leader.
-  absl::StatusOr<std::span<const float>> Forward(int tokens, int num_seqs, int num_sampled,
-                                                 int max_blocks,
-                                                 const std::vector<std::pair<int32_t, int32_t>>&
-                                                     block_copies);
+  absl::StatusOr<std::span<const float>> Forward(
+      int tokens, int num_seqs, int num_sampled, int max_blocks,
+      const std::vector<std::pair<int32_t, int32_t>>& block_copies);
   // Sends (leader) or receives (follower) a step plan; see model_runner.cc.
   absl::Status SendPlan(int tokens, int num_seqs, int num_sampled, int max_blocks,
                         const std::vector<std::pair<int32_t, int32_t>>& block_copies);
