@@ -41,7 +41,14 @@ EngineMetrics::EngineMetrics(metrics::Registry& registry)
       spec_mean_accepted_length_(registry.Gauge(
           "tandem_spec_mean_accepted_length",
           "Speculative decoding: tokens a verifying sequence-step produced on average since "
-          "start (accepted draft tokens plus the one the target sampled).")) {
+          "start (accepted draft tokens plus the one the target sampled).")),
+      collective_seconds_(registry.Counter(
+          "tandem_tensor_parallel_collective_seconds_total",
+          "Wall time rank 0 of a tensor-parallel group spent in collectives (step plans, "
+          "all-reduces, the logits' all-gather).")),
+      collective_bytes_(
+          registry.Counter("tandem_tensor_parallel_collective_bytes_total",
+                           "Payload bytes of rank 0's tensor-parallel collectives.")) {
   const char* names[] = {"intercept", "per_token", "per_seq", "per_context_token"};
   for (int i = 0; i < StepLatencyModel::kNumTerms; ++i) {
     terms_[i] = &registry.Gauge(
@@ -90,6 +97,8 @@ void EngineMetrics::RecordSteps(const EngineStats& stats) {
     metrics::AdvanceTo(*spec_accepted_by_position_[i],
                        static_cast<double>(stats.spec_accepted_by_position[i]));
   }
+  metrics::AdvanceTo(collective_seconds_, stats.collective_seconds);
+  metrics::AdvanceTo(collective_bytes_, static_cast<double>(stats.collective_bytes));
   if (stats.steps == steps_seen_) return;
   steps_seen_ = stats.steps;
   step_seconds_.Observe(stats.last_step_seconds);

@@ -1,5 +1,7 @@
 #include "tandem/engine/kv_cache_layout.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace tandem::engine {
@@ -10,12 +12,13 @@ absl::StatusOr<std::vector<KvCopyRange>> KvBlockCopyRanges(const KvCacheLayout& 
                                                            const std::vector<int32_t>& dst_blocks) {
   if (src.num_layers != dst.num_layers || src.block_size != dst.block_size ||
       src.num_kv_heads != dst.num_kv_heads || src.head_dim != dst.head_dim ||
-      src.dtype != dst.dtype) {
+      src.dtype != dst.dtype || src.kv_head_begin != dst.kv_head_begin) {
     return absl::InvalidArgumentError(absl::StrCat(
         "KV layouts differ: layers ", src.num_layers, " vs ", dst.num_layers, ", block_size ",
         src.block_size, " vs ", dst.block_size, ", kv_heads ", src.num_kv_heads, " vs ",
         dst.num_kv_heads, ", head_dim ", src.head_dim, " vs ", dst.head_dim, ", dtype ",
-        DTypeName(src.dtype), " vs ", DTypeName(dst.dtype)));
+        DTypeName(src.dtype), " vs ", DTypeName(dst.dtype), ", first KV head ", src.kv_head_begin,
+        " vs ", dst.kv_head_begin));
   }
   if (src_blocks.size() != dst_blocks.size()) {
     return absl::InvalidArgumentError(
@@ -44,6 +47,102 @@ absl::StatusOr<std::vector<KvCopyRange>> KvBlockCopyRanges(const KvCacheLayout& 
     }
   }
   return ranges;
+}
+
+absl::StatusOr<std::vector<KvShardTransfer>> KvReshardPlan(const std::vector<KvCacheLayout>& src,
+                                                           const std::vector<KvCacheLayout>& dst,
+                                                           const std::vector<int32_t>& src_blocks,
+                                                           const std::vector<int32_t>& dst_blocks) {
+  if (src.empty() || dst.empty()) {
+    return absl::InvalidArgumentError("a KV re-shard needs at least one rank on each side");
+  }
+  if (src_blocks.size() != dst_blocks.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("copying ", src_blocks.size(), " blocks into ", dst_blocks.size()));
+  }
+  const KvCacheLayout& a = src[0];
+  for (const std::vector<KvCacheLayout>* side : {&src, &dst}) {
+    for (const KvCacheLayout& l : *side) {
+      if (l.num_layers != a.num_layers || l.block_size != a.block_size ||
+          l.head_dim != a.head_dim || l.dtype != a.dtype) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "KV layouts differ: layers ", a.num_layers, " vs ", l.num_layers, ", block_size ",
+            a.block_size, " vs ", l.block_size, ", head_dim ", a.head_dim, " vs ", l.head_dim,
+            ", dtype ", DTypeName(a.dtype), " vs ", DTypeName(l.dtype)));
+      }
+    }
+  }
+  for (size_t r = 0; r < src.size(); ++r) {
+    for (int32_t b : src_blocks) {
+      if (b < 0 || b >= src[r].num_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat("source block id ", b, " outside [0, ",
+                                                       src[r].num_blocks, ") of rank ", r));
+      }
+    }
+  }
+  for (size_t r = 0; r < dst.size(); ++r) {
+    for (int32_t b : dst_blocks) {
+      if (b < 0 || b >= dst[r].num_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat("destination block id ", b, " outside [0, ",
+                                                       dst[r].num_blocks, ") of rank ", r));
+      }
+    }
+  }
+  const uint64_t head_bytes = static_cast<uint64_t>(a.head_dim) * a.element_bytes();
+  std::vector<KvShardTransfer> plan;
+  for (size_t d = 0; d < dst.size(); ++d) {
+    const KvCacheLayout& to = dst[d];
+    // Walk the destination's heads, taking each run from the first source rank that holds it.
+    int head = to.kv_head_begin;
+    const int end = to.kv_head_begin + to.num_kv_heads;
+    while (head < end) {
+      int from_rank = -1;
+      for (size_t s = 0; s < src.size(); ++s) {
+        if (head >= src[s].kv_head_begin && head < src[s].kv_head_begin + src[s].num_kv_heads) {
+          from_rank = static_cast<int>(s);
+          break;
+        }
+      }
+      if (from_rank < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("KV head ", head, " of destination rank ", d,
+                                                       " is held by no source rank"));
+      }
+      const KvCacheLayout& from = src[from_rank];
+      const int run_end = std::min(end, from.kv_head_begin + from.num_kv_heads);
+      const uint64_t bytes = static_cast<uint64_t>(run_end - head) * head_bytes;
+      const uint64_t src_skip = static_cast<uint64_t>(head - from.kv_head_begin) * head_bytes;
+      const uint64_t dst_skip = static_cast<uint64_t>(head - to.kv_head_begin) * head_bytes;
+      const bool whole_rows = bytes == from.row_bytes() && bytes == to.row_bytes();
+      KvShardTransfer transfer{from_rank, static_cast<int>(d), {}};
+      for (int layer = 0; layer < a.num_layers; ++layer) {
+        for (int half = 0; half < 2; ++half) {
+          for (size_t i = 0; i < src_blocks.size(); ++i) {
+            if (whole_rows) {
+              transfer.ranges.push_back({from.Offset(layer, half, src_blocks[i]),
+                                         to.Offset(layer, half, dst_blocks[i]),
+                                         from.block_bytes()});
+              continue;
+            }
+            for (int slot = 0; slot < a.block_size; ++slot) {
+              transfer.ranges.push_back({from.Offset(layer, half, src_blocks[i], slot) + src_skip,
+                                         to.Offset(layer, half, dst_blocks[i], slot) + dst_skip,
+                                         bytes});
+            }
+          }
+        }
+      }
+      // Consecutive runs from the same source rank join one transfer.
+      if (!plan.empty() && plan.back().src_rank == from_rank &&
+          plan.back().dst_rank == static_cast<int>(d)) {
+        plan.back().ranges.insert(plan.back().ranges.end(), transfer.ranges.begin(),
+                                  transfer.ranges.end());
+      } else {
+        plan.push_back(std::move(transfer));
+      }
+      head = run_end;
+    }
+  }
+  return plan;
 }
 
 }  // namespace tandem::engine

@@ -98,10 +98,23 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
     engine->max_model_len_ = std::min(engine->max_model_len_, options.max_model_len);
   }
 
+  const int tp_size = options.tensor_parallel ? options.tensor_parallel->size() : 1;
+  if (tp_size > 1) {
+    if (options.tensor_parallel->rank() != 0) {
+      return absl::InvalidArgumentError(
+          "an engine runs on rank 0 of its tensor-parallel group; other ranks run followers");
+    }
+    if (options.role != EngineRole::kColocated) {
+      return absl::UnimplementedError(
+          "tensor parallelism runs colocated engines only for now (not prefill or decode "
+          "workers: their KV transfer does not map head slices between ranks yet)");
+    }
+  }
   TANDEM_ASSIGN_OR_RETURN(RunnerDTypes dtypes,
                           ResolveRunnerDTypes(config, options.dtype, options.kv_cache_dtype));
+  // Each rank's cache holds its KV heads only: the same budget holds more blocks per rank.
   const int64_t block_bytes =
-      ModelRunner::KvBytesPerBlock(config, options.block_size, dtypes.kv_cache);
+      ModelRunner::KvBytesPerBlock(config, options.block_size, dtypes.kv_cache, tp_size);
   const int64_t num_blocks = options.kv_cache_bytes / block_bytes;
   if (num_blocks < 1) {
     return absl::InvalidArgumentError(absl::StrCat("KV cache budget of ", options.kv_cache_bytes,
@@ -126,7 +139,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                            .block_size = options.block_size,
                            .weight_dtype = dtypes.weights,
                            .kv_cache_dtype = dtypes.kv_cache,
-                           .max_logit_rows_per_seq = 1 + num_spec}));
+                           .max_logit_rows_per_seq = 1 + num_spec,
+                           .tensor_parallel = options.tensor_parallel}));
   engine->sampler_ = std::make_unique<Sampler>(config.eos_token_ids);
   {
     // Rows of the embedding past the tokenizer's ids are no text: empty, never allowed.
@@ -769,6 +783,11 @@ EngineStats LlmEngine::stats() const {
   stats.spec_verify_steps = spec_verify_steps_;
   stats.spec_proposed_by_position = spec_proposed_by_position_;
   stats.spec_accepted_by_position = spec_accepted_by_position_;
+  if (options_.tensor_parallel != nullptr) {
+    const collective::CollectiveStats& c = options_.tensor_parallel->stats();
+    stats.collective_seconds = c.seconds;
+    stats.collective_bytes = static_cast<int64_t>(c.bytes);
+  }
   return stats;
 }
 
@@ -796,6 +815,22 @@ absl::StatusOr<std::vector<RequestOutput>> GenerateAll(LlmEngine& engine,
     }
   }
   return results;
+}
+
+absl::Status RunTensorParallelFollower(const EngineOptions& options) {
+  collective::Communicator* comm = options.tensor_parallel;
+  if (comm == nullptr || comm->rank() == 0) {
+    return absl::InvalidArgumentError("a tensor-parallel follower is rank 1.. of a group");
+  }
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint,
+                          Checkpoint::Open(options.model_dir));
+  const text::ModelConfig& config = checkpoint->config();
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Backend> backend,
+                          CreateBackend(options, config, config.max_position_embeddings, 1));
+  TANDEM_ASSIGN_OR_RETURN(
+      std::unique_ptr<ModelRunner> runner,
+      ModelRunner::Create(*checkpoint, backend.get(), {.tensor_parallel = comm}));
+  return runner->RunFollower();
 }
 
 }  // namespace tandem::engine

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -28,21 +29,64 @@ struct ModelRunner::Layer {
 
 namespace {
 
-// Tensor `name` as elements of `dtype` (host bytes): the stored bytes when the checkpoint holds
-// that type, else widened or rounded (to nearest even) from what it holds.
-absl::StatusOr<std::vector<unsigned char>> ReadAs(const Checkpoint& checkpoint,
-                                                  const std::string& name, DType dtype) {
+// Rows [row_begin, row_begin + rows) and columns [col_begin, col_begin + cols) of tensor `name`
+// (a 1-D tensor: elements [row_begin, row_begin + rows)) as elements of `dtype` (host bytes):
+// the stored bytes when the checkpoint holds that type, else widened or rounded (to nearest
+// even) from what it holds. Only the slice is read from the mapping (a rank of a
+// tensor-parallel group touches its own rows and columns). rows / cols < 0: to the end.
+absl::StatusOr<std::vector<unsigned char>> ReadSliceAs(const Checkpoint& checkpoint,
+                                                       const std::string& name, DType dtype,
+                                                       int64_t row_begin = 0, int64_t rows = -1,
+                                                       int64_t col_begin = 0, int64_t cols = -1) {
   TANDEM_ASSIGN_OR_RETURN(TensorView tensor, checkpoint.Tensor(name));
+  const int64_t total_rows = tensor.shape.empty() ? 1 : tensor.shape[0];
+  const int64_t total_cols = tensor.shape.size() == 2 ? tensor.shape[1] : 1;
+  if (rows < 0) rows = total_rows - row_begin;
+  if (cols < 0) cols = total_cols - col_begin;
+  if (row_begin < 0 || col_begin < 0 || row_begin + rows > total_rows ||
+      col_begin + cols > total_cols) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(tensor.file, ": tensor ", name, " has no slice of rows [", row_begin, ", ",
+                     row_begin + rows, ") and columns [", col_begin, ", ", col_begin + cols, ")"));
+  }
   const auto* data = static_cast<const unsigned char*>(tensor.data);
-  if (tensor.dtype == dtype) return std::vector<unsigned char>(data, data + tensor.nbytes);
-  std::vector<float> values(tensor.NumElements());
-  tensor.ToFloat(values.data());
-  std::vector<unsigned char> out(values.size() * DTypeSize(dtype));
-  for (size_t i = 0; i < values.size(); ++i) {
-    StoreFromFloat(out.data(), dtype, static_cast<int64_t>(i), values[i]);
+  const size_t out_size = DTypeSize(dtype);
+  std::vector<unsigned char> out(static_cast<size_t>(rows * cols) * out_size);
+  if (tensor.dtype == dtype) {
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(out.data() + static_cast<size_t>(r * cols) * out_size,
+                  data + static_cast<size_t>((row_begin + r) * total_cols + col_begin) * out_size,
+                  static_cast<size_t>(cols) * out_size);
+    }
+    return out;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float value =
+          LoadAsFloat(data, tensor.dtype, (row_begin + r) * total_cols + col_begin + c);
+      StoreFromFloat(out.data(), dtype, r * cols + c, value);
+    }
   }
   return out;
 }
+
+// A vector (bias) slice as fp32.
+absl::StatusOr<std::vector<float>> ReadFloatSlice(const Checkpoint& checkpoint,
+                                                  const std::string& name, int64_t begin,
+                                                  int64_t count) {
+  TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> bytes,
+                          ReadSliceAs(checkpoint, name, DType::kF32, begin, count));
+  std::vector<float> out(bytes.size() / sizeof(float));
+  std::memcpy(out.data(), bytes.data(), bytes.size());
+  return out;
+}
+
+// A step plan between the ranks of a tensor-parallel group: a header of kPlanHeader int32s
+// (command, tokens, sequences, sampled rows, block-table width, block copies), then, for a step,
+// one payload of int32s: token ids, positions, slots, sampled rows (the planned ints, as the
+// runner uploads them), query starts, context lengths, block tables, block copy pairs.
+constexpr int kPlanHeader = 6;
+enum PlanCommand : int32_t { kPlanStop = 0, kPlanStep = 1 };
 
 // A per-layer KV scale (vLLM's `self_attn.k_scale` / `v_scale` scalars) when the checkpoint has
 // one, else 1.
@@ -72,20 +116,95 @@ absl::StatusOr<RunnerDTypes> ResolveRunnerDTypes(const text::ModelConfig& config
   return out;
 }
 
-ModelRunner::~ModelRunner() = default;
+ModelRunner::~ModelRunner() {
+  // The leader releases its followers (RunFollower returns OK); after a failure there is nobody
+  // in step to tell.
+  if (tensor_parallel() && comm_->rank() == 0 && comm_->health().ok()) {
+    int32_t header[kPlanHeader] = {kPlanStop, 0, 0, 0, 0, 0};
+    comm_->Broadcast(header, sizeof(header), /*root=*/0).IgnoreError();
+  }
+}
 
-int64_t ModelRunner::KvBytesPerBlock(const text::ModelConfig& config, int block_size, DType kv_dtype) {
+int64_t ModelRunner::KvBytesPerBlock(const text::ModelConfig& config, int block_size,
+                                     DType kv_dtype, int tp_size) {
   const KvCacheLayout layout{.num_layers = config.num_layers,
                              .num_blocks = 1,
                              .block_size = block_size,
-                             .num_kv_heads = config.num_kv_heads,
+                             .num_kv_heads = KvHeadsPerRank(config, tp_size),
                              .head_dim = config.head_dim,
                              .dtype = kv_dtype};
   return static_cast<int64_t>(layout.bytes_per_block());
 }
 
-absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
-    const Checkpoint& checkpoint, kernels::Backend* backend, const ModelRunnerOptions& options) {
+namespace {
+
+// What a follower takes from the leader when its runner is created, as int32s.
+enum SettingsField {
+  kMaxBatchedTokens,
+  kMaxSeqs,
+  kNumKvBlocks,
+  kBlockSize,
+  kWeightDType,  // -1: unset
+  kKvDType,      // -1: unset
+  // The model, so that ranks started on different checkpoints fail at start rather than
+  // compute garbage.
+  kLayers,
+  kHidden,
+  kVocab,
+  kHeads,
+  kSettingsFields
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoint& checkpoint,
+                                                                 kernels::Backend* backend,
+                                                                 const ModelRunnerOptions& input) {
+  ModelRunnerOptions options = input;
+  collective::Communicator* comm = options.tensor_parallel;
+  if (comm != nullptr && comm->size() > 1) {
+    if (!backend->host_memory()) {
+      return absl::UnimplementedError(
+          "tensor parallelism runs on the CPU backend (Gloo) for now; the CUDA backend's "
+          "NCCL wiring is not built yet");
+    }
+    TANDEM_RETURN_IF_ERROR(TensorParallelWeightsSupported(checkpoint));
+    const text::ModelConfig& c = checkpoint.config();
+    std::vector<int32_t> settings(kSettingsFields);
+    settings[kMaxBatchedTokens] = options.max_num_batched_tokens;
+    settings[kMaxSeqs] = options.max_num_seqs;
+    settings[kNumKvBlocks] = options.num_kv_blocks;
+    settings[kBlockSize] = options.block_size;
+    settings[kWeightDType] =
+        options.weight_dtype ? static_cast<int32_t>(*options.weight_dtype) : -1;
+    settings[kKvDType] =
+        options.kv_cache_dtype ? static_cast<int32_t>(*options.kv_cache_dtype) : -1;
+    settings[kLayers] = c.num_layers;
+    settings[kHidden] = c.hidden_size;
+    settings[kVocab] = c.vocab_size;
+    settings[kHeads] = c.num_heads;
+    const std::vector<int32_t> mine = settings;
+    TANDEM_RETURN_IF_ERROR(
+        comm->Broadcast(settings.data(), settings.size() * sizeof(int32_t), /*root=*/0));
+    if (settings[kLayers] != mine[kLayers] || settings[kHidden] != mine[kHidden] ||
+        settings[kVocab] != mine[kVocab] || settings[kHeads] != mine[kHeads]) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor-parallel rank ", comm->rank(), " loaded a different model than rank 0 (",
+          checkpoint.dir(), ": ", mine[kLayers], " layers, hidden ", mine[kHidden], ", vocab ",
+          mine[kVocab], "; rank 0: ", settings[kLayers], ", ", settings[kHidden], ", ",
+          settings[kVocab], ")"));
+    }
+    options.max_num_batched_tokens = settings[kMaxBatchedTokens];
+    options.max_num_seqs = settings[kMaxSeqs];
+    options.num_kv_blocks = settings[kNumKvBlocks];
+    options.block_size = settings[kBlockSize];
+    options.weight_dtype = settings[kWeightDType] < 0
+                               ? std::nullopt
+                               : std::optional<DType>(static_cast<DType>(settings[kWeightDType]));
+    options.kv_cache_dtype = settings[kKvDType] < 0
+                                 ? std::nullopt
+                                 : std::optional<DType>(static_cast<DType>(settings[kKvDType]));
+  }
   if (options.num_kv_blocks <= 0) {
     return absl::InvalidArgumentError("the KV cache needs at least one block");
   }
@@ -99,14 +218,20 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
   runner->options_ = options;
   runner->backend_ = backend;
   const text::ModelConfig& c = runner->config_;
+  if (comm != nullptr && comm->size() > 1) runner->comm_ = comm;
+  TANDEM_ASSIGN_OR_RETURN(runner->shard_, TensorParallelShard::For(c, comm ? comm->rank() : 0,
+                                                                   comm ? comm->size() : 1));
+  const TensorParallelShard& shard = runner->shard_;
   TANDEM_ASSIGN_OR_RETURN(RunnerDTypes dtypes,
                           ResolveRunnerDTypes(c, options.weight_dtype, options.kv_cache_dtype));
   runner->cache_layout_ = {.num_layers = c.num_layers,
                            .num_blocks = options.num_kv_blocks,
                            .block_size = options.block_size,
-                           .num_kv_heads = c.num_kv_heads,
+                           .num_kv_heads = shard.num_kv_heads,
                            .head_dim = c.head_dim,
-                           .dtype = dtypes.kv_cache};
+                           .dtype = dtypes.kv_cache,
+                           .kv_head_begin = shard.kv_head_begin,
+                           .tp_size = shard.size};
   runner->kv_layout_ = runner->cache_layout_.kernel_layout();
   for (int l = 0; l < c.num_layers; ++l) {
     kernels::KvLayout layer = runner->kv_layout_;
@@ -126,8 +251,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
       std::min<int64_t>(static_cast<int64_t>(options.max_num_seqs) * options.max_logit_rows_per_seq,
                         options.max_num_batched_tokens);
   runner->max_logit_rows_ = static_cast<int>(s);
-  const size_t q_dim = static_cast<size_t>(c.num_heads) * c.head_dim;
-  const size_t kv_dim = static_cast<size_t>(c.num_kv_heads) * c.head_dim;
+  const size_t q_dim = static_cast<size_t>(shard.num_q_heads) * c.head_dim;
+  const size_t kv_dim = static_cast<size_t>(shard.num_kv_heads) * c.head_dim;
+  const size_t intermediate = shard.intermediate_size;
   TANDEM_ASSIGN_OR_RETURN(runner->step_ints_, backend->Allocate((3 * t + s) * sizeof(int32_t)));
   if (backend->host_memory()) {
     runner->planned_ints_ = runner->step_ints_.as<int32_t>();
@@ -146,11 +272,16 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(
                                 {&runner->v_, t * kv_dim},
                                 {&runner->attn_, t * q_dim},
                                 {&runner->proj_, t * c.hidden_size},
-                                {&runner->gate_up_, t * 2 * c.intermediate_size},
-                                {&runner->act_, t * c.intermediate_size},
+                                {&runner->gate_up_, t * 2 * intermediate},
+                                {&runner->act_, t * intermediate},
                                 {&runner->sampled_hidden_, s * c.hidden_size},
                                 {&runner->logits_, s * c.vocab_size}}) {
     TANDEM_ASSIGN_OR_RETURN(*buffer, backend->Allocate(floats * sizeof(float)));
+  }
+  if (runner->tensor_parallel()) {
+    TANDEM_ASSIGN_OR_RETURN(runner->local_logits_,
+                            backend->Allocate(s * shard.vocab_stride * sizeof(float)));
+    runner->gathered_logits_.resize(s * shard.vocab_stride * shard.size);
   }
   // A device backend reports failed weight uploads here rather than on the first step.
   TANDEM_RETURN_IF_ERROR(backend->Synchronize());
@@ -167,53 +298,54 @@ absl::StatusOr<kernels::DeviceBuffer> ModelRunner::Upload(const std::vector<floa
 
 absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight_dtype) {
   const text::ModelConfig& c = config_;
+  const TensorParallelShard& shard = shard_;
   weight_dtype_ = weight_dtype;
-  // Reads a projection matrix (or several, stacked along n) as weight_dtype bytes.
-  auto read_matrix =
-      [&](std::initializer_list<std::string> names) -> absl::StatusOr<std::vector<unsigned char>> {
-    std::vector<unsigned char> out;
-    for (const std::string& name : names) {
-      TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> part,
-                              ReadAs(checkpoint, name, weight_dtype));
-      out.insert(out.end(), part.begin(), part.end());
-    }
-    return out;
-  };
   auto pack = [&](const std::vector<unsigned char>& w, int n, int k) {
     return backend_->PackWeight(w.data(), weight_dtype, n, k);
   };
-  // A projection of the modules' W [out_i, k] stacked along n: quantised (and kept so) when the
+  // One module's part of a projection: rows [row_begin, + rows) and columns [col_begin, + cols)
+  // of its W[out, in] (a column-parallel shard takes rows, a row-parallel one columns).
+  struct Part {
+    std::string module;
+    int row_begin;
+    int rows;
+    int col_begin = 0;
+    int cols = -1;
+  };
+  // A projection of the modules' parts stacked along n: quantised (and kept so) when the
   // checkpoint stores them quantised, else in weight_dtype.
   const QuantizationConfig& quantization = checkpoint.quantization();
-  auto load_projection = [&](std::initializer_list<std::pair<std::string, int>> modules,
+  auto load_projection = [&](std::initializer_list<Part> parts,
                              int k) -> absl::StatusOr<std::unique_ptr<kernels::PackedWeight>> {
     int quantized = 0;
     int n = 0;
-    for (const auto& [module, out] : modules) {
-      quantized += IsQuantizedLinear(quantization, module) ? 1 : 0;
-      n += out;
+    for (const Part& part : parts) {
+      quantized += IsQuantizedLinear(quantization, part.module) ? 1 : 0;
+      n += part.rows;
     }
     if (quantized == 0) {
       std::vector<unsigned char> w;
-      for (const auto& [module, out] : modules) {
-        TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> part,
-                                ReadAs(checkpoint, module + ".weight", weight_dtype));
-        w.insert(w.end(), part.begin(), part.end());
+      for (const Part& part : parts) {
+        TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> bytes,
+                                ReadSliceAs(checkpoint, part.module + ".weight", weight_dtype,
+                                            part.row_begin, part.rows, part.col_begin, part.cols));
+        w.insert(w.end(), bytes.begin(), bytes.end());
       }
       return pack(w, n, k);
     }
-    if (quantized != static_cast<int>(modules.size())) {
+    if (quantized != static_cast<int>(parts.size())) {
       return absl::InvalidArgumentError(
-          absl::StrCat(modules.begin()->first,
+          absl::StrCat(parts.begin()->module,
                        ": layers fused into one projection are quantised and unquantised both"));
     }
-    std::vector<QuantizedMatrix> parts;
-    for (const auto& [module, out] : modules) {
-      TANDEM_ASSIGN_OR_RETURN(QuantizedMatrix part,
-                              ReadQuantizedMatrix(checkpoint, module, out, k));
-      parts.push_back(std::move(part));
+    // Create refuses tensor parallelism over quantised checkpoints: parts are whole modules.
+    std::vector<QuantizedMatrix> matrices;
+    for (const Part& part : parts) {
+      TANDEM_ASSIGN_OR_RETURN(QuantizedMatrix matrix,
+                              ReadQuantizedMatrix(checkpoint, part.module, part.rows, k));
+      matrices.push_back(std::move(matrix));
     }
-    TANDEM_ASSIGN_OR_RETURN(QuantizedMatrix stacked, StackRows(std::move(parts)));
+    TANDEM_ASSIGN_OR_RETURN(QuantizedMatrix stacked, StackRows(std::move(matrices)));
     return backend_->PackQuantizedWeight(stacked.view());
   };
   // Reads a vector (norm weight, bias) into backend memory.
@@ -221,37 +353,55 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight
     TANDEM_ASSIGN_OR_RETURN(std::vector<float> values, checkpoint.ReadFloat(name));
     return Upload(values);
   };
+  const int hd = c.head_dim;
   {
-    // The table stays in the weight type too; a step widens only the rows it looks up.
+    // The table stays in the weight type too; a step widens only the rows it looks up. A rank
+    // of a tensor-parallel group holds its vocabulary rows and one row of zeros after them,
+    // which the tokens of other ranks' rows look up.
     TANDEM_ASSIGN_OR_RETURN(std::vector<unsigned char> embed,
-                            read_matrix({"model.embed_tokens.weight"}));
+                            ReadSliceAs(checkpoint, "model.embed_tokens.weight", weight_dtype,
+                                        shard.vocab_begin, shard.vocab_rows));
+    if (tensor_parallel()) embed.resize(embed.size() + c.hidden_size * DTypeSize(weight_dtype), 0);
     TANDEM_ASSIGN_OR_RETURN(embed_, backend_->Allocate(embed.size()));
     backend_->CopyToDevice(embed_.data(), embed.data(), embed.size());
   }
   TANDEM_ASSIGN_OR_RETURN(final_norm_, read("model.norm.weight"));
   {
+    // Padded with zero rows to vocab_stride under tensor parallelism (equal all-gather parts).
     TANDEM_ASSIGN_OR_RETURN(
         std::vector<unsigned char> lm_head,
-        read_matrix({c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight"}));
-    lm_head_ = pack(lm_head, c.vocab_size, c.hidden_size);
+        ReadSliceAs(checkpoint,
+                    c.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight",
+                    weight_dtype, shard.vocab_begin, shard.vocab_rows));
+    const int rows = tensor_parallel() ? shard.vocab_stride : c.vocab_size;
+    lm_head.resize(static_cast<size_t>(rows) * c.hidden_size * DTypeSize(weight_dtype), 0);
+    lm_head_ = pack(lm_head, rows, c.hidden_size);
   }
-  const int q_dim = c.num_heads * c.head_dim;
-  const int kv_dim = c.num_kv_heads * c.head_dim;
+  const int q_begin = shard.q_head_begin * hd;
+  const int q_dim = shard.num_q_heads * hd;
+  const int kv_begin = shard.kv_head_begin * hd;
+  const int kv_dim = shard.num_kv_heads * hd;
+  const int i_begin = shard.intermediate_begin;
+  const int inter = shard.intermediate_size;
   for (int i = 0; i < c.num_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     auto layer = std::make_unique<Layer>();
     TANDEM_ASSIGN_OR_RETURN(layer->input_norm, read(p + "input_layernorm.weight"));
     TANDEM_ASSIGN_OR_RETURN(layer->post_attn_norm, read(p + "post_attention_layernorm.weight"));
-    // q, k and v share their input, so one fused projection reads it once.
-    TANDEM_ASSIGN_OR_RETURN(layer->qkv, load_projection({{p + "self_attn.q_proj", q_dim},
-                                                         {p + "self_attn.k_proj", kv_dim},
-                                                         {p + "self_attn.v_proj", kv_dim}},
-                                                        c.hidden_size));
+    // q, k and v share their input, so one fused projection reads it once: this rank's heads.
+    TANDEM_ASSIGN_OR_RETURN(layer->qkv,
+                            load_projection({{p + "self_attn.q_proj", q_begin, q_dim},
+                                             {p + "self_attn.k_proj", kv_begin, kv_dim},
+                                             {p + "self_attn.v_proj", kv_begin, kv_dim}},
+                                            c.hidden_size));
     std::vector<float> qkv_bias;
-    for (const char* name : {"q_proj", "k_proj", "v_proj"}) {
-      if (c.attention_bias) {
-        TANDEM_ASSIGN_OR_RETURN(std::vector<float> b,
-                                checkpoint.ReadFloat(absl::StrCat(p, "self_attn.", name, ".bias")));
+    if (c.attention_bias) {
+      for (auto [name, begin, count] : {std::tuple{"q_proj", q_begin, q_dim},
+                                        {"k_proj", kv_begin, kv_dim},
+                                        {"v_proj", kv_begin, kv_dim}}) {
+        TANDEM_ASSIGN_OR_RETURN(
+            std::vector<float> b,
+            ReadFloatSlice(checkpoint, absl::StrCat(p, "self_attn.", name, ".bias"), begin, count));
         qkv_bias.insert(qkv_bias.end(), b.begin(), b.end());
       }
     }
@@ -260,17 +410,20 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight
       TANDEM_ASSIGN_OR_RETURN(layer->q_norm, read(p + "self_attn.q_norm.weight"));
       TANDEM_ASSIGN_OR_RETURN(layer->k_norm, read(p + "self_attn.k_norm.weight"));
     }
-    TANDEM_ASSIGN_OR_RETURN(layer->o,
-                            load_projection({{p + "self_attn.o_proj", c.hidden_size}}, q_dim));
-    if (c.o_proj_bias) {
+    // Row-parallel: this rank's input columns; the partial outputs are summed across ranks.
+    TANDEM_ASSIGN_OR_RETURN(
+        layer->o,
+        load_projection({{p + "self_attn.o_proj", 0, c.hidden_size, q_begin, q_dim}}, q_dim));
+    // The bias is added once, by rank 0, before the sum.
+    if (c.o_proj_bias && shard.rank == 0) {
       TANDEM_ASSIGN_OR_RETURN(layer->o_bias, read(p + "self_attn.o_proj.bias"));
     }
-    TANDEM_ASSIGN_OR_RETURN(layer->gate_up,
-                            load_projection({{p + "mlp.gate_proj", c.intermediate_size},
-                                             {p + "mlp.up_proj", c.intermediate_size}},
-                                            c.hidden_size));
+    TANDEM_ASSIGN_OR_RETURN(layer->gate_up, load_projection({{p + "mlp.gate_proj", i_begin, inter},
+                                                             {p + "mlp.up_proj", i_begin, inter}},
+                                                            c.hidden_size));
     TANDEM_ASSIGN_OR_RETURN(
-        layer->down, load_projection({{p + "mlp.down_proj", c.hidden_size}}, c.intermediate_size));
+        layer->down,
+        load_projection({{p + "mlp.down_proj", 0, c.hidden_size, i_begin, inter}}, inter));
     layers_.push_back(std::move(layer));
   }
   return absl::OkStatus();
@@ -282,6 +435,66 @@ void ModelRunner::CopyBlock(int32_t src, int32_t dst) {
   char* cache = static_cast<char*>(kv_cache_.data());
   backend_->CopyRows(cache + l.Offset(0, 0, dst), l.half_bytes(), cache + l.Offset(0, 0, src),
                      l.half_bytes(), l.block_bytes(), 2 * l.num_layers);
+}
+
+absl::Status ModelRunner::SendPlan(int tokens, int num_seqs, int num_sampled, int max_blocks,
+                                   const std::vector<std::pair<int32_t, int32_t>>& block_copies) {
+  int32_t header[kPlanHeader] = {kPlanStep,  tokens,
+                                 num_seqs,   num_sampled,
+                                 max_blocks, static_cast<int32_t>(block_copies.size())};
+  TANDEM_RETURN_IF_ERROR(comm_->Broadcast(header, sizeof(header), /*root=*/0));
+  plan_.clear();
+  plan_.insert(plan_.end(), planned_ints_, planned_ints_ + 3 * tokens + num_sampled);
+  plan_.insert(plan_.end(), query_start_.begin(), query_start_.begin() + num_seqs + 1);
+  plan_.insert(plan_.end(), context_len_.begin(), context_len_.begin() + num_seqs);
+  plan_.insert(plan_.end(), block_table_.begin(),
+               block_table_.begin() + static_cast<size_t>(num_seqs) * max_blocks);
+  for (const auto& [src, dst] : block_copies) {
+    plan_.push_back(src);
+    plan_.push_back(dst);
+  }
+  return comm_->Broadcast(plan_.data(), plan_.size() * sizeof(int32_t), /*root=*/0);
+}
+
+absl::Status ModelRunner::RunFollower() {
+  if (!tensor_parallel() || comm_->rank() == 0) {
+    return absl::FailedPreconditionError("RunFollower is for ranks 1.. of a tensor-parallel group");
+  }
+  std::vector<std::pair<int32_t, int32_t>> block_copies;
+  while (true) {
+    int32_t header[kPlanHeader];
+    // The leader may idle for as long as no request comes; its death still ends the wait.
+    TANDEM_RETURN_IF_ERROR(
+        comm_->Broadcast(header, sizeof(header), /*root=*/0, absl::InfiniteDuration()));
+    if (header[0] == kPlanStop) return absl::OkStatus();
+    const int tokens = header[1], num_seqs = header[2], num_sampled = header[3],
+              max_blocks = header[4], num_copies = header[5];
+    if (header[0] != kPlanStep || tokens < 0 || tokens > options_.max_num_batched_tokens ||
+        num_seqs < 0 || num_seqs > options_.max_num_seqs || num_sampled < 0 ||
+        num_sampled > max_logit_rows_ || max_blocks < 0 || max_blocks > options_.num_kv_blocks ||
+        num_copies < 0 || num_copies > options_.num_kv_blocks) {
+      return absl::InternalError(absl::StrCat("tensor-parallel rank ", comm_->rank(),
+                                              ": malformed step plan from rank 0"));
+    }
+    const size_t ints = 3 * static_cast<size_t>(tokens) + num_sampled;
+    const size_t table = static_cast<size_t>(num_seqs) * max_blocks;
+    plan_.resize(ints + (num_seqs + 1) + num_seqs + table + 2 * static_cast<size_t>(num_copies));
+    TANDEM_RETURN_IF_ERROR(comm_->Broadcast(plan_.data(), plan_.size() * sizeof(int32_t), 0));
+    const int32_t* p = plan_.data();
+    std::copy(p, p + ints, planned_ints_);
+    p += ints;
+    query_start_.assign(p, p + num_seqs + 1);
+    p += num_seqs + 1;
+    context_len_.assign(p, p + num_seqs);
+    p += num_seqs;
+    block_table_.assign(p, p + table);
+    p += table;
+    block_copies.clear();
+    for (int i = 0; i < num_copies; ++i, p += 2) block_copies.emplace_back(p[0], p[1]);
+    TANDEM_RETURN_IF_ERROR(Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
+                                   /*layer_hook=*/true, block_copies)
+                               .status());
+  }
 }
 
 absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep& step) {
@@ -304,7 +517,9 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
                                                    " sequences and ", rows,
                                                    " logit rows exceeds the runner"));
   }
-  for (const auto& [src, dst] : step.block_copies) CopyBlock(src, dst);
+  if (tensor_parallel() && comm_->rank() != 0) {
+    return absl::FailedPreconditionError("only rank 0 of a tensor-parallel group plans steps");
+  }
 
   // Flatten the step on the host: tokens of every sequence back to back.
   int max_blocks = 0;
@@ -340,8 +555,11 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
         sample_rows[num_sampled++] = t - 1 - r;
     }
   }
+  if (tensor_parallel()) {
+    TANDEM_RETURN_IF_ERROR(SendPlan(tokens, num_seqs, num_sampled, max_blocks, step.block_copies));
+  }
   return Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
-                 /*layer_hook=*/true);
+                 /*layer_hook=*/true, step.block_copies);
 }
 
 absl::StatusOr<std::span<const float>> ModelRunner::ExecuteDraft(const SchedulerStep& step,
@@ -350,10 +568,8 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteDraft(const Scheduler
     return absl::InvalidArgumentError(
         absl::StrCat("a draft pass of ", num_layers, " layers on a model of ", config_.num_layers));
   }
-  if (offset == 0) {
-    // Execute copies them again before the target pass, which rewrites every slot of the step
-    // before reading it: the second copy changes nothing the target reads.
-    for (const auto& [src, dst] : step.block_copies) CopyBlock(src, dst);
+  if (tensor_parallel()) {
+    return absl::FailedPreconditionError("early-exit drafts do not run on a tensor-parallel group");
   }
   int num_seqs = 0;
   int max_blocks = 0;
@@ -387,14 +603,28 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteDraft(const Scheduler
               block_table_.begin() + static_cast<size_t>(i) * max_blocks);
     ++i;
   }
-  return Forward(num_seqs, num_seqs, max_blocks, num_seqs, num_layers, /*layer_hook=*/false);
+  // The first pass copies the step's blocks; Execute copies them again before the target pass,
+  // which rewrites every slot of the step before reading it: the second copy changes nothing
+  // the target reads.
+  static const std::vector<std::pair<int32_t, int32_t>> kNoCopies;
+  return Forward(num_seqs, num_seqs, max_blocks, num_seqs, num_layers, /*layer_hook=*/false,
+                 offset == 0 ? step.block_copies : kNoCopies);
 }
 
-absl::StatusOr<std::span<const float>> ModelRunner::Forward(int tokens, int num_seqs,
-                                                            int max_blocks, int num_sampled,
-                                                            int num_layers, bool layer_hook) {
+absl::StatusOr<std::span<const float>> ModelRunner::Forward(
+    int tokens, int num_seqs, int max_blocks, int num_sampled, int num_layers, bool layer_hook,
+    const std::vector<std::pair<int32_t, int32_t>>& block_copies) {
   const text::ModelConfig& c = config_;
+  const TensorParallelShard& shard = shard_;
   kernels::Backend& b = *backend_;
+  for (const auto& [src, dst] : block_copies) CopyBlock(src, dst);
+  if (tensor_parallel()) {
+    // This rank's embedding rows, or its row of zeros (after them) for another rank's token.
+    for (int i = 0; i < tokens; ++i) {
+      const int32_t local = planned_ints_[i] - shard.vocab_begin;
+      planned_ints_[i] = local >= 0 && local < shard.vocab_rows ? local : shard.vocab_rows;
+    }
+  }
   // The same offsets in backend memory; one upload when that is not the host's.
   const int32_t* d_token_ids = step_ints_.as<int32_t>();
   const int32_t* d_positions = d_token_ids + tokens;
@@ -405,8 +635,11 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(int tokens, int num_
   }
 
   const int hidden = c.hidden_size;
-  const int q_dim = c.num_heads * c.head_dim;
-  const int kv_dim = c.num_kv_heads * c.head_dim;
+  const int num_heads = shard.num_q_heads;
+  const int num_kv_heads = shard.num_kv_heads;
+  const int q_dim = num_heads * c.head_dim;
+  const int kv_dim = num_kv_heads * c.head_dim;
+  const int intermediate = shard.intermediate_size;
   const size_t qkv_row_bytes = static_cast<size_t>(q_dim + 2 * kv_dim) * sizeof(float);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   kernels::PagedAttentionBatch batch{num_seqs, query_start_.data(), context_len_.data(),
@@ -422,8 +655,14 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(int tokens, int num_
   float* gate_up = gate_up_.as<float>();
   float* act = act_.as<float>();
   const float* inv_freq = inv_freq_.as<float>();
+  // Sums a row-parallel output (or the vocabulary-parallel embedding) over the group.
+  auto all_reduce = [&](float* x) -> absl::Status {
+    if (!tensor_parallel()) return absl::OkStatus();
+    return comm_->AllReduceSum(x, static_cast<size_t>(tokens) * hidden);
+  };
 
   b.Embedding(embed_.data(), weight_dtype_, d_token_ids, tokens, hidden, residual);
+  TANDEM_RETURN_IF_ERROR(all_reduce(residual));
   for (int l = 0; l < num_layers; ++l) {
     Layer& layer = *layers_[l];
     if (l == 0) {
@@ -441,12 +680,11 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(int tokens, int num_
     b.CopyRows(v, kv_dim * sizeof(float), qkv + q_dim + kv_dim, qkv_row_bytes,
                kv_dim * sizeof(float), tokens);
     if (c.qk_norm) {
-      b.RmsNorm(q, layer.q_norm.as<float>(), c.rms_norm_eps, tokens * c.num_heads, c.head_dim, q);
-      b.RmsNorm(k, layer.k_norm.as<float>(), c.rms_norm_eps, tokens * c.num_kv_heads, c.head_dim,
-                k);
+      b.RmsNorm(q, layer.q_norm.as<float>(), c.rms_norm_eps, tokens * num_heads, c.head_dim, q);
+      b.RmsNorm(k, layer.k_norm.as<float>(), c.rms_norm_eps, tokens * num_kv_heads, c.head_dim, k);
     }
-    b.Rope(q, d_positions, tokens, c.num_heads, c.head_dim, inv_freq);
-    b.Rope(k, d_positions, tokens, c.num_kv_heads, c.head_dim, inv_freq);
+    b.Rope(q, d_positions, tokens, num_heads, c.head_dim, inv_freq);
+    b.Rope(k, d_positions, tokens, num_kv_heads, c.head_dim, inv_freq);
     void* cache = layer_cache(l);
     const kernels::KvLayout& kv_layout = layer_kv_layouts_[l];
     b.WriteKv(k, v, d_slots, tokens, kv_layout, cache);
@@ -454,13 +692,15 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(int tokens, int num_
       if (!b.host_memory()) TANDEM_RETURN_IF_ERROR(b.Synchronize());
       layer_written_hook_(l);
     }
-    b.PagedAttention(q, cache, kv_layout, batch, c.num_heads, scale, attn);
+    b.PagedAttention(q, cache, kv_layout, batch, num_heads, scale, attn);
     b.Linear(attn, tokens, *layer.o, layer.o_bias.as<float>(), proj);
+    TANDEM_RETURN_IF_ERROR(all_reduce(proj));
     b.AddRmsNorm(residual, proj, layer.post_attn_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
                  hidden_states);
     b.Linear(hidden_states, tokens, *layer.gate_up, nullptr, gate_up);
-    b.SiluMul(gate_up, tokens, c.intermediate_size, act);
+    b.SiluMul(gate_up, tokens, intermediate, act);
     b.Linear(act, tokens, *layer.down, nullptr, proj);
+    TANDEM_RETURN_IF_ERROR(all_reduce(proj));
   }
   if (num_sampled == 0) {
     TANDEM_RETURN_IF_ERROR(b.Synchronize());
@@ -470,8 +710,29 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(int tokens, int num_
   float* sampled = sampled_hidden_.as<float>();
   b.GatherAdd(residual, proj, d_sample_rows, num_sampled, hidden, sampled);
   b.RmsNorm(sampled, final_norm_.as<float>(), c.rms_norm_eps, num_sampled, hidden, sampled);
-  b.Linear(sampled, num_sampled, *lm_head_, nullptr, logits_.as<float>());
   const size_t logit_count = static_cast<size_t>(num_sampled) * c.vocab_size;
+  if (tensor_parallel()) {
+    // Each rank's [sampled, stride] slice, gathered, then laid out as [sampled, vocab] (host
+    // memory: tensor parallelism runs on the CPU backend).
+    const int stride = shard.vocab_stride;
+    b.Linear(sampled, num_sampled, *lm_head_, nullptr, local_logits_.as<float>());
+    TANDEM_RETURN_IF_ERROR(b.Synchronize());
+    const size_t part = static_cast<size_t>(num_sampled) * stride;
+    TANDEM_RETURN_IF_ERROR(
+        comm_->AllGather(local_logits_.data(), gathered_logits_.data(), part * sizeof(float)));
+    float* logits = logits_.as<float>();
+    for (int r = 0; r < shard.size; ++r) {
+      const int begin = std::min(c.vocab_size, r * stride);
+      const int rows = std::min(c.vocab_size, begin + stride) - begin;
+      for (int row = 0; row < num_sampled; ++row) {
+        std::memcpy(logits + static_cast<size_t>(row) * c.vocab_size + begin,
+                    gathered_logits_.data() + r * part + static_cast<size_t>(row) * stride,
+                    static_cast<size_t>(rows) * sizeof(float));
+      }
+    }
+    return std::span<const float>(logits, logit_count);
+  }
+  b.Linear(sampled, num_sampled, *lm_head_, nullptr, logits_.as<float>());
   const float* logits = logits_.as<float>();
   if (!b.host_memory()) {
     b.CopyToHost(host_logits_.data(), logits, logit_count * sizeof(float));

@@ -17,6 +17,8 @@ void ApiServerImpl::HandleMetrics(http::HttpExchange& ex) {
   metrics_.kv_used->Set(stats.kv_blocks_used);
   metrics_.kv_total->Set(stats.kv_blocks_total);
   metrics::AdvanceTo(*metrics_.preemptions, static_cast<double>(stats.preemptions));
+  metrics::AdvanceTo(*metrics_.collective_seconds, stats.collective_seconds);
+  metrics::AdvanceTo(*metrics_.collective_bytes, static_cast<double>(stats.collective_bytes));
   const engine::GeneratorCounters counters = engine_->counters();
   metrics::AdvanceTo(*metrics_.prefill_retries, static_cast<double>(counters.prefill_retries));
   metrics::AdvanceTo(*metrics_.migrations, static_cast<double>(counters.migrations));

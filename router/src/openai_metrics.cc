@@ -58,6 +58,12 @@ ApiMetrics::ApiMetrics(const ApiServerOptions& options)
   kv_handoff_bytes = &registry.Counter(
       "tandem_kv_handoff_bytes_total",
       "KV bytes moved from draining decode workers to others by KV handoff.");
+  collective_seconds = &registry.Counter(
+      "tandem_tensor_parallel_collective_seconds_total",
+      "Wall time rank 0 of a tensor-parallel group spent in collectives (step plans, "
+      "all-reduces, the logits' all-gather).");
+  collective_bytes = &registry.Counter("tandem_tensor_parallel_collective_bytes_total",
+                                       "Payload bytes of rank 0's tensor-parallel collectives.");
   const char* roles[2] = {"prefill", "decode"};
   const char* states[2] = {"up", "down"};
   for (int r = 0; r < 2; ++r) {

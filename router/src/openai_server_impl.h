@@ -71,6 +71,9 @@ struct ApiMetrics {
   // Sets the prefix-cache and routing series from the generator's stats and counters.
   void PrefixCacheAndRouting(const engine::EngineStats& stats,
                              const engine::GeneratorCounters& counters);
+  // Tensor parallelism of a colocated engine (zero without it).
+  prometheus::Counter* collective_seconds;
+  prometheus::Counter* collective_bytes;
 
   // SLO accounting (see Classify). A pair is null where that objective is not configured;
   // "both" exists when any is.

@@ -12,9 +12,13 @@
 #include "tandem/engine/llm_engine.h"
 #include "tandem/tools/args.h"
 #include "tandem/tools/sampling_flags.h"
+#include "tensor_parallel_group.h"
 
 namespace tandem::tools {
 namespace {
+
+absl::Status GenerateOn(const engine::EngineOptions& options, const Args& args,
+                        engine::SamplingParams params);
 
 absl::Status Generate(int argc, char** argv) {
   Args args("generate");
@@ -28,8 +32,11 @@ absl::Status Generate(int argc, char** argv) {
   args.DeclareSwitch("json", "print one JSON object per sample instead of the text");
   DeclareSamplingFlags(args);
   DeclareSpeculativeFlags(args);
+  DeclareTensorParallelFlags(args);
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
   if (args.HandleHelp()) return absl::OkStatus();
+  TensorParallelGroup tp;
+  TANDEM_RETURN_IF_ERROR(tp.Configure(args, argc, argv));
   auto model = args.Get("model");
   if (!model) return absl::InvalidArgumentError("generate: --model DIR is required");
   if (args.Has("prompt") == args.Has("chat")) {
@@ -45,6 +52,16 @@ absl::Status Generate(int argc, char** argv) {
   options.num_threads = static_cast<int>(threads);
   options.kv_cache_bytes = kv_bytes;
   TANDEM_RETURN_IF_ERROR(SpeculativeFlags(args, options));
+  if (tp.follower()) return tp.RunFollower(options);
+  TANDEM_RETURN_IF_ERROR(tp.CheckModel(options));
+  TANDEM_RETURN_IF_ERROR(tp.Start());
+  options.tensor_parallel = tp.communicator();
+  // The engine is gone (its followers released) before the group finishes.
+  return tp.Finish(GenerateOn(options, args, params));
+}
+
+absl::Status GenerateOn(const engine::EngineOptions& options, const Args& args,
+                        engine::SamplingParams params) {
   TANDEM_ASSIGN_OR_RETURN(auto llm, engine::LlmEngine::Create(options));
 
   std::vector<int32_t> prompt;

@@ -16,9 +16,14 @@
 #include "tandem/prefill_worker/prefill_worker.h"
 #include "tandem/router/disaggregated_generator.h"
 #include "tandem/router/openai_server.h"
+#include "tensor_parallel_group.h"
 
 namespace tandem::tools {
 namespace {
+
+absl::Status ServeOn(const Args& args, const sigset_t& signals,
+                     engine::EngineOptions engine_options, router::ApiServerOptions options,
+                     bool colocated, const std::string& kv_backend);
 
 absl::Status Serve(int argc, char** argv) {
   const sigset_t signals = BlockStopSignals();
@@ -32,8 +37,11 @@ absl::Status Serve(int argc, char** argv) {
   args.Declare("kv-backend", "ucx|local|cuda_ipc",
                "how KV pages move from the prefill to the decode worker (default: cuda_ipc "
                "with --device cuda, else ucx)");
+  DeclareTensorParallelFlags(args);
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
   if (args.HandleHelp()) return absl::OkStatus();
+  TensorParallelGroup tp;
+  TANDEM_RETURN_IF_ERROR(tp.Configure(args, argc, argv));
 
   TANDEM_ASSIGN_OR_RETURN(engine::EngineOptions engine_options, EngineFlags(args));
   TANDEM_ASSIGN_OR_RETURN(router::ApiServerOptions options,
@@ -50,12 +58,27 @@ absl::Status Serve(int argc, char** argv) {
   }
   router::DisaggregatedOptions routing;  // --routing, checked before any worker starts
   TANDEM_RETURN_IF_ERROR(RoutingFlags(args, routing));
+  if (tp.size() > 1 && !colocated) {
+    return absl::InvalidArgumentError(
+        "serve: --tensor-parallel-size > 1 runs with --colocated only for now (prefill and "
+        "decode workers do not re-shard KV between ranks yet)");
+  }
+  if (tp.follower()) return tp.RunFollower(engine_options);
   std::string kv_backend;
   if (!colocated) {
     TANDEM_ASSIGN_OR_RETURN(kv_backend, KvBackendFlag(args, engine_options.device));
   }
   RaiseFileLimit();
+  TANDEM_RETURN_IF_ERROR(tp.CheckModel(engine_options));
+  TANDEM_RETURN_IF_ERROR(tp.Start());
+  engine_options.tensor_parallel = tp.communicator();
+  // The engine (and so the followers' steps) ends inside; then the group finishes.
+  return tp.Finish(ServeOn(args, signals, engine_options, options, colocated, kv_backend));
+}
 
+absl::Status ServeOn(const Args& args, const sigset_t& signals,
+                     engine::EngineOptions engine_options, router::ApiServerOptions options,
+                     bool colocated, const std::string& kv_backend) {
   // Destroyed in reverse order: the API server (and the generator it owns) before the workers.
   std::unique_ptr<decode_worker::DecodeWorker> decode;
   std::unique_ptr<prefill_worker::PrefillWorker> prefill;
@@ -94,7 +117,11 @@ absl::Status Serve(int argc, char** argv) {
       options.http.host == "0.0.0.0" || options.http.host == "::" ? "127.0.0.1" : options.http.host;
   const std::string url = absl::StrCat("http://", host, ":", server->port());
   if (colocated) {
-    std::printf("tandem: serving %s on %s (colocated)\n", name.c_str(), url.c_str());
+    const std::string tp = engine_options.tensor_parallel
+                               ? absl::StrCat(", tensor-parallel over ",
+                                              engine_options.tensor_parallel->size(), " ranks")
+                               : "";
+    std::printf("tandem: serving %s on %s (colocated%s)\n", name.c_str(), url.c_str(), tp.c_str());
   } else {
     std::printf("tandem: serving %s on %s (prefill %s, decode %s, KV over %s)\n", name.c_str(),
                 url.c_str(), prefill->grpc_address().c_str(), decode->grpc_address().c_str(),

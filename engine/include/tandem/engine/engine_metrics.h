@@ -27,6 +27,7 @@ class EngineMetrics {
   // speculative decoding's tandem_spec_{proposed,accepted}_tokens_total,
   // tandem_spec_verify_steps_total, tandem_spec_{proposed,accepted}_tokens_by_position_total
   // {position} and tandem_spec_mean_accepted_length.
+  // tandem_tensor_parallel_collective_{seconds,bytes}_total.
   explicit EngineMetrics(metrics::Registry& registry);
 
   // Sets the KV, batch and preemption series from `stats`, then RecordSteps(stats).
@@ -57,6 +58,8 @@ class EngineMetrics {
   prometheus::Counter& spec_verify_steps_;
   prometheus::Gauge& spec_mean_accepted_length_;
   std::vector<prometheus::Counter*> spec_proposed_by_position_, spec_accepted_by_position_;
+  prometheus::Counter& collective_seconds_;
+  prometheus::Counter& collective_bytes_;
   int64_t steps_seen_ = 0;
 };
 

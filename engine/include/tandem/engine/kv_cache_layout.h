@@ -32,6 +32,11 @@ struct KvCacheLayout {
   int num_kv_heads = 0;
   int head_dim = 0;
   DType dtype = DType::kF32;
+  // Which of the model's KV heads this cache holds: [kv_head_begin, + num_kv_heads), the shard
+  // of one rank of a tensor-parallel group of tp_size ranks (engine/tensor_parallel.h); 0 and 1
+  // for a cache of every head.
+  int kv_head_begin = 0;
+  int tp_size = 1;
 
   uint64_t element_bytes() const { return static_cast<uint64_t>(DTypeSize(dtype)); }
   // One token's K (or V) in one layer.
@@ -73,6 +78,28 @@ struct KvCacheLayout {
 // against its cache.
 absl::StatusOr<std::vector<KvCopyRange>> KvBlockCopyRanges(const KvCacheLayout& src,
                                                            const KvCacheLayout& dst,
+                                                           const std::vector<int32_t>& src_blocks,
+                                                           const std::vector<int32_t>& dst_blocks);
+
+// What one (source rank, destination rank) pair moves when KV goes from one tensor-parallel
+// group to another (offsets into the source rank's and the destination rank's caches).
+struct KvShardTransfer {
+  int src_rank = 0;
+  int dst_rank = 0;
+  std::vector<KvCopyRange> ranges;
+};
+
+// The plan that moves the K and V of `src_blocks` from a group whose rank r's cache is src[r]
+// into `dst_blocks` of a group whose rank r's cache is dst[r], the degrees free to differ
+// (2 -> 1, 1 -> 2, 4 -> 2, with KV heads replicated where a degree exceeds them). Each
+// destination rank takes each of its KV heads from the first source rank holding it; a pair
+// moves only the heads both hold (whole token rows when their head ranges are equal, else the
+// overlapping heads of each row), layer by layer; pairs with nothing in common are left out.
+// InvalidArgument, naming the difference, when the caches disagree on layers, block size,
+// head_dim or element type, when a destination head is held by no source rank, or for a block
+// id outside its cache.
+absl::StatusOr<std::vector<KvShardTransfer>> KvReshardPlan(const std::vector<KvCacheLayout>& src,
+                                                           const std::vector<KvCacheLayout>& dst,
                                                            const std::vector<int32_t>& src_blocks,
                                                            const std::vector<int32_t>& dst_blocks);
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "tandem/collective/communicator.h"
 #include "tandem/engine/block_manager.h"
 #include "tandem/engine/checkpoint.h"
 #include "tandem/engine/handoff.h"
@@ -101,6 +102,11 @@ struct EngineOptions {
   // and colocated roles) run proposed tokens after their last one and keep those the target
   // model's own sampling accepts, so outputs are distributed exactly as without.
   SpeculativeOptions speculative;
+  // `--tensor-parallel-size`: the group this engine is rank 0 (the leader) of, not owned, which
+  // must outlive the engine; null: the whole model here. The engine schedules and samples; its
+  // runner sends each step's plan to the other ranks, whose runners (ModelRunner::RunFollower)
+  // hold the other shards. Colocated role and CPU backend only, for now.
+  collective::Communicator* tensor_parallel = nullptr;
 };
 
 // Single-threaded: one caller drives AddRequest / Abort / Step.
@@ -267,5 +273,12 @@ class LlmEngine {
 // output of each choice (all tokens, all text). For offline use and tests.
 absl::StatusOr<std::vector<RequestOutput>> GenerateAll(LlmEngine& engine,
                                                        std::vector<GenerateRequest> requests);
+
+// Runs rank options.tensor_parallel->rank() (> 0) of a tensor-parallel group whose rank 0 runs
+// an LlmEngine: loads this rank's shard of options.model_dir on options.device (num_threads,
+// device; the leader decides the rest: blocks, batch sizes, dtypes) and runs the steps the
+// leader sends. Returns OK when the leader's engine is destroyed, or the group's error (a rank
+// died, a collective timed out) at once.
+absl::Status RunTensorParallelFollower(const EngineOptions& options);
 
 }  // namespace tandem::engine

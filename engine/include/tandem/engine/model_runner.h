@@ -9,9 +9,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "tandem/collective/communicator.h"
 #include "tandem/engine/checkpoint.h"
 #include "tandem/engine/kv_cache_layout.h"
 #include "tandem/engine/scheduler.h"
+#include "tandem/engine/tensor_parallel.h"
 #include "tandem/kernels/backend.h"
 
 namespace tandem::engine {
@@ -29,6 +31,11 @@ struct ModelRunnerOptions {
   // Logit rows a sequence can ask for in one step: 1, or 1 + the most draft tokens a
   // speculative step verifies.
   int max_logit_rows_per_seq = 1;
+  // The tensor-parallel group this runner is one rank of (not owned; must outlive the runner);
+  // null: the whole model on this runner. Rank 0 (the leader) is driven by Execute and sends
+  // each step's plan to the others, which run RunFollower. A follower takes every other field
+  // of these options from the leader, so the shards agree on blocks, sizes and dtypes.
+  collective::Communicator* tensor_parallel = nullptr;
 };
 
 // The dtypes a runner of `options` over a checkpoint of `config` holds its weights and KV cache
@@ -56,15 +63,18 @@ class ModelRunner {
                                                              const ModelRunnerOptions& options);
   ~ModelRunner();
 
-  // Bytes of KV cache one block takes across all layers, in a cache of `kv_dtype`.
+  // Bytes of KV cache one block takes across all layers, in a cache of `kv_dtype` holding the
+  // KV heads of one rank of a tensor-parallel group of `tp_size`.
   static int64_t KvBytesPerBlock(const text::ModelConfig& config, int block_size,
-                                 DType kv_dtype = DType::kF32);
+                                 DType kv_dtype = DType::kF32, int tp_size = 1);
 
   // Runs the step and returns logits [rows, vocab] in step order (host memory): for each
   // sequence with `samples` set, 1 + num_draft_tokens rows, its last real token's and then each
   // draft token's (the distributions that verify draft tokens 0.. and the one after them). The span
   // is valid until the next call. When it returns, the step's K and V are in the cache (the device
   // has finished).
+  // With a tensor-parallel group, only the leader (rank 0) calls it; the plan goes to every
+  // follower first.
   absl::StatusOr<std::span<const float>> Execute(const SchedulerStep& step);
 
   // Early-exit self-speculation's draft pass over a step planned with draft tokens: for each
@@ -73,9 +83,18 @@ class ModelRunner {
   // first `num_layers` layers, the final norm and the LM head, and returns one logit row per
   // such sequence, in step order. It writes those layers' KV of that token into the step's own
   // slots and attends over the KV the target computed before, so the draft needs no cache or
-  // prefill of its own; Execute then recomputes every layer of those slots.
+  // prefill of its own; Execute then recomputes every layer of those slots. Not with a
+  // tensor-parallel group (speculation is refused there).
   absl::StatusOr<std::span<const float>> ExecuteDraft(const SchedulerStep& step, int offset,
                                                       int num_layers);
+
+  // On a follower rank of a tensor-parallel group: runs the steps the leader sends until the
+  // leader's runner is destroyed (OK) or the group fails (the communicator's error: a rank
+  // died, or a collective timed out). Waits for the next step for as long as the leader idles.
+  absl::Status RunFollower();
+
+  // This runner's slice of the model (rank 0 of 1 without tensor parallelism).
+  const TensorParallelShard& shard() const { return shard_; }
 
   // Called by Execute on its own thread as soon as layer `layer`'s K and V of every token of
   // the step are in the cache, before the next layer runs: lets a prefill worker push a
@@ -110,18 +129,27 @@ class ModelRunner {
   struct Layer;
   ModelRunner() = default;
   absl::Status LoadWeights(const Checkpoint& checkpoint, DType weight_dtype);
+  // Sends (leader) or receives (follower) a step plan; see model_runner.cc.
+  absl::Status SendPlan(int tokens, int num_seqs, int num_sampled, int max_blocks,
+                        const std::vector<std::pair<int32_t, int32_t>>& block_copies);
+  bool tensor_parallel() const { return comm_ != nullptr && comm_->size() > 1; }
   // Backend memory holding `values` (an empty buffer for an empty vector).
   absl::StatusOr<kernels::DeviceBuffer> Upload(const std::vector<float>& values);
   void CopyBlock(int32_t src, int32_t dst);
-  // Runs the planned step (planned_ints_, query_start_, context_len_, block_table_) through the
-  // first `num_layers` layers and returns the logits of its `num_sampled` sample rows.
-  absl::StatusOr<std::span<const float>> Forward(int tokens, int num_seqs, int max_blocks,
-                                                 int num_sampled, int num_layers, bool layer_hook);
+  // Runs the step planned in planned_ints_, query_start_, context_len_ and block_table_ (on
+  // every rank of a tensor-parallel group alike), after its block copies, through the first
+  // `num_layers` layers and returns the logits of its `num_sampled` sample rows (on the leader).
+  absl::StatusOr<std::span<const float>> Forward(
+      int tokens, int num_seqs, int max_blocks, int num_sampled, int num_layers, bool layer_hook,
+      const std::vector<std::pair<int32_t, int32_t>>& block_copies);
 
   text::ModelConfig config_;
   ModelRunnerOptions options_;
   std::function<void(int layer)> layer_written_hook_;
   kernels::Backend* backend_ = nullptr;  // not owned
+  collective::Communicator* comm_ = nullptr;  // not owned; null without tensor parallelism
+  TensorParallelShard shard_;
+  std::vector<int32_t> plan_;  // a step plan as sent between ranks
   KvCacheLayout cache_layout_;
   kernels::KvLayout kv_layout_;                      // cache_layout_.kernel_layout()
   std::vector<kernels::KvLayout> layer_kv_layouts_;  // kv_layout_ with each layer's scales
@@ -158,6 +186,10 @@ class ModelRunner {
       sampled_hidden_, logits_;
   // The logits copied back, when backend memory is not host memory.
   std::vector<float> host_logits_;
+  // Tensor parallelism: this rank's vocabulary slice of the logits [sampled, vocab_stride], and
+  // every rank's, all-gathered [ranks][sampled][vocab_stride].
+  kernels::DeviceBuffer local_logits_;
+  std::vector<float> gathered_logits_;
 };
 
 }  // namespace tandem::engine

@@ -101,6 +101,10 @@ struct EngineStats {
   int64_t spec_verify_steps = 0;
   std::vector<int64_t> spec_proposed_by_position;
   std::vector<int64_t> spec_accepted_by_position;
+  // Tensor parallelism (rank 0's view, since the engine started): wall time inside collectives
+  // (step plans, all-reduces, the logits' all-gather) and their payload bytes. 0 without it.
+  double collective_seconds = 0;
+  int64_t collective_bytes = 0;
 };
 
 // The checks of a request that need only the model (so a router without an engine makes them
