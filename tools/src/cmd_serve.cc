@@ -23,7 +23,8 @@ namespace {
 
 absl::Status ServeOn(const Args& args, const sigset_t& signals,
                      engine::EngineOptions engine_options, router::ApiServerOptions options,
-                     bool colocated, const std::string& kv_backend);
+                     bool colocated, const std::string& kv_backend,
+                     const router::DisaggregatedOptions& routing);
 
 absl::Status Serve(int argc, char** argv) {
   const sigset_t signals = BlockStopSignals();
@@ -73,12 +74,14 @@ absl::Status Serve(int argc, char** argv) {
   TANDEM_RETURN_IF_ERROR(tp.Start());
   engine_options.tensor_parallel = tp.communicator();
   // The engine (and so the followers' steps) ends inside; then the group finishes.
-  return tp.Finish(ServeOn(args, signals, engine_options, options, colocated, kv_backend));
+  return tp.Finish(
+      ServeOn(args, signals, engine_options, options, colocated, kv_backend, routing));
 }
 
 absl::Status ServeOn(const Args& args, const sigset_t& signals,
                      engine::EngineOptions engine_options, router::ApiServerOptions options,
-                     bool colocated, const std::string& kv_backend) {
+                     bool colocated, const std::string& kv_backend,
+                     const router::DisaggregatedOptions& routing) {
   // Destroyed in reverse order: the API server (and the generator it owns) before the workers.
   std::unique_ptr<decode_worker::DecodeWorker> decode;
   std::unique_ptr<prefill_worker::PrefillWorker> prefill;
