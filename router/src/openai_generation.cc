@@ -7,19 +7,55 @@
 
 #include "absl/strings/str_cat.h"
 #include "openai_server_impl.h"
+#include "tandem/base/status_macros.h"
+#include "tandem/engine/structured_output.h"
 
 namespace tandem::router::internal {
 
 absl::StatusOr<std::vector<int32_t>> ApiServerImpl::ChatTokens(const json& messages,
                                                                bool add_generation_prompt,
-                                                               bool add_special_tokens) const {
-  absl::StatusOr<std::string> text =
-      engine_->chat_formatter().Apply(messages, add_generation_prompt);
+                                                               bool add_special_tokens,
+                                                               const ToolRequest& tools) const {
+  absl::StatusOr<std::string> text;
+  if (tools.active()) {
+    // The tools in the client's key order, as transformers hands them to the template.
+    text = engine_->chat_formatter().ApplyOrdered(
+        nlohmann::ordered_json::parse(messages.dump()), add_generation_prompt,
+        nlohmann::ordered_json{{"tools", tools.tools}});
+  } else {
+    text = engine_->chat_formatter().Apply(messages, add_generation_prompt);
+  }
   if (!text.ok()) {
     return ParamError("messages", absl::StrCat("the chat template refused the messages: ",
                                                text.status().message()));
   }
   return engine_->tokenizer().Encode(*text, add_special_tokens);
+}
+
+absl::Status ApiServerImpl::PrepareTools(CompletionRequest& r) const {
+  if (!r.tools.parsed()) return absl::OkStatus();
+  if (tool_format_ == ToolCallFormat::kNone) {
+    return ParamError("tools",
+                      "this model's chat template shows no tool-call format Tandem knows (hermes "
+                      "<tool_call> blocks or Llama 3 JSON); start the server with "
+                      "--tool-call-parser hermes|llama3_json to choose one");
+  }
+  if (!r.tools.forced()) return absl::OkStatus();
+  if (r.params.structured.active()) {
+    return ParamError("tool_choice",
+                      "tool_choice 'required' or a named function constrains the output to tool "
+                      "calls and cannot be combined with another structured-output constraint "
+                      "(response_format, guided_*, structured_outputs)");
+  }
+  TANDEM_ASSIGN_OR_RETURN(std::string gbnf, ToolCallGbnf(r.tools, tool_format_));
+  engine::StructuredOutput constraint{engine::ConstraintKind::kGrammar, std::move(gbnf), 0};
+  absl::Status valid = constraint.Validate(/*num_prompt_tokens=*/1);
+  if (valid.ok()) valid = engine::BuildGrammar(constraint).status();
+  if (!valid.ok()) {
+    return ParamError("tools", absl::StrCat("the tools' call grammar is refused: ", valid.message()));
+  }
+  r.params.structured = std::move(constraint);
+  return absl::OkStatus();
 }
 
 void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& ex, ApiKind kind) {
@@ -35,11 +71,12 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
   if (r.model) {
     if (absl::Status s = CheckModelName(*r.model); !s.ok()) return ReplyError(*ex, s);
   }
+  if (absl::Status s = PrepareTools(r); !s.ok()) return ReplyError(*ex, s);
 
   std::vector<int32_t> prompt;
   if (kind == ApiKind::kChat) {
     absl::StatusOr<std::vector<int32_t>> tokens =
-        ChatTokens(r.messages, r.add_generation_prompt, r.add_special_tokens);
+        ChatTokens(r.messages, r.add_generation_prompt, r.add_special_tokens, r.tools);
     if (!tokens.ok()) return ReplyError(*ex, tokens.status());
     prompt = std::move(*tokens);
   } else if (r.prompt_text) {
@@ -77,6 +114,12 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
   gen->prompt_tokens = prompt_len;
   gen->start = Clock::now();
   gen->choices.resize(r.params.n);
+  if (r.tools.parsed()) {
+    gen->tool_format = tool_format_;
+    if (gen->stream) {
+      for (Generation::Choice& c : gen->choices) c.tool_parser.emplace(tool_format_);
+    }
+  }
   const int n = r.params.n;
 
   // Registered before Submit so that no output can be handled before it is in place.
@@ -186,6 +229,84 @@ json Generation::Chunk(json choices_json) const {
           {"choices", std::move(choices_json)}};
 }
 
+json Generation::FinishReason(const Choice& choice, int num_calls) const {
+  if (choice.finish == engine::FinishReason::kNone) return nullptr;
+  if (num_calls > 0 && choice.finish == engine::FinishReason::kStop) return "tool_calls";
+  return engine::FinishReasonName(choice.finish);
+}
+
+json Generation::ChatMessage(const Choice& c, int* num_calls) const {
+  *num_calls = 0;
+  if (tool_format == ToolCallFormat::kNone) {
+    return {{"role", "assistant"}, {"content", c.text}};
+  }
+  // The same parser as streaming, over the whole text, so both give the same calls.
+  ToolCallParser parser(tool_format);
+  ParsedText parsed = parser.Feed(c.text);
+  ParsedText rest = parser.Finish();
+  parsed.content += rest.content;
+  parsed.calls.insert(parsed.calls.end(), rest.calls.begin(), rest.calls.end());
+  json calls = json::array();
+  for (const ToolCallDelta& delta : parsed.calls) {
+    if (delta.first) {
+      calls.push_back({{"id", NewId("call_")},
+                       {"type", "function"},
+                       {"function", {{"name", delta.name}, {"arguments", ""}}}});
+    }
+    if (delta.index < static_cast<int>(calls.size())) {
+      calls[delta.index]["function"]["arguments"] =
+          calls[delta.index]["function"]["arguments"].get<std::string>() + delta.arguments;
+    }
+  }
+  *num_calls = static_cast<int>(calls.size());
+  json message = {{"role", "assistant"}};
+  message["content"] = calls.empty() || !parsed.content.empty() ? json(parsed.content) : json();
+  if (!calls.empty()) message["tool_calls"] = std::move(calls);
+  return message;
+}
+
+void Generation::StreamChat(const engine::ChoiceDelta& d, Choice& c, json lp) {
+  const bool finished = d.finish_reason != engine::FinishReason::kNone;
+  ParsedText parsed = c.tool_parser->Feed(d.text);
+  if (finished) {
+    ParsedText rest = c.tool_parser->Finish();
+    parsed.content += rest.content;
+    parsed.calls.insert(parsed.calls.end(), rest.calls.begin(), rest.calls.end());
+  }
+  auto send = [&](json delta, json logprobs, json finish) {
+    json choice = {{"index", d.index},
+                   {"delta", std::move(delta)},
+                   {"logprobs", std::move(logprobs)},
+                   {"finish_reason", std::move(finish)}};
+    exchange->Send(Sse(Chunk(json::array({std::move(choice)}))));
+  };
+  // Content first, then each call's first delta (id, type, name) and argument fragments, each
+  // its own chunk as OpenAI streams them; the logprobs ride on the first chunk, the finish
+  // reason on a last one.
+  if (!parsed.content.empty() || (!lp.is_null() && parsed.calls.empty())) {
+    json delta = json::object();
+    if (!parsed.content.empty()) delta["content"] = parsed.content;
+    send(std::move(delta), std::move(lp), nullptr);
+    lp = nullptr;
+  }
+  for (const ToolCallDelta& call : parsed.calls) {
+    json entry = {{"index", call.index}};
+    if (call.first) {
+      c.tool_call_ids.push_back(NewId("call_"));
+      entry["id"] = c.tool_call_ids.back();
+      entry["type"] = "function";
+      entry["function"] = {{"name", call.name}, {"arguments", ""}};
+    } else {
+      entry["function"] = {{"arguments", call.arguments}};
+    }
+    send({{"tool_calls", json::array({std::move(entry)})}}, std::move(lp), nullptr);
+    lp = nullptr;
+  }
+  if (finished) {
+    send(json::object(), std::move(lp), FinishReason(c, c.tool_parser->num_calls()));
+  }
+}
+
 json Generation::Usage() const {
   return {{"prompt_tokens", prompt_tokens},
           {"completion_tokens", generation_tokens},
@@ -225,6 +346,10 @@ void Generation::OnOutput(const engine::RequestOutput& out, const absl::Status& 
       Merge(c.logprobs, lp);
       continue;
     }
+    if (c.tool_parser) {
+      StreamChat(d, c, std::move(lp));
+      continue;
+    }
     if (d.text.empty() && !finished && lp.is_null()) continue;
     json finish = finished ? json(engine::FinishReasonName(d.finish_reason)) : json(nullptr);
     json choice;
@@ -253,15 +378,15 @@ void Generation::OnOutput(const engine::RequestOutput& out, const absl::Status& 
     json list = json::array();
     for (size_t i = 0; i < choices.size(); ++i) {
       const Choice& c = choices[i];
-      json finish = c.finish == engine::FinishReason::kNone
-                        ? json(nullptr)
-                        : json(engine::FinishReasonName(c.finish));
       if (kind == ApiKind::kChat) {
+        int num_calls = 0;
+        json message = ChatMessage(c, &num_calls);
         list.push_back({{"index", i},
-                        {"message", {{"role", "assistant"}, {"content", c.text}}},
+                        {"message", std::move(message)},
                         {"logprobs", c.logprobs},
-                        {"finish_reason", finish}});
+                        {"finish_reason", FinishReason(c, num_calls)}});
       } else {
+        json finish = FinishReason(c, 0);
         list.push_back(
             {{"index", i}, {"text", c.text}, {"logprobs", c.logprobs}, {"finish_reason", finish}});
       }

@@ -197,6 +197,52 @@ absl::Status ReadPrompt(const json& body, int vocab_size, CompletionRequest* r) 
   return absl::OkStatus();
 }
 
+// An assistant message's tool_calls as chat templates expect them: [{id, type: "function",
+// function: {name, arguments}}] with arguments an object when its JSON text parses as one.
+absl::StatusOr<json> NormalizeToolCalls(const json& calls, const std::string& where) {
+  if (!calls.is_array()) return ParamError("messages", where + " must be an array");
+  if (calls.size() > static_cast<size_t>(kMaxTools)) {
+    return ParamError("messages", absl::StrCat(where, " may hold at most ", kMaxTools, " calls"));
+  }
+  json out = json::array();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const json& call = calls[i];
+    const std::string at = absl::StrCat(where, "[", i, "]");
+    if (!call.is_object()) return ParamError("messages", at + " must be an object");
+    const json* type = Field(call, "type");
+    if (type != nullptr && !(type->is_string() && type->get<std::string>() == "function")) {
+      return ParamError("messages", at + ".type must be 'function'");
+    }
+    const json* fn = Field(call, "function");
+    if (fn == nullptr || !fn->is_object()) {
+      return ParamError("messages", at + ".function must be an object");
+    }
+    const json* name = Field(*fn, "name");
+    if (name == nullptr || !name->is_string()) {
+      return ParamError("messages", at + ".function.name must be a string");
+    }
+    json arguments = json::object();
+    if (const json* a = Field(*fn, "arguments")) {
+      if (a->is_string()) {
+        json parsed = json::parse(a->get<std::string>(), nullptr, /*allow_exceptions=*/false);
+        arguments = parsed.is_discarded() ? *a : parsed;
+      } else if (a->is_object()) {
+        arguments = *a;
+      } else {
+        return ParamError("messages", at + ".function.arguments must be a string of JSON");
+      }
+    }
+    json normalized = {{"type", "function"},
+                       {"function", {{"name", *name}, {"arguments", std::move(arguments)}}}};
+    if (const json* id = Field(call, "id")) {
+      if (!id->is_string()) return ParamError("messages", at + ".id must be a string");
+      normalized["id"] = *id;
+    }
+    out.push_back(std::move(normalized));
+  }
+  return out;
+}
+
 // Refuses request fields whose meaning this server does not implement.
 absl::Status RefuseUnsupported(const json& body, int n) {
   if (const json* v = Field(body, "echo")) {
@@ -212,17 +258,17 @@ absl::Status RefuseUnsupported(const json& body, int n) {
   if (best_of && *best_of != n) {
     return ParamError("best_of", NotSupported("best_of other than n"));
   }
-  for (const char* name : {"tools", "functions"}) {
-    if (const json* v = Field(body, name)) {
-      if (!v->is_array()) return ParamError(name, absl::StrCat(name, " must be an array"));
-      if (!v->empty()) return ParamError(name, NotSupported(name));
+  // The deprecated spellings of tools and tool_choice.
+  if (const json* v = Field(body, "functions")) {
+    if (!v->is_array()) return ParamError("functions", "functions must be an array");
+    if (!v->empty()) {
+      return ParamError("functions", "functions is not supported by this server; use tools");
     }
   }
-  for (const char* name : {"tool_choice", "function_call"}) {
-    if (const json* v = Field(body, name)) {
-      if (!(v->is_string() && v->get<std::string>() == "none")) {
-        return ParamError(name, NotSupported(name));
-      }
+  if (const json* v = Field(body, "function_call")) {
+    if (!(v->is_string() && v->get<std::string>() == "none")) {
+      return ParamError("function_call",
+                        "function_call is not supported by this server; use tool_choice");
     }
   }
   return absl::OkStatus();
@@ -541,21 +587,23 @@ absl::StatusOr<json> NormalizeMessages(const json& messages) {
     }
     std::string role = role_v->get<std::string>();
     if (role == "developer") role = "system";  // the newer name of the system role
-    if (role == "tool" || role == "function") {
-      return ParamError("messages",
-                        absl::StrCat(where, ".role '", role, "': ", NotSupported("tool calling")));
+    if (role == "function") {
+      return ParamError("messages", absl::StrCat(where,
+                                                 ".role 'function' is not supported by this "
+                                                 "server; use role 'tool'"));
     }
-    if (role != "system" && role != "user" && role != "assistant") {
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool") {
       return ParamError("messages", absl::StrCat(where,
                                                  ".role must be one of system, developer, user, "
-                                                 "assistant; got '",
+                                                 "assistant, tool; got '",
                                                  Excerpt(role), "'"));
     }
+    json tool_calls = nullptr;
     if (const json* calls = Field(m, "tool_calls")) {
-      if (!calls->is_array() || !calls->empty()) {
-        return ParamError("messages",
-                          absl::StrCat(where, ".tool_calls: ", NotSupported("tool calling")));
+      if (role != "assistant") {
+        return ParamError("messages", where + ".tool_calls is only allowed on assistant messages");
       }
+      TANDEM_ASSIGN_OR_RETURN(tool_calls, NormalizeToolCalls(*calls, where + ".tool_calls"));
     }
     std::string content;
     const json* c = Field(m, "content");
@@ -591,6 +639,14 @@ absl::StatusOr<json> NormalizeMessages(const json& messages) {
     if (const json* name = Field(m, "name")) {
       if (!name->is_string()) return ParamError("messages", where + ".name must be a string");
       normalized["name"] = *name;
+    }
+    if (!tool_calls.is_null()) normalized["tool_calls"] = std::move(tool_calls);
+    if (const json* id = Field(m, "tool_call_id")) {
+      if (role != "tool") {
+        return ParamError("messages", where + ".tool_call_id is only allowed on tool messages");
+      }
+      if (!id->is_string()) return ParamError("messages", where + ".tool_call_id must be a string");
+      normalized["tool_call_id"] = *id;
     }
     out.push_back(std::move(normalized));
   }
@@ -634,12 +690,25 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKi
     r.model = v->get<std::string>();
   }
   if (kind == ApiKind::kCompletion) {
+    for (const char* name : {"tools", "tool_choice", "parallel_tool_calls"}) {
+      if (Field(body, name) != nullptr) {
+        return ParamError(name, absl::StrCat(name, " is only supported on /v1/chat/completions"));
+      }
+    }
     TANDEM_RETURN_IF_ERROR(ReadPrompt(body, vocab_size, &r));
   } else {
     const json* m = Field(body, "messages");
     if (m == nullptr) return ParamError("messages", "messages is required");
     TANDEM_ASSIGN_OR_RETURN(r.messages, NormalizeMessages(*m));
     r.add_special_tokens = false;  // the chat template writes the special tokens it wants
+    // The tools' schemas keep the client's key order (the order the model is shown properties
+    // in and generates them in), from the raw body when there is one.
+    std::optional<nlohmann::ordered_json> ordered;
+    if (Field(body, "tools") != nullptr && !raw_body.empty()) {
+      ordered = nlohmann::ordered_json::parse(raw_body, nullptr, /*allow_exceptions=*/false);
+      if (ordered->is_discarded()) ordered.reset();
+    }
+    TANDEM_ASSIGN_OR_RETURN(r.tools, ParseToolRequest(body, ordered ? &*ordered : nullptr));
     TANDEM_RETURN_IF_ERROR(ReadBool(body, "add_generation_prompt", &r.add_generation_prompt));
   }
   TANDEM_RETURN_IF_ERROR(ReadBool(body, "add_special_tokens", &r.add_special_tokens));

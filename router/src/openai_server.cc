@@ -95,6 +95,10 @@ absl::Status ApiServerImpl::Start() {
           absl::StrCat("the ", name, " SLO must be a finite number of seconds > 0, got ", *slo));
     }
   }
+  TANDEM_ASSIGN_OR_RETURN(std::optional<ToolCallFormat> tool_format,
+                          ParseToolCallFormat(options_.tool_call_parser));
+  tool_format_ = tool_format.value_or(
+      DetectToolCallFormat(engine_->chat_formatter().template_source()));
   http::HttpServerOptions http = options_.http;
   http.error_response = [this](int status, const std::string& message) {
     metrics_.Http(status)->Increment();

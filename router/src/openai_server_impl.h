@@ -20,6 +20,7 @@
 #include "tandem/metrics/registry.h"
 #include "tandem/router/openai_request.h"
 #include "tandem/router/openai_server.h"
+#include "tandem/router/tool_calls.h"
 
 namespace tandem::router::internal {
 
@@ -107,6 +108,10 @@ struct Generation {
     int text_offset = 0;
     int tokens = 0;           // generated so far
     json logprobs = nullptr;  // the API's logprobs object, grown token by token
+    // Streaming with tools: the text parsed into content and tool calls as it arrives, and the
+    // ids given to the calls.
+    std::optional<ToolCallParser> tool_parser;
+    std::vector<std::string> tool_call_ids;
   };
 
   ApiServerImpl* server = nullptr;  // outlives every request (see ApiServerImpl::Shutdown)
@@ -118,6 +123,8 @@ struct Generation {
   bool stream = false;
   bool include_usage = false;
   int logprobs = -1;
+  // Chat with tools (other than tool_choice none): the output is parsed for tool calls.
+  ToolCallFormat tool_format = ToolCallFormat::kNone;
   int prompt_tokens = 0;
   int generation_tokens = 0;
   Clock::time_point start;
@@ -135,6 +142,12 @@ struct Generation {
   void Merge(json& into, const json& delta) const;
   json Chunk(json choices) const;
   json Usage() const;
+  // The finish reason a choice reports: "tool_calls" for a sample that stopped after calls.
+  json FinishReason(const Choice& choice, int num_calls) const;
+  // A streamed chat choice's delta text as chunks: content and tool-call deltas.
+  void StreamChat(const engine::ChoiceDelta& d, Choice& c, json logprobs);
+  // A whole chat message: content and, when the output held calls, tool_calls.
+  json ChatMessage(const Choice& c, int* num_calls) const;
   void Fail(const absl::Status& status);
   void Finalize(const std::string& reason);
 };
@@ -206,7 +219,13 @@ class ApiServerImpl : public ApiServer {
   // Prompt tokens of a chat: the template's text, tokenized without adding special tokens
   // unless asked (the template writes those it wants).
   absl::StatusOr<std::vector<int32_t>> ChatTokens(const json& messages, bool add_generation_prompt,
-                                                  bool add_special_tokens) const;
+                                                  bool add_special_tokens,
+                                                  const ToolRequest& tools = {}) const;
+  // Turns a chat request's tools into what generation needs: tool_choice "required" or a named
+  // function becomes the grammar of the calls (params.structured); a 400 when the tools cannot be
+  // served (no tool-call format for this model, another constraint, a schema the grammar cannot
+  // enforce).
+  absl::Status PrepareTools(CompletionRequest& r) const;
   void HandleTokenize(http::HttpExchange& ex);
   void HandleDetokenize(http::HttpExchange& ex);
   void HandleReady(const std::shared_ptr<http::HttpExchange>& ex);
@@ -220,6 +239,7 @@ class ApiServerImpl : public ApiServer {
   std::atomic<bool> draining_{false};
   int vocab_size_ = 0;
   int64_t started_ = 0;
+  ToolCallFormat tool_format_ = ToolCallFormat::kNone;  // set by Start
 
   std::mutex ready_mu_;
   std::optional<Clock::time_point> ready_at_;                 // guarded by ready_mu_

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
 #include "tandem/engine/sampling_params.h"
+#include "tandem/router/tool_calls.h"
 
 namespace tandem::router {
 
@@ -48,9 +49,12 @@ struct CompletionRequest {
   std::optional<std::string> prompt_text;
   std::vector<int32_t> prompt_tokens;
   bool add_special_tokens = true;
-  // Chat: [{"role", "content": string}], content parts joined; roles checked.
+  // Chat: [{"role", "content": string, ...}], content parts joined; roles checked; an
+  // assistant's tool_calls and a tool message's tool_call_id kept (see NormalizeMessages).
   nlohmann::json messages;
   bool add_generation_prompt = true;
+  // Chat: tools, tool_choice and parallel_tool_calls (tool_calls.h).
+  ToolRequest tools;
 
   // Isolates this request's tenant in the prefix cache (vLLM's `cache_salt`): it reuses cached
   // KV only of requests with the same salt. Empty: the shared cache.
@@ -67,7 +71,7 @@ struct CompletionRequest {
 
 // Checks every field's type and range; `vocab_size` bounds token ids. Unknown fields are
 // ignored, but fields whose meaning Tandem does not implement (echo, suffix, best_of > n,
-// tools, logit_bias, ...) are refused rather than silently dropped. Structured outputs
+// functions, tools on completions, ...) are refused rather than silently dropped. Structured outputs
 // (response_format json_object / json_schema, guided_json / guided_regex / guided_grammar /
 // guided_choice, structured_outputs) become params.structured, at most one of them, its
 // grammar built to refuse a bad schema, regex or grammar here (param: the field it came from).
@@ -81,7 +85,11 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const nlohmann::json& b
 absl::StatusOr<std::vector<int32_t>> ParseTokenIds(const nlohmann::json& array, const char* param,
                                                    int vocab_size);
 
-// Checks a chat `messages` array and returns it with every content a string.
+// Checks a chat `messages` array and returns it with every content a string (null for an
+// assistant's tool calls becomes ""): roles system (or developer), user, assistant and tool; an
+// assistant's tool_calls [{id, type "function", function {name, arguments}}] kept with their
+// arguments parsed from JSON text into objects (what chat templates render), a tool message's
+// tool_call_id and name kept.
 absl::StatusOr<nlohmann::json> NormalizeMessages(const nlohmann::json& messages);
 
 // Maps a SamplingParams::Validate or LlmEngine::Validate message to the request field it is
