@@ -180,6 +180,39 @@ TEST(ParseChatRequestTest, JoinsTextPartsAndMapsDeveloperToSystem) {
   EXPECT_FALSE(r->add_special_tokens);
 }
 
+TEST(ParseChatRequestTest, KeepsToolCallsAndToolResultsForTheTemplate) {
+  absl::StatusOr<CompletionRequest> r = Chat(R"({"messages": [
+      {"role": "user", "content": "weather?"},
+      {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+      {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]}],
+      "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+      "tool_choice": "auto", "parallel_tool_calls": false})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const nlohmann::json& call = r->messages[1]["tool_calls"][0];
+  EXPECT_EQ(call["id"], "call_1");
+  EXPECT_EQ(call["function"]["name"], "get_weather");
+  // Templates render the arguments as an object (tojson), so the JSON text is parsed.
+  EXPECT_EQ(call["function"]["arguments"], nlohmann::json({{"city", "Oslo"}}));
+  EXPECT_EQ(r->messages[1]["content"], "");
+  EXPECT_EQ(r->messages[2]["role"], "tool");
+  EXPECT_EQ(r->messages[2]["tool_call_id"], "call_1");
+  EXPECT_EQ(r->messages[2]["content"], "sunny");
+  EXPECT_EQ(r->tools.names, std::vector<std::string>{"get_weather"});
+  EXPECT_EQ(r->tools.choice, ToolChoice::kAuto);
+  EXPECT_FALSE(r->tools.parallel);
+  EXPECT_TRUE(r->tools.parsed());
+  EXPECT_FALSE(r->tools.forced());
+}
+
+TEST(ParseCompletionRequestTest, ToolsAreForChatOnly) {
+  absl::StatusOr<CompletionRequest> r = Completion(
+      R"({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]})");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(ParamOf(r.status()), "tools");
+  EXPECT_THAT(r.status().message(), HasSubstr("only supported on /v1/chat/completions"));
+}
+
 class BadChatFieldTest : public ::testing::TestWithParam<BadField> {};
 
 TEST_P(BadChatFieldTest, IsRefusedNamingTheParameter) {
@@ -204,10 +237,25 @@ INSTANTIATE_TEST_SUITE_P(
                  "must be a string or an array"},
         BadField{R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
                  "messages", "only 'text' parts"},
-        BadField{R"({"messages": [{"role": "tool", "content": "x"}]})", "messages",
-                 "not supported"},
+        BadField{R"({"messages": [{"role": "tool"}]})", "messages", "content is required"},
+        BadField{R"({"messages": [{"role": "function", "content": "x"}]})", "messages",
+                 "use role 'tool'"},
+        BadField{R"({"messages": [{"role": "user", "content": "x", "tool_calls": []}]})",
+                 "messages", "only allowed on assistant messages"},
+        BadField{R"({"messages": [{"role": "assistant", "tool_calls": [{"type": "function",
+                    "function": {"arguments": "{}"}}]}]})",
+                 "messages", "messages[0].tool_calls[0].function.name must be a string"},
+        BadField{R"({"messages": [{"role": "assistant", "tool_calls": [{"type": "function",
+                    "function": {"name": "f", "arguments": 5}}]}]})",
+                 "messages", "arguments must be a string of JSON"},
+        BadField{R"({"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]})",
+                 "messages", "tool_call_id must be a string"},
         BadField{R"({"messages": [{"role": "user", "content": "x"}], "tools": [{}]})", "tools",
-                 "not supported"},
+                 "tools[0].type must be 'function'"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})",
+                 "tool_choice", "needs tools"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "functions": [{}]})",
+                 "functions", "use tools"},
         BadField{R"({"messages": [{"role": "user", "content": "x"}], "logprobs": 1})", "logprobs",
                  "must be a boolean"},
         BadField{R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})",
