@@ -73,18 +73,32 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
   }
   if (absl::Status s = PrepareTools(r); !s.ok()) return ReplyError(*ex, s);
 
-  std::vector<int32_t> prompt;
+  // The engine requests: the chat's one prompt, or each prompt of a completions batch.
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::string> echoes;  // completions with echo: each prompt's text
   if (kind == ApiKind::kChat) {
     absl::StatusOr<std::vector<int32_t>> tokens =
         ChatTokens(r.messages, r.add_generation_prompt, r.add_special_tokens, r.tools);
     if (!tokens.ok()) return ReplyError(*ex, tokens.status());
-    prompt = std::move(*tokens);
-  } else if (r.prompt_text) {
-    prompt = engine_->tokenizer().Encode(*r.prompt_text, r.add_special_tokens);
+    prompts.push_back(std::move(*tokens));
   } else {
-    prompt = std::move(r.prompt_tokens);
+    for (CompletionRequest::Prompt& p : r.prompts) {
+      if (r.echo) {
+        echoes.push_back(p.text ? *p.text
+                                : engine_->tokenizer().Decode(p.tokens, /*skip_special_tokens=*/false));
+      }
+      std::vector<int32_t> tokens =
+          p.text ? engine_->tokenizer().Encode(*p.text, r.add_special_tokens) : std::move(p.tokens);
+      if (!r.suffix.empty()) {
+        absl::StatusOr<std::vector<int32_t>> fim = FillInTheMiddle(std::move(tokens), r.suffix);
+        if (!fim.ok()) return ReplyError(*ex, fim.status());
+        tokens = std::move(*fim);
+      }
+      prompts.push_back(std::move(tokens));
+    }
   }
-  const int prompt_len = static_cast<int>(prompt.size());
+  int prompt_len = 0;
+  for (const std::vector<int32_t>& p : prompts) prompt_len += static_cast<int>(p.size());
   if (r.max_tokens) {
     r.params.max_tokens = *r.max_tokens;
   } else if (kind == ApiKind::kChat) {
@@ -92,6 +106,14 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
   } else {
     r.params.max_tokens = 16;
   }
+  // best_of: the engine draws best_of samples per prompt, with their logprobs to rank them.
+  const int n = r.params.n;
+  const int user_logprobs = r.params.logprobs;
+  if (r.best_of > n) {
+    r.params.n = r.best_of;
+    r.params.logprobs = std::max(r.params.logprobs, 0);
+  }
+  const int per_prompt = r.params.n;
 
   if (active_.fetch_add(1) >= options_.max_active_requests) {
     active_.fetch_sub(1);
@@ -110,53 +132,109 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
   gen->created = UnixSeconds();
   gen->stream = r.stream;
   gen->include_usage = r.include_usage;
-  gen->logprobs = r.params.logprobs;
+  gen->logprobs = user_logprobs;
+  gen->n = n;
+  gen->per_prompt = per_prompt;
   gen->prompt_tokens = prompt_len;
   gen->start = Clock::now();
-  gen->choices.resize(r.params.n);
+  gen->choices.resize(prompts.size() * per_prompt);
+  gen->requests.resize(prompts.size());
+  for (size_t k = 0; k < prompts.size(); ++k) {
+    gen->requests[k].id = prompts.size() == 1 ? gen->id : absl::StrCat(gen->id, "-", k);
+    gen->requests[k].prompt_tokens = static_cast<int>(prompts[k].size());
+    if (r.echo) {
+      for (int i = 0; i < per_prompt; ++i) gen->choices[k * per_prompt + i].echo = echoes[k];
+    }
+  }
   if (r.tools.parsed()) {
     gen->tool_format = tool_format_;
     if (gen->stream) {
       for (Generation::Choice& c : gen->choices) c.tool_parser.emplace(tool_format_);
     }
   }
-  const int n = r.params.n;
 
   // Registered before Submit so that no output can be handled before it is in place.
   ex->OnClientGone([gen] { gen->OnClientGone(); });
-  engine::GenerateRequest request{gen->id, std::move(prompt), r.params};
-  request.cache_salt = r.cache_salt;
-  absl::Status submitted = engine_->Submit(
-      std::move(request), [gen](const engine::RequestOutput& out, const absl::Status& status) {
-        // On the engine thread: hand over and return at once.
-        gen->exchange->Run([gen, out, status] { gen->OnOutput(out, status); });
-      });
-  if (!submitted.ok()) {
-    gen->done = true;
-    RequestFinished();
-    return ReplyError(*ex, AttachParam(submitted, kind));
+  for (size_t k = 0; k < prompts.size(); ++k) {
+    engine::GenerateRequest request{gen->requests[k].id, std::move(prompts[k]), r.params};
+    request.cache_salt = r.cache_salt;
+    const int index = static_cast<int>(k);
+    absl::Status submitted = engine_->Submit(
+        std::move(request),
+        [gen, index](const engine::RequestOutput& out, const absl::Status& status) {
+          // On the engine thread: hand over and return at once.
+          gen->exchange->Run([gen, index, out, status] { gen->OnOutput(index, out, status); });
+        });
+    if (!submitted.ok()) {
+      for (size_t j = 0; j < k; ++j) engine_->Abort(gen->requests[j].id);
+      gen->done = true;
+      RequestFinished();
+      if (prompts.size() > 1) {
+        submitted = absl::Status(submitted.code(),
+                                 absl::StrCat("prompt[", k, "]: ", submitted.message()));
+      }
+      return ReplyError(*ex, AttachParam(submitted, kind));
+    }
   }
   metrics_.prompt_tokens->Increment(prompt_len);
   if (gen->stream) {
     metrics_.Http(200)->Increment();
     ex->BeginStream(200, "text/event-stream",
                     {{"Cache-Control", "no-cache"}, {"X-Request-Id", gen->id}});
-    if (kind == ApiKind::kChat) {
-      // OpenAI opens each chat choice with the assistant role and empty content.
-      for (int i = 0; i < n; ++i) {
-        json choice = {{"index", i},
-                       {"delta", {{"role", "assistant"}, {"content", ""}}},
-                       {"logprobs", nullptr},
-                       {"finish_reason", nullptr}};
-        json chunk = {{"id", gen->id},
-                      {"object", "chat.completion.chunk"},
-                      {"created", gen->created},
-                      {"model", gen->model},
-                      {"choices", json::array({choice})}};
-        ex->Send(Sse(chunk));
+    for (size_t i = 0; i < gen->choices.size(); ++i) {
+      json choice;
+      if (kind == ApiKind::kChat) {
+        // OpenAI opens each chat choice with the assistant role and empty content.
+        choice = {{"index", i},
+                  {"delta", {{"role", "assistant"}, {"content", ""}}},
+                  {"logprobs", nullptr},
+                  {"finish_reason", nullptr}};
+      } else if (r.echo) {
+        choice = {{"index", i},
+                  {"text", gen->choices[i].echo},
+                  {"logprobs", nullptr},
+                  {"finish_reason", nullptr}};
+      } else {
+        continue;
       }
+      json chunk = {{"id", gen->id},
+                    {"object", kind == ApiKind::kChat ? "chat.completion.chunk" : "text_completion"},
+                    {"created", gen->created},
+                    {"model", gen->model},
+                    {"choices", json::array({choice})}};
+      ex->Send(Sse(chunk));
     }
   }
+}
+
+absl::StatusOr<std::vector<int32_t>> ApiServerImpl::FillInTheMiddle(std::vector<int32_t> prompt,
+                                                                    const std::string& suffix) const {
+  // The fill-in-the-middle tokens of the code models that have them (prefix-suffix-middle order):
+  // Qwen2.5-Coder and later Qwen, StarCoder / SantaCoder.
+  static constexpr const char* kFimTokens[][3] = {
+      {"<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"},
+      {"<fim_prefix>", "<fim_suffix>", "<fim_middle>"},
+  };
+  const text::Tokenizer& tok = engine_->tokenizer();
+  for (const auto& names : kFimTokens) {
+    std::optional<int32_t> pre = tok.TokenToId(names[0]);
+    std::optional<int32_t> suf = tok.TokenToId(names[1]);
+    std::optional<int32_t> mid = tok.TokenToId(names[2]);
+    if (!pre || !suf || !mid || *pre >= vocab_size_ || *suf >= vocab_size_ || *mid >= vocab_size_) {
+      continue;
+    }
+    std::vector<int32_t> out = {*pre};
+    out.insert(out.end(), prompt.begin(), prompt.end());
+    out.push_back(*suf);
+    std::vector<int32_t> suffix_tokens = tok.Encode(suffix, /*add_special_tokens=*/false);
+    out.insert(out.end(), suffix_tokens.begin(), suffix_tokens.end());
+    out.push_back(*mid);
+    return out;
+  }
+  return ParamError("suffix",
+                    "suffix needs fill-in-the-middle tokens (<|fim_prefix|> <|fim_suffix|> "
+                    "<|fim_middle|>, or <fim_prefix> <fim_suffix> <fim_middle>), and this model's "
+                    "tokenizer has none");
 }
 
 json Generation::LogprobsFor(const engine::ChoiceDelta& delta, Choice& choice) const {
@@ -265,7 +343,7 @@ json Generation::ChatMessage(const Choice& c, int* num_calls) const {
   return message;
 }
 
-void Generation::StreamChat(const engine::ChoiceDelta& d, Choice& c, json lp) {
+void Generation::StreamChat(int index, const engine::ChoiceDelta& d, Choice& c, json lp) {
   const bool finished = d.finish_reason != engine::FinishReason::kNone;
   ParsedText parsed = c.tool_parser->Feed(d.text);
   if (finished) {
@@ -274,7 +352,7 @@ void Generation::StreamChat(const engine::ChoiceDelta& d, Choice& c, json lp) {
     parsed.calls.insert(parsed.calls.end(), rest.calls.begin(), rest.calls.end());
   }
   auto send = [&](json delta, json logprobs, json finish) {
-    json choice = {{"index", d.index},
+    json choice = {{"index", index},
                    {"delta", std::move(delta)},
                    {"logprobs", std::move(logprobs)},
                    {"finish_reason", std::move(finish)}};
@@ -313,9 +391,17 @@ json Generation::Usage() const {
           {"total_tokens", prompt_tokens + generation_tokens}};
 }
 
-void Generation::OnOutput(const engine::RequestOutput& out, const absl::Status& status) {
+void Generation::OnOutput(int request, const engine::RequestOutput& out,
+                          const absl::Status& status) {
   if (done) return;
-  if (!status.ok()) return Fail(status);
+  if (!status.ok()) {
+    for (size_t k = 0; k < requests.size(); ++k) {
+      if (static_cast<int>(k) != request && !requests[k].finished) {
+        server->engine().Abort(requests[k].id);
+      }
+    }
+    return Fail(status);
+  }
   const Clock::time_point now = Clock::now();
   size_t new_tokens = 0;
   for (const engine::ChoiceDelta& d : out.choices)
@@ -331,13 +417,24 @@ void Generation::OnOutput(const engine::RequestOutput& out, const absl::Status& 
     }
     last_token = now;
   }
-  generation_tokens = out.num_generation_tokens;
-  if (out.num_prompt_tokens > 0) prompt_tokens = out.num_prompt_tokens;
+  Request& req = requests[request];
+  req.generation_tokens = out.num_generation_tokens;
+  if (out.num_prompt_tokens > 0) req.prompt_tokens = out.num_prompt_tokens;
+  generation_tokens = 0;
+  prompt_tokens = 0;
+  for (const Request& q : requests) {
+    generation_tokens += q.generation_tokens;
+    prompt_tokens += q.prompt_tokens;
+  }
 
   for (const engine::ChoiceDelta& d : out.choices) {
-    if (d.index < 0 || d.index >= static_cast<int>(choices.size())) continue;
-    Choice& c = choices[d.index];
+    if (d.index < 0 || d.index >= per_prompt) continue;
+    const int index = request * per_prompt + d.index;
+    Choice& c = choices[index];
     c.tokens += static_cast<int>(d.token_ids.size());
+    for (size_t i = 0; i < d.token_ids.size() && i < d.logprobs.size(); ++i) {
+      c.cumulative_logprob += d.logprobs[i];
+    }
     json lp = LogprobsFor(d, c);
     c.text += d.text;
     if (d.finish_reason != engine::FinishReason::kNone) c.finish = d.finish_reason;
@@ -347,7 +444,7 @@ void Generation::OnOutput(const engine::RequestOutput& out, const absl::Status& 
       continue;
     }
     if (c.tool_parser) {
-      StreamChat(d, c, std::move(lp));
+      StreamChat(index, d, c, std::move(lp));
       continue;
     }
     if (d.text.empty() && !finished && lp.is_null()) continue;
@@ -356,13 +453,16 @@ void Generation::OnOutput(const engine::RequestOutput& out, const absl::Status& 
     if (kind == ApiKind::kChat) {
       json delta = json::object();
       if (!d.text.empty()) delta["content"] = d.text;
-      choice = {{"index", d.index}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish}};
+      choice = {{"index", index}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish}};
     } else {
-      choice = {{"index", d.index}, {"text", d.text}, {"logprobs", lp}, {"finish_reason", finish}};
+      choice = {{"index", index}, {"text", d.text}, {"logprobs", lp}, {"finish_reason", finish}};
     }
     exchange->Send(Sse(Chunk(json::array({choice}))));
   }
-  if (!out.finished) return;
+  if (out.finished) req.finished = true;
+  for (const Request& q : requests) {
+    if (!q.finished) return;
+  }
 
   const std::string reason =
       choices.empty() ? "stop" : engine::FinishReasonName(choices.front().finish);
@@ -375,9 +475,22 @@ void Generation::OnOutput(const engine::RequestOutput& out, const absl::Status& 
     exchange->Send("data: [DONE]\n\n");
     exchange->EndStream();
   } else {
+    // Each prompt's choices, the n best by cumulative logprob when best_of drew more.
+    std::vector<const Choice*> returned;
+    for (size_t k = 0; k < requests.size(); ++k) {
+      std::vector<const Choice*> drawn;
+      for (int i = 0; i < per_prompt; ++i) drawn.push_back(&choices[k * per_prompt + i]);
+      if (per_prompt > n) {
+        std::stable_sort(drawn.begin(), drawn.end(), [](const Choice* a, const Choice* b) {
+          return a->cumulative_logprob > b->cumulative_logprob;
+        });
+        drawn.resize(n);
+      }
+      returned.insert(returned.end(), drawn.begin(), drawn.end());
+    }
     json list = json::array();
-    for (size_t i = 0; i < choices.size(); ++i) {
-      const Choice& c = choices[i];
+    for (size_t i = 0; i < returned.size(); ++i) {
+      const Choice& c = *returned[i];
       if (kind == ApiKind::kChat) {
         int num_calls = 0;
         json message = ChatMessage(c, &num_calls);
@@ -386,9 +499,10 @@ void Generation::OnOutput(const engine::RequestOutput& out, const absl::Status& 
                         {"logprobs", c.logprobs},
                         {"finish_reason", FinishReason(c, num_calls)}});
       } else {
-        json finish = FinishReason(c, 0);
-        list.push_back(
-            {{"index", i}, {"text", c.text}, {"logprobs", c.logprobs}, {"finish_reason", finish}});
+        list.push_back({{"index", i},
+                        {"text", c.echo + c.text},
+                        {"logprobs", c.logprobs},
+                        {"finish_reason", FinishReason(c, 0)}});
       }
     }
     json response = {{"id", id},
@@ -419,8 +533,10 @@ void Generation::Fail(const absl::Status& status) {
 
 void Generation::OnClientGone() {
   if (done) return;
-  // Frees the request's KV blocks before the engine's next step.
-  server->engine().Abort(id);
+  // Frees the requests' KV blocks before the engine's next step.
+  for (const Request& r : requests) {
+    if (!r.finished) server->engine().Abort(r.id);
+  }
   Finalize("abort");
 }
 

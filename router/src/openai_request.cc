@@ -27,10 +27,6 @@ std::string ShortDump(const json& v) {
   return Excerpt(v.dump(-1, ' ', false, json::error_handler_t::replace));
 }
 
-std::string NotSupported(const std::string& what) {
-  return absl::StrCat(what, " is not supported by this server");
-}
-
 // The field, or nullptr when it is absent or null (clients send null for "default").
 const json* Field(const json& body, const char* name) {
   auto it = body.find(name);
@@ -168,31 +164,79 @@ absl::Status ReadTokenIds(const json& array, const char* param, int vocab_size,
 absl::Status ReadPrompt(const json& body, int vocab_size, CompletionRequest* r) {
   const json* v = Field(body, "prompt");
   const std::string kType =
-      "prompt must be a string, an array of token ids, or an array holding one of those";
+      "prompt must be a string, an array of token ids, or an array of strings or of token-id "
+      "arrays (a batch)";
   if (v == nullptr) return ParamError("prompt", "prompt is required");
   if (v->is_string()) {
-    r->prompt_text = v->get<std::string>();
+    r->prompts.push_back({v->get<std::string>(), {}});
     return absl::OkStatus();
   }
   if (!v->is_array()) return ParamError("prompt", kType);
   if (v->empty()) return ParamError("prompt", "prompt must not be empty");
   const json& first = v->front();
   if (first.is_number()) {
-    TANDEM_RETURN_IF_ERROR(ReadTokenIds(*v, "prompt", vocab_size, &r->prompt_tokens));
-  } else if (first.is_string() || first.is_array()) {
-    if (v->size() > 1) {
-      return ParamError("prompt", absl::StrCat("a batch of ", v->size(),
-                                               " prompts is not supported; send one request per "
-                                               "prompt"));
-    }
+    CompletionRequest::Prompt p;
+    TANDEM_RETURN_IF_ERROR(ReadTokenIds(*v, "prompt", vocab_size, &p.tokens));
+    r->prompts.push_back(std::move(p));
+    return absl::OkStatus();
+  }
+  if (!first.is_string() && !first.is_array()) return ParamError("prompt", kType);
+  if (v->size() > static_cast<size_t>(kMaxPromptsPerRequest)) {
+    return ParamError("prompt", absl::StrCat("a batch may hold at most ", kMaxPromptsPerRequest,
+                                             " prompts, got ", v->size()));
+  }
+  for (size_t i = 0; i < v->size(); ++i) {
+    const json& item = (*v)[i];
+    CompletionRequest::Prompt p;
     if (first.is_string()) {
-      r->prompt_text = first.get<std::string>();
+      if (!item.is_string()) {
+        return ParamError("prompt", absl::StrCat("prompt[", i, "] must be a string, as the first"));
+      }
+      p.text = item.get<std::string>();
     } else {
-      if (first.empty()) return ParamError("prompt", "prompt must not be empty");
-      TANDEM_RETURN_IF_ERROR(ReadTokenIds(first, "prompt", vocab_size, &r->prompt_tokens));
+      if (!item.is_array()) {
+        return ParamError("prompt",
+                          absl::StrCat("prompt[", i, "] must be an array of token ids, as the first"));
+      }
+      if (item.empty()) return ParamError("prompt", absl::StrCat("prompt[", i, "] must not be empty"));
+      TANDEM_RETURN_IF_ERROR(ReadTokenIds(item, "prompt", vocab_size, &p.tokens));
     }
-  } else {
-    return ParamError("prompt", kType);
+    r->prompts.push_back(std::move(p));
+  }
+  return absl::OkStatus();
+}
+
+// echo, best_of and suffix: completions' own fields; on chat only their no-op values.
+absl::Status ReadCompletionExtras(const json& body, ApiKind kind, int n, bool stream,
+                                  CompletionRequest* r) {
+  const bool chat = kind == ApiKind::kChat;
+  auto completions_only = [](const char* name) {
+    return ParamError(name, absl::StrCat(name, " is only supported on /v1/completions"));
+  };
+  if (const json* v = Field(body, "echo")) {
+    if (!v->is_boolean()) return ParamError("echo", "echo must be a boolean");
+    if (v->get<bool>() && chat) return completions_only("echo");
+    r->echo = v->get<bool>();
+  }
+  if (const json* v = Field(body, "suffix")) {
+    if (!v->is_string()) return ParamError("suffix", "suffix must be a string");
+    if (!v->get<std::string>().empty() && chat) return completions_only("suffix");
+    r->suffix = v->get<std::string>();
+  }
+  std::optional<int64_t> best_of;
+  TANDEM_RETURN_IF_ERROR(ReadInt(body, "best_of", 1, engine::kMaxSamplesPerRequest, &best_of));
+  if (best_of && *best_of != n) {
+    if (chat) return completions_only("best_of");
+    if (*best_of < n) {
+      return ParamError("best_of", absl::StrCat("best_of must be at least n (", n, "), got ",
+                                                *best_of));
+    }
+    if (stream) {
+      return ParamError("best_of",
+                        "best_of other than n cannot be streamed: the best samples are known only "
+                        "once all have finished");
+    }
+    r->best_of = static_cast<int>(*best_of);
   }
   return absl::OkStatus();
 }
@@ -244,20 +288,7 @@ absl::StatusOr<json> NormalizeToolCalls(const json& calls, const std::string& wh
 }
 
 // Refuses request fields whose meaning this server does not implement.
-absl::Status RefuseUnsupported(const json& body, int n) {
-  if (const json* v = Field(body, "echo")) {
-    if (!v->is_boolean()) return ParamError("echo", "echo must be a boolean");
-    if (v->get<bool>()) return ParamError("echo", NotSupported("echo"));
-  }
-  if (const json* v = Field(body, "suffix")) {
-    if (!v->is_string()) return ParamError("suffix", "suffix must be a string");
-    if (!v->get<std::string>().empty()) return ParamError("suffix", NotSupported("suffix"));
-  }
-  std::optional<int64_t> best_of;
-  TANDEM_RETURN_IF_ERROR(ReadInt(body, "best_of", 1, engine::kMaxSamplesPerRequest, &best_of));
-  if (best_of && *best_of != n) {
-    return ParamError("best_of", NotSupported("best_of other than n"));
-  }
+absl::Status RefuseUnsupported(const json& body) {
   // The deprecated spellings of tools and tool_choice.
   if (const json* v = Field(body, "functions")) {
     if (!v->is_array()) return ParamError("functions", "functions must be an array");
@@ -742,7 +773,8 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKi
     return ParamError("n", absl::StrCat("n must be an integer in [1, ",
                                         engine::kMaxSamplesPerRequest, "], got ", p.n));
   }
-  TANDEM_RETURN_IF_ERROR(RefuseUnsupported(body, p.n));
+  TANDEM_RETURN_IF_ERROR(RefuseUnsupported(body));
+  TANDEM_RETURN_IF_ERROR(ReadCompletionExtras(body, kind, p.n, r.stream, &r));
   TANDEM_ASSIGN_OR_RETURN(p.structured, ConstraintReader(body, raw_body).Read());
 
   std::optional<int64_t> max_tokens;
@@ -792,6 +824,11 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKi
     std::optional<int64_t> logprobs;
     TANDEM_RETURN_IF_ERROR(ReadInt(body, "logprobs", 0, engine::kMaxTopLogprobs, &logprobs));
     p.logprobs = logprobs ? static_cast<int>(*logprobs) : -1;
+    if (r.echo && logprobs) {
+      return ParamError("echo",
+                        "echo with logprobs needs the prompt's logprobs, which this server does not "
+                        "compute; drop one of them");
+    }
   } else {
     bool logprobs = false;
     TANDEM_RETURN_IF_ERROR(ReadBool(body, "logprobs", &logprobs));

@@ -63,7 +63,8 @@ TEST(ParseCompletionRequestTest, ReadsEveryField) {
     "cache_salt": "tenant-7"})");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(*r->model, "m");
-  EXPECT_EQ(*r->prompt_text, "hi");
+  ASSERT_EQ(r->prompts.size(), 1u);
+  EXPECT_EQ(*r->prompts[0].text, "hi");
   EXPECT_EQ(r->params.max_tokens, 7);
   EXPECT_EQ(r->params.n, 2);
   EXPECT_FLOAT_EQ(r->params.temperature, 0.5f);
@@ -90,11 +91,38 @@ TEST(ParseCompletionRequestTest, ReadsLogitBias) {
 TEST(ParseCompletionRequestTest, PromptMayBeTokenIds) {
   absl::StatusOr<CompletionRequest> r = Completion(R"({"prompt": [1, 2, 3]})");
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->prompt_tokens, (std::vector<int32_t>{1, 2, 3}));
+  ASSERT_EQ(r->prompts.size(), 1u);
+  EXPECT_EQ(r->prompts[0].tokens, (std::vector<int32_t>{1, 2, 3}));
   r = Completion(R"({"prompt": [[4, 5]]})");
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->prompt_tokens, (std::vector<int32_t>{4, 5}));
+  ASSERT_EQ(r->prompts.size(), 1u);
+  EXPECT_EQ(r->prompts[0].tokens, (std::vector<int32_t>{4, 5}));
   EXPECT_EQ(ParamOf(Completion(R"({"prompt": [1, 5000]})").status()), "prompt");
+}
+
+TEST(ParseCompletionRequestTest, ABatchOfPrompts) {
+  absl::StatusOr<CompletionRequest> r = Completion(R"({"prompt": ["a", "bc", ""]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->prompts.size(), 3u);
+  EXPECT_EQ(*r->prompts[1].text, "bc");
+  EXPECT_EQ(*r->prompts[2].text, "");
+  r = Completion(R"({"prompt": [[1], [2, 3]]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->prompts.size(), 2u);
+  EXPECT_EQ(r->prompts[1].tokens, (std::vector<int32_t>{2, 3}));
+}
+
+TEST(ParseCompletionRequestTest, EchoBestOfAndSuffix) {
+  absl::StatusOr<CompletionRequest> r =
+      Completion(R"({"prompt": "a", "echo": true, "best_of": 3, "n": 2, "suffix": "z"})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->echo);
+  EXPECT_EQ(r->best_of, 3);
+  EXPECT_EQ(r->params.n, 2);
+  EXPECT_EQ(r->suffix, "z");
+  r = Completion(R"({"prompt": "a", "best_of": 1})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->best_of, 0) << "best_of equal to n changes nothing";
 }
 
 struct BadField {
@@ -119,7 +147,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadField{R"({})", "prompt", "prompt is required"},
         BadField{R"({"prompt": 5})", "prompt", "prompt must be"},
         BadField{R"({"prompt": []})", "prompt", "must not be empty"},
-        BadField{R"({"prompt": ["a", "b"]})", "prompt", "not supported"},
+        BadField{R"({"prompt": ["a", [1]]})", "prompt", "prompt[1] must be a string"},
+        BadField{R"({"prompt": [[1], []]})", "prompt", "prompt[1] must not be empty"},
+        BadField{R"({"prompt": [[1], "a"]})", "prompt", "prompt[1] must be an array"},
+        BadField{R"({"prompt": [[1], [9999]]})", "prompt", "outside the vocabulary"},
         BadField{R"({"prompt": "x", "model": 3})", "model", "model must be a string"},
         BadField{R"({"prompt": "x", "temperature": "hot"})", "temperature", "must be a number"},
         BadField{R"({"prompt": "x", "temperature": 5})", "temperature", "temperature must be"},
@@ -152,9 +183,14 @@ INSTANTIATE_TEST_SUITE_P(
         BadField{R"({"prompt": "x", "stream": "yes"})", "stream", "must be a boolean"},
         BadField{R"({"prompt": "x", "stream_options": {"include_usage": true}})", "stream_options",
                  "only allowed when stream"},
-        BadField{R"({"prompt": "x", "echo": true})", "echo", "not supported"},
-        BadField{R"({"prompt": "x", "suffix": "s"})", "suffix", "not supported"},
-        BadField{R"({"prompt": "x", "best_of": 3})", "best_of", "not supported"},
+        BadField{R"({"prompt": "x", "echo": true, "logprobs": 1})", "echo",
+                 "prompt's logprobs"},
+        BadField{R"({"prompt": "x", "echo": 1})", "echo", "must be a boolean"},
+        BadField{R"({"prompt": "x", "suffix": 2})", "suffix", "must be a string"},
+        BadField{R"({"prompt": "x", "best_of": 3, "stream": true})", "best_of",
+                 "cannot be streamed"},
+        BadField{R"({"prompt": "x", "best_of": 1, "n": 2})", "best_of", "at least n"},
+        BadField{R"({"prompt": "x", "best_of": 17})", "best_of", "best_of must be"},
         BadField{R"({"prompt": "x", "logit_bias": [1]})", "logit_bias", "must be an object"},
         BadField{R"({"prompt": "x", "logit_bias": {"a1": 5}})", "logit_bias", "not a token id"},
         BadField{R"({"prompt": "x", "logit_bias": {"-1": 5}})", "logit_bias", "not a token id"},

@@ -112,6 +112,15 @@ struct Generation {
     // ids given to the calls.
     std::optional<ToolCallParser> tool_parser;
     std::vector<std::string> tool_call_ids;
+    std::string echo;                 // completions with echo: the prompt's text, shown first
+    double cumulative_logprob = 0.0;  // best_of ranks samples by it
+  };
+  // One engine request: the chat's, or one per prompt of a completions batch.
+  struct Request {
+    std::string id;
+    int prompt_tokens = 0;
+    int generation_tokens = 0;
+    bool finished = false;
   };
 
   ApiServerImpl* server = nullptr;  // outlives every request (see ApiServerImpl::Shutdown)
@@ -123,6 +132,9 @@ struct Generation {
   bool stream = false;
   bool include_usage = false;
   int logprobs = -1;
+  int n = 1;           // choices returned per prompt
+  int per_prompt = 1;  // samples drawn per prompt (best_of, or n)
+  std::vector<Request> requests;
   // Chat with tools (other than tool_choice none): the output is parsed for tool calls.
   ToolCallFormat tool_format = ToolCallFormat::kNone;
   int prompt_tokens = 0;
@@ -134,7 +146,8 @@ struct Generation {
   bool done = false;
   std::vector<Choice> choices;
 
-  void OnOutput(const engine::RequestOutput& out, const absl::Status& status);
+  // An output of requests[request]; its choice i is choices[request * per_prompt + i].
+  void OnOutput(int request, const engine::RequestOutput& out, const absl::Status& status);
   void OnClientGone();
 
  private:
@@ -145,7 +158,7 @@ struct Generation {
   // The finish reason a choice reports: "tool_calls" for a sample that stopped after calls.
   json FinishReason(const Choice& choice, int num_calls) const;
   // A streamed chat choice's delta text as chunks: content and tool-call deltas.
-  void StreamChat(const engine::ChoiceDelta& d, Choice& c, json logprobs);
+  void StreamChat(int index, const engine::ChoiceDelta& d, Choice& c, json logprobs);
   // A whole chat message: content and, when the output held calls, tool_calls.
   json ChatMessage(const Choice& c, int* num_calls) const;
   void Fail(const absl::Status& status);
@@ -226,6 +239,10 @@ class ApiServerImpl : public ApiServer {
   // served (no tool-call format for this model, another constraint, a schema the grammar cannot
   // enforce).
   absl::Status PrepareTools(CompletionRequest& r) const;
+  // A completions prompt with `suffix` in the tokenizer's fill-in-the-middle format, or a 400
+  // naming suffix when it has none.
+  absl::StatusOr<std::vector<int32_t>> FillInTheMiddle(std::vector<int32_t> prompt,
+                                                       const std::string& suffix) const;
   void HandleTokenize(http::HttpExchange& ex);
   void HandleDetokenize(http::HttpExchange& ex);
   void HandleReady(const std::shared_ptr<http::HttpExchange>& ex);

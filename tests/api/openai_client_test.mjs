@@ -212,9 +212,71 @@ describe('tandem serve with the openai client', () => {
       (e) => e instanceof OpenAI.BadRequestError && e.param === 'messages',
     );
     await assert.rejects(
-      openai.completions.create({ model: MODEL, prompt: 'x', echo: true }),
-      (e) => e instanceof OpenAI.BadRequestError && /not supported/.test(e.message),
+      openai.completions.create({ model: MODEL, prompt: 'x', echo: true, logprobs: 1 }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === 'echo' && /logprobs/.test(e.message),
     );
+    await assert.rejects(
+      openai.completions.create({ model: MODEL, prompt: 'x', best_of: 3, stream: true }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === 'best_of' && /streamed/.test(e.message),
+    );
+    // The tiny model's tokenizer has no fill-in-the-middle tokens.
+    await assert.rejects(
+      openai.completions.create({ model: MODEL, prompt: 'def f(', suffix: '  return x' }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === 'suffix' && /fim_prefix/.test(e.message),
+    );
+  });
+
+  test('a batch of prompts answers each, choices indexed prompt by prompt, streamed and not', async () => {
+    const prompts = ['Once upon a time', 'The cat', 'Hello'];
+    const params = { model: MODEL, max_tokens: 6, temperature: 0, ignore_eos: true, n: 2 };
+    const singles = [];
+    for (const prompt of prompts) singles.push(await openai.completions.create({ ...params, prompt }));
+    const batch = await openai.completions.create({ ...params, prompt: prompts });
+    assert.equal(batch.choices.length, 6);
+    batch.choices.forEach((c, i) => {
+      assert.equal(c.index, i);
+      assert.equal(c.text, singles[Math.floor(i / 2)].choices[i % 2].text);
+    });
+    assert.equal(batch.usage.prompt_tokens, singles.reduce((a, r) => a + r.usage.prompt_tokens, 0));
+    assert.equal(batch.usage.completion_tokens, 36);
+    // Token-id prompts, streamed.
+    const ids = [[1, 2, 3], [4, 5]];
+    const texts = ['', '', '', ''];
+    for await (const chunk of await openai.completions.create({ ...params, prompt: ids, stream: true })) {
+      for (const c of chunk.choices) texts[c.index] += c.text;
+    }
+    for (let k = 0; k < ids.length; k++) {
+      const single = await openai.completions.create({ ...params, prompt: ids[k] });
+      assert.deepEqual([texts[2 * k], texts[2 * k + 1]], single.choices.map((c) => c.text));
+    }
+  });
+
+  test('echo puts the prompt before the completion, streamed and not', async () => {
+    const params = { model: MODEL, prompt: 'The cat', max_tokens: 5, temperature: 0, ignore_eos: true };
+    const plain = await openai.completions.create(params);
+    const echoed = await openai.completions.create({ ...params, echo: true });
+    assert.equal(echoed.choices[0].text, 'The cat' + plain.choices[0].text);
+    let streamed = '';
+    for await (const chunk of await openai.completions.create({ ...params, echo: true, stream: true })) {
+      streamed += chunk.choices[0]?.text ?? '';
+    }
+    assert.equal(streamed, echoed.choices[0].text);
+  });
+
+  test('best_of returns the n samples of highest cumulative logprob', async () => {
+    const params = { model: MODEL, prompt: 'Once', max_tokens: 6, temperature: 1, seed: 11, ignore_eos: true, logprobs: 0 };
+    const all = await openai.completions.create({ ...params, n: 4 });
+    const sum = (c) => c.logprobs.token_logprobs.reduce((a, b) => a + b, 0);
+    const ranked = [...all.choices].sort((a, b) => sum(b) - sum(a));
+    const best = await openai.completions.create({ ...params, n: 2, best_of: 4 });
+    assert.deepEqual(best.choices.map((c) => c.text), ranked.slice(0, 2).map((c) => c.text));
+    assert.deepEqual(best.choices.map((c) => c.index), [0, 1]);
+    assert.equal(best.usage.completion_tokens, 24, 'all best_of samples are counted');
+    // Without logprobs asked for, none are returned.
+    const { logprobs, ...noLogprobs } = params;
+    const quiet = await openai.completions.create({ ...noLogprobs, n: 1, best_of: 4 });
+    assert.equal(quiet.choices[0].text, ranked[0].text);
+    assert.equal(quiet.choices[0].logprobs, null);
   });
 
   test('a context overflow is a BadRequestError that gives both numbers', async () => {

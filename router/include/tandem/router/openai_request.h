@@ -21,6 +21,7 @@ namespace tandem::router {
 inline constexpr int kMaxMessagesPerRequest = 256;
 inline constexpr int kMaxJsonDepth = 32;  // nesting of the request body
 inline constexpr size_t kMaxCacheSaltBytes = 1024;
+inline constexpr int kMaxPromptsPerRequest = 32;  // a completions batch
 
 // InvalidArgument naming the request field `param` (e.g. "temperature", "messages").
 absl::Status ParamError(std::string_view param, std::string_view message);
@@ -45,9 +46,20 @@ enum class ApiKind { kCompletion, kChat };
 struct CompletionRequest {
   ApiKind kind = ApiKind::kCompletion;
   std::optional<std::string> model;
-  // Completions: the prompt as text, or as token ids when given so.
-  std::optional<std::string> prompt_text;
-  std::vector<int32_t> prompt_tokens;
+  // Completions: the prompts, each as text or as token ids when given so (a batch of several
+  // answers with choices indexed prompt by prompt: prompt k's sample i is choice k * n + i).
+  struct Prompt {
+    std::optional<std::string> text;
+    std::vector<int32_t> tokens;
+  };
+  std::vector<Prompt> prompts;
+  // Completions: each choice's text starts with its prompt's.
+  bool echo = false;
+  // Completions: samples generated per prompt, of which the n with the highest cumulative
+  // logprob are returned; 0: n.
+  int best_of = 0;
+  // Completions: text after the completion (fill-in-the-middle); "" for none.
+  std::string suffix;
   bool add_special_tokens = true;
   // Chat: [{"role", "content": string, ...}], content parts joined; roles checked; an
   // assistant's tool_calls and a tool message's tool_call_id kept (see NormalizeMessages).
@@ -70,8 +82,9 @@ struct CompletionRequest {
 };
 
 // Checks every field's type and range; `vocab_size` bounds token ids. Unknown fields are
-// ignored, but fields whose meaning Tandem does not implement (echo, suffix, best_of > n,
-// functions, tools on completions, ...) are refused rather than silently dropped. Structured outputs
+// ignored, but fields whose meaning Tandem does not implement (echo with logprobs, best_of
+// with streaming, functions, tools on completions, ...) are refused rather than silently
+// dropped. Structured outputs
 // (response_format json_object / json_schema, guided_json / guided_regex / guided_grammar /
 // guided_choice, structured_outputs) become params.structured, at most one of them, its
 // grammar built to refuse a bad schema, regex or grammar here (param: the field it came from).
