@@ -58,15 +58,57 @@ absl::Status ApiServerImpl::PrepareTools(CompletionRequest& r) const {
   return absl::OkStatus();
 }
 
-void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& ex, ApiKind kind) {
+namespace {
+
+// A chat field's error as the Responses field it came from.
+absl::Status AsResponsesError(absl::Status status) {
+  const std::string param = ParamOf(status);
+  std::string renamed;
+  if (param == "messages") renamed = "input";
+  if (param == "max_tokens") renamed = "max_output_tokens";
+  if (param == "response_format") renamed = "text";
+  if (renamed.empty()) return status;
+  absl::Status out = ParamError(renamed, std::string(status.message()));
+  const std::string code = ErrorCodeOf(status);
+  return code.empty() ? out : WithErrorCode(out, code);
+}
+
+}  // namespace
+
+void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& ex, ApiKind kind,
+                                     bool responses) {
   if (draining_) {
     return ReplyError(*ex, absl::UnavailableError("the server is shutting down"));
   }
   absl::StatusOr<json> body = ParseJsonObject(ex->request().body);
   if (!body.ok()) return ReplyError(*ex, body.status());
-  absl::StatusOr<CompletionRequest> parsed =
-      ParseCompletionRequest(*body, kind, vocab_size_, ex->request().body);
-  if (!parsed.ok()) return ReplyError(*ex, parsed.status());
+  std::string raw = ex->request().body;
+  json response_fields = json::object();
+  if (responses) {
+    nlohmann::ordered_json ordered =
+        nlohmann::ordered_json::parse(raw, nullptr, /*allow_exceptions=*/false);
+    absl::StatusOr<nlohmann::ordered_json> chat = ResponsesToChat(ordered);
+    if (!chat.ok()) return ReplyError(*ex, chat.status());
+    raw = chat->dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+    body = json::parse(raw);
+    // What the response object repeats of the request.
+    const json& request = json::parse(ex->request().body);
+    for (const char* key : {"instructions", "max_output_tokens", "temperature", "top_p",
+                            "tool_choice", "tools", "parallel_tool_calls", "text", "metadata"}) {
+      auto it = request.find(key);
+      response_fields[key] = it == request.end() ? json(nullptr) : *it;
+    }
+    if (response_fields["tools"].is_null()) response_fields["tools"] = json::array();
+    if (response_fields["tool_choice"].is_null()) response_fields["tool_choice"] = "auto";
+    if (response_fields["parallel_tool_calls"].is_null()) {
+      response_fields["parallel_tool_calls"] = true;
+    }
+    if (response_fields["text"].is_null()) response_fields["text"] = {{"format", {{"type", "text"}}}};
+  }
+  absl::StatusOr<CompletionRequest> parsed = ParseCompletionRequest(*body, kind, vocab_size_, raw);
+  if (!parsed.ok()) {
+    return ReplyError(*ex, responses ? AsResponsesError(parsed.status()) : parsed.status());
+  }
   CompletionRequest& r = *parsed;
   if (r.model) {
     if (absl::Status s = CheckModelName(*r.model); !s.ok()) return ReplyError(*ex, s);
@@ -127,7 +169,9 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
   gen->server = this;
   gen->exchange = ex;
   gen->kind = kind;
-  gen->id = NewId(kind == ApiKind::kChat ? "chatcmpl-" : "cmpl-");
+  gen->id = NewId(responses ? "resp_" : kind == ApiKind::kChat ? "chatcmpl-" : "cmpl-");
+  gen->responses = responses;
+  gen->response_fields = std::move(response_fields);
   gen->model = options_.served_model_names.front();
   gen->created = UnixSeconds();
   gen->stream = r.stream;
@@ -173,7 +217,8 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
         submitted = absl::Status(submitted.code(),
                                  absl::StrCat("prompt[", k, "]: ", submitted.message()));
       }
-      return ReplyError(*ex, AttachParam(submitted, kind));
+      absl::Status error = AttachParam(submitted, kind);
+      return ReplyError(*ex, responses ? AsResponsesError(error) : error);
     }
   }
   metrics_.prompt_tokens->Increment(prompt_len);
@@ -181,6 +226,7 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
     metrics_.Http(200)->Increment();
     ex->BeginStream(200, "text/event-stream",
                     {{"Cache-Control", "no-cache"}, {"X-Request-Id", gen->id}});
+    if (responses) return gen->ResponsesStart();
     for (size_t i = 0; i < gen->choices.size(); ++i) {
       json choice;
       if (kind == ApiKind::kChat) {
@@ -443,6 +489,10 @@ void Generation::OnOutput(int request, const engine::RequestOutput& out,
       Merge(c.logprobs, lp);
       continue;
     }
+    if (responses) {
+      ResponsesDelta(d, c);
+      continue;
+    }
     if (c.tool_parser) {
       StreamChat(index, d, c, std::move(lp));
       continue;
@@ -466,7 +516,9 @@ void Generation::OnOutput(int request, const engine::RequestOutput& out,
 
   const std::string reason =
       choices.empty() ? "stop" : engine::FinishReasonName(choices.front().finish);
-  if (stream) {
+  if (responses && !choices.empty()) {
+    ResponsesFinish(choices.front());
+  } else if (stream) {
     if (include_usage) {
       json usage_chunk = Chunk(json::array());
       usage_chunk["usage"] = Usage();
@@ -523,7 +575,7 @@ void Generation::Fail(const absl::Status& status) {
     json error = json::parse(
         ErrorBody(code, std::string(status.message()), ParamOf(status), ErrorCodeOf(status)));
     exchange->Send(absl::StrCat("event: error\ndata: ", Dump(error), "\n\n"));
-    exchange->Send("data: [DONE]\n\n");
+    if (!responses) exchange->Send("data: [DONE]\n\n");
     exchange->EndStream();
   } else {
     server->ReplyError(*exchange, status);

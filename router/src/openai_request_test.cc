@@ -422,3 +422,62 @@ TEST(ErrorBodyTest, HasTheOpenAiShape) {
 
 }  // namespace
 }  // namespace tandem::router
+
+namespace tandem::router {
+namespace {
+
+TEST(ResponsesToChatTest, InputItemsBecomeMessages) {
+  auto body = nlohmann::ordered_json::parse(R"({
+      "model": "m", "instructions": "be brief", "max_output_tokens": 5, "store": true,
+      "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{\"a\":1}"},
+        {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
+      "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}}],
+      "tool_choice": {"type": "function", "name": "w"},
+      "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}}})");
+  absl::StatusOr<nlohmann::ordered_json> chat = ResponsesToChat(body);
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  const nlohmann::ordered_json& m = (*chat)["messages"];
+  ASSERT_EQ(m.size(), 4u);
+  EXPECT_EQ(m[0], nlohmann::ordered_json({{"role", "system"}, {"content", "be brief"}}));
+  EXPECT_EQ(m[1]["content"], "weather?");
+  EXPECT_EQ(m[2]["role"], "assistant");
+  ASSERT_EQ(m[2]["tool_calls"].size(), 2u) << "calls of one turn are one message";
+  EXPECT_EQ(m[2]["tool_calls"][0]["id"], "c1");
+  EXPECT_EQ(m[2]["tool_calls"][0]["function"]["arguments"], "{\"a\":1}");
+  EXPECT_EQ(m[3], nlohmann::ordered_json(
+                      {{"role", "tool"}, {"tool_call_id", "c1"}, {"content", "sunny"}}));
+  EXPECT_EQ((*chat)["max_tokens"], 5);
+  EXPECT_EQ((*chat)["tools"][0]["function"]["name"], "w");
+  EXPECT_EQ((*chat)["tool_choice"]["function"]["name"], "w");
+  EXPECT_EQ((*chat)["response_format"]["json_schema"]["name"], "s");
+  EXPECT_FALSE(chat->contains("store"));
+  // The translation is a chat request the parser accepts.
+  absl::StatusOr<CompletionRequest> r =
+      ParseCompletionRequest(nlohmann::json::parse(chat->dump()), ApiKind::kChat, kVocab);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tools.choice, ToolChoice::kFunction);
+}
+
+TEST(ResponsesToChatTest, RefusesWhatItCannotServe) {
+  auto refused = [](const std::string& text, const std::string& param) {
+    absl::StatusOr<nlohmann::ordered_json> chat =
+        ResponsesToChat(nlohmann::ordered_json::parse(text));
+    ASSERT_FALSE(chat.ok()) << text;
+    EXPECT_EQ(ParamOf(chat.status()), param) << chat.status();
+  };
+  refused(R"({"input": "x", "previous_response_id": "resp_1"})", "previous_response_id");
+  refused(R"({"input": "x", "background": true})", "background");
+  refused(R"({"model": "m"})", "input");
+  refused(R"({"input": 5})", "input");
+  refused(R"({"input": [{"type": "input_image"}]})", "input");
+  refused(R"({"input": [{"role": "user", "content": [{"type": "input_file"}]}]})", "input");
+  refused(R"({"input": "x", "tools": [{"type": "file_search"}]})", "tools");
+  refused(R"({"input": "x", "tool_choice": {"type": "web_search"}})", "tool_choice");
+  refused(R"({"input": "x", "text": {"format": {"type": "xml"}}})", "text");
+}
+
+}  // namespace
+}  // namespace tandem::router

@@ -156,6 +156,7 @@ void ApiServerImpl::Handle(const std::shared_ptr<http::HttpExchange>& ex) {
       {"/v1/models", "GET", Endpoint::kModels},
       {"/v1/completions", "POST", Endpoint::kCompletions},
       {"/v1/chat/completions", "POST", Endpoint::kChatCompletions},
+      {"/v1/responses", "POST", Endpoint::kResponses},
       {"/tokenize", "POST", Endpoint::kTokenize},
       {"/detokenize", "POST", Endpoint::kDetokenize},
   };
@@ -195,6 +196,8 @@ void ApiServerImpl::Handle(const std::shared_ptr<http::HttpExchange>& ex) {
       return HandleGeneration(ex, ApiKind::kCompletion);
     case Endpoint::kChatCompletions:
       return HandleGeneration(ex, ApiKind::kChat);
+    case Endpoint::kResponses:
+      return HandleGeneration(ex, ApiKind::kChat, /*responses=*/true);
     case Endpoint::kTokenize:
       return HandleTokenize(*ex);
     case Endpoint::kDetokenize:

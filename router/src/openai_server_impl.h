@@ -135,6 +135,16 @@ struct Generation {
   int n = 1;           // choices returned per prompt
   int per_prompt = 1;  // samples drawn per prompt (best_of, or n)
   std::vector<Request> requests;
+  // /v1/responses: the chat generation rendered as a Responses object or events, with the
+  // request's fields the object repeats (instructions, tools, text, ...).
+  bool responses = false;
+  json response_fields = json::object();
+  struct ResponsesStream {
+    int sequence = 0;
+    json output = json::array();  // items done
+    json open = nullptr;          // the item being streamed
+    std::string text;             // its text or arguments so far
+  } responses_stream;
   // Chat with tools (other than tool_choice none): the output is parsed for tool calls.
   ToolCallFormat tool_format = ToolCallFormat::kNone;
   int prompt_tokens = 0;
@@ -161,6 +171,20 @@ struct Generation {
   void StreamChat(int index, const engine::ChoiceDelta& d, Choice& c, json logprobs);
   // A whole chat message: content and, when the output held calls, tool_calls.
   json ChatMessage(const Choice& c, int* num_calls) const;
+  // /v1/responses (openai_responses.cc).
+  json ResponseObject(const std::string& status, json output) const;
+  std::string ResponseStatus(const Choice& c) const;
+  json ResponseOutput(const Choice& c) const;
+  void ResponsesEvent(const std::string& type, json data);
+  void ResponsesCloseItem();
+  void ResponsesText(const std::string& text);
+  void ResponsesDelta(const engine::ChoiceDelta& d, Choice& c);
+  void ResponsesFinish(const Choice& c);
+
+ public:
+  void ResponsesStart();
+
+ private:
   void Fail(const absl::Status& status);
   void Finalize(const std::string& reason);
 };
@@ -211,6 +235,7 @@ class ApiServerImpl : public ApiServer {
     kModels,
     kCompletions,
     kChatCompletions,
+    kResponses,
     kTokenize,
     kDetokenize
   };
@@ -247,7 +272,9 @@ class ApiServerImpl : public ApiServer {
   void HandleDetokenize(http::HttpExchange& ex);
   void HandleReady(const std::shared_ptr<http::HttpExchange>& ex);
   void ReadyDone(const absl::Status& status);
-  void HandleGeneration(const std::shared_ptr<http::HttpExchange>& ex, ApiKind kind);
+  // Completions, chat completions, and /v1/responses (`responses`: translated into a chat).
+  void HandleGeneration(const std::shared_ptr<http::HttpExchange>& ex, ApiKind kind,
+                        bool responses = false);
 
   // Declared first, destroyed last: everything below may use them until it is gone.
   ApiServerOptions options_;

@@ -110,3 +110,18 @@ absl::StatusOr<nlohmann::json> NormalizeMessages(const nlohmann::json& messages)
 absl::Status AttachParam(absl::Status status, ApiKind kind);
 
 }  // namespace tandem::router
+
+namespace tandem::router {
+
+// A /v1/responses request turned into the chat completions body that means the same:
+// `instructions` and `input` (a string, or items: messages with input_text / output_text parts,
+// function_call and function_call_output) become `messages`, flat function `tools` and a
+// function `tool_choice` take the chat shape, `max_output_tokens` becomes `max_tokens`,
+// `text.format` becomes `response_format`; temperature, top_p, seed, stream, parallel_tool_calls
+// and the vLLM sampling fields carry over. What Responses offers and Tandem does not
+// (previous_response_id, background, built-in tools, non-text inputs) is an InvalidArgument
+// naming the field; the rest (store, metadata, reasoning, include, truncation, user) is ignored.
+// Keys keep the client's order.
+absl::StatusOr<nlohmann::ordered_json> ResponsesToChat(const nlohmann::ordered_json& body);
+
+}  // namespace tandem::router
