@@ -76,7 +76,7 @@ absl::Status AsResponsesError(absl::Status status) {
 }  // namespace
 
 void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& ex, ApiKind kind,
-                                     bool responses) {
+                                     bool responses, bool constraint_ready) {
   if (draining_) {
     return ReplyError(*ex, absl::UnavailableError("the server is shutting down"));
   }
@@ -114,6 +114,15 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
     if (absl::Status s = CheckModelName(*r.model); !s.ok()) return ReplyError(*ex, s);
   }
   if (absl::Status s = PrepareTools(r); !s.ok()) return ReplyError(*ex, s);
+  if (r.params.structured.active() && !constraint_ready && compiler_ != nullptr) {
+    // The grammar is compiled for the engine's vocabulary on a compiler thread; the request
+    // then starts over on this connection's thread (parsing again is cheap next to compiling).
+    compiler_->Post([this, ex, kind, responses, params = r.params] {
+      (void)engine_->PrepareConstraint(params);  // an error shows again at Submit
+      ex->Run([this, ex, kind, responses] { HandleGeneration(ex, kind, responses, true); });
+    });
+    return;
+  }
 
   // The engine requests: the chat's one prompt, or each prompt of a completions batch.
   std::vector<std::vector<int32_t>> prompts;

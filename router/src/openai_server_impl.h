@@ -7,11 +7,15 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -97,6 +101,25 @@ struct ApiMetrics {
 };
 
 class ApiServerImpl;
+
+// Compiles structured-output constraints off the HTTP I/O threads: a request whose grammar may
+// take seconds to compile (a bounded JSON schema on a 128k vocabulary) waits for one of these
+// threads, then goes on on its connection's thread, where Submit finds the grammar cached.
+class ConstraintCompiler {
+ public:
+  explicit ConstraintCompiler(int num_threads);
+  // Drops the jobs not started, lets the running ones finish and joins.
+  ~ConstraintCompiler();
+  void Post(std::function<void()> job);
+
+ private:
+  void Run();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;  // guarded by mu_
+  bool stop_ = false;                       // guarded by mu_
+  std::vector<std::thread> threads_;
+};
 
 // One generation request from acceptance to its last byte. Every method runs on the
 // connection's I/O thread (engine outputs are handed over with http::HttpExchange::Run), so it needs
@@ -273,8 +296,10 @@ class ApiServerImpl : public ApiServer {
   void HandleReady(const std::shared_ptr<http::HttpExchange>& ex);
   void ReadyDone(const absl::Status& status);
   // Completions, chat completions, and /v1/responses (`responses`: translated into a chat).
+  // `constraint_ready`: the request comes back from the ConstraintCompiler (its grammar is in
+  // the engine's cache); otherwise a constrained request goes there first.
   void HandleGeneration(const std::shared_ptr<http::HttpExchange>& ex, ApiKind kind,
-                        bool responses = false);
+                        bool responses = false, bool constraint_ready = false);
 
   // Declared first, destroyed last: everything below may use them until it is gone.
   ApiServerOptions options_;
@@ -300,6 +325,8 @@ class ApiServerImpl : public ApiServer {
   // it is bound, before Create returns and http_ is assigned on the starting thread.
   std::atomic<http::HttpServer*> http_for_handlers_{nullptr};
   std::unique_ptr<engine::Generator> engine_;
+  // Stopped (joined) before engine_ goes: its jobs use the engine.
+  std::unique_ptr<ConstraintCompiler> compiler_;
 };
 
 }  // namespace tandem::router::internal
