@@ -183,11 +183,23 @@ void Masks(benchmark::State& state, Grammar (*make)(), bool long_document) {
 
 // Compile time is wall time (the walks run on several threads): one thread, then all.
 BENCHMARK_CAPTURE(Compile, json_schema, SchemaGrammar)
-    ->Arg(1)->Arg(0)->Unit(benchmark::kMillisecond)->MinTime(2)->UseRealTime();
+    ->Arg(1)
+    ->Arg(0)
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(2)
+    ->UseRealTime();
 BENCHMARK_CAPTURE(Compile, json_object, ObjectGrammar)
-    ->Arg(1)->Arg(0)->Unit(benchmark::kMillisecond)->MinTime(2)->UseRealTime();
+    ->Arg(1)
+    ->Arg(0)
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(2)
+    ->UseRealTime();
 BENCHMARK_CAPTURE(Compile, bounded_schema, BoundedSchemaGrammar)
-    ->Arg(1)->Arg(0)->Unit(benchmark::kMillisecond)->Iterations(3)->UseRealTime();
+    ->Arg(1)
+    ->Arg(0)
+    ->Unit(benchmark::kMillisecond)
+    ->Iterations(3)
+    ->UseRealTime();
 BENCHMARK_CAPTURE(Masks, json_schema, SchemaGrammar, false)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(Masks, json_object, ObjectGrammar, false)->Unit(benchmark::kMillisecond);
 BENCHMARK_CAPTURE(Masks, json_object_long, ObjectGrammar, true)->Unit(benchmark::kMillisecond);

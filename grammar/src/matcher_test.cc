@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <thread>
 
-#include "gtest/gtest.h"
 #include "automaton.h"
+#include "gtest/gtest.h"
 #include "tandem/grammar/json_schema.h"
 #include "testing/byte_vocab.h"
 #include "testing/schema_fuzz.h"

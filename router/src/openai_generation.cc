@@ -19,9 +19,9 @@ absl::StatusOr<std::vector<int32_t>> ApiServerImpl::ChatTokens(const json& messa
   absl::StatusOr<std::string> text;
   if (tools.active()) {
     // The tools in the client's key order, as transformers hands them to the template.
-    text = engine_->chat_formatter().ApplyOrdered(
-        nlohmann::ordered_json::parse(messages.dump()), add_generation_prompt,
-        nlohmann::ordered_json{{"tools", tools.tools}});
+    text = engine_->chat_formatter().ApplyOrdered(nlohmann::ordered_json::parse(messages.dump()),
+                                                  add_generation_prompt,
+                                                  nlohmann::ordered_json{{"tools", tools.tools}});
   } else {
     text = engine_->chat_formatter().Apply(messages, add_generation_prompt);
   }
@@ -52,7 +52,8 @@ absl::Status ApiServerImpl::PrepareTools(CompletionRequest& r) const {
   absl::Status valid = constraint.Validate(/*num_prompt_tokens=*/1);
   if (valid.ok()) valid = engine::BuildGrammar(constraint).status();
   if (!valid.ok()) {
-    return ParamError("tools", absl::StrCat("the tools' call grammar is refused: ", valid.message()));
+    return ParamError("tools",
+                      absl::StrCat("the tools' call grammar is refused: ", valid.message()));
   }
   r.params.structured = std::move(constraint);
   return absl::OkStatus();
@@ -103,7 +104,8 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
     if (response_fields["parallel_tool_calls"].is_null()) {
       response_fields["parallel_tool_calls"] = true;
     }
-    if (response_fields["text"].is_null()) response_fields["text"] = {{"format", {{"type", "text"}}}};
+    if (response_fields["text"].is_null())
+      response_fields["text"] = {{"format", {{"type", "text"}}}};
   }
   absl::StatusOr<CompletionRequest> parsed = ParseCompletionRequest(*body, kind, vocab_size_, raw);
   if (!parsed.ok()) {
@@ -135,8 +137,9 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
   } else {
     for (CompletionRequest::Prompt& p : r.prompts) {
       if (r.echo) {
-        echoes.push_back(p.text ? *p.text
-                                : engine_->tokenizer().Decode(p.tokens, /*skip_special_tokens=*/false));
+        echoes.push_back(
+            p.text ? *p.text
+                   : engine_->tokenizer().Decode(p.tokens, /*skip_special_tokens=*/false));
       }
       std::vector<int32_t> tokens =
           p.text ? engine_->tokenizer().Encode(*p.text, r.add_special_tokens) : std::move(p.tokens);
@@ -223,8 +226,8 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
       gen->done = true;
       RequestFinished();
       if (prompts.size() > 1) {
-        submitted = absl::Status(submitted.code(),
-                                 absl::StrCat("prompt[", k, "]: ", submitted.message()));
+        submitted =
+            absl::Status(submitted.code(), absl::StrCat("prompt[", k, "]: ", submitted.message()));
       }
       absl::Status error = AttachParam(submitted, kind);
       return ReplyError(*ex, responses ? AsResponsesError(error) : error);
@@ -252,18 +255,19 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
       } else {
         continue;
       }
-      json chunk = {{"id", gen->id},
-                    {"object", kind == ApiKind::kChat ? "chat.completion.chunk" : "text_completion"},
-                    {"created", gen->created},
-                    {"model", gen->model},
-                    {"choices", json::array({choice})}};
+      json chunk = {
+          {"id", gen->id},
+          {"object", kind == ApiKind::kChat ? "chat.completion.chunk" : "text_completion"},
+          {"created", gen->created},
+          {"model", gen->model},
+          {"choices", json::array({choice})}};
       ex->Send(Sse(chunk));
     }
   }
 }
 
-absl::StatusOr<std::vector<int32_t>> ApiServerImpl::FillInTheMiddle(std::vector<int32_t> prompt,
-                                                                    const std::string& suffix) const {
+absl::StatusOr<std::vector<int32_t>> ApiServerImpl::FillInTheMiddle(
+    std::vector<int32_t> prompt, const std::string& suffix) const {
   // The fill-in-the-middle tokens of the code models that have them (prefix-suffix-middle order):
   // Qwen2.5-Coder and later Qwen, StarCoder / SantaCoder.
   static constexpr const char* kFimTokens[][3] = {

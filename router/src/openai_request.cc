@@ -195,10 +195,11 @@ absl::Status ReadPrompt(const json& body, int vocab_size, CompletionRequest* r) 
       p.text = item.get<std::string>();
     } else {
       if (!item.is_array()) {
-        return ParamError("prompt",
-                          absl::StrCat("prompt[", i, "] must be an array of token ids, as the first"));
+        return ParamError(
+            "prompt", absl::StrCat("prompt[", i, "] must be an array of token ids, as the first"));
       }
-      if (item.empty()) return ParamError("prompt", absl::StrCat("prompt[", i, "] must not be empty"));
+      if (item.empty())
+        return ParamError("prompt", absl::StrCat("prompt[", i, "] must not be empty"));
       TANDEM_RETURN_IF_ERROR(ReadTokenIds(item, "prompt", vocab_size, &p.tokens));
     }
     r->prompts.push_back(std::move(p));
@@ -228,8 +229,8 @@ absl::Status ReadCompletionExtras(const json& body, ApiKind kind, int n, bool st
   if (best_of && *best_of != n) {
     if (chat) return completions_only("best_of");
     if (*best_of < n) {
-      return ParamError("best_of", absl::StrCat("best_of must be at least n (", n, "), got ",
-                                                *best_of));
+      return ParamError("best_of",
+                        absl::StrCat("best_of must be at least n (", n, "), got ", *best_of));
     }
     if (stream) {
       return ParamError("best_of",
@@ -825,9 +826,10 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKi
     TANDEM_RETURN_IF_ERROR(ReadInt(body, "logprobs", 0, engine::kMaxTopLogprobs, &logprobs));
     p.logprobs = logprobs ? static_cast<int>(*logprobs) : -1;
     if (r.echo && logprobs) {
-      return ParamError("echo",
-                        "echo with logprobs needs the prompt's logprobs, which this server does not "
-                        "compute; drop one of them");
+      return ParamError(
+          "echo",
+          "echo with logprobs needs the prompt's logprobs, which this server does not "
+          "compute; drop one of them");
     }
   } else {
     bool logprobs = false;

@@ -183,8 +183,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadField{R"({"prompt": "x", "stream": "yes"})", "stream", "must be a boolean"},
         BadField{R"({"prompt": "x", "stream_options": {"include_usage": true}})", "stream_options",
                  "only allowed when stream"},
-        BadField{R"({"prompt": "x", "echo": true, "logprobs": 1})", "echo",
-                 "prompt's logprobs"},
+        BadField{R"({"prompt": "x", "echo": true, "logprobs": 1})", "echo", "prompt's logprobs"},
         BadField{R"({"prompt": "x", "echo": 1})", "echo", "must be a boolean"},
         BadField{R"({"prompt": "x", "suffix": 2})", "suffix", "must be a string"},
         BadField{R"({"prompt": "x", "best_of": 3, "stream": true})", "best_of",
@@ -242,8 +241,8 @@ TEST(ParseChatRequestTest, KeepsToolCallsAndToolResultsForTheTemplate) {
 }
 
 TEST(ParseCompletionRequestTest, ToolsAreForChatOnly) {
-  absl::StatusOr<CompletionRequest> r = Completion(
-      R"({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]})");
+  absl::StatusOr<CompletionRequest> r =
+      Completion(R"({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]})");
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(ParamOf(r.status()), "tools");
   EXPECT_THAT(r.status().message(), HasSubstr("only supported on /v1/chat/completions"));

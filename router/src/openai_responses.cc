@@ -51,10 +51,9 @@ json Generation::ResponseOutput(const Choice& c) const {
                       {"id", NewId("msg_")},
                       {"status", status},
                       {"role", "assistant"},
-                      {"content",
-                       json::array({{{"type", "output_text"},
-                                     {"text", message["content"]},
-                                     {"annotations", json::array()}}})}});
+                      {"content", json::array({{{"type", "output_text"},
+                                                {"text", message["content"]},
+                                                {"annotations", json::array()}}})}});
   }
   if (message.contains("tool_calls")) {
     for (const json& call : message["tool_calls"]) {
@@ -95,15 +94,15 @@ void Generation::ResponsesCloseItem() {
                                                  {"content_index", 0},
                                                  {"text", s.text},
                                                  {"logprobs", json::array()}});
-    ResponsesEvent("response.content_part.done",
-                   {{"item_id", item_id}, {"output_index", index}, {"content_index", 0},
-                    {"part", part}});
+    ResponsesEvent(
+        "response.content_part.done",
+        {{"item_id", item_id}, {"output_index", index}, {"content_index", 0}, {"part", part}});
     item["content"] = json::array({part});
   } else {
     ResponsesEvent("response.function_call_arguments.done", {{"item_id", item_id},
-                                                            {"output_index", index},
-                                                            {"name", item["name"]},
-                                                            {"arguments", s.text}});
+                                                             {"output_index", index},
+                                                             {"name", item["name"]},
+                                                             {"arguments", s.text}});
     item["arguments"] = s.text;
   }
   item["status"] = "completed";
@@ -124,11 +123,12 @@ void Generation::ResponsesText(const std::string& text) {
               {"role", "assistant"},
               {"content", json::array()}};
     ResponsesEvent("response.output_item.added", {{"output_index", index}, {"item", s.open}});
-    ResponsesEvent("response.content_part.added",
-                   {{"item_id", s.open["id"]},
-                    {"output_index", index},
-                    {"content_index", 0},
-                    {"part", {{"type", "output_text"}, {"text", ""}, {"annotations", json::array()}}}});
+    ResponsesEvent(
+        "response.content_part.added",
+        {{"item_id", s.open["id"]},
+         {"output_index", index},
+         {"content_index", 0},
+         {"part", {{"type", "output_text"}, {"text", ""}, {"annotations", json::array()}}}});
   }
   ResponsesEvent("response.output_text.delta", {{"item_id", s.open["id"]},
                                                 {"output_index", index},
@@ -157,12 +157,9 @@ void Generation::ResponsesDelta(const engine::ChoiceDelta& d, Choice& c) {
     if (call.first) {
       ResponsesCloseItem();
       c.tool_call_ids.push_back(NewId("call_"));
-      s.open = {{"type", "function_call"},
-                {"id", NewId("fc_")},
-                {"call_id", c.tool_call_ids.back()},
-                {"name", call.name},
-                {"arguments", ""},
-                {"status", "in_progress"}};
+      s.open = {
+          {"type", "function_call"}, {"id", NewId("fc_")}, {"call_id", c.tool_call_ids.back()},
+          {"name", call.name},       {"arguments", ""},    {"status", "in_progress"}};
       ResponsesEvent("response.output_item.added",
                      {{"output_index", static_cast<int>(s.output.size())}, {"item", s.open}});
     } else if (!s.open.is_null() && s.open["type"] == "function_call") {

@@ -59,10 +59,26 @@ absl::StatusOr<ojson> ResponsesToChat(const ojson& body) {
     return Unsupported("conversation", "conversations are not stored; send them in input");
   }
   ojson chat = ojson::object();
-  for (const char* name : {"model", "temperature", "top_p", "top_k", "min_p", "seed", "stream",
-                           "parallel_tool_calls", "presence_penalty", "frequency_penalty",
-                           "repetition_penalty", "stop", "logit_bias", "cache_salt", "ignore_eos", "min_tokens",
-                           "structured_outputs", "guided_json", "guided_regex", "guided_grammar",
+  for (const char* name : {"model",
+                           "temperature",
+                           "top_p",
+                           "top_k",
+                           "min_p",
+                           "seed",
+                           "stream",
+                           "parallel_tool_calls",
+                           "presence_penalty",
+                           "frequency_penalty",
+                           "repetition_penalty",
+                           "stop",
+                           "logit_bias",
+                           "cache_salt",
+                           "ignore_eos",
+                           "min_tokens",
+                           "structured_outputs",
+                           "guided_json",
+                           "guided_regex",
+                           "guided_grammar",
                            "guided_choice"}) {
     if (const ojson* v = Get(body, name)) chat[name] = *v;
   }
@@ -102,8 +118,9 @@ absl::StatusOr<ojson> ResponsesToChat(const ojson& body) {
         const ojson* call_id = Get(item, "call_id");
         if (name == nullptr || !name->is_string() || arguments == nullptr ||
             !arguments->is_string() || call_id == nullptr || !call_id->is_string()) {
-          return ParamError("input", where + ": a function_call needs string call_id, name and "
-                                             "arguments");
+          return ParamError("input", where +
+                                         ": a function_call needs string call_id, name and "
+                                         "arguments");
         }
         ojson call = {{"id", *call_id},
                       {"type", "function"},
@@ -121,8 +138,9 @@ absl::StatusOr<ojson> ResponsesToChat(const ojson& body) {
         const ojson* call_id = Get(item, "call_id");
         const ojson* output = Get(item, "output");
         if (call_id == nullptr || !call_id->is_string() || output == nullptr) {
-          return ParamError("input", where + ": a function_call_output needs a string call_id "
-                                             "and an output");
+          return ParamError("input", where +
+                                         ": a function_call_output needs a string call_id "
+                                         "and an output");
         }
         std::string text;
         if (output->is_string()) {
@@ -149,7 +167,8 @@ absl::StatusOr<ojson> ResponsesToChat(const ojson& body) {
       const ojson& t = (*tools)[i];
       const ojson* type = t.is_object() ? Get(t, "type") : nullptr;
       if (type == nullptr || !type->is_string() || type->get<std::string>() != "function") {
-        return ParamError("tools", absl::StrCat("tools[", i, "].type must be 'function'; built-in "
+        return ParamError("tools", absl::StrCat("tools[", i,
+                                                "].type must be 'function'; built-in "
                                                 "tools (web search, file search, ...) are not "
                                                 "supported"));
       }

@@ -134,8 +134,8 @@ absl::Status ApiServerImpl::Start() {
   }
   TANDEM_ASSIGN_OR_RETURN(std::optional<ToolCallFormat> tool_format,
                           ParseToolCallFormat(options_.tool_call_parser));
-  tool_format_ = tool_format.value_or(
-      DetectToolCallFormat(engine_->chat_formatter().template_source()));
+  tool_format_ =
+      tool_format.value_or(DetectToolCallFormat(engine_->chat_formatter().template_source()));
   compiler_ = std::make_unique<ConstraintCompiler>(2);
   http::HttpServerOptions http = options_.http;
   http.error_response = [this](int status, const std::string& message) {

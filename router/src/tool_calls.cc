@@ -98,8 +98,8 @@ absl::StatusOr<ToolRequest> ParseToolRequest(const json& body, const ordered_jso
   if (tools != nullptr) {
     if (!tools->is_array()) return ParamError("tools", "tools must be an array of tools");
     if (tools->size() > static_cast<size_t>(kMaxTools)) {
-      return ParamError("tools", absl::StrCat("tools may hold at most ", kMaxTools,
-                                              " tools, got ", tools->size()));
+      return ParamError("tools", absl::StrCat("tools may hold at most ", kMaxTools, " tools, got ",
+                                              tools->size()));
     }
     const ordered_json* ordered = nullptr;
     if (ordered_body != nullptr) {
@@ -187,11 +187,10 @@ absl::StatusOr<ToolRequest> ParseToolRequest(const json& body, const ordered_jso
     }
     r.choice = ToolChoice::kFunction;
     r.function = name->get<std::string>();
-    if (r.active() &&
-        std::find(r.names.begin(), r.names.end(), r.function) == r.names.end()) {
-      return ParamError("tool_choice", absl::StrCat("tool_choice names the function '",
-                                                    Short(r.function),
-                                                    "', which is not among the tools"));
+    if (r.active() && std::find(r.names.begin(), r.names.end(), r.function) == r.names.end()) {
+      return ParamError("tool_choice",
+                        absl::StrCat("tool_choice names the function '", Short(r.function),
+                                     "', which is not among the tools"));
     }
   } else {
     return ParamError("tool_choice", kShape);
@@ -218,14 +217,13 @@ absl::StatusOr<std::string> ToolCallGbnf(const ToolRequest& request, ToolCallFor
     if (!args.ok()) {
       std::string message(args.status().message());
       if (absl::StartsWith(message, "json schema: ")) message.erase(0, 13);
-      return ParamError("tools", absl::StrCat("tools[", i, "].function.parameters ('",
-                                              request.names[i],
-                                              "') cannot be enforced: ", message));
+      return ParamError("tools",
+                        absl::StrCat("tools[", i, "].function.parameters ('", request.names[i],
+                                     "') cannot be enforced: ", message));
     }
     rules += *args;
     if (!functions.empty()) functions += " | ";
-    const std::string head =
-        absl::StrCat(json(request.names[i]).dump(), ", \"", args_key, "\": ");
+    const std::string head = absl::StrCat(json(request.names[i]).dump(), ", \"", args_key, "\": ");
     absl::StrAppend(&functions, grammar::GbnfLiteral(head), " ", rule);
   }
   std::string out;

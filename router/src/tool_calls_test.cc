@@ -81,8 +81,8 @@ TEST(ToolCallParserTest, HermesArgumentsBeforeNameAndEscapes) {
 
 TEST(ToolCallParserTest, HermesTextWithoutCallsIsContent) {
   for (const std::string text :
-       {"plain answer \n", "a <tool_ mention", "<tool_call> not json", "x <tool_call>{\"a\": 1}</tool_call>",
-        "ends with a partial tag <tool_c"}) {
+       {"plain answer \n", "a <tool_ mention", "<tool_call> not json",
+        "x <tool_call>{\"a\": 1}</tool_call>", "ends with a partial tag <tool_c"}) {
     Parsed p = ParseAllWays(ToolCallFormat::kHermes, text);
     EXPECT_TRUE(p.calls.empty()) << text;
     EXPECT_EQ(p.content, text) << "nothing is lost";
@@ -106,7 +106,8 @@ TEST(ToolCallParserTest, Llama3JsonCalls) {
                           "{\"name\": \"get_time\", \"parameters\": {\"tz\": \"UTC\"}} ");
   EXPECT_EQ(p.content, "");
   ASSERT_EQ(p.calls.size(), 2u);
-  EXPECT_EQ(p.calls[0], (std::pair<std::string, std::string>{"get_weather", R"({"city": "Rome"})"}));
+  EXPECT_EQ(p.calls[0],
+            (std::pair<std::string, std::string>{"get_weather", R"({"city": "Rome"})"}));
   EXPECT_EQ(p.calls[1], (std::pair<std::string, std::string>{"get_time", R"({"tz": "UTC"})"}));
   p = ParseAllWays(ToolCallFormat::kLlama3Json,
                    "<|python_tag|>{\"name\": \"f\", \"arguments\": {\"x\": 1}}");

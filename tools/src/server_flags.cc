@@ -261,9 +261,9 @@ absl::StatusOr<router::ApiServerOptions> ApiFlags(const Args& args, const std::s
   TANDEM_ASSIGN_OR_RETURN(options.tpot_slo_seconds, SloFlag(args, "tpot-slo"));
   options.tool_call_parser = args.GetOr("tool-call-parser", "auto");
   if (!router::ParseToolCallFormat(options.tool_call_parser).ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(args.command(), ": --tool-call-parser must be auto, hermes or llama3_json, got '",
-                     options.tool_call_parser, "'"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --tool-call-parser must be auto, hermes or llama3_json, got '",
+        options.tool_call_parser, "'"));
   }
   if (args.Has("api-key")) {
     options.api_key = *args.Get("api-key");

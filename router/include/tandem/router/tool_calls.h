@@ -81,7 +81,7 @@ absl::StatusOr<std::string> ToolCallGbnf(const ToolRequest& request, ToolCallFor
 // One step of a tool call as OpenAI streams it: the call's first delta carries its name (the
 // caller gives it an id and type "function"), later ones fragments of the arguments' JSON text.
 struct ToolCallDelta {
-  int index = 0;     // the call's position in the sample's tool_calls
+  int index = 0;  // the call's position in the sample's tool_calls
   bool first = false;
   std::string name;  // first only
   std::string arguments;
@@ -133,10 +133,10 @@ class ToolCallParser {
 
   ToolCallFormat format_;
   State state_;
-  std::string pending_;   // input not consumed yet
-  std::string held_ws_;   // trailing whitespace of the content, not shown yet
-  std::string between_;   // llama3_json: whitespace, `;` and <|python_tag|> before a call
-  ParsedText out_;        // what the current Feed/Finish returns
+  std::string pending_;  // input not consumed yet
+  std::string held_ws_;  // trailing whitespace of the content, not shown yet
+  std::string between_;  // llama3_json: whitespace, `;` and <|python_tag|> before a call
+  ParsedText out_;       // what the current Feed/Finish returns
   int num_calls_ = 0;
 
   // The call being read.
