@@ -1,5 +1,6 @@
 // CompiledGrammar: inlining small rules, flattening, and the context-independent token masks.
 #include <algorithm>
+#include <thread>
 
 #include "automaton.h"
 #include "tandem/base/status_macros.h"
@@ -190,7 +191,7 @@ size_t CompiledGrammar::num_uncertain() const {
 }
 
 absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Create(
-    const Grammar& grammar, std::shared_ptr<const TokenVocabulary> vocabulary) {
+    const Grammar& grammar, std::shared_ptr<const TokenVocabulary> vocabulary, int num_threads) {
   if (grammar.root < 0 || grammar.root >= static_cast<int>(grammar.rules.size())) {
     return absl::InvalidArgumentError("grammar: no root rule");
   }
@@ -205,55 +206,82 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Create(
   const auto sorted = vocab.sorted_tokens();
   const size_t words = (vocab.size() + 63) / 64;
 
-  // One arena for every position: the bottom frame (-1) stands for the unknown context.
-  internal::StackArena arena(flat);
+  // The byte-set positions, each with its slot; their walks are independent.
   compiled->slot_.assign(flat.positions.size(), -1);
-  const std::vector<std::bitset<256>> follow = FollowBytes(flat);
-  struct Level {
-    std::vector<int32_t> tops;
-    bool ended = false;    // the position's rule can end after exactly this many bytes
-    bool escaped = false;  // it can end after fewer, followed by a byte that may follow it
-  };
-  std::vector<Level> levels;
-  internal::StackArena::Step step;
+  std::vector<int32_t> byte_positions;
   for (size_t pos = 0; pos < flat.positions.size(); ++pos) {
     if (flat.positions[pos].kind != internal::FlatGrammar::Kind::kBytes || !flat.reachable[pos]) {
       continue;
     }
-    compiled->slot_[pos] = compiled->accepted_.size();
-    TokenMask accepted(words, 0);
-    std::vector<int32_t> uncertain;
-    const std::bitset<256>& after = follow[flat.rule_of[pos]];
-    levels.assign(1, Level{{arena.Intern(pos, -1)}, false, false});
-    for (size_t i = 1; i < trie.size();) {
-      const auto& node = trie[i];
-      const Level& parent = levels[node.depth - 1];
-      const bool escaped = parent.escaped || (parent.ended && after.test(node.byte));
-      arena.Advance(parent.tops, node.byte, step);
-      if (!step.matched) {
-        // No token below this node is matched inside the rule; those that continue after
-        // the rule ended depend on the stack below.
-        if (escaped) {
-          for (int32_t k = trie[i].tokens_begin; k < trie[node.subtree_end - 1].tokens_end; ++k) {
-            uncertain.push_back(k);
-          }
-        }
-        i = node.subtree_end;
-        continue;
-      }
-      for (int32_t k = node.tokens_begin; k < node.tokens_end; ++k) {
-        const int32_t id = sorted[k];
-        accepted[id >> 6] |= uint64_t{1} << (id & 63);
-      }
-      if (static_cast<int>(levels.size()) <= node.depth) levels.resize(node.depth + 1);
-      levels[node.depth].tops = step.tops;
-      levels[node.depth].ended = step.ended;
-      levels[node.depth].escaped = escaped;
-      ++i;
-    }
-    compiled->accepted_.push_back(std::move(accepted));
-    compiled->uncertain_.push_back(std::move(uncertain));
+    compiled->slot_[pos] = static_cast<int32_t>(byte_positions.size());
+    byte_positions.push_back(static_cast<int32_t>(pos));
   }
+  compiled->accepted_.resize(byte_positions.size());
+  compiled->uncertain_.resize(byte_positions.size());
+  const std::vector<std::bitset<256>> follow = FollowBytes(flat);
+
+  // Walks positions first, first + stride, ...: each worker with its own arena (stack ids are
+  // only used inside a walk), writing only its positions' slots.
+  auto walk = [&](size_t first, size_t stride) {
+    // The bottom frame (-1) stands for the unknown context.
+    internal::StackArena arena(flat);
+    struct Level {
+      std::vector<int32_t> tops;
+      bool ended = false;    // the position's rule can end after exactly this many bytes
+      bool escaped = false;  // it can end after fewer, followed by a byte that may follow it
+    };
+    std::vector<Level> levels;
+    internal::StackArena::Step step;
+    for (size_t slot = first; slot < byte_positions.size(); slot += stride) {
+      const int32_t pos = byte_positions[slot];
+      TokenMask accepted(words, 0);
+      std::vector<int32_t> uncertain;
+      const std::bitset<256>& after = follow[flat.rule_of[pos]];
+      levels.assign(1, Level{{arena.Intern(pos, -1)}, false, false});
+      for (size_t i = 1; i < trie.size();) {
+        const auto& node = trie[i];
+        const Level& parent = levels[node.depth - 1];
+        const bool escaped = parent.escaped || (parent.ended && after.test(node.byte));
+        arena.Advance(parent.tops, node.byte, step);
+        if (!step.matched) {
+          // No token below this node is matched inside the rule; those that continue after
+          // the rule ended depend on the stack below.
+          if (escaped) {
+            for (int32_t k = trie[i].tokens_begin; k < trie[node.subtree_end - 1].tokens_end; ++k) {
+              uncertain.push_back(k);
+            }
+          }
+          i = node.subtree_end;
+          continue;
+        }
+        for (int32_t k = node.tokens_begin; k < node.tokens_end; ++k) {
+          const int32_t id = sorted[k];
+          accepted[id >> 6] |= uint64_t{1} << (id & 63);
+        }
+        if (static_cast<int>(levels.size()) <= node.depth) levels.resize(node.depth + 1);
+        levels[node.depth].tops = step.tops;
+        levels[node.depth].ended = step.ended;
+        levels[node.depth].escaped = escaped;
+        ++i;
+      }
+      compiled->accepted_[slot] = std::move(accepted);
+      compiled->uncertain_[slot] = std::move(uncertain);
+    }
+  };
+  if (num_threads <= 0) {
+    num_threads = static_cast<int>(std::thread::hardware_concurrency());
+    // A small grammar or vocabulary is not worth a thread.
+    if (byte_positions.size() * trie.size() < (size_t{1} << 20)) num_threads = 1;
+  }
+  num_threads = std::clamp(num_threads, 1, kMaxCompileThreads);
+  num_threads = std::min<int>(num_threads, std::max<size_t>(byte_positions.size(), 1));
+  if (num_threads == 1) {
+    walk(0, 1);
+  } else {
+    std::vector<std::jthread> workers;
+    for (int t = 1; t < num_threads; ++t) workers.emplace_back(walk, t, num_threads);
+    walk(0, num_threads);
+  }  // the workers join here
   return std::shared_ptr<const CompiledGrammar>(std::move(compiled));
 }
 

@@ -40,32 +40,25 @@ const std::set<std::string> kKnown = {"type",    "properties", "required",  "add
                                       "pattern", "items",      "minItems",  "maxItems",
                                       "anyOf",   "$ref"};
 
-// `s` as a GBNF string literal.
-std::string Literal(std::string_view s) {
-  std::string out = "\"";
-  for (char ch : s) {
-    uint8_t c = ch;
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (c < 0x20 || c == 0x7F) {
-      absl::StrAppendFormat(&out, "\\x%02X", c);
-    } else {
-      out += ch;
-    }
-  }
-  return out + "\"";
-}
+std::string Literal(std::string_view s) { return GbnfLiteral(s); }
 
 class SchemaConverter {
  public:
-  explicit SchemaConverter(const json& root) : root_(root) {}
+  // `prefix` starts the name of every rule the schema needs (none but JSON's lexical rules).
+  SchemaConverter(const json& root, std::string prefix = "")
+      : root_(root), prefix_(std::move(prefix)) {}
+
+  // The schema's rules, the document being rule `root_name`, without JSON's lexical rules.
+  absl::StatusOr<std::string> Rules(std::string_view root_name) {
+    TANDEM_ASSIGN_OR_RETURN(std::string expr, Visit(root_, ""));
+    std::string out = absl::StrCat(std::string(root_name), " ::= ", expr, "\n");
+    for (const auto& [name, body] : rules_) absl::StrAppend(&out, name, " ::= ", body, "\n");
+    return out;
+  }
 
   absl::StatusOr<std::string> Convert() {
-    TANDEM_ASSIGN_OR_RETURN(std::string expr, Visit(root_, ""));
-    std::string out = absl::StrCat("root ::= ", expr, "\n");
-    for (const auto& [name, body] : rules_) absl::StrAppend(&out, name, " ::= ", body, "\n");
-    return out + kJsonRules;
+    TANDEM_ASSIGN_OR_RETURN(std::string rules, Rules("root"));
+    return rules + kJsonRules;
   }
 
  private:
@@ -80,7 +73,7 @@ class SchemaConverter {
       bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
       name += ok ? c : '-';
     }
-    name = absl::StrCat("s", name, "-", rules_.size());
+    name = absl::StrCat(prefix_, "s", name, "-", rules_.size());
     rules_[name] = std::move(body);
     return name;
   }
@@ -100,7 +93,7 @@ class SchemaConverter {
       }
     }
     // Name the rule before visiting, so recursive references find it.
-    std::string name = absl::StrCat("ref", refs_.size());
+    std::string name = absl::StrCat(prefix_, "ref", refs_.size());
     refs_[ref] = name;
     rules_[name] = "";
     TANDEM_ASSIGN_OR_RETURN(std::string body, Visit(*target, ref.substr(1)));
@@ -276,6 +269,7 @@ class SchemaConverter {
   }
 
   const json& root_;
+  const std::string prefix_;
   int depth_ = 0;
   std::map<std::string, std::string> rules_;
   absl::flat_hash_map<std::string, std::string> refs_;
@@ -297,6 +291,29 @@ absl::StatusOr<std::string> JsonSchemaToGbnf(std::string_view schema_text) {
   return JsonSchemaToGbnf(schema);
 }
 
+absl::StatusOr<std::string> JsonSchemaToGbnfRules(const nlohmann::ordered_json& schema,
+                                                  std::string_view name) {
+  return SchemaConverter(schema, absl::StrCat(std::string(name), "-")).Rules(name);
+}
+
+std::string JsonLexicalGbnf() { return kJsonRules; }
+
 std::string JsonObjectGbnf() { return absl::StrCat("root ::= object\n", kJsonRules); }
+
+std::string GbnfLiteral(std::string_view s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    uint8_t c = ch;
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (c < 0x20 || c == 0x7F) {
+      absl::StrAppendFormat(&out, "\\x%02X", c);
+    } else {
+      out += ch;
+    }
+  }
+  return out + "\"";
+}
 
 }  // namespace tandem::grammar

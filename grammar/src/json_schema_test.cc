@@ -125,6 +125,30 @@ TEST(JsonSchemaTest, RecursiveRefs) {
   EXPECT_FALSE(Matches(g, R"({"value": 1, "children": [{"children": []}]})"));
 }
 
+TEST(JsonSchemaTest, RulesOfSeveralSchemasShareOneGrammar) {
+  // Two schemas' rules under their own names, with $refs, in one grammar with the lexical
+  // rules once: each name matches its own schema's documents only.
+  const auto a = testing::ordered_json::parse(
+      R"({"type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}, "required": ["x"],
+          "$defs": {"n": {"type": "string", "maxLength": 2}}})");
+  const auto b = testing::ordered_json::parse(
+      R"({"type": "object", "properties": {"y": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+          "required": ["y"], "$defs": {"n": {"type": "integer"}}})");
+  auto rules_a = JsonSchemaToGbnfRules(a, "tool-a");
+  auto rules_b = JsonSchemaToGbnfRules(b, "tool-b");
+  ASSERT_TRUE(rules_a.ok() && rules_b.ok());
+  EXPECT_THAT(*rules_a, ::testing::Not(::testing::HasSubstr("\nws ::=")));
+  auto g = CompileGbnf("root ::= \"A\" tool-a | \"B\" tool-b\n" + *rules_a + *rules_b +
+                       JsonLexicalGbnf());
+  ASSERT_NE(g, nullptr);
+  EXPECT_TRUE(Matches(g, R"(A{"x": "ok"})"));
+  EXPECT_TRUE(Matches(g, R"(B{"y": [1, 2]})"));
+  EXPECT_FALSE(Matches(g, R"(A{"x": "long"})"));
+  EXPECT_FALSE(Matches(g, R"(B{"y": ["s"]})"));
+  EXPECT_FALSE(Matches(g, R"(A{"y": [1]})"));
+  EXPECT_EQ(GbnfLiteral("a\"b\\\n"), R"("a\"b\\\x0A")");
+}
+
 TEST(JsonSchemaTest, JsonObjectIsAnyObject) {
   auto g = CompileGbnf(JsonObjectGbnf());
   EXPECT_TRUE(Matches(g, R"({"a": [1, 2.5e3, "x\u00e9\n", null, true, {}], "b": {"c": false}})"));

@@ -2,8 +2,10 @@
 // that sample only allowed tokens, rollback, stop and special tokens, and the grammar cache.
 #include "tandem/grammar/matcher.h"
 
+#include <algorithm>
 #include <thread>
 
+#include "automaton.h"
 #include "gtest/gtest.h"
 #include "tandem/grammar/json_schema.h"
 #include "testing/byte_vocab.h"
@@ -85,6 +87,26 @@ TEST(GrammarMatcherTest, MaskEqualsBruteForceAlongRandomWalks) {
       ASSERT_EQ(allowed, BruteForce(m, n)) << gbnf << "\nstep " << step;
       ASSERT_FALSE(allowed.empty());
       ASSERT_TRUE(m.AcceptToken(allowed[fuzz.Uniform(0, allowed.size() - 1)]));
+    }
+  }
+}
+
+TEST(CompiledGrammarTest, ThreadsDoNotChangeTheMasks) {
+  testing::SchemaFuzzer fuzz(23);
+  for (int i = 0; i < 20; ++i) {
+    auto grammar = ParseGbnf(*JsonSchemaToGbnf(fuzz.Schema()));
+    ASSERT_TRUE(grammar.ok());
+    auto one = CompiledGrammar::Create(*grammar, SyntheticVocabulary(), 1);
+    auto four = CompiledGrammar::Create(*grammar, SyntheticVocabulary(), 4);
+    ASSERT_TRUE(one.ok() && four.ok());
+    ASSERT_EQ((*one)->num_positions(), (*four)->num_positions());
+    for (size_t pos = 0; pos < (*one)->flat().positions.size(); ++pos) {
+      if ((*one)->flat().positions[pos].kind != internal::FlatGrammar::Kind::kBytes ||
+          !(*one)->flat().reachable[pos]) {
+        continue;
+      }
+      ASSERT_EQ((*one)->accepted(pos), (*four)->accepted(pos)) << "position " << pos;
+      ASSERT_TRUE(std::ranges::equal((*one)->uncertain(pos), (*four)->uncertain(pos)));
     }
   }
 }

@@ -27,10 +27,6 @@ std::string ShortDump(const json& v) {
   return Excerpt(v.dump(-1, ' ', false, json::error_handler_t::replace));
 }
 
-std::string NotSupported(const std::string& what) {
-  return absl::StrCat(what, " is not supported by this server");
-}
-
 // The field, or nullptr when it is absent or null (clients send null for "default").
 const json* Field(const json& body, const char* name) {
   auto it = body.find(name);
@@ -168,61 +164,143 @@ absl::Status ReadTokenIds(const json& array, const char* param, int vocab_size,
 absl::Status ReadPrompt(const json& body, int vocab_size, CompletionRequest* r) {
   const json* v = Field(body, "prompt");
   const std::string kType =
-      "prompt must be a string, an array of token ids, or an array holding one of those";
+      "prompt must be a string, an array of token ids, or an array of strings or of token-id "
+      "arrays (a batch)";
   if (v == nullptr) return ParamError("prompt", "prompt is required");
   if (v->is_string()) {
-    r->prompt_text = v->get<std::string>();
+    r->prompts.push_back({v->get<std::string>(), {}});
     return absl::OkStatus();
   }
   if (!v->is_array()) return ParamError("prompt", kType);
   if (v->empty()) return ParamError("prompt", "prompt must not be empty");
   const json& first = v->front();
   if (first.is_number()) {
-    TANDEM_RETURN_IF_ERROR(ReadTokenIds(*v, "prompt", vocab_size, &r->prompt_tokens));
-  } else if (first.is_string() || first.is_array()) {
-    if (v->size() > 1) {
-      return ParamError("prompt", absl::StrCat("a batch of ", v->size(),
-                                               " prompts is not supported; send one request per "
-                                               "prompt"));
-    }
+    CompletionRequest::Prompt p;
+    TANDEM_RETURN_IF_ERROR(ReadTokenIds(*v, "prompt", vocab_size, &p.tokens));
+    r->prompts.push_back(std::move(p));
+    return absl::OkStatus();
+  }
+  if (!first.is_string() && !first.is_array()) return ParamError("prompt", kType);
+  if (v->size() > static_cast<size_t>(kMaxPromptsPerRequest)) {
+    return ParamError("prompt", absl::StrCat("a batch may hold at most ", kMaxPromptsPerRequest,
+                                             " prompts, got ", v->size()));
+  }
+  for (size_t i = 0; i < v->size(); ++i) {
+    const json& item = (*v)[i];
+    CompletionRequest::Prompt p;
     if (first.is_string()) {
-      r->prompt_text = first.get<std::string>();
+      if (!item.is_string()) {
+        return ParamError("prompt", absl::StrCat("prompt[", i, "] must be a string, as the first"));
+      }
+      p.text = item.get<std::string>();
     } else {
-      if (first.empty()) return ParamError("prompt", "prompt must not be empty");
-      TANDEM_RETURN_IF_ERROR(ReadTokenIds(first, "prompt", vocab_size, &r->prompt_tokens));
+      if (!item.is_array()) {
+        return ParamError(
+            "prompt", absl::StrCat("prompt[", i, "] must be an array of token ids, as the first"));
+      }
+      if (item.empty())
+        return ParamError("prompt", absl::StrCat("prompt[", i, "] must not be empty"));
+      TANDEM_RETURN_IF_ERROR(ReadTokenIds(item, "prompt", vocab_size, &p.tokens));
     }
-  } else {
-    return ParamError("prompt", kType);
+    r->prompts.push_back(std::move(p));
   }
   return absl::OkStatus();
 }
 
-// Refuses request fields whose meaning this server does not implement.
-absl::Status RefuseUnsupported(const json& body, int n) {
+// echo, best_of and suffix: completions' own fields; on chat only their no-op values.
+absl::Status ReadCompletionExtras(const json& body, ApiKind kind, int n, bool stream,
+                                  CompletionRequest* r) {
+  const bool chat = kind == ApiKind::kChat;
+  auto completions_only = [](const char* name) {
+    return ParamError(name, absl::StrCat(name, " is only supported on /v1/completions"));
+  };
   if (const json* v = Field(body, "echo")) {
     if (!v->is_boolean()) return ParamError("echo", "echo must be a boolean");
-    if (v->get<bool>()) return ParamError("echo", NotSupported("echo"));
+    if (v->get<bool>() && chat) return completions_only("echo");
+    r->echo = v->get<bool>();
   }
   if (const json* v = Field(body, "suffix")) {
     if (!v->is_string()) return ParamError("suffix", "suffix must be a string");
-    if (!v->get<std::string>().empty()) return ParamError("suffix", NotSupported("suffix"));
+    if (!v->get<std::string>().empty() && chat) return completions_only("suffix");
+    r->suffix = v->get<std::string>();
   }
   std::optional<int64_t> best_of;
   TANDEM_RETURN_IF_ERROR(ReadInt(body, "best_of", 1, engine::kMaxSamplesPerRequest, &best_of));
   if (best_of && *best_of != n) {
-    return ParamError("best_of", NotSupported("best_of other than n"));
+    if (chat) return completions_only("best_of");
+    if (*best_of < n) {
+      return ParamError("best_of",
+                        absl::StrCat("best_of must be at least n (", n, "), got ", *best_of));
+    }
+    if (stream) {
+      return ParamError("best_of",
+                        "best_of other than n cannot be streamed: the best samples are known only "
+                        "once all have finished");
+    }
+    r->best_of = static_cast<int>(*best_of);
   }
-  for (const char* name : {"tools", "functions"}) {
-    if (const json* v = Field(body, name)) {
-      if (!v->is_array()) return ParamError(name, absl::StrCat(name, " must be an array"));
-      if (!v->empty()) return ParamError(name, NotSupported(name));
+  return absl::OkStatus();
+}
+
+// An assistant message's tool_calls as chat templates expect them: [{id, type: "function",
+// function: {name, arguments}}] with arguments an object when its JSON text parses as one.
+absl::StatusOr<json> NormalizeToolCalls(const json& calls, const std::string& where) {
+  if (!calls.is_array()) return ParamError("messages", where + " must be an array");
+  if (calls.size() > static_cast<size_t>(kMaxTools)) {
+    return ParamError("messages", absl::StrCat(where, " may hold at most ", kMaxTools, " calls"));
+  }
+  json out = json::array();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    const json& call = calls[i];
+    const std::string at = absl::StrCat(where, "[", i, "]");
+    if (!call.is_object()) return ParamError("messages", at + " must be an object");
+    const json* type = Field(call, "type");
+    if (type != nullptr && !(type->is_string() && type->get<std::string>() == "function")) {
+      return ParamError("messages", at + ".type must be 'function'");
+    }
+    const json* fn = Field(call, "function");
+    if (fn == nullptr || !fn->is_object()) {
+      return ParamError("messages", at + ".function must be an object");
+    }
+    const json* name = Field(*fn, "name");
+    if (name == nullptr || !name->is_string()) {
+      return ParamError("messages", at + ".function.name must be a string");
+    }
+    json arguments = json::object();
+    if (const json* a = Field(*fn, "arguments")) {
+      if (a->is_string()) {
+        json parsed = json::parse(a->get<std::string>(), nullptr, /*allow_exceptions=*/false);
+        arguments = parsed.is_discarded() ? *a : parsed;
+      } else if (a->is_object()) {
+        arguments = *a;
+      } else {
+        return ParamError("messages", at + ".function.arguments must be a string of JSON");
+      }
+    }
+    json normalized = {{"type", "function"},
+                       {"function", {{"name", *name}, {"arguments", std::move(arguments)}}}};
+    if (const json* id = Field(call, "id")) {
+      if (!id->is_string()) return ParamError("messages", at + ".id must be a string");
+      normalized["id"] = *id;
+    }
+    out.push_back(std::move(normalized));
+  }
+  return out;
+}
+
+// Refuses request fields whose meaning this server does not implement.
+absl::Status RefuseUnsupported(const json& body) {
+  // The deprecated spellings of tools and tool_choice.
+  if (const json* v = Field(body, "functions")) {
+    if (!v->is_array()) return ParamError("functions", "functions must be an array");
+    if (!v->empty()) {
+      return ParamError("functions", "functions is not supported by this server; use tools");
     }
   }
-  for (const char* name : {"tool_choice", "function_call"}) {
-    if (const json* v = Field(body, name)) {
-      if (!(v->is_string() && v->get<std::string>() == "none")) {
-        return ParamError(name, NotSupported(name));
-      }
+  if (const json* v = Field(body, "function_call")) {
+    if (!(v->is_string() && v->get<std::string>() == "none")) {
+      return ParamError("function_call",
+                        "function_call is not supported by this server; use tool_choice");
     }
   }
   return absl::OkStatus();
@@ -541,21 +619,23 @@ absl::StatusOr<json> NormalizeMessages(const json& messages) {
     }
     std::string role = role_v->get<std::string>();
     if (role == "developer") role = "system";  // the newer name of the system role
-    if (role == "tool" || role == "function") {
-      return ParamError("messages",
-                        absl::StrCat(where, ".role '", role, "': ", NotSupported("tool calling")));
+    if (role == "function") {
+      return ParamError("messages", absl::StrCat(where,
+                                                 ".role 'function' is not supported by this "
+                                                 "server; use role 'tool'"));
     }
-    if (role != "system" && role != "user" && role != "assistant") {
+    if (role != "system" && role != "user" && role != "assistant" && role != "tool") {
       return ParamError("messages", absl::StrCat(where,
                                                  ".role must be one of system, developer, user, "
-                                                 "assistant; got '",
+                                                 "assistant, tool; got '",
                                                  Excerpt(role), "'"));
     }
+    json tool_calls = nullptr;
     if (const json* calls = Field(m, "tool_calls")) {
-      if (!calls->is_array() || !calls->empty()) {
-        return ParamError("messages",
-                          absl::StrCat(where, ".tool_calls: ", NotSupported("tool calling")));
+      if (role != "assistant") {
+        return ParamError("messages", where + ".tool_calls is only allowed on assistant messages");
       }
+      TANDEM_ASSIGN_OR_RETURN(tool_calls, NormalizeToolCalls(*calls, where + ".tool_calls"));
     }
     std::string content;
     const json* c = Field(m, "content");
@@ -591,6 +671,14 @@ absl::StatusOr<json> NormalizeMessages(const json& messages) {
     if (const json* name = Field(m, "name")) {
       if (!name->is_string()) return ParamError("messages", where + ".name must be a string");
       normalized["name"] = *name;
+    }
+    if (!tool_calls.is_null()) normalized["tool_calls"] = std::move(tool_calls);
+    if (const json* id = Field(m, "tool_call_id")) {
+      if (role != "tool") {
+        return ParamError("messages", where + ".tool_call_id is only allowed on tool messages");
+      }
+      if (!id->is_string()) return ParamError("messages", where + ".tool_call_id must be a string");
+      normalized["tool_call_id"] = *id;
     }
     out.push_back(std::move(normalized));
   }
@@ -634,12 +722,25 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKi
     r.model = v->get<std::string>();
   }
   if (kind == ApiKind::kCompletion) {
+    for (const char* name : {"tools", "tool_choice", "parallel_tool_calls"}) {
+      if (Field(body, name) != nullptr) {
+        return ParamError(name, absl::StrCat(name, " is only supported on /v1/chat/completions"));
+      }
+    }
     TANDEM_RETURN_IF_ERROR(ReadPrompt(body, vocab_size, &r));
   } else {
     const json* m = Field(body, "messages");
     if (m == nullptr) return ParamError("messages", "messages is required");
     TANDEM_ASSIGN_OR_RETURN(r.messages, NormalizeMessages(*m));
     r.add_special_tokens = false;  // the chat template writes the special tokens it wants
+    // The tools' schemas keep the client's key order (the order the model is shown properties
+    // in and generates them in), from the raw body when there is one.
+    std::optional<nlohmann::ordered_json> ordered;
+    if (Field(body, "tools") != nullptr && !raw_body.empty()) {
+      ordered = nlohmann::ordered_json::parse(raw_body, nullptr, /*allow_exceptions=*/false);
+      if (ordered->is_discarded()) ordered.reset();
+    }
+    TANDEM_ASSIGN_OR_RETURN(r.tools, ParseToolRequest(body, ordered ? &*ordered : nullptr));
     TANDEM_RETURN_IF_ERROR(ReadBool(body, "add_generation_prompt", &r.add_generation_prompt));
   }
   TANDEM_RETURN_IF_ERROR(ReadBool(body, "add_special_tokens", &r.add_special_tokens));
@@ -673,7 +774,8 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKi
     return ParamError("n", absl::StrCat("n must be an integer in [1, ",
                                         engine::kMaxSamplesPerRequest, "], got ", p.n));
   }
-  TANDEM_RETURN_IF_ERROR(RefuseUnsupported(body, p.n));
+  TANDEM_RETURN_IF_ERROR(RefuseUnsupported(body));
+  TANDEM_RETURN_IF_ERROR(ReadCompletionExtras(body, kind, p.n, r.stream, &r));
   TANDEM_ASSIGN_OR_RETURN(p.structured, ConstraintReader(body, raw_body).Read());
 
   std::optional<int64_t> max_tokens;
@@ -723,6 +825,12 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKi
     std::optional<int64_t> logprobs;
     TANDEM_RETURN_IF_ERROR(ReadInt(body, "logprobs", 0, engine::kMaxTopLogprobs, &logprobs));
     p.logprobs = logprobs ? static_cast<int>(*logprobs) : -1;
+    if (r.echo && logprobs) {
+      return ParamError(
+          "echo",
+          "echo with logprobs needs the prompt's logprobs, which this server does not "
+          "compute; drop one of them");
+    }
   } else {
     bool logprobs = false;
     TANDEM_RETURN_IF_ERROR(ReadBool(body, "logprobs", &logprobs));

@@ -63,7 +63,8 @@ TEST(ParseCompletionRequestTest, ReadsEveryField) {
     "cache_salt": "tenant-7"})");
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(*r->model, "m");
-  EXPECT_EQ(*r->prompt_text, "hi");
+  ASSERT_EQ(r->prompts.size(), 1u);
+  EXPECT_EQ(*r->prompts[0].text, "hi");
   EXPECT_EQ(r->params.max_tokens, 7);
   EXPECT_EQ(r->params.n, 2);
   EXPECT_FLOAT_EQ(r->params.temperature, 0.5f);
@@ -90,11 +91,38 @@ TEST(ParseCompletionRequestTest, ReadsLogitBias) {
 TEST(ParseCompletionRequestTest, PromptMayBeTokenIds) {
   absl::StatusOr<CompletionRequest> r = Completion(R"({"prompt": [1, 2, 3]})");
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->prompt_tokens, (std::vector<int32_t>{1, 2, 3}));
+  ASSERT_EQ(r->prompts.size(), 1u);
+  EXPECT_EQ(r->prompts[0].tokens, (std::vector<int32_t>{1, 2, 3}));
   r = Completion(R"({"prompt": [[4, 5]]})");
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->prompt_tokens, (std::vector<int32_t>{4, 5}));
+  ASSERT_EQ(r->prompts.size(), 1u);
+  EXPECT_EQ(r->prompts[0].tokens, (std::vector<int32_t>{4, 5}));
   EXPECT_EQ(ParamOf(Completion(R"({"prompt": [1, 5000]})").status()), "prompt");
+}
+
+TEST(ParseCompletionRequestTest, ABatchOfPrompts) {
+  absl::StatusOr<CompletionRequest> r = Completion(R"({"prompt": ["a", "bc", ""]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->prompts.size(), 3u);
+  EXPECT_EQ(*r->prompts[1].text, "bc");
+  EXPECT_EQ(*r->prompts[2].text, "");
+  r = Completion(R"({"prompt": [[1], [2, 3]]})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->prompts.size(), 2u);
+  EXPECT_EQ(r->prompts[1].tokens, (std::vector<int32_t>{2, 3}));
+}
+
+TEST(ParseCompletionRequestTest, EchoBestOfAndSuffix) {
+  absl::StatusOr<CompletionRequest> r =
+      Completion(R"({"prompt": "a", "echo": true, "best_of": 3, "n": 2, "suffix": "z"})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->echo);
+  EXPECT_EQ(r->best_of, 3);
+  EXPECT_EQ(r->params.n, 2);
+  EXPECT_EQ(r->suffix, "z");
+  r = Completion(R"({"prompt": "a", "best_of": 1})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->best_of, 0) << "best_of equal to n changes nothing";
 }
 
 struct BadField {
@@ -119,7 +147,10 @@ INSTANTIATE_TEST_SUITE_P(
         BadField{R"({})", "prompt", "prompt is required"},
         BadField{R"({"prompt": 5})", "prompt", "prompt must be"},
         BadField{R"({"prompt": []})", "prompt", "must not be empty"},
-        BadField{R"({"prompt": ["a", "b"]})", "prompt", "not supported"},
+        BadField{R"({"prompt": ["a", [1]]})", "prompt", "prompt[1] must be a string"},
+        BadField{R"({"prompt": [[1], []]})", "prompt", "prompt[1] must not be empty"},
+        BadField{R"({"prompt": [[1], "a"]})", "prompt", "prompt[1] must be an array"},
+        BadField{R"({"prompt": [[1], [9999]]})", "prompt", "outside the vocabulary"},
         BadField{R"({"prompt": "x", "model": 3})", "model", "model must be a string"},
         BadField{R"({"prompt": "x", "temperature": "hot"})", "temperature", "must be a number"},
         BadField{R"({"prompt": "x", "temperature": 5})", "temperature", "temperature must be"},
@@ -152,9 +183,13 @@ INSTANTIATE_TEST_SUITE_P(
         BadField{R"({"prompt": "x", "stream": "yes"})", "stream", "must be a boolean"},
         BadField{R"({"prompt": "x", "stream_options": {"include_usage": true}})", "stream_options",
                  "only allowed when stream"},
-        BadField{R"({"prompt": "x", "echo": true})", "echo", "not supported"},
-        BadField{R"({"prompt": "x", "suffix": "s"})", "suffix", "not supported"},
-        BadField{R"({"prompt": "x", "best_of": 3})", "best_of", "not supported"},
+        BadField{R"({"prompt": "x", "echo": true, "logprobs": 1})", "echo", "prompt's logprobs"},
+        BadField{R"({"prompt": "x", "echo": 1})", "echo", "must be a boolean"},
+        BadField{R"({"prompt": "x", "suffix": 2})", "suffix", "must be a string"},
+        BadField{R"({"prompt": "x", "best_of": 3, "stream": true})", "best_of",
+                 "cannot be streamed"},
+        BadField{R"({"prompt": "x", "best_of": 1, "n": 2})", "best_of", "at least n"},
+        BadField{R"({"prompt": "x", "best_of": 17})", "best_of", "best_of must be"},
         BadField{R"({"prompt": "x", "logit_bias": [1]})", "logit_bias", "must be an object"},
         BadField{R"({"prompt": "x", "logit_bias": {"a1": 5}})", "logit_bias", "not a token id"},
         BadField{R"({"prompt": "x", "logit_bias": {"-1": 5}})", "logit_bias", "not a token id"},
@@ -178,6 +213,39 @@ TEST(ParseChatRequestTest, JoinsTextPartsAndMapsDeveloperToSystem) {
   EXPECT_EQ(r->params.logprobs, 2);
   EXPECT_EQ(*r->max_tokens, 9);
   EXPECT_FALSE(r->add_special_tokens);
+}
+
+TEST(ParseChatRequestTest, KeepsToolCallsAndToolResultsForTheTemplate) {
+  absl::StatusOr<CompletionRequest> r = Chat(R"({"messages": [
+      {"role": "user", "content": "weather?"},
+      {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+      {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "sunny"}]}],
+      "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+      "tool_choice": "auto", "parallel_tool_calls": false})");
+  ASSERT_TRUE(r.ok()) << r.status();
+  const nlohmann::json& call = r->messages[1]["tool_calls"][0];
+  EXPECT_EQ(call["id"], "call_1");
+  EXPECT_EQ(call["function"]["name"], "get_weather");
+  // Templates render the arguments as an object (tojson), so the JSON text is parsed.
+  EXPECT_EQ(call["function"]["arguments"], nlohmann::json({{"city", "Oslo"}}));
+  EXPECT_EQ(r->messages[1]["content"], "");
+  EXPECT_EQ(r->messages[2]["role"], "tool");
+  EXPECT_EQ(r->messages[2]["tool_call_id"], "call_1");
+  EXPECT_EQ(r->messages[2]["content"], "sunny");
+  EXPECT_EQ(r->tools.names, std::vector<std::string>{"get_weather"});
+  EXPECT_EQ(r->tools.choice, ToolChoice::kAuto);
+  EXPECT_FALSE(r->tools.parallel);
+  EXPECT_TRUE(r->tools.parsed());
+  EXPECT_FALSE(r->tools.forced());
+}
+
+TEST(ParseCompletionRequestTest, ToolsAreForChatOnly) {
+  absl::StatusOr<CompletionRequest> r =
+      Completion(R"({"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]})");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(ParamOf(r.status()), "tools");
+  EXPECT_THAT(r.status().message(), HasSubstr("only supported on /v1/chat/completions"));
 }
 
 class BadChatFieldTest : public ::testing::TestWithParam<BadField> {};
@@ -204,10 +272,25 @@ INSTANTIATE_TEST_SUITE_P(
                  "must be a string or an array"},
         BadField{R"({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})",
                  "messages", "only 'text' parts"},
-        BadField{R"({"messages": [{"role": "tool", "content": "x"}]})", "messages",
-                 "not supported"},
+        BadField{R"({"messages": [{"role": "tool"}]})", "messages", "content is required"},
+        BadField{R"({"messages": [{"role": "function", "content": "x"}]})", "messages",
+                 "use role 'tool'"},
+        BadField{R"({"messages": [{"role": "user", "content": "x", "tool_calls": []}]})",
+                 "messages", "only allowed on assistant messages"},
+        BadField{R"({"messages": [{"role": "assistant", "tool_calls": [{"type": "function",
+                    "function": {"arguments": "{}"}}]}]})",
+                 "messages", "messages[0].tool_calls[0].function.name must be a string"},
+        BadField{R"({"messages": [{"role": "assistant", "tool_calls": [{"type": "function",
+                    "function": {"name": "f", "arguments": 5}}]}]})",
+                 "messages", "arguments must be a string of JSON"},
+        BadField{R"({"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]})",
+                 "messages", "tool_call_id must be a string"},
         BadField{R"({"messages": [{"role": "user", "content": "x"}], "tools": [{}]})", "tools",
-                 "not supported"},
+                 "tools[0].type must be 'function'"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"})",
+                 "tool_choice", "needs tools"},
+        BadField{R"({"messages": [{"role": "user", "content": "x"}], "functions": [{}]})",
+                 "functions", "use tools"},
         BadField{R"({"messages": [{"role": "user", "content": "x"}], "logprobs": 1})", "logprobs",
                  "must be a boolean"},
         BadField{R"({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2})",
@@ -334,6 +417,65 @@ TEST(ErrorBodyTest, HasTheOpenAiShape) {
   EXPECT_EQ(body["error"]["type"], "invalid_request_error");
   EXPECT_EQ(body["error"]["param"], "temperature");
   EXPECT_TRUE(body["error"]["code"].is_null());
+}
+
+}  // namespace
+}  // namespace tandem::router
+
+namespace tandem::router {
+namespace {
+
+TEST(ResponsesToChatTest, InputItemsBecomeMessages) {
+  auto body = nlohmann::ordered_json::parse(R"({
+      "model": "m", "instructions": "be brief", "max_output_tokens": 5, "store": true,
+      "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+        {"type": "function_call", "call_id": "c1", "name": "w", "arguments": "{\"a\":1}"},
+        {"type": "function_call", "call_id": "c2", "name": "w", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
+      "tools": [{"type": "function", "name": "w", "parameters": {"type": "object"}}],
+      "tool_choice": {"type": "function", "name": "w"},
+      "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}}})");
+  absl::StatusOr<nlohmann::ordered_json> chat = ResponsesToChat(body);
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  const nlohmann::ordered_json& m = (*chat)["messages"];
+  ASSERT_EQ(m.size(), 4u);
+  EXPECT_EQ(m[0], nlohmann::ordered_json({{"role", "system"}, {"content", "be brief"}}));
+  EXPECT_EQ(m[1]["content"], "weather?");
+  EXPECT_EQ(m[2]["role"], "assistant");
+  ASSERT_EQ(m[2]["tool_calls"].size(), 2u) << "calls of one turn are one message";
+  EXPECT_EQ(m[2]["tool_calls"][0]["id"], "c1");
+  EXPECT_EQ(m[2]["tool_calls"][0]["function"]["arguments"], "{\"a\":1}");
+  EXPECT_EQ(m[3], nlohmann::ordered_json(
+                      {{"role", "tool"}, {"tool_call_id", "c1"}, {"content", "sunny"}}));
+  EXPECT_EQ((*chat)["max_tokens"], 5);
+  EXPECT_EQ((*chat)["tools"][0]["function"]["name"], "w");
+  EXPECT_EQ((*chat)["tool_choice"]["function"]["name"], "w");
+  EXPECT_EQ((*chat)["response_format"]["json_schema"]["name"], "s");
+  EXPECT_FALSE(chat->contains("store"));
+  // The translation is a chat request the parser accepts.
+  absl::StatusOr<CompletionRequest> r =
+      ParseCompletionRequest(nlohmann::json::parse(chat->dump()), ApiKind::kChat, kVocab);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tools.choice, ToolChoice::kFunction);
+}
+
+TEST(ResponsesToChatTest, RefusesWhatItCannotServe) {
+  auto refused = [](const std::string& text, const std::string& param) {
+    absl::StatusOr<nlohmann::ordered_json> chat =
+        ResponsesToChat(nlohmann::ordered_json::parse(text));
+    ASSERT_FALSE(chat.ok()) << text;
+    EXPECT_EQ(ParamOf(chat.status()), param) << chat.status();
+  };
+  refused(R"({"input": "x", "previous_response_id": "resp_1"})", "previous_response_id");
+  refused(R"({"input": "x", "background": true})", "background");
+  refused(R"({"model": "m"})", "input");
+  refused(R"({"input": 5})", "input");
+  refused(R"({"input": [{"type": "input_image"}]})", "input");
+  refused(R"({"input": [{"role": "user", "content": [{"type": "input_file"}]}]})", "input");
+  refused(R"({"input": "x", "tools": [{"type": "file_search"}]})", "tools");
+  refused(R"({"input": "x", "tool_choice": {"type": "web_search"}})", "tool_choice");
+  refused(R"({"input": "x", "text": {"format": {"type": "xml"}}})", "text");
 }
 
 }  // namespace

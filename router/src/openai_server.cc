@@ -80,6 +80,43 @@ int HttpStatusOf(const absl::Status& status, int overload_status) {
   }
 }
 
+ConstraintCompiler::ConstraintCompiler(int num_threads) {
+  for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { Run(); });
+}
+
+ConstraintCompiler::~ConstraintCompiler() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    jobs_.clear();
+  }
+  cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+void ConstraintCompiler::Post(std::function<void()> job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    jobs_.push_back(std::move(job));
+  }
+  cv_.notify_one();
+}
+
+void ConstraintCompiler::Run() {
+  for (;;) {
+    std::function<void()> job;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
+      if (stop_) return;
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();
+  }
+}
+
 absl::Status ApiServerImpl::Start() {
   if (options_.served_model_names.empty()) {
     return absl::InvalidArgumentError("at least one served model name is required");
@@ -95,6 +132,11 @@ absl::Status ApiServerImpl::Start() {
           absl::StrCat("the ", name, " SLO must be a finite number of seconds > 0, got ", *slo));
     }
   }
+  TANDEM_ASSIGN_OR_RETURN(std::optional<ToolCallFormat> tool_format,
+                          ParseToolCallFormat(options_.tool_call_parser));
+  tool_format_ =
+      tool_format.value_or(DetectToolCallFormat(engine_->chat_formatter().template_source()));
+  compiler_ = std::make_unique<ConstraintCompiler>(2);
   http::HttpServerOptions http = options_.http;
   http.error_response = [this](int status, const std::string& message) {
     metrics_.Http(status)->Increment();
@@ -124,6 +166,7 @@ void ApiServerImpl::Shutdown(std::chrono::milliseconds grace) {
     }
     http_->Stop();
   }
+  compiler_.reset();
   // Outputs of requests still running are posted to the stopped I/O context and dropped.
   engine_.reset();
 }
@@ -152,6 +195,7 @@ void ApiServerImpl::Handle(const std::shared_ptr<http::HttpExchange>& ex) {
       {"/v1/models", "GET", Endpoint::kModels},
       {"/v1/completions", "POST", Endpoint::kCompletions},
       {"/v1/chat/completions", "POST", Endpoint::kChatCompletions},
+      {"/v1/responses", "POST", Endpoint::kResponses},
       {"/tokenize", "POST", Endpoint::kTokenize},
       {"/detokenize", "POST", Endpoint::kDetokenize},
   };
@@ -191,6 +235,8 @@ void ApiServerImpl::Handle(const std::shared_ptr<http::HttpExchange>& ex) {
       return HandleGeneration(ex, ApiKind::kCompletion);
     case Endpoint::kChatCompletions:
       return HandleGeneration(ex, ApiKind::kChat);
+    case Endpoint::kResponses:
+      return HandleGeneration(ex, ApiKind::kChat, /*responses=*/true);
     case Endpoint::kTokenize:
       return HandleTokenize(*ex);
     case Endpoint::kDetokenize:

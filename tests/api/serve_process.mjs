@@ -12,11 +12,12 @@ export const modelDir =
 // The conformance packages (openai, ajv, ...) are installed in tests/js (scripts/install-deps).
 export const requirePackage = createRequire(path.join(sourceDir, 'tests/js/package.json'));
 
-// Starts `tandem serve` and resolves with {url, child} once it prints its address.
-export function startServer(extraArgs = []) {
+// Starts `tandem serve` (on `model`, the tiny test model unless given) and resolves with
+// {url, child} once it prints its address.
+export function startServer(extraArgs = [], model = modelDir) {
   const child = spawn(
     path.join(binaryDir, 'bin/tandem'),
-    ['serve', '--model', modelDir, '--port', '0', '--threads', '1', ...extraArgs],
+    ['serve', '--model', model, '--port', '0', '--threads', '1', ...extraArgs],
     { stdio: ['ignore', 'pipe', 'inherit'] },
   );
   return new Promise((resolve, reject) => {

@@ -193,6 +193,7 @@ absl::StatusOr<std::unique_ptr<ChatFormatter>> ChatFormatter::Load(const std::st
 
   if (source) {
     TANDEM_ASSIGN_OR_RETURN(formatter->template_, ParseTemplate(*source, source_path));
+    formatter->template_source_ = std::move(*source);
   }
   return formatter;
 }

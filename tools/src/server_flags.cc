@@ -15,6 +15,7 @@
 #include "absl/time/clock.h"
 #include "device_flag.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/router/tool_calls.h"
 #include "tandem/tools/synth_model.h"
 
 namespace tandem::tools {
@@ -293,6 +294,10 @@ void DeclareApiFlags(Args& args) {
   args.Declare("tpot-slo", "SECONDS",
                "time-per-output-token objective, (end - first token) / (tokens - 1) (default: "
                "none)");
+  args.Declare("tool-call-parser", "auto|hermes|llama3_json",
+               "syntax of the model's tool calls: hermes (<tool_call> blocks: Hermes, Qwen2.5, "
+               "Qwen3) or llama3_json (Llama 3.1+); auto detects it from the chat template "
+               "(default auto)");
 }
 
 namespace {
@@ -334,6 +339,12 @@ absl::StatusOr<router::ApiServerOptions> ApiFlags(const Args& args, const std::s
   options.metrics_public = args.Switch("metrics-public");
   TANDEM_ASSIGN_OR_RETURN(options.ttft_slo_seconds, SloFlag(args, "ttft-slo"));
   TANDEM_ASSIGN_OR_RETURN(options.tpot_slo_seconds, SloFlag(args, "tpot-slo"));
+  options.tool_call_parser = args.GetOr("tool-call-parser", "auto");
+  if (!router::ParseToolCallFormat(options.tool_call_parser).ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --tool-call-parser must be auto, hermes or llama3_json, got '",
+        options.tool_call_parser, "'"));
+  }
   if (args.Has("api-key")) {
     options.api_key = *args.Get("api-key");
     if (options.api_key.empty()) {

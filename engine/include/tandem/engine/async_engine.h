@@ -30,6 +30,9 @@ class AsyncEngine : public Generator {
   // Validates like LlmEngine::AddRequest (the same errors, returned here, synchronously) and
   // queues the request. AlreadyExists for an id that is still running.
   absl::Status Submit(GenerateRequest request, OutputCallback callback) override;
+  absl::Status PrepareConstraint(const SamplingParams& params) const override {
+    return engine_->PrepareConstraint(params);
+  }
   // Cancels a request; its KV blocks are freed before the next step. Its callback is not
   // called again. Unknown ids are ignored.
   void Abort(const std::string& request_id) override;

@@ -47,6 +47,12 @@ class Generator {
   // starts it; its outputs then arrive through `callback`. AlreadyExists for an id in flight;
   // ResourceExhausted or Unavailable when no capacity is left to take it now.
   virtual absl::Status Submit(GenerateRequest request, OutputCallback callback) = 0;
+  // Compiles the structured-output constraint of `params` for this generator's engine, on the
+  // calling thread, so that a Submit soon after finds it compiled (a bounded JSON schema takes
+  // seconds for a 128k vocabulary). Safe from any thread; a no-op where no engine is local.
+  virtual absl::Status PrepareConstraint(const SamplingParams& params) const {
+    return absl::OkStatus();
+  }
   // Cancels a request and frees its KV blocks wherever they are; its callback is not called
   // again. Unknown ids are ignored.
   virtual void Abort(const std::string& request_id) = 0;

@@ -26,6 +26,20 @@ absl::StatusOr<std::string> JsonSchemaToGbnf(const nlohmann::ordered_json& schem
 absl::StatusOr<std::string> JsonSchemaToGbnf(const nlohmann::json& schema);
 absl::StatusOr<std::string> JsonSchemaToGbnf(std::string_view schema_text);
 
+// The rules of `schema` for a larger grammar (e.g. tool calls wrapping several functions'
+// parameters): documents valid against it are rule `name`, the rules it needs are named
+// `name-...`, and JSON's lexical rules (JsonLexicalGbnf) are left out for the caller to append
+// once. `name` must be a GBNF rule name ([a-zA-Z0-9_-]+) that the caller's rules do not use as a
+// prefix.
+absl::StatusOr<std::string> JsonSchemaToGbnfRules(const nlohmann::ordered_json& schema,
+                                                  std::string_view name);
+// JSON's lexical rules every schema grammar uses: ws, string, char, integer, number, boolean,
+// null, value, object, array.
+std::string JsonLexicalGbnf();
+
+// `s` as a GBNF string literal: `"` and `\` escaped, control characters as \xHH.
+std::string GbnfLiteral(std::string_view s);
+
 // The GBNF of any JSON object (response_format json_object).
 std::string JsonObjectGbnf();
 

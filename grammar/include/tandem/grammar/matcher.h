@@ -39,8 +39,16 @@ inline bool MaskAllows(const TokenMask& mask, int32_t id) {
 // Immutable; shared by every matcher of the grammar.
 class CompiledGrammar {
  public:
+  // The trie walks of the byte-set positions (the compile's cost: one walk of up to the whole
+  // vocabulary per position, hundreds of positions for bounded strings) run on `num_threads`
+  // threads, each with its own stack arena; 0: one per hardware thread (at most
+  // kMaxCompileThreads), or one for a small grammar and vocabulary. The result does not depend
+  // on it. One is the default: on the 2-core VM it was measured on, more were not faster
+  // (bench/results/grammar-compile-2026-11-26.md).
   static absl::StatusOr<std::shared_ptr<const CompiledGrammar>> Create(
-      const Grammar& grammar, std::shared_ptr<const TokenVocabulary> vocabulary);
+      const Grammar& grammar, std::shared_ptr<const TokenVocabulary> vocabulary,
+      int num_threads = 1);
+  static constexpr int kMaxCompileThreads = 16;
   ~CompiledGrammar();
 
   const TokenVocabulary& vocabulary() const { return *vocabulary_; }

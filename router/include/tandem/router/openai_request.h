@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
 #include "tandem/engine/sampling_params.h"
+#include "tandem/router/tool_calls.h"
 
 namespace tandem::router {
 
@@ -20,6 +21,7 @@ namespace tandem::router {
 inline constexpr int kMaxMessagesPerRequest = 256;
 inline constexpr int kMaxJsonDepth = 32;  // nesting of the request body
 inline constexpr size_t kMaxCacheSaltBytes = 1024;
+inline constexpr int kMaxPromptsPerRequest = 32;  // a completions batch
 
 // InvalidArgument naming the request field `param` (e.g. "temperature", "messages").
 absl::Status ParamError(std::string_view param, std::string_view message);
@@ -44,13 +46,27 @@ enum class ApiKind { kCompletion, kChat };
 struct CompletionRequest {
   ApiKind kind = ApiKind::kCompletion;
   std::optional<std::string> model;
-  // Completions: the prompt as text, or as token ids when given so.
-  std::optional<std::string> prompt_text;
-  std::vector<int32_t> prompt_tokens;
+  // Completions: the prompts, each as text or as token ids when given so (a batch of several
+  // answers with choices indexed prompt by prompt: prompt k's sample i is choice k * n + i).
+  struct Prompt {
+    std::optional<std::string> text;
+    std::vector<int32_t> tokens;
+  };
+  std::vector<Prompt> prompts;
+  // Completions: each choice's text starts with its prompt's.
+  bool echo = false;
+  // Completions: samples generated per prompt, of which the n with the highest cumulative
+  // logprob are returned; 0: n.
+  int best_of = 0;
+  // Completions: text after the completion (fill-in-the-middle); "" for none.
+  std::string suffix;
   bool add_special_tokens = true;
-  // Chat: [{"role", "content": string}], content parts joined; roles checked.
+  // Chat: [{"role", "content": string, ...}], content parts joined; roles checked; an
+  // assistant's tool_calls and a tool message's tool_call_id kept (see NormalizeMessages).
   nlohmann::json messages;
   bool add_generation_prompt = true;
+  // Chat: tools, tool_choice and parallel_tool_calls (tool_calls.h).
+  ToolRequest tools;
 
   // Isolates this request's tenant in the prefix cache (vLLM's `cache_salt`): it reuses cached
   // KV only of requests with the same salt. Empty: the shared cache.
@@ -66,8 +82,9 @@ struct CompletionRequest {
 };
 
 // Checks every field's type and range; `vocab_size` bounds token ids. Unknown fields are
-// ignored, but fields whose meaning Tandem does not implement (echo, suffix, best_of > n,
-// tools, logit_bias, ...) are refused rather than silently dropped. Structured outputs
+// ignored, but fields whose meaning Tandem does not implement (echo with logprobs, best_of
+// with streaming, functions, tools on completions, ...) are refused rather than silently
+// dropped. Structured outputs
 // (response_format json_object / json_schema, guided_json / guided_regex / guided_grammar /
 // guided_choice, structured_outputs) become params.structured, at most one of them, its
 // grammar built to refuse a bad schema, regex or grammar here (param: the field it came from).
@@ -81,11 +98,30 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const nlohmann::json& b
 absl::StatusOr<std::vector<int32_t>> ParseTokenIds(const nlohmann::json& array, const char* param,
                                                    int vocab_size);
 
-// Checks a chat `messages` array and returns it with every content a string.
+// Checks a chat `messages` array and returns it with every content a string (null for an
+// assistant's tool calls becomes ""): roles system (or developer), user, assistant and tool; an
+// assistant's tool_calls [{id, type "function", function {name, arguments}}] kept with their
+// arguments parsed from JSON text into objects (what chat templates render), a tool message's
+// tool_call_id and name kept.
 absl::StatusOr<nlohmann::json> NormalizeMessages(const nlohmann::json& messages);
 
 // Maps a SamplingParams::Validate or LlmEngine::Validate message to the request field it is
 // about, and attaches it (plus code "context_length_exceeded" for a context overflow).
 absl::Status AttachParam(absl::Status status, ApiKind kind);
+
+}  // namespace tandem::router
+
+namespace tandem::router {
+
+// A /v1/responses request turned into the chat completions body that means the same:
+// `instructions` and `input` (a string, or items: messages with input_text / output_text parts,
+// function_call and function_call_output) become `messages`, flat function `tools` and a
+// function `tool_choice` take the chat shape, `max_output_tokens` becomes `max_tokens`,
+// `text.format` becomes `response_format`; temperature, top_p, seed, stream, parallel_tool_calls
+// and the vLLM sampling fields carry over. What Responses offers and Tandem does not
+// (previous_response_id, background, built-in tools, non-text inputs) is an InvalidArgument
+// naming the field; the rest (store, metadata, reasoning, include, truncation, user) is ignored.
+// Keys keep the client's order.
+absl::StatusOr<nlohmann::ordered_json> ResponsesToChat(const nlohmann::ordered_json& body);
 
 }  // namespace tandem::router

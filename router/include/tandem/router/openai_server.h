@@ -35,6 +35,9 @@ struct ApiServerOptions {
   // means no objective of that kind; a set value must be finite and > 0.
   std::optional<double> ttft_slo_seconds;
   std::optional<double> tpot_slo_seconds;
+  // The syntax chat completions parse tool calls in and constrain them to (tool_calls.h):
+  // "auto" (detected from the model's chat template), "hermes" or "llama3_json".
+  std::string tool_call_parser = "auto";
 };
 
 //   TANDEM_ASSIGN_OR_RETURN(auto engine, engine::AsyncEngine::Create(engine_options));

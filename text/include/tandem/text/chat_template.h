@@ -68,6 +68,9 @@ class ChatFormatter {
       const nlohmann::ordered_json& messages, bool add_generation_prompt,
       const nlohmann::ordered_json& extra = nlohmann::ordered_json::object()) const;
   bool has_template() const { return template_ != nullptr; }
+  // The template's Jinja source ("" without a template): what tells which tool-call syntax the
+  // model was trained on.
+  const std::string& template_source() const { return template_source_; }
 
  private:
   template <typename Json>
@@ -75,6 +78,7 @@ class ChatFormatter {
                                         const Json& extra) const;
 
   std::unique_ptr<JinjaTemplate> template_;
+  std::string template_source_;
   std::string bos_token_;
   std::string eos_token_;
   // Every special token the tokenizer config sets, by name ("bos_token" -> "<s>", ...).
