@@ -9,6 +9,7 @@
 #include "tandem/grammar/json_schema.h"
 #include "tandem/grammar/matcher.h"
 #include "tandem/text/tokenizer.h"
+#include "order_schema.h"
 
 namespace tandem::grammar {
 namespace {
@@ -107,23 +108,7 @@ std::vector<int32_t> DocumentTokens(const Setup& s, std::string_view document) {
 // A schema whose strings and array are bounded (structured_decode_bench's order schema): each
 // bounded repetition unrolls into one grammar position per character or item, hundreds of
 // byte-set positions, each a walk of the vocabulary's trie at compile time.
-constexpr const char* kBoundedSchema = R"({
-  "type": "object",
-  "properties": {
-    "order_id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{6}$"},
-    "customer": {"type": "object", "properties": {
-      "name": {"type": "string", "maxLength": 40}, "email": {"type": "string", "maxLength": 60},
-      "vip": {"type": "boolean"}}, "required": ["name", "email", "vip"],
-      "additionalProperties": false},
-    "status": {"enum": ["pending", "paid", "shipped", "cancelled"]},
-    "items": {"type": "array", "minItems": 2, "maxItems": 8, "items": {"type": "object",
-      "properties": {"sku": {"type": "string", "maxLength": 12}, "qty": {"type": "integer"},
-      "price": {"type": "number"}}, "required": ["sku", "qty", "price"],
-      "additionalProperties": false}},
-    "note": {"anyOf": [{"type": "string", "maxLength": 80}, {"type": "null"}]}
-  },
-  "required": ["order_id", "customer", "status", "items", "note"],
-  "additionalProperties": false})";
+constexpr const char* kBoundedSchema = bench::kOrderSchema;
 
 Grammar SchemaGrammar() { return *ParseGbnf(*JsonSchemaToGbnf(std::string_view(kSchema))); }
 Grammar BoundedSchemaGrammar() {

@@ -28,30 +28,12 @@
 #include "absl/strings/str_split.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/engine/llm_engine.h"
+#include "order_schema.h"
 
 namespace tandem {
 namespace {
 
-// An order of the kind an agent returns: strings, numbers, an enum, a nested object and an
-// array of line items.
-constexpr char kSchema[] = R"({
-  "type": "object",
-  "properties": {
-    "order_id": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{6}$"},
-    "customer": {"type": "object", "properties": {
-      "name": {"type": "string", "maxLength": 40}, "email": {"type": "string", "maxLength": 60},
-      "vip": {"type": "boolean"}}, "required": ["name", "email", "vip"],
-      "additionalProperties": false},
-    "status": {"enum": ["pending", "paid", "shipped", "cancelled"]},
-    "items": {"type": "array", "minItems": 2, "maxItems": 8, "items": {"type": "object",
-      "properties": {"sku": {"type": "string", "maxLength": 12}, "qty": {"type": "integer"},
-      "price": {"type": "number"}}, "required": ["sku", "qty", "price"],
-      "additionalProperties": false}},
-    "note": {"anyOf": [{"type": "string", "maxLength": 80}, {"type": "null"}]}
-  },
-  "required": ["order_id", "customer", "status", "items", "note"],
-  "additionalProperties": false
-})";
+constexpr const char* kSchema = bench::kOrderSchema;
 
 struct Result {
   int64_t tokens = 0;
