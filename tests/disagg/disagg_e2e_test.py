@@ -40,6 +40,21 @@ ENGINE_FLAGS = ["--threads", "1", "--max-num-batched-tokens", str(CHUNK),
                 "--kv-cache-bytes", str(32 << 20)]
 
 
+class ProcessesTestCase(unittest.TestCase):
+    """A test case whose processes (started through `start`) stop after each test, last first."""
+
+    def setUp(self):
+        self.processes = []
+
+    def tearDown(self):
+        for p in reversed(self.processes):
+            p.stop()
+
+    def start(self, process):
+        self.processes.append(process)
+        return process
+
+
 class Process:
     """A `tandem` subcommand whose stdout announces where it listens."""
 

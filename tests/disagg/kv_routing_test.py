@@ -62,18 +62,7 @@ QUERIES = "tandem_prefix_cache_queries_tokens_total"
 HITS = "tandem_prefix_cache_hits_tokens_total"
 
 
-class KvAwareRouting(unittest.TestCase):
-    def setUp(self):
-        self.processes = []
-
-    def tearDown(self):
-        for p in reversed(self.processes):
-            p.stop()
-
-    def start(self, process):
-        self.processes.append(process)
-        return process
-
+class KvAwareRouting(cluster.ProcessesTestCase):
     def test_repeated_prefixes_land_on_the_prefill_worker_holding_them(self):
         p0 = self.start(cluster.start_worker("prefill"))
         p1 = self.start(cluster.start_worker("prefill"))

@@ -77,18 +77,7 @@ class HungWorker:
             conn.close()
 
 
-class RouterPoolTest(unittest.TestCase):
-    def setUp(self):
-        self.processes = []
-
-    def tearDown(self):
-        for p in reversed(self.processes):
-            p.stop()
-
-    def start(self, process):
-        self.processes.append(process)
-        return process
-
+class RouterPoolTest(cluster.ProcessesTestCase):
     def test_a_listed_worker_down_at_start_is_taken_in_when_it_answers(self):
         prefill = self.start(cluster.start_worker("prefill"))
         decode = self.start(cluster.start_worker("decode"))
