@@ -38,31 +38,6 @@ void QueueEvent(std::deque<tandem::v1::TokenEvent>& queue, tandem::v1::TokenEven
   queue.push_back(std::move(event));
 }
 
-class TokenStream::Reactor final : public grpc::ServerWriteReactor<tandem::v1::TokenEvent> {
- public:
-  explicit Reactor(std::shared_ptr<TokenStream> stream) : stream_(std::move(stream)) {}
-
- private:
-  // gRPC runs OnDone only after every other reaction has returned; the released edges at the
-  // end of each reaction state that ordering (made inside libgrpc) to ThreadSanitizer.
-  void OnWriteDone(bool ok) override {
-    TsanAcquire(this);
-    stream_->OnWriteDone(ok);
-    TsanRelease(this);
-  }
-  void OnCancel() override {
-    TsanAcquire(this);
-    stream_->OnCancel();
-    TsanRelease(this);
-  }
-  void OnDone() override {
-    TsanAcquire(this);
-    delete this;
-  }
-
-  std::shared_ptr<TokenStream> stream_;
-};
-
 std::shared_ptr<TokenStream> TokenStream::Create(AbandonedFn on_abandoned) {
   std::shared_ptr<TokenStream> stream(new TokenStream());
   stream->on_abandoned_ = std::move(on_abandoned);

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "grpcpp/grpcpp.h"
 #include "tandem/v1/decode.pb.h"
+#include "tandem/worker/grpc_call.h"
 
 namespace tandem::decode_worker {
 
@@ -49,7 +50,8 @@ class TokenStream : public std::enable_shared_from_this<TokenStream> {
   int64_t writes() const;
 
  private:
-  class Reactor;
+  using Reactor = worker::StreamWriteReactor<tandem::v1::TokenEvent, TokenStream>;
+  friend Reactor;
   TokenStream() = default;
   // Starts the next write, or ends the call after the last one. Called with `lock` held on mu_;
   // releases it.

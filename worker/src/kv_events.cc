@@ -6,6 +6,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "tandem/base/tsan.h"
+#include "tandem/worker/grpc_call.h"
 
 namespace tandem::worker {
 
@@ -24,7 +25,8 @@ class KvEventStream : public std::enable_shared_from_this<KvEventStream> {
   bool ended() const;
 
  private:
-  class Reactor;
+  using Reactor = StreamWriteReactor<tandem::v1::KvEventBatch, KvEventStream>;
+  friend Reactor;
   explicit KvEventStream(size_t max_pending) : max_pending_(max_pending) {}
   // Starts the next write if none is in flight. Called with `lock` held; releases it.
   void Pump(std::unique_lock<std::mutex> lock);
@@ -44,30 +46,6 @@ class KvEventStream : public std::enable_shared_from_this<KvEventStream> {
   bool finished_ = false;                             // guarded by mu_: Finish was called
   bool failing_ = false;                              // guarded by mu_: Finish once written
   grpc::Status fail_status_;                          // guarded by mu_
-};
-
-class KvEventStream::Reactor final : public grpc::ServerWriteReactor<tandem::v1::KvEventBatch> {
- public:
-  explicit Reactor(std::shared_ptr<KvEventStream> stream) : stream_(std::move(stream)) {}
-
- private:
-  // gRPC runs OnDone only after every other reaction has returned (ordered inside libgrpc).
-  void OnWriteDone(bool ok) override {
-    TsanAcquire(this);
-    stream_->OnWriteDone(ok);
-    TsanRelease(this);
-  }
-  void OnCancel() override {
-    TsanAcquire(this);
-    stream_->OnCancel();
-    TsanRelease(this);
-  }
-  void OnDone() override {
-    TsanAcquire(this);
-    delete this;
-  }
-
-  std::shared_ptr<KvEventStream> stream_;
 };
 
 std::shared_ptr<KvEventStream> KvEventStream::Create(size_t max_pending) {
