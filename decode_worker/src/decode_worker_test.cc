@@ -12,6 +12,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,6 +25,7 @@
 #include "step_gate.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/engine/model_runner.h"
+#include "tandem/engine/prefix_hash.h"
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/proto/wire.h"
 #include "tandem/v1/decode.grpc.pb.h"
@@ -513,6 +515,69 @@ TEST_P(DecodeWorkerTest, ReserveSharesTheCachedPrefixOfFinishedRequests) {
   const engine::KvCacheLayout& layout = colocated->cache_layout();
   EXPECT_EQ(MetricValue(metrics, "tandem_decode_kv_cached_bytes_total"),
             2.0 * 64 * layout.num_layers * 2 * layout.row_bytes());
+}
+
+// The KvEvents stream of a decode worker starts with a snapshot (empty on a fresh worker), then
+// names every block a finished request left in its prefix cache, by the hash the router
+// computes for the same tokens and salt; a stream opened later finds them in its snapshot;
+// shutting down ends every stream with UNAVAILABLE.
+TEST_P(DecodeWorkerTest, KvEventsSnapshotThenTheBlocksARequestLeftCached) {
+  auto open = [&](grpc::ClientContext& context) {
+    return stub_->KvEvents(&context, tandem::v1::KvEventsRequest());
+  };
+  grpc::ClientContext first_context;
+  auto first = open(first_context);
+  tandem::v1::KvEventBatch batch;
+  ASSERT_TRUE(first->Read(&batch));
+  EXPECT_TRUE(batch.reset());
+  EXPECT_EQ(batch.stored_size(), 0);
+  const int block_size = batch.block_size();
+  ASSERT_GT(block_size, 0);
+
+  auto colocated = MakeEngine(engine::EngineRole::kColocated);
+  ASSERT_NE(colocated, nullptr);
+  const std::vector<int32_t> prompt = RandomPrompt(70, colocated->config().vocab_size, 21);
+  engine::GenerateRequest request{"cached", prompt, {}};
+  request.cache_salt = "tenant";
+  request.params.max_tokens = 4;
+  request.params.ignore_eos = true;
+  tandem::v1::KvReservation reservation;
+  ASSERT_TRUE(ReserveOn(*stub_, request.request_id, 70, 4, 1, &reservation, 0, prompt, "tenant")
+                  .ok());
+  tandem::v1::StartRequest start = StartRequestFor(request, reservation, Prefill(request, reservation));
+  start.set_cache_salt("tenant");
+  StartResult result = RunStart(start);
+  ASSERT_TRUE(result.status.ok()) << result.status.error_message();
+
+  // 70 prompt tokens and 3 generated ones have KV here: 4 whole blocks, all of the prompt.
+  std::vector<uint64_t> hashes;
+  engine::ExtendBlockHashes(engine::PrefixRoot("tenant"), prompt, block_size, hashes);
+  ASSERT_EQ(hashes.size(), 4u);
+  const std::set<uint64_t> expected(hashes.begin(), hashes.end());
+  std::set<uint64_t> stored;
+  while (stored.size() < expected.size() && first->Read(&batch)) {
+    EXPECT_FALSE(batch.reset());
+    EXPECT_EQ(batch.removed_size(), 0);
+    stored.insert(batch.stored().begin(), batch.stored().end());
+  }
+  EXPECT_EQ(stored, expected);
+
+  grpc::ClientContext second_context;
+  auto second = open(second_context);
+  ASSERT_TRUE(second->Read(&batch));
+  EXPECT_TRUE(batch.reset());
+  EXPECT_EQ(std::set<uint64_t>(batch.stored().begin(), batch.stored().end()), expected);
+
+  EXPECT_TRUE(WaitForStats([](const tandem::v1::WorkerStats& s) {
+    return s.kv_blocks_used() == 0 && s.reservations() == 0 && s.running() == 0;
+  }));
+  worker_->Shutdown(absl::Seconds(5));
+  for (auto* stream : {first.get(), second.get()}) {
+    while (stream->Read(&batch)) {
+    }
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  }
+  worker_.reset();  // shut down: nothing left for TearDown to ask
 }
 
 TEST_P(DecodeWorkerTest, ConcurrentStreamsEachEqualColocatedOutput) {

@@ -573,6 +573,7 @@ def main():
     parser.add_argument("--seconds", type=float, default=8)
     parser.add_argument("--clients", type=int, default=6)
     parser.add_argument("--json")
+    parser.add_argument("--only", help="run only the scenarios whose name contains this text")
     a = parser.parse_args()
     cluster.TANDEM = a.tandem
     # No grace, and streams that outlast the SIGTERM's path to the drain (with etcd the worker
@@ -614,8 +615,12 @@ def main():
         if not ok or not ok_long:
             print(f"FAIL: reference run failed: {error or error_long}")
             return 1
-        rows = [two_sample_migration(reference_long), drain_handoff(reference_long)]
+        rows = []
+        if a.only is None:
+            rows += [two_sample_migration(reference_long), drain_handoff(reference_long)]
         for name, action, with_etcd, decode_extra, prefill_extra in scenarios:
+            if a.only is not None and a.only not in name:
+                continue
             print(f"running: {name}", flush=True)
             etcd = Etcd(os.path.join(tmp, f"etcd-{len(rows)}")) if with_etcd else None
             ttl = RESTART_ETCD_TTL if action is restart_etcd else LEASE_TTL
@@ -625,7 +630,8 @@ def main():
             finally:
                 if etcd is not None:
                     etcd.stop()
-        rows.append(membership_scenario(tmp))
+        if a.only is None:
+            rows.append(membership_scenario(tmp))
 
     print(f"{'scenario':40} {'sent':>5} {'ok':>5} {'failed':>6} {'wrong':>5} {'lost':>4} "
           f"{'recovery s':>10} {'retries':>7} {'kv hand':>7}  leaked blocks")
