@@ -60,6 +60,14 @@ prometheus::Gauge& Registry::Gauge(const std::string& name, const std::string& h
   return family.gauges->Add(labels);
 }
 
+void Registry::RemoveGauge(const std::string& name, const Labels& labels) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = families_.find(name);
+  if (it == families_.end() || it->second->gauges == nullptr) return;
+  prometheus::Family<prometheus::Gauge>& gauges = *it->second->gauges;
+  if (gauges.Has(labels)) gauges.Remove(&gauges.Add(labels));
+}
+
 prometheus::Histogram& Registry::Histogram(const std::string& name, const std::string& help,
                                            const std::vector<double>& bounds,
                                            const Labels& labels) {

@@ -11,6 +11,7 @@ namespace tandem::metrics {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 TEST(RegistryTest, RendersHelpTypeAndLabelledSeries) {
   Registry registry;
@@ -35,6 +36,21 @@ TEST(RegistryTest, SameNameAndLabelsIsTheSameSeries) {
   prometheus::Counter& b = registry.Counter("tandem_x_total", "x", {{"k", "v"}});
   EXPECT_EQ(&a, &b);
   EXPECT_NE(&a, &registry.Counter("tandem_x_total", "x", {{"k", "w"}}));
+}
+
+TEST(RegistryTest, ARemovedGaugeSeriesIsNoLongerRendered) {
+  Registry registry;
+  registry.Gauge("tandem_index_blocks", "Blocks.", {{"worker", "a"}}).Set(3);
+  registry.Gauge("tandem_index_blocks", "Blocks.", {{"worker", "b"}}).Set(4);
+  registry.RemoveGauge("tandem_index_blocks", {{"worker", "a"}});
+  registry.RemoveGauge("tandem_index_blocks", {{"worker", "never"}});  // nothing to remove
+  registry.RemoveGauge("tandem_no_such_family", {});
+  const std::string text = registry.Render();
+  EXPECT_THAT(text, Not(HasSubstr("worker=\"a\"")));
+  EXPECT_THAT(text, HasSubstr("\ntandem_index_blocks{worker=\"b\"} 4\n"));
+  // Registered again, it starts afresh.
+  registry.Gauge("tandem_index_blocks", "Blocks.", {{"worker", "a"}}).Set(1);
+  EXPECT_THAT(registry.Render(), HasSubstr("\ntandem_index_blocks{worker=\"a\"} 1\n"));
 }
 
 TEST(RegistryTest, ANameDefinedTwiceDifferentlyIsABug) {

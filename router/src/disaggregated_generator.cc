@@ -161,7 +161,17 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
     c.decode_workers = static_cast<int>(pools->decode.size());
     for (const WorkerView& w : pools->prefill) c.prefill_workers_up += w.up ? 1 : 0;
     for (const WorkerView& w : pools->decode) c.decode_workers_up += w.up ? 1 : 0;
-    if (const KvIndex* index = pool_->kv_index()) c.kv_index_blocks = index->Entries();
+    if (const KvIndex* index = pool_->kv_index()) {
+      // Every worker in the pools has a count (0 while its KV events stream is down); one that
+      // left has none.
+      const std::map<std::string, int64_t> entries = index->Entries();
+      for (const auto* pool : {&pools->prefill, &pools->decode}) {
+        for (const WorkerView& w : *pool) {
+          auto it = entries.find(w.id);
+          c.kv_index_blocks[w.id] = it == entries.end() ? 0 : it->second;
+        }
+      }
+    }
     const char* pools_named[2] = {"prefill", "decode"};
     for (int p = 0; p < 2; ++p) {
       for (RouteReason r : {RouteReason::kKvHit, RouteReason::kKvMiss, RouteReason::kLoad}) {

@@ -138,14 +138,17 @@ void ApiMetrics::PrefixCacheAndRouting(const engine::EngineStats& stats,
                          {{"pool", key.first}, {"reason", key.second}}),
         static_cast<double>(n));
   }
-  // A worker that left keeps its series, at 0 (series live as long as the registry).
+  // A worker that left takes its series with it.
   std::lock_guard<std::mutex> lock(kv_index_mu);
   constexpr const char* kIndexHelp =
       "Block hashes the router's KV-event index holds for each worker (KV-aware routing).";
-  for (const std::string& id : kv_index_workers) {
-    if (!counters.kv_index_blocks.contains(id)) {
-      registry.Gauge("tandem_router_kv_index_blocks", kIndexHelp, {{"worker", id}}).Set(0);
+  for (auto it = kv_index_workers.begin(); it != kv_index_workers.end();) {
+    if (counters.kv_index_blocks.contains(*it)) {
+      ++it;
+      continue;
     }
+    registry.RemoveGauge("tandem_router_kv_index_blocks", {{"worker", *it}});
+    it = kv_index_workers.erase(it);
   }
   for (const auto& [id, n] : counters.kv_index_blocks) {
     kv_index_workers.insert(id);

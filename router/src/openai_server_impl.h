@@ -72,7 +72,7 @@ struct ApiMetrics {
   prometheus::Counter* prefix_queries;
   prometheus::Counter* prefix_hits;
   std::mutex kv_index_mu;                  // scrapes may run at once
-  std::set<std::string> kv_index_workers;  // workers given a series so far; guarded by kv_index_mu
+  std::set<std::string> kv_index_workers;  // workers with a series now; guarded by kv_index_mu
   // Sets the prefix-cache and routing series from the generator's stats and counters.
   void PrefixCacheAndRouting(const engine::EngineStats& stats,
                              const engine::GeneratorCounters& counters);

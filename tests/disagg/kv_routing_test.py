@@ -6,8 +6,9 @@ processes, the router following each worker's KV events (docs/protocol.md, "KV e
   grow, the other worker never sees them), although the other one is listed first and just as
   idle, which is where `--routing load` sends them.
 - A worker's entries in the router's index (tandem_router_kv_index_blocks) go when its KV events
-  stream is lost, and come back once it runs again (the router subscribes again); they go when
-  the worker leaves the pool (etcd membership), and come for a worker that joins.
+  stream is lost (the series shows 0), and come back once it runs again (the router subscribes
+  again); the series goes when the worker leaves the pool (etcd membership), and comes for a
+  worker that joins.
 
 Every wait has a generous bound that only a hang reaches; nothing depends on machine speed.
 
@@ -51,6 +52,12 @@ def wait_until(condition, what, limit=120):
 
 def index_blocks(router, worker):
     return metric(router.url + "/metrics", f'tandem_router_kv_index_blocks{{worker="{worker}"}}')
+
+
+def index_series(router, worker):
+    """The worker's index series, None when the router shows none."""
+    return cluster.metric(router.url + "/metrics",
+                          f'tandem_router_kv_index_blocks{{worker="{worker}"}}')
 
 
 def decisions(router, pool, reason):
@@ -114,7 +121,7 @@ class KvAwareRouting(cluster.ProcessesTestCase):
         wait_until(lambda: index_blocks(router, address) >= 16, "index entries for the worker")
         # The worker goes (its stream ends): the router forgets what it held.
         prefill.stop()
-        wait_until(lambda: index_blocks(router, address) == 0, "the lost worker's index dropped")
+        wait_until(lambda: index_series(router, address) == 0, "the lost worker's index dropped")
         # Started again at the same address, with an empty cache: the router subscribes again
         # and follows what it computes from then on.
         start_prefill()
@@ -153,7 +160,7 @@ class KvAwareRouting(cluster.ProcessesTestCase):
                        metric(router.url + "/metrics",
                               'tandem_workers{role="prefill",state="down"}') == 0,
                        "kv-p0 out of the pool")
-            wait_until(lambda: index_blocks(router, "kv-p0") == 0, "kv-p0's index dropped")
+            wait_until(lambda: index_series(router, "kv-p0") is None, "kv-p0's series gone")
             self.assertGreaterEqual(index_blocks(router, "kv-d0"), 16)
 
             # Another joins and computes the prompt: the router indexes it.
@@ -163,7 +170,7 @@ class KvAwareRouting(cluster.ProcessesTestCase):
                        "kv-p1 in the pool")
             cluster.post(router.url, body(PREFIX))
             wait_until(lambda: index_blocks(router, "kv-p1") >= 16, "index entries for kv-p1")
-            self.assertEqual(index_blocks(router, "kv-p0"), 0)
+            self.assertIsNone(index_series(router, "kv-p0"))
 
 
 def main():

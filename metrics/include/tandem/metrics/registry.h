@@ -27,7 +27,8 @@ using Labels = prometheus::Labels;
 
 // Every metric family of a process. A name is one family: registering it again (the same
 // type and help text) adds or returns a series of that family; another type or help text for
-// a name is a programming error and aborts. Series live as long as the registry. Thread-safe.
+// a name is a programming error and aborts. Series live as long as the registry, or until
+// RemoveGauge removes them. Thread-safe.
 class Registry {
  public:
   // The content type of Render()'s output.
@@ -42,6 +43,9 @@ class Registry {
                                const Labels& labels = {});
   prometheus::Gauge& Gauge(const std::string& name, const std::string& help,
                            const Labels& labels = {});
+  // Drops one gauge series (a worker that left); a reference to it from Gauge() dangles after.
+  // Nothing happens when there is no such series.
+  void RemoveGauge(const std::string& name, const Labels& labels);
   // `bounds`: the buckets' upper bounds, ascending (+Inf is implied). Every series of a
   // family has the family's bounds.
   prometheus::Histogram& Histogram(const std::string& name, const std::string& help,
