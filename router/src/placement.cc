@@ -12,6 +12,9 @@ int64_t FreeBlocks(const WorkerView& w) {
   return int64_t{w.stats.kv_blocks_total()} - w.stats.kv_blocks_used() - w.pending_load;
 }
 
+// Up and not draining: a draining worker still answers Stats but refuses new work.
+bool TakesWork(const WorkerView& w) { return w.up && !w.stats.draining(); }
+
 int64_t Running(const WorkerView& w) { return int64_t{w.stats.running()} + w.pending_requests; }
 
 int64_t Cached(const RouteRequest& request, const WorkerView& w) {
@@ -70,7 +73,7 @@ std::vector<const WorkerView*> RankDecode(const PoolSnapshot& pools, int blocks_
   };
   std::vector<const WorkerView*> order;
   for (const WorkerView& w : pools.decode) {
-    if (w.up) order.push_back(&w);
+    if (TakesWork(w)) order.push_back(&w);
   }
   std::stable_sort(order.begin(), order.end(), [&](const WorkerView* a, const WorkerView* b) {
     const bool fits_a = FreeBlocks(*a) >= blocks_needed;
@@ -92,7 +95,7 @@ PrefillPick PickPrefill(const PoolSnapshot& pools, const RouteRequest& request) 
   PrefillPick best;
   int64_t best_cost = 0;
   for (const WorkerView& w : pools.prefill) {
-    if (!w.up) continue;
+    if (!TakesWork(w)) continue;
     const int64_t queued = w.stats.queued_prefill_tokens() + w.pending_load;
     const int64_t compute = PrefillTokens(request, w);
     if (best.worker == nullptr || queued + compute < best_cost) {
@@ -106,6 +109,7 @@ PrefillPick PickPrefill(const PoolSnapshot& pools, const RouteRequest& request) 
 std::optional<double> PredictTtft(const PoolSnapshot& pools, int64_t tokens) {
   std::optional<double> best;
   for (const WorkerView& w : pools.prefill) {
+    if (w.up && w.stats.draining()) continue;  // takes no new prompt
     if (!w.up || w.samples < kMinModelSamples) return std::nullopt;  // not yet known
     const double predicted =
         static_cast<double>(w.stats.queued_prefill_tokens() + w.pending_load + tokens) *

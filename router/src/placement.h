@@ -95,15 +95,15 @@ int64_t TokensToMove(const RouteRequest& request, const WorkerView& w);
 // of 16: an estimate for ranking only (the decode worker decides).
 int EstimateBlocks(int prompt_len, int n);
 
-// Decode workers that are up, in the order to ask them: those with `blocks_needed` free blocks
-// first; among those alike, the smallest running batch, then the most free blocks. Empty when
-// none is up.
+// Decode workers that are up and not draining (a draining worker refuses new work), in the
+// order to ask them: those with `blocks_needed` free blocks first; among those alike, the
+// smallest running batch, then the most free blocks. Empty when none is.
 // KV-aware (request.routing), "among those alike" orders by TokensToMove +
 // kDecodeSeqCostTokens x running batch instead, then the most free blocks.
 std::vector<const WorkerView*> RankDecode(const PoolSnapshot& pools, int blocks_needed,
                                           const RouteRequest& request = {});
 
-// The prefill worker that is up with the least work: queued prompt tokens plus what it would
+// The prefill worker that is up and not draining with the least work: queued prompt tokens plus what it would
 // compute for `request` (PrefillTokens: under load routing the same for all, so the fewest
 // queued tokens win; kv-aware, a worker holding the prompt's prefix computes less). The first
 // listed wins a tie. worker nullptr when none is up.
@@ -115,8 +115,8 @@ struct PrefillPick {
 PrefillPick PickPrefill(const PoolSnapshot& pools, const RouteRequest& request = {});
 
 // The time to first token the best prefill worker would give a request adding `tokens` prompt
-// tokens (prompt length x n); nullopt when it cannot be told (no prefill worker up, or one whose
-// latency model has fewer than kMinModelSamples samples).
+// tokens (prompt length x n), draining workers aside; nullopt when it cannot be told (no prefill
+// worker up, or one whose latency model has fewer than kMinModelSamples samples).
 std::optional<double> PredictTtft(const PoolSnapshot& pools, int64_t tokens);
 
 // Admission by predicted time to first token: ResourceExhausted (HTTP 529/503 with Retry-After)

@@ -74,6 +74,31 @@ TEST(PlacementTest, DownWorkersAreNeverChosen) {
   EXPECT_EQ(PickPrefill(pools).worker->id, "up");
 }
 
+TEST(PlacementTest, DrainingWorkersAreNeverChosen) {
+  // A draining worker still answers Stats (up) but refuses Reserve and Submit. Idle and
+  // holding the prompt, it would otherwise come first.
+  PoolSnapshot pools;
+  pools.decode = {Decode("draining", 100, 0, 0), Decode("busy", 100, 90, 5)};
+  pools.decode[0].stats.set_draining(true);
+  pools.prefill = {Prefill("draining", 0, 0.001, kMinModelSamples), Prefill("busy", 1000, 0.001,
+                                                                           kMinModelSamples)};
+  pools.prefill[0].stats.set_draining(true);
+  PrefixHits hits;
+  hits.cached_tokens["draining"] = 160;
+  const RouteRequest kv{.routing = Routing::kKvAware, .hits = &hits, .prompt_tokens = 160, .n = 1};
+  EXPECT_THAT(Ids(RankDecode(pools, 1, kv)), testing::ElementsAre("busy"));
+  ASSERT_NE(PickPrefill(pools, kv).worker, nullptr);
+  EXPECT_EQ(PickPrefill(pools, kv).worker->id, "busy");
+  // The TTFT prediction is the other worker's.
+  ASSERT_TRUE(PredictTtft(pools, 100).has_value());
+  EXPECT_DOUBLE_EQ(*PredictTtft(pools, 100), 1100 * 0.001);
+  pools.decode.pop_back();
+  pools.prefill.pop_back();
+  EXPECT_TRUE(RankDecode(pools, 1, kv).empty());
+  EXPECT_EQ(PickPrefill(pools, kv).worker, nullptr);
+  EXPECT_FALSE(PredictTtft(pools, 100).has_value());
+}
+
 TEST(PlacementTest, NoWorkerUpMeansNoChoice) {
   PoolSnapshot empty;
   EXPECT_TRUE(RankDecode(empty, 1).empty());

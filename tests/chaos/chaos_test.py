@@ -36,7 +36,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import disagg_e2e_test as cluster  # noqa: E402  (process helpers shared with the disagg tests)
 
 ETCD = "/usr/bin/etcd"
-LEASE_TTL = 5  # seconds, for the etcd runs
+# Seconds, for the etcd runs. A worker whose lease goes unrenewed this long shuts itself down
+# (the routers have dropped it), so the TTL must outlast etcd stalling on a saturated machine
+# (make test-stress); only the membership scenario waits for a lease to expire.
+LEASE_TTL = 20
+# The membership scenario's, whose leave is the lease's expiry (it runs without load).
+MEMBERSHIP_TTL = 5
 # Bound on every wait for a condition (a process up, a metric reached): only a hang reaches it.
 HANG_S = 60
 # --step-delay-ms of the decode workers: a MAX_TOKENS stream decodes for at least
@@ -532,12 +537,12 @@ def membership_scenario(tmp):
     etcd = Etcd(os.path.join(tmp, "etcd-membership"))
     procs = []
     try:
-        procs.append(with_metrics(start_etcd_worker("prefill", etcd, 0)))
+        procs.append(with_metrics(start_etcd_worker("prefill", etcd, 0, MEMBERSHIP_TTL)))
         router = start_etcd_router(etcd, free_port())
         procs.append(router)
         # Join: a decode worker registers; the router serves with it.
         joined = time.time()
-        decode = with_metrics(start_etcd_worker("decode", etcd, 0))
+        decode = with_metrics(start_etcd_worker("decode", etcd, 0, MEMBERSHIP_TTL))
         procs.append(decode)
         capacity = metric(decode.metrics_url, "tandem_kv_cache_blocks_capacity")
         problems = []
@@ -556,7 +561,7 @@ def membership_scenario(tmp):
             problems.append(str(e))
         leave_s = time.time() - left
         return {"scenario": f"etcd: join picked up in {join_s:.2f} s, leave in {leave_s:.2f} s "
-                            f"(TTL {LEASE_TTL} s)",
+                            f"(TTL {MEMBERSHIP_TTL} s)",
                 "sent": 1, "succeeded": int(ok), "failed": int(not ok), "wrong_output": 0,
                 "lost": 0, "recovery_seconds": round(max(join_s, leave_s), 2), "retries": 0,
                 "leaked_blocks": {}, "problems": problems,
@@ -565,6 +570,29 @@ def membership_scenario(tmp):
         for p in reversed(procs):
             p.stop()
         etcd.stop()
+
+
+# Lines of a process's stderr that tell what happened to requests and workers.
+LOG_PATTERN = re.compile(r"lost its etcd|handoff|goes on elsewhere|left|joined|received|error",
+                         re.I)
+
+
+def log_excerpt(log_dir, limit=40):
+    """The telling lines of every process log a scenario left (TANDEM_TEST_LOGS), for a failed
+    scenario's report."""
+    lines = []
+    if not os.path.isdir(log_dir):
+        return lines
+    for name in sorted(os.listdir(log_dir)):
+        with open(os.path.join(log_dir, name), errors="replace") as f:
+            hits = [line.rstrip() for line in f if LOG_PATTERN.search(line)]
+        lines += [f"{name}: {line}" for line in hits[-limit // 4:]]
+    return lines[-limit:]
+
+
+def is_bad(r):
+    return (r["failed"] or r["wrong_output"] or r["lost"] or r["leaked_blocks"] or
+            r.get("problems") or r["sent"] == 0 or r["succeeded"] != r["sent"])
 
 
 def main():
@@ -601,6 +629,7 @@ def main():
         print(f"FAIL: {ETCD} is missing (scripts/install-deps installs etcd-server)")
         return 1
     with tempfile.TemporaryDirectory() as tmp:
+        logs = os.environ.get("TANDEM_TEST_LOGS") or os.path.join(tmp, "logs")
         cluster.MODEL = os.path.join(tmp, "tiny")
         subprocess.run([a.tandem, "synth-model", "--preset", "tiny", "--out", cluster.MODEL],
                        check=True, stdout=subprocess.DEVNULL)
@@ -624,12 +653,18 @@ def main():
             print(f"running: {name}", flush=True)
             etcd = Etcd(os.path.join(tmp, f"etcd-{len(rows)}")) if with_etcd else None
             ttl = RESTART_ETCD_TTL if action is restart_etcd else LEASE_TTL
+            # Each scenario's process logs in a directory of their own, quoted if it fails.
+            log_dir = os.path.join(logs, f"scenario-{len(rows)}")
+            os.environ["TANDEM_TEST_LOGS"] = log_dir
             try:
-                rows.append(run_scenario(name, action, reference, a.seconds, a.clients, etcd,
-                                         ttl, decode_extra, prefill_extra))
+                row = run_scenario(name, action, reference, a.seconds, a.clients, etcd, ttl,
+                                   decode_extra, prefill_extra)
             finally:
                 if etcd is not None:
                     etcd.stop()
+            if is_bad(row):
+                row["log"] = log_excerpt(log_dir)
+            rows.append(row)
         if a.only is None:
             rows.append(membership_scenario(tmp))
 
@@ -641,11 +676,12 @@ def main():
               f"{r.get('kv_handoffs', 0):7d}  {r['leaked_blocks'] or 0}")
         for e in r["errors"]:
             print(f"    error: {e}")
+        for line in r.get("log", []):
+            print(f"    log: {line}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)
-    bad = [r for r in rows if r["failed"] or r["wrong_output"] or r["lost"] or r["leaked_blocks"]
-           or r.get("problems") or r["sent"] == 0 or r["succeeded"] != r["sent"]]
+    bad = [r for r in rows if is_bad(r)]
     if bad:
         print("FAIL:", ", ".join(r["scenario"] for r in bad))
         return 1

@@ -136,7 +136,7 @@ class KvAwareRouting(cluster.ProcessesTestCase):
         with tempfile.TemporaryDirectory() as data:
             etcd = chaos_test.Etcd(data)
             self.addCleanup(etcd.stop)
-            join = ["--etcd", etcd.endpoint, "--lease-ttl", "5"]
+            join = ["--etcd", etcd.endpoint, "--lease-ttl", "20"]  # outlasts etcd stalling under load
             prefill = self.start(cluster.start_worker("prefill",
                                                       extra=join + ["--worker-id", "kv-p0"]))
             self.start(cluster.start_worker("decode", extra=join + ["--worker-id", "kv-d0"]))
