@@ -1,6 +1,7 @@
 // The OpenAI server's endpoints other than generation: /metrics, /v1/models, /tokenize,
 // /detokenize and the /ready probe.
 #include <mutex>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -88,7 +89,16 @@ void ApiServerImpl::HandleTokenize(http::HttpExchange& ex) {
     if (!special.ok()) return ReplyError(ex, special.status());
     absl::StatusOr<bool> gen = get_bool("add_generation_prompt", true);
     if (!gen.ok()) return ReplyError(ex, gen.status());
-    absl::StatusOr<std::vector<int32_t>> chat = ChatTokens(*messages, *gen, *special);
+    // The tools render into the prompt as they do for /v1/chat/completions, in the client's
+    // key order.
+    std::optional<nlohmann::ordered_json> ordered;
+    if (body->contains("tools")) {
+      ordered = nlohmann::ordered_json::parse(ex.request().body, nullptr, false);
+      if (ordered->is_discarded()) ordered.reset();
+    }
+    absl::StatusOr<ToolRequest> tools = ParseToolRequest(*body, ordered ? &*ordered : nullptr);
+    if (!tools.ok()) return ReplyError(ex, tools.status());
+    absl::StatusOr<std::vector<int32_t>> chat = ChatTokens(*messages, *gen, *special, *tools);
     if (!chat.ok()) return ReplyError(ex, chat.status());
     tokens = std::move(*chat);
   }

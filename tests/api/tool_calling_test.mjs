@@ -5,8 +5,9 @@
 // over random tools must always give tool_calls whose arguments validate (Ajv) against the
 // function's parameters, streamed (OpenAI's deltas: id, type and name first, then argument
 // fragments) and not; the two modes must give the same calls for the same seed. Also: tools
-// reach the template, tool results render back, calls the model writes itself (tool_choice
-// auto) are parsed and tool_choice none leaves them as text, and bad tools are 400s.
+// reach the template (and /tokenize's count), tool results render back, calls the model writes
+// itself (tool_choice auto) are parsed and tool_choice none leaves them as text, and bad tools
+// are 400s.
 //   node --test tests/api/tool_calling_test.mjs   (TANDEM_BINARY_DIR=build)
 import { after, before, describe, test } from 'node:test';
 import assert from 'node:assert/strict';
@@ -224,6 +225,18 @@ for (const { format, name, template, parallel } of FORMATS) {
         const offered = await openai.chat.completions.create({ model: MODEL, messages, max_tokens: 1, tools: [WEATHER] });
         assert.ok(offered.usage.prompt_tokens > plain.usage.prompt_tokens + 20,
           `tools add to the prompt: ${plain.usage.prompt_tokens} -> ${offered.usage.prompt_tokens}`);
+        // /tokenize renders the tools as the chat does: the same count.
+        const tokenize = async (body) => {
+          const r = await fetch(`${server.url}/tokenize`, { method: 'POST', headers: { 'content-type': 'application/json' }, body: JSON.stringify(body) });
+          return { status: r.status, body: await r.json() };
+        };
+        const counted = await tokenize({ model: MODEL, messages, tools: [WEATHER] });
+        assert.equal(counted.status, 200);
+        assert.equal(counted.body.count, offered.usage.prompt_tokens);
+        assert.equal((await tokenize({ model: MODEL, messages })).body.count, plain.usage.prompt_tokens);
+        const refused = await tokenize({ model: MODEL, messages, tools: [{ type: 'function' }] });
+        assert.equal(refused.status, 400);
+        assert.equal(refused.body.error.param, 'tools');
         const followUp = [
           ...messages,
           { role: 'assistant', content: null, tool_calls: [{ id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: '{"city": "Oslo"}' } }] },
