@@ -148,6 +148,10 @@ TEST(GlooCommunicatorTest, ARankThatStopsMakesTheOthersTimeOut) {
     EXPECT_EQ(comm.Barrier(), status);
     EXPECT_EQ(comm.health(), status);
     if (failed.fetch_add(1) + 1 == 2) others_done.Notify();
+    // No communicator closes before both have timed out: a closed connection would fail the
+    // other one with Unavailable instead, however late its own deadline fires on a busy
+    // machine.
+    others_done.WaitForNotification();
   });
 }
 
