@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -113,8 +114,45 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
   TANDEM_ASSIGN_OR_RETURN(RunnerDTypes dtypes,
                           ResolveRunnerDTypes(config, options.dtype, options.kv_cache_dtype));
   // Each rank's cache holds its KV heads only: the same budget holds more blocks per rank.
-  const int64_t block_bytes =
+  int64_t block_bytes =
       ModelRunner::KvBytesPerBlock(config, options.block_size, dtypes.kv_cache, tp_size);
+  std::optional<RunnerDTypes> draft_dtypes;
+  if (engine->options_.speculative.method == SpeculativeMethod::kDraftModel) {
+    const std::string& dir = engine->options_.speculative.draft_model;
+    if (tp_size > 1) {
+      return absl::UnimplementedError("a draft model does not run with tensor parallelism yet");
+    }
+    absl::StatusOr<std::unique_ptr<Checkpoint>> draft = Checkpoint::Open(dir);
+    if (!draft.ok()) {
+      return absl::Status(draft.status().code(), absl::StrCat("draft model ", dir, ": ",
+                                                              draft.status().message()));
+    }
+    engine->draft_checkpoint_ = std::move(draft).value();
+    const text::ModelConfig& dc = engine->draft_checkpoint_->config();
+    if (dc.vocab_size != config.vocab_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "draft model ", dir, ": its vocabulary has ", dc.vocab_size, " tokens, the model's ",
+          config.vocab_size, "; a draft must share the model's tokenizer"));
+    }
+    if (dc.max_position_embeddings < engine->max_model_len_) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "draft model ", dir, ": it reaches ", dc.max_position_embeddings,
+          " positions, fewer than the context length ", engine->max_model_len_,
+          " (lower --max-model-len)"));
+    }
+    // The draft holds its weights in the model's dtype where it can (an 8-bit model's draft in
+    // its own), and its KV in the cache's.
+    absl::StatusOr<RunnerDTypes> resolved =
+        ResolveRunnerDTypes(dc, options.dtype, options.kv_cache_dtype);
+    if (!resolved.ok()) resolved = ResolveRunnerDTypes(dc, std::nullopt, std::nullopt);
+    if (!resolved.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("draft model ", dir, ": ", resolved.status().message()));
+    }
+    draft_dtypes = *resolved;
+    // Every block holds the draft's KV of its tokens too, in the draft's own cache.
+    block_bytes += ModelRunner::KvBytesPerBlock(dc, options.block_size, draft_dtypes->kv_cache);
+  }
   const int64_t num_blocks = options.kv_cache_bytes / block_bytes;
   if (num_blocks < 1) {
     return absl::InvalidArgumentError(absl::StrCat("KV cache budget of ", options.kv_cache_bytes,
@@ -141,6 +179,26 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                            .kv_cache_dtype = dtypes.kv_cache,
                            .max_logit_rows_per_seq = 1 + num_spec,
                            .tensor_parallel = options.tensor_parallel}));
+  if (engine->draft_checkpoint_ != nullptr) {
+    // The CPU backend serves any model; a device backend's attention workspace is sized for one.
+    kernels::Backend* draft_backend = engine->backend_.get();
+    if (options.device != Device::kCpu) {
+      TANDEM_ASSIGN_OR_RETURN(engine->draft_backend_,
+                              CreateBackend(options, engine->draft_checkpoint_->config(),
+                                            engine->max_model_len_, engine->blocks_->num_blocks()));
+      draft_backend = engine->draft_backend_.get();
+    }
+    TANDEM_ASSIGN_OR_RETURN(
+        engine->draft_runner_,
+        ModelRunner::Create(*engine->draft_checkpoint_, draft_backend,
+                            {.max_num_batched_tokens = options.max_num_batched_tokens,
+                             .max_num_seqs = options.max_num_seqs,
+                             .num_kv_blocks = engine->blocks_->num_blocks(),
+                             .block_size = options.block_size,
+                             .weight_dtype = draft_dtypes->weights,
+                             .kv_cache_dtype = draft_dtypes->kv_cache,
+                             .max_logit_rows_per_seq = 1}));
+  }
   engine->sampler_ = std::make_unique<Sampler>(config.eos_token_ids);
   {
     // Rows of the embedding past the tokenizer's ids are no text: empty, never allowed.
@@ -407,7 +465,8 @@ void LlmEngine::ChooseSpeculationLength() {
     ++num_seqs;
     context += seq->num_computed_tokens + 1;
   }
-  spec_tokens_ = spec_length_->Choose(telemetry_.latency_model(), num_seqs, context);
+  spec_tokens_ = spec_length_->Choose(telemetry_.latency_model(), num_seqs, context,
+                                      telemetry_.draft_pass_seconds());
 }
 
 void LlmEngine::ProposeDrafts() {
@@ -430,13 +489,64 @@ void LlmEngine::ProposeDrafts() {
 }
 
 absl::Status LlmEngine::DraftStep(const SchedulerStep& step) {
-  if (options_.speculative.method != SpeculativeMethod::kEarlyExit) return absl::OkStatus();
+  const SpeculativeMethod method = options_.speculative.method;
+  if (method != SpeculativeMethod::kEarlyExit && method != SpeculativeMethod::kDraftModel) {
+    return absl::OkStatus();
+  }
   int most = 0;
   for (const ScheduledSequence& s : step.seqs) most = std::max(most, s.num_draft_tokens);
+  if (most == 0) {
+    // The draft model's cache follows the target's block tables, copies included.
+    if (draft_runner_ != nullptr) draft_runner_->CopyBlocks(step.block_copies);
+    return absl::OkStatus();
+  }
+  const auto begin = std::chrono::steady_clock::now();
+  static const std::vector<std::pair<int32_t, int32_t>> kNoCopies;
+  const std::vector<std::pair<int32_t, int32_t>>* copies = &step.block_copies;
+  if (draft_runner_ != nullptr) {
+    // The draft's KV of every real token but the last (which the first pass runs), in passes
+    // of at most a step's tokens: all of the prompt the first time (its KV came from the
+    // target's prefill or another worker), what verification accepted since then afterwards.
+    for (;;) {
+      std::vector<ModelRunner::TokenRun> runs;
+      std::vector<Sequence*> caught_up;
+      int budget = draft_runner_->max_num_batched_tokens();
+      for (const ScheduledSequence& s : step.seqs) {
+        if (s.num_draft_tokens == 0) continue;
+        const int behind = static_cast<int>(s.seq->tokens.size()) - 1 - s.seq->draft_kv_tokens;
+        if (behind <= 0) continue;
+        if (budget <= 0 || static_cast<int>(runs.size()) == draft_runner_->max_num_seqs()) break;
+        const int n = std::min(behind, budget);
+        runs.push_back({.seq = s.seq, .begin = s.seq->draft_kv_tokens,
+                        .end = s.seq->draft_kv_tokens + n, .sample = false});
+        caught_up.push_back(s.seq);
+        budget -= n;
+      }
+      if (runs.empty()) break;
+      TANDEM_RETURN_IF_ERROR(draft_runner_->ExecuteRuns(runs, draft_runner_->config().num_layers,
+                                                        *copies).status());
+      copies = &kNoCopies;
+      for (size_t i = 0; i < runs.size(); ++i) caught_up[i]->draft_kv_tokens = runs[i].end;
+    }
+  }
   const size_t vocab = checkpoint_->config().vocab_size;
   for (int j = 0; j < most; ++j) {
-    TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits,
-                            runner_->ExecuteDraft(step, j, options_.speculative.draft_layers));
+    std::span<const float> logits;
+    if (draft_runner_ != nullptr) {
+      std::vector<ModelRunner::TokenRun> runs;
+      for (const ScheduledSequence& s : step.seqs) {
+        if (s.num_draft_tokens <= j) continue;
+        // The last real token, then the drafts proposed so far, one position a pass.
+        const int pos = static_cast<int>(s.seq->tokens.size()) - 1 + j;
+        runs.push_back({.seq = s.seq, .begin = pos, .end = pos + 1, .sample = true});
+      }
+      TANDEM_ASSIGN_OR_RETURN(
+          logits, draft_runner_->ExecuteRuns(runs, draft_runner_->config().num_layers, *copies));
+      copies = &kNoCopies;
+    } else {
+      TANDEM_ASSIGN_OR_RETURN(logits,
+                              runner_->ExecuteDraft(step, j, options_.speculative.draft_layers));
+    }
     size_t r = 0;
     for (const ScheduledSequence& s : step.seqs) {
       if (s.num_draft_tokens <= j) continue;
@@ -444,8 +554,14 @@ absl::Status LlmEngine::DraftStep(const SchedulerStep& step) {
       // verification accepts with the target's own probability of it.
       const float* row = logits.data() + r++ * vocab;
       s.seq->draft_tokens[j] = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+      // The draft's KV now reaches the position this pass ran.
+      if (draft_runner_ != nullptr) {
+        s.seq->draft_kv_tokens = static_cast<int>(s.seq->tokens.size()) + j;
+      }
     }
   }
+  telemetry_.DraftPasses(
+      most, std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
   return absl::OkStatus();
 }
 
@@ -493,6 +609,7 @@ void LlmEngine::SampleSequence(const ScheduledSequence& s, std::span<const float
   // row is sampled, exactly as if each had been sampled in a step of its own.
   const std::vector<int32_t> drafts(seq.draft_tokens.begin(),
                                     seq.draft_tokens.begin() + s.num_draft_tokens);
+  const int known = static_cast<int>(seq.tokens.size());
   int accepted = 0;
   for (int j = 0; j <= s.num_draft_tokens; ++j) {
     const float* src = rows.data() + static_cast<size_t>(j) * vocab;
@@ -523,6 +640,8 @@ void LlmEngine::SampleSequence(const ScheduledSequence& s, std::span<const float
     for (int j = 0; j < accepted; ++j) ++spec_accepted_by_position_[j];
     if (spec_length_ != nullptr) spec_length_->Observe(s.num_draft_tokens, accepted);
   }
+  // A draft model's KV past the accepted drafts is of rejected tokens.
+  seq.draft_kv_tokens = std::min(seq.draft_kv_tokens, known + accepted);
   // A finished choice's blocks are gone already; a running one keeps the accepted tokens' KV.
   if (s.num_draft_tokens > 0 && !choice.done) scheduler_->AcceptDrafts(&seq, accepted);
 }
@@ -742,7 +861,10 @@ void LlmEngine::ApplySloLimits() {
       contexts.push_back(seq->num_computed_tokens + 1);
     }
     // What the caller's loop spends between steps is part of every token's time too.
-    const double step_target = kTpotMargin * options_.tpot_slo_seconds - telemetry_.step_gap_seconds();
+    // So do the step's draft passes, which the latency model leaves out.
+    const double step_target = kTpotMargin * options_.tpot_slo_seconds -
+                               telemetry_.step_gap_seconds() -
+                               spec_tokens_ * telemetry_.draft_pass_seconds();
     // A verification step runs each sequence's draft tokens too.
     decode_batch_limit_ = DecodeBatchLimit(telemetry_.latency_model(), contexts,
                                            options_.max_num_seqs, step_target, 1 + spec_tokens_);

@@ -564,51 +564,84 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
 
 absl::StatusOr<std::span<const float>> ModelRunner::ExecuteDraft(const SchedulerStep& step,
                                                                  int offset, int num_layers) {
-  if (num_layers < 1 || num_layers > config_.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a draft pass of ", num_layers, " layers on a model of ", config_.num_layers));
-  }
-  if (tensor_parallel()) {
-    return absl::FailedPreconditionError("early-exit drafts do not run on a tensor-parallel group");
-  }
-  int num_seqs = 0;
-  int max_blocks = 0;
+  std::vector<TokenRun> runs;
   for (const ScheduledSequence& s : step.seqs) {
     if (s.num_draft_tokens <= offset) continue;
-    ++num_seqs;
-    max_blocks = std::max(max_blocks, static_cast<int>(s.seq->block_table.size()));
-  }
-  if (num_seqs == 0) return std::span<const float>();
-  block_table_.assign(static_cast<size_t>(num_seqs) * max_blocks, 0);
-  const int bs = kv_layout_.block_size;
-  int32_t* token_ids = planned_ints_;
-  int32_t* positions = token_ids + num_seqs;
-  int32_t* slots = positions + num_seqs;
-  int32_t* sample_rows = slots + num_seqs;
-  int i = 0;
-  query_start_[0] = 0;
-  for (const ScheduledSequence& s : step.seqs) {
-    if (s.num_draft_tokens <= offset) continue;
-    const Sequence& seq = *s.seq;
     // The sequence's last real token, then the draft tokens proposed so far.
-    const int known = static_cast<int>(seq.tokens.size());
-    const int pos = known - 1 + offset;
-    token_ids[i] = offset == 0 ? seq.tokens[known - 1] : seq.draft_tokens[offset - 1];
-    positions[i] = pos;
-    slots[i] = seq.block_table[pos / bs] * bs + pos % bs;
-    sample_rows[i] = i;
-    query_start_[i + 1] = i + 1;
-    context_len_[i] = pos + 1;
-    std::copy(seq.block_table.begin(), seq.block_table.end(),
-              block_table_.begin() + static_cast<size_t>(i) * max_blocks);
-    ++i;
+    const int pos = static_cast<int>(s.seq->tokens.size()) - 1 + offset;
+    runs.push_back({.seq = s.seq, .begin = pos, .end = pos + 1, .sample = true});
   }
   // The first pass copies the step's blocks; Execute copies them again before the target pass,
   // which rewrites every slot of the step before reading it: the second copy changes nothing
   // the target reads.
   static const std::vector<std::pair<int32_t, int32_t>> kNoCopies;
-  return Forward(num_seqs, num_seqs, max_blocks, num_seqs, num_layers, /*layer_hook=*/false,
-                 offset == 0 ? step.block_copies : kNoCopies);
+  return ExecuteRuns(runs, num_layers, offset == 0 ? step.block_copies : kNoCopies);
+}
+
+absl::StatusOr<std::span<const float>> ModelRunner::ExecuteRuns(
+    std::span<const TokenRun> runs, int num_layers,
+    const std::vector<std::pair<int32_t, int32_t>>& block_copies) {
+  if (num_layers < 1 || num_layers > config_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a draft pass of ", num_layers, " layers on a model of ", config_.num_layers));
+  }
+  if (tensor_parallel()) {
+    return absl::FailedPreconditionError("draft passes do not run on a tensor-parallel group");
+  }
+  const int bs = kv_layout_.block_size;
+  const int num_seqs = static_cast<int>(runs.size());
+  int tokens = 0;
+  int rows = 0;
+  int max_blocks = 0;
+  for (const TokenRun& r : runs) {
+    const int known = static_cast<int>(r.seq->tokens.size());
+    if (r.begin < 0 || r.end <= r.begin ||
+        r.end > known + static_cast<int>(r.seq->draft_tokens.size()) ||
+        (r.end + bs - 1) / bs > static_cast<int>(r.seq->block_table.size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a draft run of positions [", r.begin, ", ", r.end, ") on a sequence of ", known,
+          " tokens, ", r.seq->draft_tokens.size(), " drafts and ", r.seq->block_table.size(),
+          " blocks"));
+    }
+    tokens += r.end - r.begin;
+    rows += r.sample ? 1 : 0;
+    max_blocks = std::max(max_blocks, static_cast<int>(r.seq->block_table.size()));
+  }
+  if (num_seqs == 0) {
+    CopyBlocks(block_copies);
+    return std::span<const float>();
+  }
+  if (tokens > options_.max_num_batched_tokens || num_seqs > options_.max_num_seqs ||
+      rows > max_logit_rows_) {
+    return absl::InvalidArgumentError(absl::StrCat("a draft pass of ", tokens, " tokens, ",
+                                                   num_seqs, " sequences and ", rows,
+                                                   " logit rows exceeds the runner"));
+  }
+  block_table_.assign(static_cast<size_t>(num_seqs) * max_blocks, 0);
+  int32_t* token_ids = planned_ints_;
+  int32_t* positions = token_ids + tokens;
+  int32_t* slots = positions + tokens;
+  int32_t* sample_rows = slots + tokens;
+  int t = 0;
+  int num_sampled = 0;
+  query_start_[0] = 0;
+  for (int i = 0; i < num_seqs; ++i) {
+    const TokenRun& r = runs[i];
+    const Sequence& seq = *r.seq;
+    const int known = static_cast<int>(seq.tokens.size());
+    for (int pos = r.begin; pos < r.end; ++pos, ++t) {
+      token_ids[t] = pos < known ? seq.tokens[pos] : seq.draft_tokens[pos - known];
+      positions[t] = pos;
+      slots[t] = seq.block_table[pos / bs] * bs + pos % bs;
+    }
+    query_start_[i + 1] = t;
+    context_len_[i] = r.end;
+    std::copy(seq.block_table.begin(), seq.block_table.end(),
+              block_table_.begin() + static_cast<size_t>(i) * max_blocks);
+    if (r.sample) sample_rows[num_sampled++] = t - 1;
+  }
+  return Forward(tokens, num_seqs, max_blocks, num_sampled, num_layers, /*layer_hook=*/false,
+                 block_copies);
 }
 
 absl::StatusOr<std::span<const float>> ModelRunner::Forward(

@@ -45,6 +45,7 @@ void Scheduler::AddPrefilled(Sequence* seq) {
 void Scheduler::Preempt(Sequence* seq) {
   blocks_->Free(seq->block_table);
   seq->num_computed_tokens = 0;
+  seq->draft_kv_tokens = 0;
   seq->status = SequenceStatus::kWaiting;
   ++seq->num_preemptions;
   ++num_preemptions_;

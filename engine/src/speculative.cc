@@ -22,6 +22,10 @@ absl::Status SpeculativeOptions::Validate() const {
     return absl::InvalidArgumentError(
         absl::StrCat("early-exit speculation needs draft_layers >= 1, got ", draft_layers));
   }
+  if (method == SpeculativeMethod::kDraftModel && draft_model.empty()) {
+    return absl::InvalidArgumentError(
+        "draft-model speculation needs the draft model's directory (draft_model)");
+  }
   return absl::OkStatus();
 }
 
@@ -33,6 +37,8 @@ const char* SpeculativeMethodName(SpeculativeMethod method) {
       return "ngram";
     case SpeculativeMethod::kEarlyExit:
       return "early-exit";
+    case SpeculativeMethod::kDraftModel:
+      return "draft-model";
   }
   return "none";
 }
@@ -44,6 +50,8 @@ bool ParseSpeculativeMethod(const std::string& name, SpeculativeMethod* method) 
     *method = SpeculativeMethod::kNgram;
   } else if (name == "early-exit") {
     *method = SpeculativeMethod::kEarlyExit;
+  } else if (name == "draft-model") {
+    *method = SpeculativeMethod::kDraftModel;
   } else {
     return false;
   }
@@ -98,14 +106,16 @@ double SpeculationLength::ExpectedTokens(int k) const {
   return expected;
 }
 
-int SpeculationLength::Choose(const StepLatencyModel& model, int num_seqs, int64_t context) {
+int SpeculationLength::Choose(const StepLatencyModel& model, int num_seqs, int64_t context,
+                              double draft_pass_seconds) {
   if (!model.ready() || num_seqs <= 0) return max_;
   int best = 0;
   double best_rate = 0;
   for (int k = 0; k <= max_; ++k) {
     const int64_t tokens = static_cast<int64_t>(num_seqs) * (1 + k);
-    const double seconds = model.Predict(tokens, num_seqs, context + tokens - num_seqs);
-    if (!(seconds > 0)) return max_;
+    const double target = model.Predict(tokens, num_seqs, context + tokens - num_seqs);
+    if (!(target > 0)) return max_;
+    const double seconds = target + k * std::max(0.0, draft_pass_seconds);
     const double rate = ExpectedTokens(k) / seconds;
     if (rate > best_rate) {
       best_rate = rate;
@@ -116,8 +126,10 @@ int SpeculationLength::Choose(const StepLatencyModel& model, int num_seqs, int64
     steps_off_ = 0;
     return best;
   }
-  // Off: probe now and then, or acceptance would never be measured again.
-  return ++steps_off_ % 32 == 0 ? max_ : 0;
+  // Off: probe now and then with one draft token (the cheapest probe), or acceptance would
+  // never be measured again; where the first draft is accepted often enough, the longer
+  // lengths follow.
+  return ++steps_off_ % 32 == 0 ? 1 : 0;
 }
 
 }  // namespace tandem::engine

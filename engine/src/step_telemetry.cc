@@ -15,6 +15,15 @@ void StepTelemetry::BeginStep() {
     step_gap_seconds_ = 0.9 * step_gap_seconds_ + 0.1 * std::min(1.0, gap_seconds_);
   }
   first_tokens_.clear();
+  step_draft_seconds_ = 0;
+}
+
+void StepTelemetry::DraftPasses(int passes, double seconds) {
+  if (passes <= 0 || !(seconds >= 0)) return;
+  step_draft_seconds_ += seconds;
+  const double per_pass = seconds / passes;
+  draft_pass_seconds_ =
+      draft_pass_seconds_ == 0 ? per_pass : 0.9 * draft_pass_seconds_ + 0.1 * per_pass;
 }
 
 void StepTelemetry::Scheduled(const SchedulerStep& step) {
@@ -41,9 +50,12 @@ void StepTelemetry::EndStep(bool work_left) {
   last_step_seconds_ =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count();
   last_predicted_step_seconds_ =
-      latency_model_.ready() ? latency_model_.Predict(step_tokens_, step_seqs_, step_context_)
-                             : 0;
-  latency_model_.Observe(step_tokens_, step_seqs_, step_context_, last_step_seconds_);
+      latency_model_.ready()
+          ? latency_model_.Predict(step_tokens_, step_seqs_, step_context_) + step_draft_seconds_
+          : 0;
+  // The target's step: the draft passes are not what the model's shape describes.
+  latency_model_.Observe(step_tokens_, step_seqs_, step_context_,
+                         std::max(0.0, last_step_seconds_ - step_draft_seconds_));
   ++steps_;
   last_step_seqs_ = step_seqs_;
   last_step_end_ = std::chrono::steady_clock::now();

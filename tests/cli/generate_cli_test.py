@@ -25,6 +25,13 @@ with tempfile.TemporaryDirectory() as tmp:
     model = os.path.join(tmp, "tiny")
     r = run("synth-model", "--out", model, "--preset", "tiny", "--seed", "3")
     check(r.returncode == 0, f"synth-model failed: {r.stderr}")
+    # Its first layer as a model of its own: a draft for --speculative-model.
+    draft = os.path.join(tmp, "tiny-draft")
+    r = run("synth-model", "--out", draft, "--preset", "tiny", "--seed", "3", "--num-layers", "1")
+    check(r.returncode == 0, f"synth-model --num-layers 1 failed: {r.stderr}")
+    other_vocab = os.path.join(tmp, "tiny-vocab64")
+    r = run("synth-model", "--out", other_vocab, "--preset", "tiny", "--vocab-size", "64")
+    check(r.returncode == 0, f"synth-model --vocab-size 64 failed: {r.stderr}")
 
     r = run("generate", "--model", model, "--prompt", "Hello there", "--max-tokens", "12",
             "--temperature", "0", "--ignore-eos", "--json")
@@ -48,16 +55,19 @@ with tempfile.TemporaryDirectory() as tmp:
     check(r.returncode == 0 and len(lines) == 3, f"--n 3 prints 3 objects: {r.stderr}")
     check([json.loads(l)["index"] for l in lines] == [0, 1, 2], "indexes 0..2")
 
-    # Speculative decoding (n-gram prompt lookup) leaves greedy output as it is: tokens, text,
-    # logprobs; n > 1 and stop strings included.
+    # Speculative decoding (n-gram prompt lookup, early exit, a draft model) leaves greedy output
+    # as it is: tokens, text, logprobs; n > 1 and stop strings included.
     code = "def f(x): return x + 1\ndef g(x): return x + 2\ndef h(x): return x + 3\ndef k(x):"
     for extra in ([], ["--n", "2", "--stop", "x)"], ["--logprobs", "3"]):
         greedy = ["generate", "--model", model, "--prompt", code, "--max-tokens", "48",
                   "--temperature", "0", "--json", *extra]
         plain = run(*greedy)
-        for method in (["ngram", "--num-speculative-tokens", "5", "--ngram-max", "4"],
-                       ["early-exit", "--draft-layers", "1", "--num-speculative-tokens", "3"]):
-            spec = run(*greedy, "--speculative-method", *method)
+        for method in (["--speculative-method", "ngram", "--num-speculative-tokens", "5",
+                        "--ngram-max", "4"],
+                       ["--speculative-method", "early-exit", "--draft-layers", "1",
+                        "--num-speculative-tokens", "3"],
+                       ["--speculative-model", draft, "--num-speculative-tokens", "4"]):
+            spec = run(*greedy, *method)
             check(plain.returncode == 0 and spec.returncode == 0,
                   f"generate with/without --speculative-method {method}: {spec.stderr}")
             check(plain.stdout == spec.stdout and plain.stdout.strip() != "",
@@ -108,6 +118,14 @@ with tempfile.TemporaryDirectory() as tmp:
           "--draft-layers", "2"], "draft_layers"),
         (["generate", "--model", model, "--prompt", "x", "--draft-layers", "1"],
          "--speculative-method"),
+        (["generate", "--model", model, "--prompt", "x", "--speculative-method", "draft-model"],
+         "--speculative-model"),
+        (["generate", "--model", model, "--prompt", "x", "--speculative-method", "ngram",
+          "--speculative-model", draft], "--speculative-model"),
+        (["generate", "--model", model, "--prompt", "x", "--speculative-model",
+          os.path.join(tmp, "missing")], "draft model"),
+        (["generate", "--model", model, "--prompt", "x", "--speculative-model", other_vocab],
+         "vocabulary"),
         (["nonsense"], "nonsense"),
     ]
     for args, needle in bad:

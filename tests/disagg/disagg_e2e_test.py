@@ -434,15 +434,24 @@ class AcrossNetworkNamespaces(unittest.TestCase):
 
 
 class SpeculativeDecodeWorker(unittest.TestCase):
-    """A decode worker verifying n-gram proposals (--speculative-method ngram) streams the
-    greedy output of a colocated server without speculation, token for token, with logprobs,
-    and exports what it proposed and accepted."""
+    """A decode worker verifying n-gram proposals (--speculative-method ngram), or a draft
+    model's (--speculative-model, which first computes its own KV of each prompt the prefill
+    worker sent), streams the greedy output of a colocated server without speculation, token
+    for token, with logprobs, and exports what it proposed and accepted."""
 
     def test_greedy_output_equals_colocated_without_speculation(self):
+        # The model's first layer as a model of its own.
+        draft = os.path.join(os.path.dirname(MODEL), "tiny-draft")
+        subprocess.run([TANDEM, "synth-model", "--preset", "tiny", "--num-layers", "1", "--out",
+                        draft], check=True, stdout=subprocess.DEVNULL)
+        for method in (["--speculative-method", "ngram"], ["--speculative-model", draft]):
+            with self.subTest(method=method[0]):
+                self.check_speculating_decode_worker(method)
+
+    def check_speculating_decode_worker(self, method):
         # A fixed draft length: the adaptive one follows measured step times.
-        decode = start_worker("decode", extra=["--speculative-method", "ngram",
-                                               "--num-speculative-tokens", "4",
-                                               "--no-speculative-adaptive"])
+        decode = start_worker("decode", extra=method + ["--num-speculative-tokens", "4",
+                                                        "--no-speculative-adaptive"])
         prefill = start_worker("prefill")
         router = start_router(prefill.address, decode.address)
         colocated = start_colocated()

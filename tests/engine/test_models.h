@@ -48,6 +48,29 @@ inline std::string TinySmallVocabModel(int vocab_size) {
   return dir;
 }
 
+// A draft for speculative decoding: TinyModel(arch, dtype)'s first layer, embedding, final norm
+// and LM head as a model of its own (with `vocab_size`, TinySmallVocabModel(vocab_size)'s);
+// created on first use.
+inline std::string TinyDraftModel(const std::string& arch, DType dtype, int vocab_size = 0) {
+  const char* bin = std::getenv("TANDEM_BINARY_DIR");
+  std::string root = bin != nullptr ? bin : std::filesystem::temp_directory_path().string();
+  std::string dir = absl::StrCat(root, "/test-models/tiny-", arch, "-", DTypeName(dtype),
+                                 vocab_size > 0 ? absl::StrCat("-vocab", vocab_size) : "",
+                                 "-draft1");
+  if (!std::filesystem::exists(dir + "/config.json")) {
+    tools::SynthModelOptions options;
+    options.out_dir = dir;
+    options.arch = arch;
+    options.dtype = dtype;
+    options.seed = 7;
+    options.vocab_size = vocab_size;
+    options.num_layers = 1;
+    absl::Status status = tools::WriteSyntheticModel(options);
+    EXPECT_TRUE(status.ok()) << status;
+  }
+  return dir;
+}
+
 // A tiny synthetic model of `arch` with weight-only quantised linear layers (`quant`: int8, awq
 // or gptq; groups of 32, as the tiny preset's 64-wide hidden size cannot hold 128), its other
 // tensors of `dtype`; created on first use. The same seed as TinyModel: the float weights it

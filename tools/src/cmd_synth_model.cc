@@ -33,6 +33,10 @@ absl::Status Run(int argc, char** argv) {
                "scale the o_proj/down_proj outputs of layers from --late-layers-from on by S "
                "(near 0: late layers barely change the residual stream; default 1)");
   args.Declare("late-layers-from", "L", "first layer --late-layer-scale applies to (default 0)");
+  args.Declare("num-layers", "N",
+               "the preset's shape with N layers; with the same --seed, exactly the first N "
+               "layers of the full model (a draft for --speculative-model; default: the "
+               "preset's)");
   args.Declare("vocab-size", "N",
                "keep only the first N token ids in the embedding and LM head (a small-vocabulary "
                "model for statistical tests; default: the tokenizer's)");
@@ -69,6 +73,11 @@ absl::Status Run(int argc, char** argv) {
     return absl::InvalidArgumentError("--late-layers-from must be in [0, 4096]");
   }
   options.late_layers_from = static_cast<int>(late_from);
+  TANDEM_ASSIGN_OR_RETURN(int64_t num_layers, args.Int("num-layers", 0));
+  if (num_layers < 0 || num_layers > 4096) {
+    return absl::InvalidArgumentError("--num-layers must be in [1, 4096]");
+  }
+  options.num_layers = static_cast<int>(num_layers);
   TANDEM_ASSIGN_OR_RETURN(options.dtype, ParseDType(args.GetOr("dtype", "bf16")));
   options.tokenizer_json_path = args.GetOr("tokenizer", "");
   TANDEM_ASSIGN_OR_RETURN(int64_t shard_bytes, args.Int("max-shard-bytes", 0));

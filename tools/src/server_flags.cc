@@ -153,10 +153,15 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
 
 void DeclareSpeculativeFlags(Args& args) {
   args.Declare("speculative-method", "NAME",
-               "none | ngram | early-exit: speculative decoding; ngram proposes the tokens that "
-               "followed the last earlier occurrence of a sequence's last tokens (prompt lookup), "
-               "early-exit those the model's first --draft-layers layers predict; each decode "
-               "step verifies them, keeping the output distribution unchanged (default none)");
+               "none | ngram | early-exit | draft-model: speculative decoding; ngram proposes the "
+               "tokens that followed the last earlier occurrence of a sequence's last tokens "
+               "(prompt lookup), early-exit those the model's first --draft-layers layers "
+               "predict, draft-model those a smaller model (--speculative-model) predicts; each "
+               "decode step verifies them, keeping the output distribution unchanged (default "
+               "none; draft-model with --speculative-model)");
+  args.Declare("speculative-model", "DIR",
+               "draft-model: the draft's checkpoint directory (Hugging Face layout, the model's "
+               "vocabulary); its KV cache takes its share of the KV budget");
   args.Declare("num-speculative-tokens", "K",
                "draft tokens proposed per sequence and step, 1..32 (default 4 with a method)");
   args.Declare("ngram-min", "N", "shortest suffix the ngram method matches (default 1)");
@@ -174,23 +179,35 @@ void DeclareSpeculativeFlags(Args& args) {
 }
 
 absl::Status SpeculativeFlags(const Args& args, engine::EngineOptions& options) {
-  const std::string method = args.GetOr("speculative-method", "none");
+  const std::string method =
+      args.GetOr("speculative-method", args.Has("speculative-model") ? "draft-model" : "none");
   engine::SpeculativeOptions& spec = options.speculative;
   if (!engine::ParseSpeculativeMethod(method, &spec.method)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        args.command(), ": --speculative-method must be none, ngram or early-exit, got '", method,
-        "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(args.command(),
+                     ": --speculative-method must be none, ngram, early-exit or draft-model, got '",
+                     method, "'"));
   }
   if (spec.method == engine::SpeculativeMethod::kNone) {
     for (const char* flag : {"num-speculative-tokens", "ngram-min", "ngram-max", "draft-layers",
                              "speculative-adaptive", "no-speculative-adaptive"}) {
       if (args.Has(flag) || args.Switch(flag)) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            args.command(), ": --", flag, " needs --speculative-method ngram or early-exit"));
+        return absl::InvalidArgumentError(
+            absl::StrCat(args.command(), ": --", flag,
+                         " needs --speculative-method ngram, early-exit or draft-model"));
       }
     }
     return absl::OkStatus();
   }
+  const bool draft_model = spec.method == engine::SpeculativeMethod::kDraftModel;
+  if (draft_model != args.Has("speculative-model")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), draft_model
+                            ? ": --speculative-method draft-model needs --speculative-model DIR"
+                            : ": --speculative-model is the draft of --speculative-method "
+                              "draft-model"));
+  }
+  if (draft_model) spec.draft_model = args.GetOr("speculative-model", "");
   if (args.Switch("speculative-adaptive") && args.Switch("no-speculative-adaptive")) {
     return absl::InvalidArgumentError(absl::StrCat(
         args.command(), ": --speculative-adaptive and --no-speculative-adaptive contradict"));
@@ -198,7 +215,7 @@ absl::Status SpeculativeFlags(const Args& args, engine::EngineOptions& options) 
   spec.adaptive = !args.Switch("no-speculative-adaptive");
   const bool early_exit = spec.method == engine::SpeculativeMethod::kEarlyExit;
   for (const char* flag : {"ngram-min", "ngram-max"}) {
-    if (early_exit && args.Has(flag)) {
+    if (spec.method != engine::SpeculativeMethod::kNgram && args.Has(flag)) {
       return absl::InvalidArgumentError(absl::StrCat(
           args.command(), ": --", flag, " is an option of --speculative-method ngram"));
     }

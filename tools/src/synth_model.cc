@@ -616,6 +616,11 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options) {
   TANDEM_ASSIGN_OR_RETURN(ModelConfig config,
                           SyntheticConfig(options.preset, options.arch, tokenizer.vocab_size));
   if (options.vocab_size > 0) config.vocab_size = options.vocab_size;
+  if (options.num_layers < 0 || options.num_layers > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_layers must be in [0, 4096], got ", options.num_layers));
+  }
+  if (options.num_layers > 0) config.num_layers = options.num_layers;
   config.torch_dtype = options.dtype;
   config.bos_token_id = tokenizer.bos_token_id;
   config.eos_token_ids = tokenizer.eos_token_ids;
@@ -695,6 +700,10 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options) {
   };
   auto cache = std::make_shared<LayerCache>();
   json weight_map = json::object();
+  // Weights are scaled for the preset's depth, so that fewer layers (num_layers) are exactly
+  // the full model's first ones.
+  ModelConfig init_config = config;
+  init_config.num_layers = preset->layers;
   for (size_t s = 0; s < shards.size(); ++s) {
     std::string file =
         options.max_shard_bytes == 0
@@ -705,7 +714,7 @@ absl::Status WriteSyntheticModel(const SynthModelOptions& options) {
       const Item& item = items[i];
       const std::vector<int64_t> weight_shape =
           item.module.empty() ? item.shape : std::vector<int64_t>{item.out, item.in};
-      Init init = InitFor(item.weight_name, weight_shape, config);
+      Init init = InitFor(item.weight_name, weight_shape, init_config);
       init.std *= LateLayerScale(item.weight_name, options);
       const uint64_t key = TensorKey(options.seed, item.weight_name);
       auto generate = [init, key](int64_t first, int64_t count, float* out) {

@@ -224,7 +224,8 @@ class LlmEngine {
   void ProposeDrafts();
   // Sets spec_tokens_, the draft length of the coming step, for the running batch.
   void ChooseSpeculationLength();
-  // Early-exit self-speculation: the draft passes that fill in the step's draft tokens.
+  // Early exit and draft-model speculation: the draft passes that fill in the step's draft
+  // tokens (a draft model first catches its own KV up with the sequence's tokens).
   absl::Status DraftStep(const SchedulerStep& step);
   // Samples the logit rows of one sampling sequence of the step (1 + its draft tokens, from
   // `rows`): verifies its draft tokens in order, processing each token, until one is rejected
@@ -244,6 +245,11 @@ class LlmEngine {
   std::unique_ptr<BlockManager> blocks_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ModelRunner> runner_;
+  // SpeculativeMethod::kDraftModel: the draft's checkpoint and runner (its KV cache indexed by
+  // the same block ids as runner_'s), and its own backend on a device.
+  std::unique_ptr<Checkpoint> draft_checkpoint_;
+  std::unique_ptr<kernels::Backend> draft_backend_;
+  std::unique_ptr<ModelRunner> draft_runner_;
   std::unique_ptr<Sampler> sampler_;
   // The tokenizer's vocabulary as bytes (EOS ids end a grammar) and the grammars compiled for
   // it, shared by every constrained request; the cache is thread-safe (Validate runs anywhere).

@@ -88,6 +88,29 @@ class ModelRunner {
   absl::StatusOr<std::span<const float>> ExecuteDraft(const SchedulerStep& step, int offset,
                                                       int num_layers);
 
+  // A pass over chosen positions of sequences, for the speculative drafts: each run feeds its
+  // sequence's tokens at positions [begin, end) (past seq->tokens, its draft_tokens), writes
+  // their KV into the sequence's blocks of this runner's cache and attends over what the cache
+  // holds before them, through the first `num_layers` layers; runs with `sample` set return the
+  // logits of their last position, one row each in run order. `block_copies` are done first.
+  // Not with a tensor-parallel group.
+  struct TokenRun {
+    const Sequence* seq = nullptr;
+    int begin = 0;
+    int end = 0;
+    bool sample = false;
+  };
+  absl::StatusOr<std::span<const float>> ExecuteRuns(
+      std::span<const TokenRun> runs, int num_layers,
+      const std::vector<std::pair<int32_t, int32_t>>& block_copies);
+  // Copy-on-write block copies {src, dst} of a step this runner did not run (a draft model's
+  // cache follows the target's block tables).
+  void CopyBlocks(const std::vector<std::pair<int32_t, int32_t>>& block_copies) {
+    for (const auto& [src, dst] : block_copies) CopyBlock(src, dst);
+  }
+  int max_num_batched_tokens() const { return options_.max_num_batched_tokens; }
+  int max_num_seqs() const { return options_.max_num_seqs; }
+
   // On a follower rank of a tensor-parallel group: runs the steps the leader sends until the
   // leader's runner is destroyed (OK) or the group fails (the communicator's error: a rank
   // died, or a collective timed out). Waits for the next step for as long as the leader idles.

@@ -62,6 +62,9 @@ struct Sequence {
   // runs them after the last sampled token; the scheduler drops those that do not fit). Empty
   // outside a speculative step.
   std::vector<int32_t> draft_tokens;
+  // A draft model's KV cache holds the draft's KV of this many leading tokens (in this
+  // sequence's blocks); it catches up before proposing.
+  int draft_kv_tokens = 0;
 
   // Sampler outputs of the latest step that sampled (filled when params->logprobs >= 0).
   float last_logprob = 0.0f;

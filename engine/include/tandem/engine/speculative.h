@@ -16,7 +16,9 @@ namespace tandem::engine {
 // that followed the most recent earlier occurrence of the sequence's last n tokens.
 // kEarlyExit: self-speculation, the target's own first draft_layers layers with its final norm
 // and LM head as the draft model (greedy), over the target's own KV of those layers.
-enum class SpeculativeMethod { kNone, kNgram, kEarlyExit };
+// kDraftModel: a smaller model with the target's vocabulary (draft_model, a checkpoint
+// directory) proposes greedily, over a KV cache of its own indexed by the target's block tables.
+enum class SpeculativeMethod { kNone, kNgram, kEarlyExit, kDraftModel };
 
 struct SpeculativeOptions {
   SpeculativeMethod method = SpeculativeMethod::kNone;
@@ -27,6 +29,8 @@ struct SpeculativeOptions {
   int ngram_max = 3;
   // `--draft-layers`: the early-exit draft's layers (fewer than the model has).
   int draft_layers = 0;
+  // `--speculative-model`: the draft model's checkpoint directory (kDraftModel).
+  std::string draft_model;
   // `--speculative-adaptive` (the default) / `--no-speculative-adaptive`: each step's draft
   // length is chosen by SpeculationLength from the measured acceptance and the step latency
   // model, 0 (off) where speculating would lower the tokens per second; otherwise always
@@ -40,7 +44,7 @@ struct SpeculativeOptions {
   absl::Status Validate() const;
 };
 
-// "none" / "ngram" / "early-exit", and back (false for an unknown name).
+// "none" / "ngram" / "early-exit" / "draft-model", and back (false for an unknown name).
 const char* SpeculativeMethodName(SpeculativeMethod method);
 bool ParseSpeculativeMethod(const std::string& name, SpeculativeMethod* method);
 
@@ -62,17 +66,21 @@ class NgramProposer {
 // The draft length controller: after each step, the acceptance it saw per draft position; before
 // each step, the length k in [0, max] that maximises the expected tokens per sequence-step
 // (1 + sum over j < k of the chance that drafts 0..j are all accepted, from decayed per-position
-// acceptance rates) over the step time the latency model predicts for the running batch with k
-// draft tokens each. k = 0 is speculation off; while off, every 32nd step still speculates at
-// the longest length, so that the acceptance it measures stays current. `max` until the latency
-// model is ready.
+// acceptance rates) over the step's time: what the latency model predicts for the running batch
+// with k draft tokens each, plus k draft passes at their measured time (a model's draft, early
+// exit's; nothing for n-gram lookup). k = 0 is speculation off; while off, every 32nd step
+// still proposes one draft token, so that the acceptance it measures stays current at little
+// cost. `max` until the latency model is ready.
 class SpeculationLength {
  public:
   explicit SpeculationLength(int max_tokens);
   // One sequence-step proposed `proposed` draft tokens and the first `accepted` were accepted.
   void Observe(int proposed, int accepted);
-  // The length for a step of `num_seqs` sequences reading `context` tokens in all.
-  int Choose(const StepLatencyModel& model, int num_seqs, int64_t context);
+  // The length for a step of `num_seqs` sequences reading `context` tokens in all, where a
+  // draft pass (one proposed token for each of them) takes `draft_pass_seconds` and the
+  // latency model predicts the target's step alone.
+  int Choose(const StepLatencyModel& model, int num_seqs, int64_t context,
+             double draft_pass_seconds = 0);
   // The decayed share of proposals at `position` accepted when every earlier one was.
   double acceptance(int position) const;
   // Expected tokens one sequence-step yields with k draft tokens.

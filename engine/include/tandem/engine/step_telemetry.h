@@ -33,6 +33,9 @@ class StepTelemetry {
   // A request's first token was sampled in this step (recorded in the trace, if any).
   void FirstToken(const std::string& request_id, int64_t prompt_tokens,
                   std::chrono::steady_clock::time_point added);
+  // The step's speculative draft passes took `seconds` (of its time): the latency model learns
+  // the target's step without them, and the draft passes' own mean time is kept apart.
+  void DraftPasses(int passes, double seconds);
   // The step's tokens are sampled and processed: its time is measured, predicted beforehand by
   // the latency model, and fitted into it. `work_left`: the scheduler still has work.
   void EndStep(bool work_left);
@@ -46,6 +49,9 @@ class StepTelemetry {
   // Recent mean time between one step's end and the next one's start while work was pending.
   double step_gap_seconds() const { return step_gap_seconds_; }
   int last_step_seqs() const { return last_step_seqs_; }
+  // Recent mean time of one draft pass (one proposed token for each speculating sequence); 0
+  // before any ran.
+  double draft_pass_seconds() const { return draft_pass_seconds_; }
 
  private:
   struct FirstTokenRecord {
@@ -71,6 +77,8 @@ class StepTelemetry {
   int step_seqs_ = 0;
   int64_t step_context_ = 0;
   int64_t step_prefill_tokens_ = 0;
+  double step_draft_seconds_ = 0;
+  double draft_pass_seconds_ = 0;
   std::vector<FirstTokenRecord> first_tokens_;
 };
 

@@ -37,6 +37,11 @@ struct SynthModelOptions {
   // agreement with the target is dialled; speculative decoding's benchmark).
   float late_layer_scale = 1.0f;
   int late_layers_from = 0;
+  // > 0: the preset's shape with this many layers. Weights are drawn per tensor name, so the
+  // same seed with fewer layers gives exactly the first layers of the full model, its
+  // embedding, final norm and LM head: a draft model for speculative decoding that agrees with
+  // the target as much as its first layers do (with late_layer_scale, dialled).
+  int num_layers = 0;
   DType dtype = DType::kBF16;
   std::string tokenizer_json_path;  // empty: train a small byte-level BPE on built-in text
   // 0 writes model.safetensors; otherwise shards of at most this many bytes (one tensor larger
