@@ -11,18 +11,15 @@
 
 namespace tandem::testing {
 
-// Path of a tiny synthetic model of `arch` in `dtype`, created on first use.
-inline std::string TinyModel(const std::string& arch, DType dtype = DType::kF32,
-                             const std::string& preset = "tiny") {
+// Writes `options` (seed 7, so that every helper's weights are the same model's) under
+// $TANDEM_BINARY_DIR/test-models/`name` (the temporary directory without it) unless a
+// checkpoint is there already, and returns its path.
+inline std::string SynthOnce(const std::string& name, tools::SynthModelOptions options) {
   const char* bin = std::getenv("TANDEM_BINARY_DIR");
   std::string root = bin != nullptr ? bin : std::filesystem::temp_directory_path().string();
-  std::string dir = absl::StrCat(root, "/test-models/", preset, "-", arch, "-", DTypeName(dtype));
+  std::string dir = absl::StrCat(root, "/test-models/", name);
   if (!std::filesystem::exists(dir + "/config.json")) {
-    tools::SynthModelOptions options;
     options.out_dir = dir;
-    options.preset = preset;
-    options.arch = arch;
-    options.dtype = dtype;
     options.seed = 7;
     absl::Status status = tools::WriteSyntheticModel(options);
     EXPECT_TRUE(status.ok()) << status;
@@ -30,45 +27,38 @@ inline std::string TinyModel(const std::string& arch, DType dtype = DType::kF32,
   return dir;
 }
 
+// Path of a tiny synthetic model of `arch` in `dtype`, created on first use.
+inline std::string TinyModel(const std::string& arch, DType dtype = DType::kF32,
+                             const std::string& preset = "tiny") {
+  tools::SynthModelOptions options;
+  options.preset = preset;
+  options.arch = arch;
+  options.dtype = dtype;
+  return SynthOnce(absl::StrCat(preset, "-", arch, "-", DTypeName(dtype)), options);
+}
+
 // The tiny llama with only the first `vocab_size` token ids in its embedding and LM head (f32), for
 // tests that count output distributions; created on first use.
 inline std::string TinySmallVocabModel(int vocab_size) {
-  const char* bin = std::getenv("TANDEM_BINARY_DIR");
-  std::string root = bin != nullptr ? bin : std::filesystem::temp_directory_path().string();
-  std::string dir = absl::StrCat(root, "/test-models/tiny-llama-vocab", vocab_size);
-  if (!std::filesystem::exists(dir + "/config.json")) {
-    tools::SynthModelOptions options;
-    options.out_dir = dir;
-    options.dtype = DType::kF32;
-    options.seed = 7;
-    options.vocab_size = vocab_size;
-    absl::Status status = tools::WriteSyntheticModel(options);
-    EXPECT_TRUE(status.ok()) << status;
-  }
-  return dir;
+  tools::SynthModelOptions options;
+  options.vocab_size = vocab_size;
+  options.dtype = DType::kF32;
+  return SynthOnce(absl::StrCat("tiny-llama-vocab", vocab_size), options);
 }
 
 // A draft for speculative decoding: TinyModel(arch, dtype)'s first layer, embedding, final norm
 // and LM head as a model of its own (with `vocab_size`, TinySmallVocabModel(vocab_size)'s);
 // created on first use.
 inline std::string TinyDraftModel(const std::string& arch, DType dtype, int vocab_size = 0) {
-  const char* bin = std::getenv("TANDEM_BINARY_DIR");
-  std::string root = bin != nullptr ? bin : std::filesystem::temp_directory_path().string();
-  std::string dir = absl::StrCat(root, "/test-models/tiny-", arch, "-", DTypeName(dtype),
-                                 vocab_size > 0 ? absl::StrCat("-vocab", vocab_size) : "",
-                                 "-draft1");
-  if (!std::filesystem::exists(dir + "/config.json")) {
-    tools::SynthModelOptions options;
-    options.out_dir = dir;
-    options.arch = arch;
-    options.dtype = dtype;
-    options.seed = 7;
-    options.vocab_size = vocab_size;
-    options.num_layers = 1;
-    absl::Status status = tools::WriteSyntheticModel(options);
-    EXPECT_TRUE(status.ok()) << status;
-  }
-  return dir;
+  tools::SynthModelOptions options;
+  options.arch = arch;
+  options.vocab_size = vocab_size;
+  options.num_layers = 1;
+  options.dtype = dtype;
+  return SynthOnce(absl::StrCat("tiny-", arch, "-", DTypeName(dtype),
+                                vocab_size > 0 ? absl::StrCat("-vocab", vocab_size) : "",
+                                "-draft1"),
+                   options);
 }
 
 // A tiny synthetic model of `arch` with weight-only quantised linear layers (`quant`: int8, awq
@@ -78,25 +68,16 @@ inline std::string TinyDraftModel(const std::string& arch, DType dtype, int voca
 inline std::string TinyQuantModel(const std::string& arch, const std::string& quant,
                                   DType dtype = DType::kF16, bool desc_act = false,
                                   bool sym = true) {
-  const char* bin = std::getenv("TANDEM_BINARY_DIR");
-  std::string root = bin != nullptr ? bin : std::filesystem::temp_directory_path().string();
-  std::string dir =
-      absl::StrCat(root, "/test-models/tiny-", arch, "-", quant, "-", DTypeName(dtype),
-                   desc_act ? "-act-order" : "", sym ? "" : "-asym");
-  if (!std::filesystem::exists(dir + "/config.json")) {
-    tools::SynthModelOptions options;
-    options.out_dir = dir;
-    options.arch = arch;
-    options.dtype = dtype;
-    options.seed = 7;
-    options.quant = quant;
-    options.group_size = 32;
-    options.desc_act = desc_act;
-    options.sym = sym;
-    absl::Status status = tools::WriteSyntheticModel(options);
-    EXPECT_TRUE(status.ok()) << status;
-  }
-  return dir;
+  tools::SynthModelOptions options;
+  options.arch = arch;
+  options.dtype = dtype;
+  options.quant = quant;
+  options.group_size = 32;
+  options.desc_act = desc_act;
+  options.sym = sym;
+  return SynthOnce(absl::StrCat("tiny-", arch, "-", quant, "-", DTypeName(dtype),
+                                desc_act ? "-act-order" : "", sym ? "" : "-asym"),
+                   options);
 }
 
 // A quantised tiny checkpoint that a parameterised test runs on; `name` names the test case.
