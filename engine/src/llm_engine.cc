@@ -387,9 +387,9 @@ void LlmEngine::ProcessToken(Request& request, Choice& choice, int32_t token, Ch
   if (reason == FinishReason::kNone && role_->HandsOverPrefilled()) {
     // The decode engine detokenizes from the first token on; this engine emits no text.
     delta.finish_reason = FinishReason::kPrefilled;
-    PrefillHandoff handoff{request.id,         seq.choice_index,        token,
-                           seq.last_logprob,   seq.last_top_logprobs,   seq.rng.state()};
-    handoff.blocks = HandOver(choice);
+    PrefillHandoff handoff{request.id,       seq.choice_index,      token,
+                           seq.last_logprob, seq.last_top_logprobs, seq.rng.state(),
+                           HandOver(choice)};
     role_->AddHandoff(std::move(handoff));
     return;
   }
@@ -951,7 +951,10 @@ absl::Status RunTensorParallelFollower(const EngineOptions& options) {
                           CreateBackend(options, config, config.max_position_embeddings, 1));
   TANDEM_ASSIGN_OR_RETURN(
       std::unique_ptr<ModelRunner> runner,
-      ModelRunner::Create(*checkpoint, backend.get(), {.tensor_parallel = comm}));
+      ModelRunner::Create(*checkpoint, backend.get(),
+                          {.weight_dtype = std::nullopt,
+                           .kv_cache_dtype = std::nullopt,
+                           .tensor_parallel = comm}));
   return runner->RunFollower();
 }
 
