@@ -257,6 +257,13 @@ tandem::v1::WorkerStats DecodeWorkerImpl::ComputeStats() const {
   stats.set_preemptions_total(engine_stats.preemptions);
   stats.set_prefix_cache_queries_tokens(engine_stats.prefix_cache_queries_tokens);
   stats.set_prefix_cache_hits_tokens(engine_stats.prefix_cache_hits_tokens);
+  stats.set_spec_proposed_tokens(engine_stats.spec_proposed_tokens);
+  stats.set_spec_accepted_tokens(engine_stats.spec_accepted_tokens);
+  stats.set_spec_verify_steps(engine_stats.spec_verify_steps);
+  stats.mutable_spec_proposed_by_position()->Add(engine_stats.spec_proposed_by_position.begin(),
+                                                 engine_stats.spec_proposed_by_position.end());
+  stats.mutable_spec_accepted_by_position()->Add(engine_stats.spec_accepted_by_position.begin(),
+                                                 engine_stats.spec_accepted_by_position.end());
   return stats;
 }
 

@@ -29,19 +29,7 @@ EngineMetrics::EngineMetrics(metrics::Registry& registry)
           "tandem_step_latency_model_error_ratio",
           "Recent mean of |predicted - measured| / measured step time, predicted before each "
           "step.")),
-      registry_(registry),
-      spec_proposed_(registry.Counter(
-          "tandem_spec_proposed_tokens_total",
-          "Speculative decoding: draft tokens proposed and verified by a target step.")),
-      spec_accepted_(registry.Counter("tandem_spec_accepted_tokens_total",
-                                      "Speculative decoding: draft tokens accepted.")),
-      spec_verify_steps_(registry.Counter(
-          "tandem_spec_verify_steps_total",
-          "Speculative decoding: sequence-steps that verified at least one draft token.")),
-      spec_mean_accepted_length_(registry.Gauge(
-          "tandem_spec_mean_accepted_length",
-          "Speculative decoding: tokens a verifying sequence-step produced on average since "
-          "start (accepted draft tokens plus the one the target sampled).")),
+      spec_(registry),
       collective_seconds_(registry.Counter(
           "tandem_tensor_parallel_collective_seconds_total",
           "Wall time rank 0 of a tensor-parallel group spent in collectives (step plans, "
@@ -71,32 +59,7 @@ void EngineMetrics::Record(const EngineStats& stats) {
 void EngineMetrics::RecordSteps(const EngineStats& stats) {
   metrics::AdvanceTo(prefix_queries_, static_cast<double>(stats.prefix_cache_queries_tokens));
   metrics::AdvanceTo(prefix_hits_, static_cast<double>(stats.prefix_cache_hits_tokens));
-  metrics::AdvanceTo(spec_proposed_, static_cast<double>(stats.spec_proposed_tokens));
-  metrics::AdvanceTo(spec_accepted_, static_cast<double>(stats.spec_accepted_tokens));
-  metrics::AdvanceTo(spec_verify_steps_, static_cast<double>(stats.spec_verify_steps));
-  if (stats.spec_verify_steps > 0) {
-    spec_mean_accepted_length_.Set(1.0 + static_cast<double>(stats.spec_accepted_tokens) /
-                                             static_cast<double>(stats.spec_verify_steps));
-  }
-  metrics::Registry& registry = registry_;
-  while (spec_proposed_by_position_.size() < stats.spec_proposed_by_position.size()) {
-    const std::string position = std::to_string(spec_proposed_by_position_.size());
-    spec_proposed_by_position_.push_back(&registry.Counter(
-        "tandem_spec_proposed_tokens_by_position_total",
-        "Speculative decoding: sequence-steps that proposed a draft token at this position "
-        "(0: the first after the last real token).",
-        {{"position", position}}));
-    spec_accepted_by_position_.push_back(&registry.Counter(
-        "tandem_spec_accepted_tokens_by_position_total",
-        "Speculative decoding: sequence-steps whose draft token at this position was accepted.",
-        {{"position", position}}));
-  }
-  for (size_t i = 0; i < stats.spec_proposed_by_position.size(); ++i) {
-    metrics::AdvanceTo(*spec_proposed_by_position_[i],
-                       static_cast<double>(stats.spec_proposed_by_position[i]));
-    metrics::AdvanceTo(*spec_accepted_by_position_[i],
-                       static_cast<double>(stats.spec_accepted_by_position[i]));
-  }
+  spec_.Record(stats);
   metrics::AdvanceTo(collective_seconds_, stats.collective_seconds);
   metrics::AdvanceTo(collective_bytes_, static_cast<double>(stats.collective_bytes));
   if (stats.steps == steps_seen_) return;

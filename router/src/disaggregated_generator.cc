@@ -139,6 +139,17 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
       total.kv_blocks_total += w.stats.kv_blocks_total();
       total.kv_blocks_used += w.stats.kv_blocks_used();
       total.preemptions += w.stats.preemptions_total();
+      // Where tokens are generated: the decode pool's speculation.
+      total.spec_proposed_tokens += w.stats.spec_proposed_tokens();
+      total.spec_accepted_tokens += w.stats.spec_accepted_tokens();
+      total.spec_verify_steps += w.stats.spec_verify_steps();
+      auto add = [](const google::protobuf::RepeatedField<int64_t>& from,
+                    std::vector<int64_t>& to) {
+        if (to.size() < static_cast<size_t>(from.size())) to.resize(from.size());
+        for (int i = 0; i < from.size(); ++i) to[i] += from[i];
+      };
+      add(w.stats.spec_proposed_by_position(), total.spec_proposed_by_position);
+      add(w.stats.spec_accepted_by_position(), total.spec_accepted_by_position);
     }
     for (const WorkerView& w : pools->prefill) {
       total.running += w.stats.running();

@@ -30,6 +30,10 @@ void ApiServerImpl::HandleMetrics(http::HttpExchange& ex) {
   metrics_.workers[1][0]->Set(counters.decode_workers_up);
   metrics_.workers[1][1]->Set(counters.decode_workers - counters.decode_workers_up);
   metrics_.PrefixCacheAndRouting(stats, counters);
+  {
+    std::lock_guard<std::mutex> lock(metrics_.spec_mu);
+    metrics_.spec.Record(stats);
+  }
   metrics_.in_flight->Set(active_.load());
   if (const http::HttpServer* server = http_for_handlers_.load(std::memory_order_acquire)) {
     metrics_.connections->Set(server->num_connections());

@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
+#include "tandem/engine/speculative_metrics.h"
 #include "tandem/metrics/registry.h"
 #include "tandem/router/openai_request.h"
 #include "tandem/router/openai_server.h"
@@ -76,6 +77,9 @@ struct ApiMetrics {
   // Sets the prefix-cache and routing series from the generator's stats and counters.
   void PrefixCacheAndRouting(const engine::EngineStats& stats,
                              const engine::GeneratorCounters& counters);
+  // Speculative decoding of the engine, or the decode pool's summed; guarded by spec_mu.
+  engine::SpeculativeMetrics spec{registry};
+  std::mutex spec_mu;
   // Tensor parallelism of a colocated engine (zero without it).
   prometheus::Counter* collective_seconds;
   prometheus::Counter* collective_bytes;

@@ -123,9 +123,9 @@ def start_router(prefill, decode, netns=None, host="127.0.0.1", extra=()):
     return p
 
 
-def start_colocated():
-    p = Process(["serve", "--colocated", "--model", MODEL, "--port", "0"] + ENGINE_FLAGS,
-                r"on (http://127\.0\.0\.1:\d+)")
+def start_colocated(extra=()):
+    p = Process(["serve", "--colocated", "--model", MODEL, "--port", "0"] + ENGINE_FLAGS +
+                list(extra), r"on (http://127\.0\.0\.1:\d+)")
     p.url = p.match.group(1)
     return p
 
@@ -437,7 +437,9 @@ class SpeculativeDecodeWorker(unittest.TestCase):
     """A decode worker verifying n-gram proposals (--speculative-method ngram), or a draft
     model's (--speculative-model, which first computes its own KV of each prompt the prefill
     worker sent), streams the greedy output of a colocated server without speculation, token
-    for token, with logprobs, and exports what it proposed and accepted."""
+    for token, with logprobs, and exports what it proposed and accepted, which the router's
+    /metrics sums; a colocated server speculating alike gives the same output and exports its
+    own."""
 
     def test_greedy_output_equals_colocated_without_speculation(self):
         # The model's first layer as a model of its own.
@@ -450,11 +452,12 @@ class SpeculativeDecodeWorker(unittest.TestCase):
 
     def check_speculating_decode_worker(self, method):
         # A fixed draft length: the adaptive one follows measured step times.
-        decode = start_worker("decode", extra=method + ["--num-speculative-tokens", "4",
-                                                        "--no-speculative-adaptive"])
+        spec = method + ["--num-speculative-tokens", "4", "--no-speculative-adaptive"]
+        decode = start_worker("decode", extra=spec)
         prefill = start_worker("prefill")
         router = start_router(prefill.address, decode.address)
         colocated = start_colocated()
+        speculating = start_colocated(spec)
         try:
             bodies = [dict(b, temperature=0, max_tokens=24) for b in requests_for(8)]
             for b in bodies:
@@ -464,12 +467,27 @@ class SpeculativeDecodeWorker(unittest.TestCase):
             got = run_all(router.url, bodies)
             for i, (w, g) in enumerate(zip(want, got)):
                 self.assertEqual(comparable(g), comparable(w), f"request {i}")
-            self.assertGreater(metric(decode.metrics_url, "tandem_spec_accepted_tokens_total") or 0,
-                               0)
+            accepted = metric(decode.metrics_url, "tandem_spec_accepted_tokens_total") or 0
+            self.assertGreater(accepted, 0)
+            # The router's /metrics sums its decode workers' (from their polled stats).
+            deadline = time.time() + 60
+            while (metric(router.url + "/metrics", "tandem_spec_accepted_tokens_total") != accepted
+                   and time.time() < deadline):
+                time.sleep(0.05)
+            self.assertEqual(metric(router.url + "/metrics", "tandem_spec_accepted_tokens_total"),
+                             accepted)
+            self.assertEqual(metric(router.url + "/metrics", "tandem_spec_proposed_tokens_total"),
+                             metric(decode.metrics_url, "tandem_spec_proposed_tokens_total"))
+            # A colocated server speculating the same way: the same output, and its /metrics
+            # shows what its engine proposed and accepted.
+            for i, (w, g) in enumerate(zip(want, run_all(speculating.url, bodies))):
+                self.assertEqual(comparable(g), comparable(w), f"colocated, request {i}")
+            self.assertGreater(
+                metric(speculating.url + "/metrics", "tandem_spec_accepted_tokens_total") or 0, 0)
             self.assertEqual(wait_for_zero(decode.metrics_url, "tandem_kv_cache_blocks_used"), 0)
         finally:
-            codes = [p.stop() for p in (router, colocated, prefill, decode)]
-        self.assertEqual(codes, [0, 0, 0, 0])
+            codes = [p.stop() for p in (router, colocated, speculating, prefill, decode)]
+        self.assertEqual(codes, [0, 0, 0, 0, 0])
 
 
 def main():

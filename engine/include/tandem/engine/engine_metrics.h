@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "tandem/engine/llm_engine.h"
+#include "tandem/engine/speculative_metrics.h"
 #include "tandem/engine/step_latency_model.h"
 #include "tandem/metrics/registry.h"
 
@@ -52,12 +53,7 @@ class EngineMetrics {
   std::array<prometheus::Gauge*, StepLatencyModel::kNumTerms> terms_{};
   prometheus::Gauge& samples_;
   prometheus::Gauge& error_ratio_;
-  metrics::Registry& registry_;  // for the per-position series, made as positions appear
-  prometheus::Counter& spec_proposed_;
-  prometheus::Counter& spec_accepted_;
-  prometheus::Counter& spec_verify_steps_;
-  prometheus::Gauge& spec_mean_accepted_length_;
-  std::vector<prometheus::Counter*> spec_proposed_by_position_, spec_accepted_by_position_;
+  SpeculativeMetrics spec_;
   prometheus::Counter& collective_seconds_;
   prometheus::Counter& collective_bytes_;
   int64_t steps_seen_ = 0;
