@@ -27,14 +27,15 @@ void SpeculativeMetrics::Record(const EngineStats& stats) {
     mean_accepted_length_.Set(1.0 + static_cast<double>(stats.spec_accepted_tokens) /
                                         static_cast<double>(stats.spec_verify_steps));
   }
+  metrics::Registry& registry = registry_;
   while (proposed_by_position_.size() < stats.spec_proposed_by_position.size()) {
     const std::string position = std::to_string(proposed_by_position_.size());
-    proposed_by_position_.push_back(&registry_.Counter(
+    proposed_by_position_.push_back(&registry.Counter(
         "tandem_spec_proposed_tokens_by_position_total",
         "Speculative decoding: sequence-steps that proposed a draft token at this position "
         "(0: the first after the last real token).",
         {{"position", position}}));
-    accepted_by_position_.push_back(&registry_.Counter(
+    accepted_by_position_.push_back(&registry.Counter(
         "tandem_spec_accepted_tokens_by_position_total",
         "Speculative decoding: sequence-steps whose draft token at this position was accepted.",
         {{"position", position}}));
