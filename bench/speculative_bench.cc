@@ -3,10 +3,12 @@
 // nothing, so the target's agreement with its early-exit draft is dialled: the synthetic model's
 // layers from --draft-layers on get their residual-branch outputs scaled by s (s = 1: a plain
 // random model; s -> 0: the late layers barely change the residual stream, and the first layers
-// predict what the whole model does). The n-gram proposer runs on the same prompts.
+// predict what the whole model does). A draft model of the target's first --draft-layers
+// layers (`synth-model --num-layers`, the same seed: the same weights as a model of its own,
+// with a KV cache of its own) and the n-gram proposer run on the same prompts.
 //
 //   tandem_bench_speculative [--preset small] [--draft-layers 2] [--k 4] [--tokens 96]
-//                            [--threads 2] [--dir /tmp/tandem-spec-bench]
+//                            [--threads 2] [--dir /tmp/tandem-spec-bench] [--scales 1,0.3,0]
 // prints one markdown table (bench/results/speculative-*.md).
 #include <chrono>
 #include <cstdio>
@@ -18,6 +20,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/tools/synth_model.h"
@@ -32,6 +35,7 @@ struct Flags {
   int tokens = 96;
   int threads = 2;
   std::string dir = "/tmp/tandem-spec-bench";
+  std::vector<float> scales = {1.0f, 0.3f, 0.1f, 0.03f, 0.0f};
 };
 
 struct Result {
@@ -115,6 +119,11 @@ absl::Status Main(int argc, char** argv) {
       flags.threads = std::atoi(value.c_str());
     } else if (name == "--dir") {
       flags.dir = value;
+    } else if (name == "--scales") {
+      flags.scales.clear();
+      for (absl::string_view part : absl::StrSplit(value, ',')) {
+        flags.scales.push_back(std::strtof(std::string(part).c_str(), nullptr));
+      }
     } else {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag ", name));
     }
@@ -122,15 +131,18 @@ absl::Status Main(int argc, char** argv) {
   std::printf(
       "| late-layer scale | batch | method | acceptance | mean accepted length | steps | "
       "tokens/s | speed-up |\n|---|---|---|---|---|---|---|---|\n");
-  for (float scale : {1.0f, 0.3f, 0.1f, 0.03f, 0.0f}) {
+  for (float scale : flags.scales) {
     const std::string model =
         absl::StrCat(flags.dir, "/", flags.preset, "-late", flags.draft_layers, "-x", scale);
-    if (!std::filesystem::exists(model + "/config.json")) {
+    const std::string draft = absl::StrCat(model, "-draft");
+    for (const std::string& dir : {model, draft}) {
+      if (std::filesystem::exists(dir + "/config.json")) continue;
       tools::SynthModelOptions synth;
-      synth.out_dir = model;
+      synth.out_dir = dir;
       synth.preset = flags.preset;
       synth.late_layers_from = flags.draft_layers;
       synth.late_layer_scale = scale;
+      if (dir == draft) synth.num_layers = flags.draft_layers;
       TANDEM_RETURN_IF_ERROR(tools::WriteSyntheticModel(synth));
     }
     for (int batch : {1, 8}) {
@@ -151,14 +163,27 @@ absl::Status Main(int argc, char** argv) {
           {.method = engine::SpeculativeMethod::kEarlyExit,
            .num_speculative_tokens = flags.k,
            .draft_layers = flags.draft_layers,
+           .adaptive = true},
+          {.method = engine::SpeculativeMethod::kDraftModel,
+           .num_speculative_tokens = flags.k,
+           .draft_model = draft,
+           .adaptive = false},
+          {.method = engine::SpeculativeMethod::kDraftModel,
+           .num_speculative_tokens = flags.k,
+           .draft_model = draft,
            .adaptive = true}};
       for (const engine::SpeculativeOptions& spec : methods) {
         TANDEM_ASSIGN_OR_RETURN(Result r, Run(model, flags, prompts, spec));
-        const std::string name =
-            spec.method == engine::SpeculativeMethod::kNgram
-                ? absl::StrCat("ngram k=", flags.k)
-                : absl::StrCat("early-exit L=", flags.draft_layers, " k=", flags.k,
-                               spec.adaptive ? " adaptive" : "");
+        std::string name;
+        if (spec.method == engine::SpeculativeMethod::kNgram) {
+          name = absl::StrCat("ngram k=", flags.k);
+        } else if (spec.method == engine::SpeculativeMethod::kEarlyExit) {
+          name = absl::StrCat("early-exit L=", flags.draft_layers, " k=", flags.k,
+                              spec.adaptive ? " adaptive" : "");
+        } else {
+          name = absl::StrCat("draft model (", flags.draft_layers, " layers) k=", flags.k,
+                              spec.adaptive ? " adaptive" : "");
+        }
         std::printf("| %.2f | %d | %s | %.2f | %.2f | %lld | %.1f | %.2f |\n", scale, batch,
                     name.c_str(), r.acceptance, r.mean_length, static_cast<long long>(r.steps),
                     r.tokens_per_second, r.tokens_per_second / base.tokens_per_second);
