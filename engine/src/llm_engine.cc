@@ -466,7 +466,8 @@ void LlmEngine::ChooseSpeculationLength() {
     context += seq->num_computed_tokens + 1;
   }
   spec_tokens_ = spec_length_->Choose(telemetry_.latency_model(), num_seqs, context,
-                                      telemetry_.draft_pass_seconds());
+                                      telemetry_.draft_pass_seconds(),
+                                      telemetry_.last_target_step_seconds());
 }
 
 void LlmEngine::ProposeDrafts() {

@@ -107,13 +107,16 @@ double SpeculationLength::ExpectedTokens(int k) const {
 }
 
 int SpeculationLength::Choose(const StepLatencyModel& model, int num_seqs, int64_t context,
-                              double draft_pass_seconds) {
-  if (!model.ready() || num_seqs <= 0) return max_;
+                              double draft_pass_seconds, double last_step_seconds) {
+  if (num_seqs <= 0) return max_;
+  const bool flat = !model.ready();
+  if (flat && !(last_step_seconds > 0)) return max_;
   int best = 0;
   double best_rate = 0;
   for (int k = 0; k <= max_; ++k) {
     const int64_t tokens = static_cast<int64_t>(num_seqs) * (1 + k);
-    const double target = model.Predict(tokens, num_seqs, context + tokens - num_seqs);
+    const double target =
+        flat ? last_step_seconds : model.Predict(tokens, num_seqs, context + tokens - num_seqs);
     if (!(target > 0)) return max_;
     const double seconds = target + k * std::max(0.0, draft_pass_seconds);
     const double rate = ExpectedTokens(k) / seconds;

@@ -54,8 +54,8 @@ void StepTelemetry::EndStep(bool work_left) {
           ? latency_model_.Predict(step_tokens_, step_seqs_, step_context_) + step_draft_seconds_
           : 0;
   // The target's step: the draft passes are not what the model's shape describes.
-  latency_model_.Observe(step_tokens_, step_seqs_, step_context_,
-                         std::max(0.0, last_step_seconds_ - step_draft_seconds_));
+  last_target_step_seconds_ = std::max(0.0, last_step_seconds_ - step_draft_seconds_);
+  latency_model_.Observe(step_tokens_, step_seqs_, step_context_, last_target_step_seconds_);
   ++steps_;
   last_step_seqs_ = step_seqs_;
   last_step_end_ = std::chrono::steady_clock::now();

@@ -545,6 +545,11 @@ TEST(SpeculationLengthTest, ChoosesTheLengthWithTheMostTokensPerSecond) {
   EXPECT_GE(halves.Choose(cheap_tokens, 1, 100), 1);
   EXPECT_GE(halves.Choose(cheap_tokens, 1, 100, /*draft_pass_seconds=*/0.001), 1);
   EXPECT_EQ(halves.Choose(cheap_tokens, 1, 100, /*draft_pass_seconds=*/0.01), 0);
+  // Before the latency model is ready, the last step's time stands in for every length: a
+  // costly draft is off from the start, a free one on; with no step yet, the longest.
+  EXPECT_EQ(halves.Choose(StepLatencyModel(), 1, 100, 0.01, /*last_step_seconds=*/0.01), 0);
+  EXPECT_GE(halves.Choose(StepLatencyModel(), 1, 100, 0.0, /*last_step_seconds=*/0.01), 1);
+  EXPECT_EQ(halves.Choose(StepLatencyModel(), 1, 100, 0.01, 0.0), 3);
 }
 
 TEST(BlockManagerTruncateTest, GivesBackTheBlocksPastTheKeptTokens) {

@@ -70,7 +70,7 @@ class NgramProposer {
 // with k draft tokens each, plus k draft passes at their measured time (a model's draft, early
 // exit's; nothing for n-gram lookup). k = 0 is speculation off; while off, every 32nd step
 // still proposes one draft token, so that the acceptance it measures stays current at little
-// cost. `max` until the latency model is ready.
+// cost.
 class SpeculationLength {
  public:
   explicit SpeculationLength(int max_tokens);
@@ -78,9 +78,12 @@ class SpeculationLength {
   void Observe(int proposed, int accepted);
   // The length for a step of `num_seqs` sequences reading `context` tokens in all, where a
   // draft pass (one proposed token for each of them) takes `draft_pass_seconds` and the
-  // latency model predicts the target's step alone.
+  // latency model predicts the target's step alone. Until the model is ready, a target step of
+  // any length is taken to cost `last_step_seconds` (the last one's, without its draft passes;
+  // 0: unknown, and the longest length is chosen), so that a draft that costs more than its
+  // acceptance saves is switched off from the first steps.
   int Choose(const StepLatencyModel& model, int num_seqs, int64_t context,
-             double draft_pass_seconds = 0);
+             double draft_pass_seconds = 0, double last_step_seconds = 0);
   // The decayed share of proposals at `position` accepted when every earlier one was.
   double acceptance(int position) const;
   // Expected tokens one sequence-step yields with k draft tokens.

@@ -45,6 +45,8 @@ class StepTelemetry {
   const StepLatencyModel& latency_model() const { return latency_model_; }
   int64_t steps() const { return steps_; }
   double last_step_seconds() const { return last_step_seconds_; }
+  // The last step's time without its draft passes (what the latency model was given).
+  double last_target_step_seconds() const { return last_target_step_seconds_; }
   double last_predicted_step_seconds() const { return last_predicted_step_seconds_; }
   // Recent mean time between one step's end and the next one's start while work was pending.
   double step_gap_seconds() const { return step_gap_seconds_; }
@@ -65,6 +67,7 @@ class StepTelemetry {
   StepLatencyModel latency_model_;
   int64_t steps_ = 0;
   double last_step_seconds_ = 0;
+  double last_target_step_seconds_ = 0;
   double last_predicted_step_seconds_ = 0;
   double step_gap_seconds_ = 0;
   int last_step_seqs_ = 0;
