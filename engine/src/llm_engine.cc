@@ -531,23 +531,14 @@ absl::Status LlmEngine::DraftStep(const SchedulerStep& step) {
     }
   }
   const size_t vocab = checkpoint_->config().vocab_size;
+  // Early exit runs the target's first layers, a draft model all of its own.
+  ModelRunner& drafter = draft_runner_ != nullptr ? *draft_runner_ : *runner_;
+  const int draft_layers = draft_runner_ != nullptr ? draft_runner_->config().num_layers
+                                                    : options_.speculative.draft_layers;
   for (int j = 0; j < most; ++j) {
-    std::span<const float> logits;
-    if (draft_runner_ != nullptr) {
-      std::vector<ModelRunner::TokenRun> runs;
-      for (const ScheduledSequence& s : step.seqs) {
-        if (s.num_draft_tokens <= j) continue;
-        // The last real token, then the drafts proposed so far, one position a pass.
-        const int pos = static_cast<int>(s.seq->tokens.size()) - 1 + j;
-        runs.push_back({.seq = s.seq, .begin = pos, .end = pos + 1, .sample = true});
-      }
-      TANDEM_ASSIGN_OR_RETURN(
-          logits, draft_runner_->ExecuteRuns(runs, draft_runner_->config().num_layers, *copies));
-      copies = &kNoCopies;
-    } else {
-      TANDEM_ASSIGN_OR_RETURN(logits,
-                              runner_->ExecuteDraft(step, j, options_.speculative.draft_layers));
-    }
+    TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits,
+                            drafter.ExecuteDraft(step, j, draft_layers, *copies));
+    copies = &kNoCopies;
     size_t r = 0;
     for (const ScheduledSequence& s : step.seqs) {
       if (s.num_draft_tokens <= j) continue;

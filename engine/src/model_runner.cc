@@ -562,8 +562,9 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
                  /*layer_hook=*/true, step.block_copies);
 }
 
-absl::StatusOr<std::span<const float>> ModelRunner::ExecuteDraft(const SchedulerStep& step,
-                                                                 int offset, int num_layers) {
+absl::StatusOr<std::span<const float>> ModelRunner::ExecuteDraft(
+    const SchedulerStep& step, int offset, int num_layers,
+    const std::vector<std::pair<int32_t, int32_t>>& block_copies) {
   std::vector<TokenRun> runs;
   for (const ScheduledSequence& s : step.seqs) {
     if (s.num_draft_tokens <= offset) continue;
@@ -571,11 +572,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteDraft(const Scheduler
     const int pos = static_cast<int>(s.seq->tokens.size()) - 1 + offset;
     runs.push_back({.seq = s.seq, .begin = pos, .end = pos + 1, .sample = true});
   }
-  // The first pass copies the step's blocks; Execute copies them again before the target pass,
-  // which rewrites every slot of the step before reading it: the second copy changes nothing
-  // the target reads.
-  static const std::vector<std::pair<int32_t, int32_t>> kNoCopies;
-  return ExecuteRuns(runs, num_layers, offset == 0 ? step.block_copies : kNoCopies);
+  return ExecuteRuns(runs, num_layers, block_copies);
 }
 
 absl::StatusOr<std::span<const float>> ModelRunner::ExecuteRuns(

@@ -77,7 +77,8 @@ class ModelRunner {
   // follower first.
   absl::StatusOr<std::span<const float>> Execute(const SchedulerStep& step);
 
-  // Early-exit self-speculation's draft pass over a step planned with draft tokens: for each
+  // A draft pass over a step planned with draft tokens (early exit on the target's runner, or a
+  // draft model's own runner, whose cache the engine caught up first): for each
   // sequence with more than `offset` draft tokens, runs one token (its last real token when
   // `offset` is 0, else draft token offset - 1, at the position after the last) through the
   // first `num_layers` layers, the final norm and the LM head, and returns one logit row per
@@ -85,8 +86,12 @@ class ModelRunner {
   // slots and attends over the KV the target computed before, so the draft needs no cache or
   // prefill of its own; Execute then recomputes every layer of those slots. Not with a
   // tensor-parallel group (speculation is refused there).
-  absl::StatusOr<std::span<const float>> ExecuteDraft(const SchedulerStep& step, int offset,
-                                                      int num_layers);
+  // `block_copies` are done first: the step's on the first pass of a step (for early exit,
+  // Execute copies them again before the target pass, which rewrites every slot of the step
+  // before reading it, so the second copy changes nothing the target reads), none after.
+  absl::StatusOr<std::span<const float>> ExecuteDraft(
+      const SchedulerStep& step, int offset, int num_layers,
+      const std::vector<std::pair<int32_t, int32_t>>& block_copies);
 
   // A pass over chosen positions of sequences, for the speculative drafts: each run feeds its
   // sequence's tokens at positions [begin, end) (past seq->tokens, its draft_tokens), writes
