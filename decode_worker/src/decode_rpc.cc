@@ -161,15 +161,27 @@ grpc::ServerWriteReactor<tandem::v1::TokenEvent>* DecodeWorkerImpl::Start(
     stream->Fail(absl::InvalidArgumentError("request_id is empty"));
     return stream->reactor();
   }
-  // A grammar is compiled here, on gRPC's thread, rather than on the engine loop (once per
-  // schema: the engine's grammar cache); StartOnLoop reports a bad one.
-  if (request.sampling().has_structured_output()) {
-    engine_->PrepareConstraint(proto::FromProto(request.sampling())).IgnoreError();
+  auto start = [this, request, stream] {
+    if (!core_->loop().Post([this, request, stream] {
+          absl::Status started = StartOnLoop(request, stream);
+          if (!started.ok()) stream->Fail(started);
+        })) {
+      stream->Fail(Stopped());
+    }
+  };
+  if (!request.sampling().has_structured_output()) {
+    start();
+    return stream->reactor();
   }
-  if (!core_->loop().Post([this, request, stream] {
-        absl::Status started = StartOnLoop(request, stream);
-        if (!started.ok()) stream->Fail(started);
-      })) {
+  // A grammar is compiled on the core's preparer, neither on gRPC's thread nor on the engine
+  // loop (once per schema: the engine's grammar cache); StartOnLoop reports a bad one.
+  if (!core_->preparer().Post(
+          [this, params = proto::FromProto(request.sampling()), stream, start = std::move(start)] {
+            if (!core_->accepting()) return stream->Fail(ShuttingDown());
+            engine_->PrepareConstraint(params).IgnoreError();
+            start();
+          },
+          [stream] { stream->Fail(Stopped()); })) {
     stream->Fail(Stopped());
   }
   return stream->reactor();
@@ -177,6 +189,9 @@ grpc::ServerWriteReactor<tandem::v1::TokenEvent>* DecodeWorkerImpl::Start(
 absl::Status DecodeWorkerImpl::StartOnLoop(const tandem::v1::StartRequest& request,
                                            std::shared_ptr<TokenStream> stream) {
   if (!core_->accepting()) return ShuttingDown();
+  // A client that went away before its request reached the loop: nothing to start (the
+  // reservation is the router's to release, or expires).
+  if (stream->abandoned()) return absl::CancelledError("the Start call was cancelled");
   auto it = reservations_.find(request.reservation_id());
   if (it == reservations_.end() || absl::Now() > it->second.expires) {
     return absl::NotFoundError(absl::StrCat("reservation '", request.reservation_id(),

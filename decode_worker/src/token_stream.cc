@@ -112,6 +112,11 @@ void TokenStream::OnWriteDone(bool ok) {
   Pump(std::move(lock));
 }
 
+bool TokenStream::abandoned() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return cancelled_;
+}
+
 void TokenStream::OnCancel() { Abandon(std::unique_lock<std::mutex>(mu_)); }
 
 }  // namespace tandem::decode_worker

@@ -48,6 +48,8 @@ class TokenStream : public std::enable_shared_from_this<TokenStream> {
 
   // Events written so far (one per write). Any thread.
   int64_t writes() const;
+  // True once the client has gone away (set before `on_abandoned` runs). Any thread.
+  bool abandoned() const;
 
  private:
   using Reactor = worker::StreamWriteReactor<tandem::v1::TokenEvent, TokenStream>;

@@ -54,7 +54,7 @@ void PrefillWorkerImpl::Shutdown(absl::Duration grace) {
 // Handlers
 
 absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
-    const grpc::CallbackServerContext& context, const tandem::v1::SubmitRequest& request) {
+    const tandem::v1::SubmitRequest& request, absl::Time call_deadline) {
   const tandem::v1::KvReservation& reservation = request.reservation();
   const tandem::v1::TransferEndpoint& endpoint = reservation.endpoint();
   if (request.request_id().empty()) {
@@ -130,7 +130,7 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
   const absl::Time expiry = worker::FromUnixMillisOrInfinite(reservation.expires_unix_ms());
   const absl::Time deadline =
       std::min({worker::FromUnixMillisOrInfinite(request.deadline_unix_ms()), expiry,
-                worker::CallDeadline(context), job->received + kMaxRequestTime});
+                call_deadline, job->received + kMaxRequestTime});
   if (deadline <= job->received) {
     return absl::DeadlineExceededError(
         absl::StrCat("request ", job->id, " arrived after its deadline"));
@@ -162,7 +162,22 @@ void PrefillWorkerImpl::Submit(const grpc::CallbackServerContext& context,
                                const tandem::v1::SubmitRequest& request,
                                UnaryCall<tandem::v1::SubmitResponse>* call) {
   if (!core_->accepting()) return call->Answer(ShuttingDown());
-  absl::StatusOr<std::unique_ptr<Job>> job = PrepareJob(context, request);
+  // Admitting may compile the request's grammar or connect to its decode worker: that runs on
+  // the core's preparer, so no gRPC thread waits for it. `request` is gRPC's until the answer.
+  const tandem::v1::SubmitRequest* submit = &request;
+  const absl::Time call_deadline = worker::CallDeadline(context);
+  if (!core_->preparer().Post([this, submit, call_deadline, call] {
+                                Admit(*submit, call_deadline, call);
+                              },
+                              [call] { call->Answer(ShuttingDown()); })) {
+    call->Answer(ShuttingDown());
+  }
+}
+
+void PrefillWorkerImpl::Admit(const tandem::v1::SubmitRequest& request, absl::Time call_deadline,
+                              UnaryCall<tandem::v1::SubmitResponse>* call) {
+  if (!core_->accepting()) return call->Answer(ShuttingDown());
+  absl::StatusOr<std::unique_ptr<Job>> job = PrepareJob(request, call_deadline);
   if (!job.ok()) return call->Answer(job.status());
   Job& ref = **job;
   ref.call = call;

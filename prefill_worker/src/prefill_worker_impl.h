@@ -195,9 +195,13 @@ class PrefillWorkerImpl final : public PrefillWorker {
   }
 
  private:
-  // Checks a Submit against this worker and builds its job (connecting to the decode worker).
-  absl::StatusOr<std::unique_ptr<Job>> PrepareJob(const grpc::CallbackServerContext& context,
-                                                  const tandem::v1::SubmitRequest& request);
+  // On the preparer: builds the Submit's job and hands it to the loop, or answers the error.
+  void Admit(const tandem::v1::SubmitRequest& request, absl::Time call_deadline,
+             UnaryCall<tandem::v1::SubmitResponse>* call);
+  // Checks a Submit against this worker and builds its job (compiling its grammar, connecting
+  // to the decode worker).
+  absl::StatusOr<std::unique_ptr<Job>> PrepareJob(const tandem::v1::SubmitRequest& request,
+                                                  absl::Time call_deadline);
 
   // --- the engine loop (loop thread only) ---
   absl::Duration Iterate();

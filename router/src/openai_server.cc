@@ -80,43 +80,6 @@ int HttpStatusOf(const absl::Status& status, int overload_status) {
   }
 }
 
-ConstraintCompiler::ConstraintCompiler(int num_threads) {
-  for (int i = 0; i < num_threads; ++i) threads_.emplace_back([this] { Run(); });
-}
-
-ConstraintCompiler::~ConstraintCompiler() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-    jobs_.clear();
-  }
-  cv_.notify_all();
-  for (std::thread& t : threads_) t.join();
-}
-
-void ConstraintCompiler::Post(std::function<void()> job) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stop_) return;
-    jobs_.push_back(std::move(job));
-  }
-  cv_.notify_one();
-}
-
-void ConstraintCompiler::Run() {
-  for (;;) {
-    std::function<void()> job;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [this] { return stop_ || !jobs_.empty(); });
-      if (stop_) return;
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
-    }
-    job();
-  }
-}
-
 absl::Status ApiServerImpl::Start() {
   if (options_.served_model_names.empty()) {
     return absl::InvalidArgumentError("at least one served model name is required");
@@ -136,7 +99,7 @@ absl::Status ApiServerImpl::Start() {
                           ParseToolCallFormat(options_.tool_call_parser));
   tool_format_ =
       tool_format.value_or(DetectToolCallFormat(engine_->chat_formatter().template_source()));
-  compiler_ = std::make_unique<ConstraintCompiler>(2);
+  compiler_ = std::make_unique<base::JobPool>(2);
   http::HttpServerOptions http = options_.http;
   http.error_response = [this](int status, const std::string& message) {
     metrics_.Http(status)->Increment();

@@ -22,6 +22,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
+#include "tandem/base/job_pool.h"
 #include "tandem/engine/speculative_metrics.h"
 #include "tandem/metrics/registry.h"
 #include "tandem/router/openai_request.h"
@@ -117,25 +118,6 @@ struct ApiMetrics {
 };
 
 class ApiServerImpl;
-
-// Compiles structured-output constraints off the HTTP I/O threads: a request whose grammar may
-// take seconds to compile (a bounded JSON schema on a 128k vocabulary) waits for one of these
-// threads, then goes on on its connection's thread, where Submit finds the grammar cached.
-class ConstraintCompiler {
- public:
-  explicit ConstraintCompiler(int num_threads);
-  // Drops the jobs not started, lets the running ones finish and joins.
-  ~ConstraintCompiler();
-  void Post(std::function<void()> job);
-
- private:
-  void Run();
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::deque<std::function<void()>> jobs_;  // guarded by mu_
-  bool stop_ = false;                       // guarded by mu_
-  std::vector<std::thread> threads_;
-};
 
 // One generation request from acceptance to its last byte. Every method runs on the
 // connection's I/O thread (engine outputs are handed over with http::HttpExchange::Run), so it needs
@@ -342,7 +324,10 @@ class ApiServerImpl : public ApiServer {
   std::atomic<http::HttpServer*> http_for_handlers_{nullptr};
   std::unique_ptr<engine::Generator> engine_;
   // Stopped (joined) before engine_ goes: its jobs use the engine.
-  std::unique_ptr<ConstraintCompiler> compiler_;
+  // Compiles structured-output constraints off the HTTP I/O threads: a request whose grammar may
+  // take seconds to compile (a bounded JSON schema on a 128k vocabulary) waits for one of these
+  // threads, then goes on on its connection's thread, where Submit finds the grammar cached.
+  std::unique_ptr<base::JobPool> compiler_;
 };
 
 }  // namespace tandem::router::internal

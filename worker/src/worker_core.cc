@@ -39,6 +39,7 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(WorkerOptions opt
                                               .listen_host = core->options_.kv_listen_host},
                                              *core->engine_));
   core->kv_events_ = std::make_unique<KvEventHub>(core->engine_->block_manager());
+  core->preparer_ = std::make_unique<base::JobPool>(kPreparerThreads);
   return core;
 }
 
@@ -81,6 +82,8 @@ void WorkerCore::Shutdown(const std::function<void()>& wind_down) {
       server_->Wait();
       server_.reset();
     }
+    // Every call has had its answer: nothing queued here is owed one any more.
+    if (preparer_ != nullptr) preparer_->Stop();
     if (status_ != nullptr) status_->Stop();
     if (kv_ != nullptr) kv_->Close();
   });

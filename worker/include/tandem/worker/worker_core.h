@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "grpcpp/grpcpp.h"
+#include "tandem/base/job_pool.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/proto/tls.h"
 #include "tandem/worker/engine_loop.h"
@@ -52,6 +53,9 @@ struct WorkerOptions {
 
 class WorkerCore {
  public:
+  // The preparer's threads: a grammar compile or a slow connect holds one of them.
+  static constexpr int kPreparerThreads = 4;
+
   // Creates the engine in `role` (its layer hook, if any, set by the caller in
   // options.engine) and registers its KV cache with a transfer agent. Nothing serves yet.
   static absl::StatusOr<std::unique_ptr<WorkerCore>> Create(WorkerOptions options,
@@ -71,7 +75,8 @@ class WorkerCore {
   //      period, then it ends or parks what is left;
   //   3. the loop drains and stops (its `finish` answers whatever is still owed);
   //   4. the KV event streams end (UNAVAILABLE), then the gRPC server stops, giving calls a
-  //      second to take their last answer;
+  //      second to take their last answer (the preparer's jobs still run meanwhile), and the
+  //      preparer stops;
   //   5. the status endpoint stops;
   //   6. the KV endpoint closes, waiting until no transfer reads the cache.
   // The engine itself is destroyed with the core.
@@ -85,6 +90,10 @@ class WorkerCore {
   EngineLoop& loop() { return *loop_; }
   // The KvEvents streams of this worker's prefix cache (the service's KvEvents handler).
   KvEventHub& kv_events() { return *kv_events_; }
+  // Threads for a handler's work that may block before the request can go to the loop
+  // (compiling a grammar, connecting to the peer it will push to), so that no gRPC thread
+  // waits on it. A job checks accepting() first; its `dropped` answers the call.
+  base::JobPool& preparer() { return *preparer_; }
   // False once a shutdown began. Any thread.
   bool accepting() const { return accepting_.load(); }
   // "host:port" the control plane is bound to.
@@ -100,6 +109,7 @@ class WorkerCore {
   std::unique_ptr<KvEndpoint> kv_;
   std::unique_ptr<KvEventHub> kv_events_;  // reads engine_'s block manager
   std::unique_ptr<EngineLoop> loop_;
+  std::unique_ptr<base::JobPool> preparer_;
   std::unique_ptr<grpc::Server> server_;
   std::string grpc_address_;
   std::unique_ptr<StatusServer> status_;
