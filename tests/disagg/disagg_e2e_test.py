@@ -469,15 +469,15 @@ class SpeculativeDecodeWorker(unittest.TestCase):
                 self.assertEqual(comparable(g), comparable(w), f"request {i}")
             accepted = metric(decode.metrics_url, "tandem_spec_accepted_tokens_total") or 0
             self.assertGreater(accepted, 0)
-            # The router's /metrics sums its decode workers' (from their polled stats).
+            # The router's /metrics sums its decode workers' (from their polled stats, so both
+            # counters are waited for: a last step may propose and accept nothing).
+            names = ("tandem_spec_accepted_tokens_total", "tandem_spec_proposed_tokens_total")
+            on_worker = [metric(decode.metrics_url, n) for n in names]
             deadline = time.time() + 60
-            while (metric(router.url + "/metrics", "tandem_spec_accepted_tokens_total") != accepted
+            while ([metric(router.url + "/metrics", n) for n in names] != on_worker
                    and time.time() < deadline):
                 time.sleep(0.05)
-            self.assertEqual(metric(router.url + "/metrics", "tandem_spec_accepted_tokens_total"),
-                             accepted)
-            self.assertEqual(metric(router.url + "/metrics", "tandem_spec_proposed_tokens_total"),
-                             metric(decode.metrics_url, "tandem_spec_proposed_tokens_total"))
+            self.assertEqual([metric(router.url + "/metrics", n) for n in names], on_worker)
             # A colocated server speculating the same way: the same output, and its /metrics
             # shows what its engine proposed and accepted.
             for i, (w, g) in enumerate(zip(want, run_all(speculating.url, bodies))):
