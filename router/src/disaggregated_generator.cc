@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "flight.h"
 #include "placement.h"
+#include "pool_counters.h"
 #include "tandem/base/status_macros.h"
 #include "worker_pool.h"
 
@@ -132,31 +133,17 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   // cannot slow it down.
   engine::EngineStats stats() const override {
     std::shared_ptr<const PoolSnapshot> pools = pool_->Snapshot();
-    engine::EngineStats total;
+    // The counters: summed so that a worker leaving or restarting never lowers them.
+    engine::EngineStats total = pool_counters_.Observe(*pools);
     for (const WorkerView& w : pools->decode) {
       total.running += w.stats.running();
       total.waiting += w.stats.waiting();
       total.kv_blocks_total += w.stats.kv_blocks_total();
       total.kv_blocks_used += w.stats.kv_blocks_used();
-      total.preemptions += w.stats.preemptions_total();
-      // Where tokens are generated: the decode pool's speculation.
-      total.spec_proposed_tokens += w.stats.spec_proposed_tokens();
-      total.spec_accepted_tokens += w.stats.spec_accepted_tokens();
-      total.spec_verify_steps += w.stats.spec_verify_steps();
-      auto add = [](const google::protobuf::RepeatedField<int64_t>& from,
-                    std::vector<int64_t>& to) {
-        if (to.size() < static_cast<size_t>(from.size())) to.resize(from.size());
-        for (int i = 0; i < from.size(); ++i) to[i] += from[i];
-      };
-      add(w.stats.spec_proposed_by_position(), total.spec_proposed_by_position);
-      add(w.stats.spec_accepted_by_position(), total.spec_accepted_by_position);
     }
     for (const WorkerView& w : pools->prefill) {
       total.running += w.stats.running();
       total.waiting += w.stats.waiting();
-      // Where prompts are computed: the tokens the prefill pool found cached.
-      total.prefix_cache_queries_tokens += w.stats.prefix_cache_queries_tokens();
-      total.prefix_cache_hits_tokens += w.stats.prefix_cache_hits_tokens();
     }
     return total;
   }
@@ -212,6 +199,7 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   int max_model_len_ = 0;
   std::unique_ptr<WorkerPool> pool_;
   FlightCounters counters_;
+  mutable PoolCounters pool_counters_;
   FlightEnv env_;
 
   mutable std::mutex mu_;
