@@ -121,6 +121,11 @@ absl::Status Run(int argc, char** argv) {
                "sent with the conversation so far (earlier prompts and answers) once the "
                "previous turn finished");
   args.Declare("turns", "N", "multi-turn: turns per conversation (default 4)");
+  args.Declare("think-time", "SECONDS",
+               "multi-turn: a user reads each answer this long before the next turn; "
+               "--max-concurrency then counts turns in flight, first come first served, so other "
+               "conversations' turns run in between (default: unset, a conversation holds its "
+               "slot from its first turn to its last)");
   args.Declare("system-prompt-len", "L",
                "multi-turn: words of a system prompt every conversation starts with (default 0; "
                "with --input-len 0 every first turn is exactly that prompt)");
@@ -232,7 +237,7 @@ absl::Status Run(int argc, char** argv) {
         absl::StrCat("--workload must be synthetic or multi-turn (got '", workload, "')"));
   }
   if (workload != "multi-turn") {
-    for (const char* flag : {"turns", "system-prompt-len"}) {
+    for (const char* flag : {"turns", "system-prompt-len", "think-time"}) {
       if (args.Has(flag)) {
         return absl::InvalidArgumentError(absl::StrCat("--", flag, " needs --workload multi-turn"));
       }
@@ -251,6 +256,13 @@ absl::Status Run(int argc, char** argv) {
       }
     }
     TANDEM_ASSIGN_OR_RETURN(int64_t turns, args.Int("turns", 4));
+    if (args.Has("think-time")) {
+      TANDEM_ASSIGN_OR_RETURN(double think, args.Double("think-time", 0));
+      if (!(think >= 0 && think <= 3600)) {
+        return absl::InvalidArgumentError("--think-time must be in [0, 3600] seconds");
+      }
+      config.think_time = think;
+    }
     TANDEM_ASSIGN_OR_RETURN(int64_t system_len, args.Int("system-prompt-len", 0));
     TANDEM_ASSIGN_OR_RETURN(int64_t message_len, args.Int("input-len", 32));
     TANDEM_ASSIGN_OR_RETURN(int64_t output_len, args.Int("output-len", 32));
@@ -320,6 +332,7 @@ absl::Status Run(int argc, char** argv) {
       report["request_rate"] = std::isinf(rate) ? nlohmann::json("inf") : nlohmann::json(rate);
       report["burstiness"] = config.burstiness;
       report["max_concurrency"] = config.max_concurrency;
+      if (config.think_time) report["think_time"] = *config.think_time;
       report["seed"] = config.seed;
       reports.push_back(std::move(report));
       results.push_back(std::move(result));

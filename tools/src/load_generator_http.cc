@@ -351,6 +351,28 @@ RequestRecord SendOne(const LoadConfig& config, const Url& url, const BenchReque
 
 }  // namespace
 
+void FifoGate::Acquire() {
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t ticket = next_ticket_++;
+  cv_.wait(lock, [&] { return ticket == serving_ && (limit_ <= 0 || held_ < limit_); });
+  ++serving_;
+  ++held_;
+  cv_.notify_all();  // the next in line may fit too
+}
+
+void FifoGate::Release() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --held_;
+  }
+  cv_.notify_all();
+}
+
+int64_t FifoGate::waiting() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return static_cast<int64_t>(next_ticket_ - serving_);
+}
+
 absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
                                     const std::vector<BenchRequest>& requests) {
   absl::StatusOr<Url> url = ParseUrl(config.url);
@@ -362,9 +384,6 @@ absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
   BenchResult result;
   result.records.resize(requests.size());
 
-  std::mutex mu;
-  std::condition_variable cv;
-  int64_t in_flight = 0;
   std::atomic<int64_t> sent{0}, finished{0}, failed{0};
   std::vector<std::thread> threads;
   threads.reserve(requests.size());
@@ -407,32 +426,43 @@ absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
   }
   const std::vector<double> unit_arrivals = ArrivalTimes(
       static_cast<int64_t>(units.size()), config.request_rate, config.burstiness, config.seed);
+  // With a think time, each turn takes a slot of its own; else each unit holds one throughout.
+  const bool slot_per_turn = config.think_time.has_value();
+  FifoGate slots(config.max_concurrency);
   for (size_t u = 0; u < units.size(); ++u) {
     std::this_thread::sleep_until(run_start + std::chrono::duration_cast<Clock::duration>(
                                                   std::chrono::duration<double>(unit_arrivals[u])));
-    {
-      std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock,
-              [&] { return config.max_concurrency <= 0 || in_flight < config.max_concurrency; });
-      ++in_flight;
-    }
+    if (!slot_per_turn) slots.Acquire();
     threads.emplace_back([&, u] {
       std::string history;  // the conversation so far: prompts and answers
       bool broken = false;
-      for (size_t i : units[u]) {
-        ++sent;
+      for (size_t n = 0; n < units[u].size(); ++n) {
+        const size_t i = units[u][n];
         RequestRecord& record = result.records[i];
         if (broken) {
+          ++sent;
           record.error = "an earlier turn of the conversation failed";
           record.start = Seconds(run_start, Clock::now());
-        } else if (requests[i].conversation >= 0 && requests[i].turn > 0) {
-          BenchRequest turn = requests[i];
-          turn.prompt = history + " " + turn.prompt;
-          record = SendOne(config, *url, turn, run_start);
-          history = turn.prompt + record.text;
         } else {
-          record = SendOne(config, *url, requests[i], run_start);
-          history = requests[i].prompt + record.text;
+          if (slot_per_turn) {
+            // The user reads the previous answer, then waits for a slot like everyone else.
+            if (n > 0 && *config.think_time > 0) {
+              std::this_thread::sleep_for(std::chrono::duration_cast<Clock::duration>(
+                  std::chrono::duration<double>(*config.think_time)));
+            }
+            slots.Acquire();
+          }
+          ++sent;
+          if (requests[i].conversation >= 0 && requests[i].turn > 0) {
+            BenchRequest turn = requests[i];
+            turn.prompt = history + " " + turn.prompt;
+            record = SendOne(config, *url, turn, run_start);
+            history = turn.prompt + record.text;
+          } else {
+            record = SendOne(config, *url, requests[i], run_start);
+            history = requests[i].prompt + record.text;
+          }
+          if (slot_per_turn) slots.Release();
         }
         record.turn = requests[i].turn;
         if (!record.success) {
@@ -441,9 +471,7 @@ absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
         }
         ++finished;
       }
-      std::lock_guard<std::mutex> lock(mu);
-      --in_flight;
-      cv.notify_all();
+      if (!slot_per_turn) slots.Release();
     });
   }
   for (std::thread& t : threads) t.join();

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <mutex>
 #include <numeric>
 #include <set>
@@ -388,6 +389,67 @@ TEST(RunLoadTest, MultiTurnResendsTheHistoryTurnAfterTurn) {
   EXPECT_EQ(report["ttft_ms_by_turn"][2]["turn"].get<int>(), 2);
   EXPECT_EQ(report["ttft_ms_by_turn"][2]["count"].get<int>(), 2);
   EXPECT_NE(ReportTable(report).find("TTFT t2"), std::string::npos);
+}
+
+// A user who reads between turns holds no slot meanwhile: turns of other conversations go in
+// between, each with its own conversation's history, never more than the limit at once.
+TEST(RunLoadTest, WithAThinkTimeTheLimitCountsTurns) {
+  FakeServer server(/*tokens=*/2, /*gap_ms=*/1);
+  LoadConfig config;
+  config.url = server.url();
+  config.model = "m";
+  config.max_concurrency = 2;
+  config.think_time = 0;
+  const std::vector<BenchRequest> requests = MultiTurnRequests(5, 3, 4, 2, 2, 3);
+  absl::StatusOr<BenchResult> result = RunLoad(config, requests);
+  ASSERT_TRUE(result.ok()) << result.status();
+  EXPECT_LE(server.max_open(), 2);
+  // Whatever the order the turns came in, each carries its own conversation's history.
+  std::map<std::string, std::string> received;  // prompt -> itself, to look up by prefix
+  for (const std::string& body : server.bodies()) {
+    const std::string prompt = nlohmann::json::parse(body)["prompt"].get<std::string>();
+    received[prompt] = prompt;
+  }
+  ASSERT_EQ(received.size(), 15u);
+  for (int c = 0; c < 5; ++c) {
+    std::string history;
+    for (int t = 0; t < 3; ++t) {
+      const size_t i = static_cast<size_t>(c * 3 + t);
+      const std::string want =
+          t == 0 ? requests[i].prompt : absl::StrCat(history, " ", requests[i].prompt);
+      EXPECT_EQ(received.count(want), 1u) << c << "/" << t;
+      ASSERT_TRUE(result->records[i].success) << result->records[i].error;
+      history = want + "tok tok ";
+    }
+  }
+}
+
+// First come, first served: a holder that gives its slot back and asks again waits behind
+// those already waiting (so one conversation cannot keep the slot turn after turn).
+TEST(FifoGateTest, ASlotGoesToTheLongestWaiting) {
+  FifoGate gate(1);
+  gate.Acquire();
+  std::vector<int> order;
+  std::mutex order_mu;
+  auto take = [&](int who) {
+    gate.Acquire();
+    {
+      std::lock_guard<std::mutex> lock(order_mu);
+      order.push_back(who);
+    }
+    gate.Release();
+  };
+  std::jthread first(take, 1);
+  while (gate.waiting() < 1) std::this_thread::yield();
+  std::jthread second(take, 2);
+  while (gate.waiting() < 2) std::this_thread::yield();
+  gate.Release();
+  gate.Acquire();  // in line behind both
+  EXPECT_EQ(order, (std::vector<int>{1, 2}));
+  gate.Release();
+  FifoGate unbounded(0);
+  for (int i = 0; i < 3; ++i) unbounded.Acquire();
+  EXPECT_EQ(unbounded.waiting(), 0);
 }
 
 TEST(RunLoadTest, AFailedTurnEndsItsConversation) {

@@ -10,8 +10,10 @@
 // The arithmetic (percentiles, arrival times, SLO attainment) is exposed as pure functions.
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -57,6 +59,11 @@ struct LoadConfig {
   double request_rate = 0;      // requests/s; <= 0 or inf: all at once
   double burstiness = 1.0;      // gamma shape; 1 = Poisson
   int64_t max_concurrency = 0;  // 0 = unbounded
+  // Multi-turn: when set, a user reads each answer this many seconds before sending the next
+  // turn, and max_concurrency counts turns in flight (first come, first served), so other
+  // conversations' turns run in between. Unset: a conversation holds its slot from its first
+  // turn to its last.
+  std::optional<double> think_time;
   bool ignore_eos = true;
   uint64_t seed = 0;
   // A progress line on stderr, redrawn a few times a second (for a terminal), prefixed with
@@ -132,10 +139,30 @@ std::vector<int64_t> SampleLengths(const LengthDist& dist, int64_t n, uint64_t s
 absl::StatusOr<std::vector<BenchRequest>> ShareGptRequests(const std::string& path, int64_t n,
                                                            std::optional<int64_t> output_len);
 
+// At most `limit` holders at once (0: unbounded), given out first come, first served: a
+// holder that releases and asks again queues behind everyone already waiting. Thread-safe.
+class FifoGate {
+ public:
+  explicit FifoGate(int64_t limit) : limit_(limit) {}
+  void Acquire();
+  void Release();
+  // Threads blocked in Acquire.
+  int64_t waiting() const;
+
+ private:
+  const int64_t limit_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  int64_t held_ = 0;         // guarded by mu_
+  uint64_t next_ticket_ = 0;  // guarded by mu_: the next Acquire's place in line
+  uint64_t serving_ = 0;      // guarded by mu_: the first ticket not yet let through
+};
+
 // Sends every request on its arrival time (threads, at most max_concurrency in flight) and
 // waits for all. Per-request failures are recorded, not returned; an invalid URL is an error.
-// Multi-turn requests: the arrival times and the concurrency limit are of conversations, whose
-// turns follow one another (a failed turn ends its conversation: the later turns fail too).
+// Multi-turn requests: the arrival times are of conversations, whose turns follow one another
+// (a failed turn ends its conversation: the later turns fail too); the concurrency limit is of
+// conversations, or with think_time of turns.
 absl::StatusOr<BenchResult> RunLoad(const LoadConfig& config,
                                     const std::vector<BenchRequest>& requests);
 
