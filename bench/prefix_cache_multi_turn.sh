@@ -13,6 +13,10 @@
 #   computed (tandem_prefix_cache_queries_tokens_total minus
 #   tandem_prefix_cache_hits_tokens_total, summed over both) go to OUT_DIR/routing-MODE.tokens.
 #
+#   CONVERSATIONS, TURNS, CONCURRENCY, SYSTEM_LEN, INPUT_LEN, OUTPUT_LEN and THINK_TIME (unset:
+#   a conversation holds its slot throughout; set: `tandem bench --think-time`, turns of other
+#   conversations run in between) change the routing workload from the default above.
+#
 # usage: bench/prefix_cache_multi_turn.sh build/bin/tandem OUT_DIR [caching|routing|all]
 # MODEL (default /tmp/prefix-small) is written with the small preset when missing.
 set -e
@@ -42,8 +46,11 @@ if [ $WHAT = routing ] || [ $WHAT = all ]; then
     start_worker $OUT/routing-$routing-p1.log prefill $PREFILL --worker-id p1; P1=$ADDR; M1=$METRICS
     start_worker $OUT/routing-$routing-d0.log decode $ENGINE --worker-id d0; D0=$ADDR
     start_router $OUT/routing-$routing-router.log $P0,$P1 $D0 --routing $routing
-    $BIN bench --url $URL --model prefix-small --workload multi-turn --num-requests 8 --turns 10 \
-      --system-prompt-len 100 --input-len 20 --output-len 16 --max-concurrency 8 --no-progress \
+    THINK=""; [ -n "${THINK_TIME:-}" ] && THINK="--think-time $THINK_TIME"
+    $BIN bench --url $URL --model prefix-small --workload multi-turn \
+      --num-requests ${CONVERSATIONS:-8} --turns ${TURNS:-10} --system-prompt-len ${SYSTEM_LEN:-100} \
+      --input-len ${INPUT_LEN:-20} --output-len ${OUTPUT_LEN:-16} \
+      --max-concurrency ${CONCURRENCY:-8} $THINK --no-progress \
       --json $OUT/routing-$routing.json > $OUT/routing-$routing.txt 2>&1 || true
     computed=0
     for m in $M0 $M1; do
