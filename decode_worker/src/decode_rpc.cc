@@ -396,7 +396,17 @@ void DecodeWorkerImpl::EndHandoff(const std::string& id, int index, bool moved, 
   PublishStats();
 }
 
-absl::StatusOr<tandem::v1::HandoffResponse> DecodeWorkerImpl::Handoff(
+void DecodeWorkerImpl::Handoff(const tandem::v1::HandoffRequest& request,
+                               UnaryCall<tandem::v1::HandoffResponse>* call) {
+  // `request` is gRPC's until the call is answered.
+  const tandem::v1::HandoffRequest* handoff = &request;
+  if (!handoffs_.Post([this, handoff, call] { call->Answer(RunHandoff(*handoff)); },
+                      [call] { call->Answer(Stopped()); })) {
+    call->Answer(Stopped());
+  }
+}
+
+absl::StatusOr<tandem::v1::HandoffResponse> DecodeWorkerImpl::RunHandoff(
     const tandem::v1::HandoffRequest& request) {
   const std::string& id = request.request_id();
   const int index = request.index();
@@ -475,9 +485,11 @@ grpc::ServerUnaryReactor* Service::Cancel(grpc::CallbackServerContext*,
                              [&](auto* call) { worker_->Cancel(request->request_id(), call); });
 }
 
-grpc::Status Service::Handoff(grpc::ServerContext*, const tandem::v1::HandoffRequest* request,
-                              tandem::v1::HandoffResponse* response) {
-  return worker::Answer(worker_->Handoff(*request), response);
+grpc::ServerUnaryReactor* Service::Handoff(grpc::CallbackServerContext*,
+                                           const tandem::v1::HandoffRequest* request,
+                                           tandem::v1::HandoffResponse* response) {
+  return worker::AnswerLater(response,
+                             [&](auto* call) { worker_->Handoff(*request, call); });
 }
 
 }  // namespace tandem::decode_worker::internal

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
+#include "tandem/base/job_pool.h"
 #include "tandem/decode_worker/decode_worker.h"
 #include "tandem/engine/engine_metrics.h"
 #include "tandem/kvtransfer/agent.h"
@@ -38,6 +39,8 @@ inline constexpr absl::Duration kMaxHandoffTtl = absl::Seconds(30);
 // A Handoff's transfer (connect included) takes at most this, and never past the target
 // reservation's expiry.
 inline constexpr absl::Duration kHandoffTransferMax = absl::Seconds(10);
+// Handoffs copying at once; more wait their turn (the router sends one per parked sample).
+inline constexpr int kHandoffThreads = 16;
 
 inline absl::Status Stopped() { return absl::UnavailableError("the decode worker has shut down"); }
 inline absl::Status ShuttingDown() {
@@ -95,16 +98,17 @@ inline std::string ParkedKey(const std::string& request_id) {
 
 class DecodeWorkerImpl;
 
-// The gRPC face on the callback API (no call holds a thread while the engine works for it),
-// except Handoff: a drain-time transfer that waits for the KV to land on a gRPC thread.
-using AsyncService = tandem::v1::DecodeWorker::WithCallbackMethod_Reserve<
+// The gRPC face on the callback API: no call holds a gRPC thread while the engine works for it
+// (a Handoff's copy waits on the worker's handoff threads).
+using AsyncService = tandem::v1::DecodeWorker::WithCallbackMethod_Handoff<
+    tandem::v1::DecodeWorker::WithCallbackMethod_Reserve<
     tandem::v1::DecodeWorker::WithCallbackMethod_Release<
         tandem::v1::DecodeWorker::WithCallbackMethod_Start<
             tandem::v1::DecodeWorker::WithCallbackMethod_Cancel<
                 tandem::v1::DecodeWorker::WithCallbackMethod_Stats<
                     tandem::v1::DecodeWorker::WithCallbackMethod_Handshake<
                         tandem::v1::DecodeWorker::WithCallbackMethod_KvEvents<
-                            tandem::v1::DecodeWorker::Service>>>>>>>;
+                            tandem::v1::DecodeWorker::Service>>>>>>>>;
 
 class Service final : public worker::WithStatsAndHandshake<AsyncService, DecodeWorkerImpl> {
  public:
@@ -121,8 +125,9 @@ class Service final : public worker::WithStatsAndHandshake<AsyncService, DecodeW
   grpc::ServerUnaryReactor* Cancel(grpc::CallbackServerContext*,
                                    const tandem::v1::CancelRequest* request,
                                    tandem::v1::CancelResponse* response) override;
-  grpc::Status Handoff(grpc::ServerContext*, const tandem::v1::HandoffRequest* request,
-                       tandem::v1::HandoffResponse* response) override;
+  grpc::ServerUnaryReactor* Handoff(grpc::CallbackServerContext*,
+                                    const tandem::v1::HandoffRequest* request,
+                                    tandem::v1::HandoffResponse* response) override;
 };
 
 struct Metrics {
@@ -190,9 +195,13 @@ class DecodeWorkerImpl final : public DecodeWorker {
   grpc::ServerWriteReactor<tandem::v1::KvEventBatch>* KvEvents() {
     return core_->kv_events().Subscribe(core_->loop());
   }
-  absl::StatusOr<tandem::v1::HandoffResponse> Handoff(const tandem::v1::HandoffRequest& request);
+  // Runs the copy on the handoff threads and answers `call` there.
+  void Handoff(const tandem::v1::HandoffRequest& request,
+               UnaryCall<tandem::v1::HandoffResponse>* call);
 
  private:
+  // Moves a parked sample's KV into the reservation the request names; waits for the copy.
+  absl::StatusOr<tandem::v1::HandoffResponse> RunHandoff(const tandem::v1::HandoffRequest& request);
   struct HandoffPlan {
     std::vector<kvtransfer::Range> ranges;
     int num_kv_tokens = 0;
@@ -262,6 +271,11 @@ class DecodeWorkerImpl final : public DecodeWorker {
   tandem::v1::WorkerStats snapshot_;  // guarded by mu_
   int num_running_ = 0;               // guarded by mu_: started requests still running
   int num_parked_ = 0;                // guarded by mu_: samples parked for KV handoff
+
+  // Handoffs wait for their copies here (connect included, up to kHandoffTransferMax each): a
+  // draining worker's parked samples move in parallel, and no gRPC thread waits. Stopped with
+  // the worker, after the gRPC server has answered every call.
+  base::JobPool handoffs_{kHandoffThreads};
 };
 
 }  // namespace tandem::decode_worker::internal
