@@ -29,6 +29,7 @@
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/proto/wire.h"
 #include "tandem/v1/decode.grpc.pb.h"
+#include "kv_events_stream.h"
 #include "test_models.h"
 
 namespace tandem::decode_worker {
@@ -522,17 +523,11 @@ TEST_P(DecodeWorkerTest, ReserveSharesTheCachedPrefixOfFinishedRequests) {
 // computes for the same tokens and salt; a stream opened later finds them in its snapshot;
 // shutting down ends every stream with UNAVAILABLE.
 TEST_P(DecodeWorkerTest, KvEventsSnapshotThenTheBlocksARequestLeftCached) {
-  auto open = [&](grpc::ClientContext& context) {
-    return stub_->KvEvents(&context, tandem::v1::KvEventsRequest());
-  };
-  grpc::ClientContext first_context;
-  auto first = open(first_context);
-  tandem::v1::KvEventBatch batch;
-  ASSERT_TRUE(first->Read(&batch));
-  EXPECT_TRUE(batch.reset());
-  EXPECT_EQ(batch.stored_size(), 0);
-  const int block_size = batch.block_size();
-  ASSERT_GT(block_size, 0);
+  worker_testing::KvEventsStream first(*stub_);
+  std::set<uint64_t> snapshot;
+  int block_size = 0;
+  ASSERT_TRUE(first.ReadSnapshot(&snapshot, &block_size));
+  EXPECT_TRUE(snapshot.empty());
 
   auto colocated = MakeEngine(engine::EngineRole::kColocated);
   ASSERT_NE(colocated, nullptr);
@@ -554,29 +549,19 @@ TEST_P(DecodeWorkerTest, KvEventsSnapshotThenTheBlocksARequestLeftCached) {
   engine::ExtendBlockHashes(engine::PrefixRoot("tenant"), prompt, block_size, hashes);
   ASSERT_EQ(hashes.size(), 4u);
   const std::set<uint64_t> expected(hashes.begin(), hashes.end());
-  std::set<uint64_t> stored;
-  while (stored.size() < expected.size() && first->Read(&batch)) {
-    EXPECT_FALSE(batch.reset());
-    EXPECT_EQ(batch.removed_size(), 0);
-    stored.insert(batch.stored().begin(), batch.stored().end());
-  }
-  EXPECT_EQ(stored, expected);
+  EXPECT_EQ(first.ReadUntilStored(expected), expected);
 
-  grpc::ClientContext second_context;
-  auto second = open(second_context);
-  ASSERT_TRUE(second->Read(&batch));
-  EXPECT_TRUE(batch.reset());
-  EXPECT_EQ(std::set<uint64_t>(batch.stored().begin(), batch.stored().end()), expected);
+  worker_testing::KvEventsStream second(*stub_);
+  std::set<uint64_t> later;
+  ASSERT_TRUE(second.ReadSnapshot(&later, &block_size));
+  EXPECT_EQ(later, expected);
 
   EXPECT_TRUE(WaitForStats([](const tandem::v1::WorkerStats& s) {
     return s.kv_blocks_used() == 0 && s.reservations() == 0 && s.running() == 0;
   }));
   worker_->Shutdown(absl::Seconds(5));
-  for (auto* stream : {first.get(), second.get()}) {
-    while (stream->Read(&batch)) {
-    }
-    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
-  }
+  EXPECT_EQ(first.Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(second.Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
   worker_.reset();  // shut down: nothing left for TearDown to ask
 }
 

@@ -28,6 +28,7 @@
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/proto/wire.h"
 #include "tandem/v1/prefill.grpc.pb.h"
+#include "kv_events_stream.h"
 #include "test_models.h"
 
 namespace tandem::prefill_worker {
@@ -637,19 +638,12 @@ TEST(PrefillWorkerKvEventsTest, ASnapshotThenEveryBlockStoredUntilShutdown) {
   ASSERT_NE(worker, nullptr);
   DecodeSide decode("local", TinyQwen3(), kTinyKvBytes);
   auto stub = Connect(*worker);
-  auto open = [&](grpc::ClientContext& context) {
-    return stub->KvEvents(&context, tandem::v1::KvEventsRequest());
-  };
 
-  grpc::ClientContext first_context;
-  auto first = open(first_context);
-  tandem::v1::KvEventBatch batch;
-  ASSERT_TRUE(first->Read(&batch));
-  EXPECT_TRUE(batch.reset());
-  EXPECT_EQ(batch.stored_size(), 0);
-  EXPECT_EQ(batch.removed_size(), 0);
-  const int block_size = batch.block_size();
-  ASSERT_GT(block_size, 0);
+  worker_testing::KvEventsStream first(*stub);
+  std::set<uint64_t> snapshot;
+  int block_size = 0;
+  ASSERT_TRUE(first.ReadSnapshot(&snapshot, &block_size));
+  EXPECT_TRUE(snapshot.empty());
 
   const std::vector<int32_t> prompt = RandomPrompt(100, 500, 7);
   std::vector<uint64_t> hashes;
@@ -663,29 +657,18 @@ TEST(PrefillWorkerKvEventsTest, ASnapshotThenEveryBlockStoredUntilShutdown) {
   ASSERT_TRUE(result.status.ok()) << result.status.error_message();
   decode.Release("salted");
 
-  std::set<uint64_t> stored;
-  while (stored.size() < hashes.size() && first->Read(&batch)) {
-    EXPECT_FALSE(batch.reset());
-    EXPECT_EQ(batch.removed_size(), 0);
-    stored.insert(batch.stored().begin(), batch.stored().end());
-  }
-  EXPECT_EQ(stored, std::set<uint64_t>(hashes.begin(), hashes.end()));
+  const std::set<uint64_t> expected(hashes.begin(), hashes.end());
+  const std::set<uint64_t> stored = first.ReadUntilStored(expected);
+  EXPECT_EQ(stored, expected);
 
-  grpc::ClientContext second_context;
-  auto second = open(second_context);
-  std::set<uint64_t> snapshot;
-  ASSERT_TRUE(second->Read(&batch));
-  EXPECT_TRUE(batch.reset());
-  snapshot.insert(batch.stored().begin(), batch.stored().end());
-  EXPECT_EQ(snapshot, stored);
+  worker_testing::KvEventsStream second(*stub);
+  std::set<uint64_t> later;
+  ASSERT_TRUE(second.ReadSnapshot(&later, &block_size));
+  EXPECT_EQ(later, stored);
 
   worker->Shutdown(absl::Seconds(5));
-  while (first->Read(&batch)) {
-  }
-  EXPECT_EQ(first->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
-  while (second->Read(&batch)) {
-  }
-  EXPECT_EQ(second->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(first.Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(second.Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
 }
 
 TEST_P(PrefillWorkerTest, PreemptedSamplesArePushedAgainAndStillMatch) {
