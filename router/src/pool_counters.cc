@@ -17,44 +17,50 @@ void AddTo(std::vector<int64_t>& to, const std::vector<int64_t>& from) {
   for (size_t i = 0; i < from.size(); ++i) to[i] += from[i];
 }
 
-template <typename Repeated>
-std::vector<int64_t> ToVector(const Repeated& field) {
-  return std::vector<int64_t>(field.begin(), field.end());
+// Some counter is below `earlier`'s: a new process under the same id.
+bool Restarted(const engine::EngineStats& now, const engine::EngineStats& earlier) {
+  return now.preemptions < earlier.preemptions ||
+         now.spec_proposed_tokens < earlier.spec_proposed_tokens ||
+         now.spec_accepted_tokens < earlier.spec_accepted_tokens ||
+         now.spec_verify_steps < earlier.spec_verify_steps ||
+         now.prefix_cache_queries_tokens < earlier.prefix_cache_queries_tokens ||
+         now.prefix_cache_hits_tokens < earlier.prefix_cache_hits_tokens ||
+         AnyBelow(now.spec_proposed_by_position, earlier.spec_proposed_by_position) ||
+         AnyBelow(now.spec_accepted_by_position, earlier.spec_accepted_by_position);
+}
+
+void AddCounters(engine::EngineStats& to, const engine::EngineStats& from) {
+  to.preemptions += from.preemptions;
+  to.spec_proposed_tokens += from.spec_proposed_tokens;
+  to.spec_accepted_tokens += from.spec_accepted_tokens;
+  to.spec_verify_steps += from.spec_verify_steps;
+  to.prefix_cache_queries_tokens += from.prefix_cache_queries_tokens;
+  to.prefix_cache_hits_tokens += from.prefix_cache_hits_tokens;
+  AddTo(to.spec_proposed_by_position, from.spec_proposed_by_position);
+  AddTo(to.spec_accepted_by_position, from.spec_accepted_by_position);
+}
+
+// The counters a pool's worker contributes: where tokens are generated, the decode pool's
+// preemptions and speculation; where prompts are computed, the prefill pool's prefix cache.
+engine::EngineStats PoolShare(const tandem::v1::WorkerStats& stats, bool decode) {
+  engine::EngineStats c;
+  if (decode) {
+    c.preemptions = stats.preemptions_total();
+    c.spec_proposed_tokens = stats.spec_proposed_tokens();
+    c.spec_accepted_tokens = stats.spec_accepted_tokens();
+    c.spec_verify_steps = stats.spec_verify_steps();
+    c.spec_proposed_by_position.assign(stats.spec_proposed_by_position().begin(),
+                                       stats.spec_proposed_by_position().end());
+    c.spec_accepted_by_position.assign(stats.spec_accepted_by_position().begin(),
+                                       stats.spec_accepted_by_position().end());
+  } else {
+    c.prefix_cache_queries_tokens = stats.prefix_cache_queries_tokens();
+    c.prefix_cache_hits_tokens = stats.prefix_cache_hits_tokens();
+  }
+  return c;
 }
 
 }  // namespace
-
-bool PoolCounters::Counts::Restarted(const Counts& earlier) const {
-  return preemptions < earlier.preemptions || spec_proposed < earlier.spec_proposed ||
-         spec_accepted < earlier.spec_accepted || spec_verify_steps < earlier.spec_verify_steps ||
-         prefix_queries < earlier.prefix_queries || prefix_hits < earlier.prefix_hits ||
-         AnyBelow(proposed_by_position, earlier.proposed_by_position) ||
-         AnyBelow(accepted_by_position, earlier.accepted_by_position);
-}
-
-void PoolCounters::Counts::Add(const Counts& other) {
-  preemptions += other.preemptions;
-  spec_proposed += other.spec_proposed;
-  spec_accepted += other.spec_accepted;
-  spec_verify_steps += other.spec_verify_steps;
-  prefix_queries += other.prefix_queries;
-  prefix_hits += other.prefix_hits;
-  AddTo(proposed_by_position, other.proposed_by_position);
-  AddTo(accepted_by_position, other.accepted_by_position);
-}
-
-PoolCounters::Counts PoolCounters::Read(const tandem::v1::WorkerStats& stats) {
-  Counts c;
-  c.preemptions = stats.preemptions_total();
-  c.spec_proposed = stats.spec_proposed_tokens();
-  c.spec_accepted = stats.spec_accepted_tokens();
-  c.spec_verify_steps = stats.spec_verify_steps();
-  c.prefix_queries = stats.prefix_cache_queries_tokens();
-  c.prefix_hits = stats.prefix_cache_hits_tokens();
-  c.proposed_by_position = ToVector(stats.spec_proposed_by_position());
-  c.accepted_by_position = ToVector(stats.spec_accepted_by_position());
-  return c;
-}
 
 engine::EngineStats PoolCounters::Observe(const PoolSnapshot& pools) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -62,38 +68,20 @@ engine::EngineStats PoolCounters::Observe(const PoolSnapshot& pools) {
     for (const WorkerView& w : pool) {
       // A worker not answering keeps what it last said (and one not yet polled says nothing).
       if (!w.up) continue;
-      Counts now = Read(w.stats);
-      // Where tokens are generated: the decode pool's preemptions and speculation; where
-      // prompts are computed: the prefill pool's prefix cache.
-      if (decode) {
-        now.prefix_queries = now.prefix_hits = 0;
-      } else {
-        now.preemptions = now.spec_proposed = now.spec_accepted = now.spec_verify_steps = 0;
-        now.proposed_by_position.clear();
-        now.accepted_by_position.clear();
-      }
+      engine::EngineStats now = PoolShare(w.stats, decode);
       Worker& worker = workers_[absl::StrCat(role, "/", w.id)];
-      if (now.Restarted(worker.last)) worker.earlier.Add(worker.last);
+      if (Restarted(now, worker.last)) AddCounters(worker.earlier, worker.last);
       worker.last = std::move(now);
     }
   };
   observe("decode", pools.decode, true);
   observe("prefill", pools.prefill, false);
-  Counts total;
+  engine::EngineStats total;
   for (const auto& [id, worker] : workers_) {
-    total.Add(worker.earlier);
-    total.Add(worker.last);
+    AddCounters(total, worker.earlier);
+    AddCounters(total, worker.last);
   }
-  engine::EngineStats stats;
-  stats.preemptions = total.preemptions;
-  stats.spec_proposed_tokens = total.spec_proposed;
-  stats.spec_accepted_tokens = total.spec_accepted;
-  stats.spec_verify_steps = total.spec_verify_steps;
-  stats.spec_proposed_by_position = std::move(total.proposed_by_position);
-  stats.spec_accepted_by_position = std::move(total.accepted_by_position);
-  stats.prefix_cache_queries_tokens = total.prefix_queries;
-  stats.prefix_cache_hits_tokens = total.prefix_hits;
-  return stats;
+  return total;
 }
 
 }  // namespace tandem::router

@@ -23,25 +23,11 @@ class PoolCounters {
   engine::EngineStats Observe(const PoolSnapshot& pools);
 
  private:
-  struct Counts {
-    int64_t preemptions = 0;
-    int64_t spec_proposed = 0;
-    int64_t spec_accepted = 0;
-    int64_t spec_verify_steps = 0;
-    int64_t prefix_queries = 0;
-    int64_t prefix_hits = 0;
-    std::vector<int64_t> proposed_by_position;
-    std::vector<int64_t> accepted_by_position;
-
-    // Some counter is below `earlier`'s: a new process under the same id.
-    bool Restarted(const Counts& earlier) const;
-    void Add(const Counts& other);
-  };
+  // Only the counter fields of EngineStats are used (see Observe).
   struct Worker {
-    Counts earlier;  // the sum of this id's previous processes
-    Counts last;     // its current process, as last seen
+    engine::EngineStats earlier;  // the sum of this id's previous processes
+    engine::EngineStats last;     // its current process, as last seen
   };
-  static Counts Read(const tandem::v1::WorkerStats& stats);
 
   std::mutex mu_;
   // By role and id; kept after a worker leaves (the id may come back), a few hundred bytes each.
