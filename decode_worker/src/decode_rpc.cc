@@ -400,8 +400,8 @@ void DecodeWorkerImpl::Handoff(const tandem::v1::HandoffRequest& request,
                                UnaryCall<tandem::v1::HandoffResponse>* call) {
   // `request` is gRPC's until the call is answered.
   const tandem::v1::HandoffRequest* handoff = &request;
-  if (!handoffs_.Post([this, handoff, call] { call->Answer(RunHandoff(*handoff)); },
-                      [call] { call->Answer(Stopped()); })) {
+  if (!handoffs_->Post([this, handoff, call] { call->Answer(RunHandoff(*handoff)); },
+                       [call] { call->Answer(Stopped()); })) {
     call->Answer(Stopped());
   }
 }

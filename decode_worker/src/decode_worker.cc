@@ -31,6 +31,7 @@ absl::Status DecodeWorkerImpl::Init(DecodeWorkerOptions options) {
   worker::EngineLoop::Options loop;
   loop.iterate = [this] { return Iterate(); };
   loop.finish = [this] { FinishLoop(); };
+  handoffs_ = std::make_unique<base::JobPool>(kHandoffThreads);
   return core_->Serve(std::move(loop), &service_, [this] { return RenderMetrics(); });
 }
 

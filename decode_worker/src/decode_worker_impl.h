@@ -274,8 +274,9 @@ class DecodeWorkerImpl final : public DecodeWorker {
 
   // Handoffs wait for their copies here (connect included, up to kHandoffTransferMax each): a
   // draining worker's parked samples move in parallel, and no gRPC thread waits. Stopped with
-  // the worker, after the gRPC server has answered every call.
-  base::JobPool handoffs_{kHandoffThreads};
+  // the worker, after the gRPC server has answered every call. Created by Init just before
+  // serving, so that its threads start after what their jobs read is set.
+  std::unique_ptr<base::JobPool> handoffs_;
 };
 
 }  // namespace tandem::decode_worker::internal

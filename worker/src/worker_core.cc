@@ -39,7 +39,6 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(WorkerOptions opt
                                               .listen_host = core->options_.kv_listen_host},
                                              *core->engine_));
   core->kv_events_ = std::make_unique<KvEventHub>(core->engine_->block_manager());
-  core->preparer_ = std::make_unique<base::JobPool>(kPreparerThreads);
   return core;
 }
 
@@ -55,6 +54,9 @@ absl::Status WorkerCore::Serve(EngineLoop::Options loop, grpc::Service* service,
     kv_events_->Publish();
     return wake;
   };
+  // Started here, not in Create: its threads then begin after the role has set up what their
+  // jobs read (the role calls Serve last).
+  preparer_ = std::make_unique<base::JobPool>(kPreparerThreads);
   loop_ = std::make_unique<EngineLoop>(std::move(loop));
   loop_->Start();
   TANDEM_ASSIGN_OR_RETURN(proto::StartedServer started,

@@ -18,6 +18,9 @@ namespace tandem::base {
 
 class JobPool {
  public:
+  // Starts the threads. A job sees what the posting thread did before Post, and what the
+  // creating thread did before creating the pool; so create the pool after setting up what its
+  // jobs read, or hand that over in each job.
   explicit JobPool(int num_threads);
   // Stop().
   ~JobPool();
