@@ -161,8 +161,9 @@ grpc::ServerWriteReactor<tandem::v1::TokenEvent>* DecodeWorkerImpl::Start(
     stream->Fail(absl::InvalidArgumentError("request_id is empty"));
     return stream->reactor();
   }
-  auto start = [this, request, stream] {
-    if (!core_->loop().Post([this, request, stream] {
+  // Runs once: the request (prompt tokens and all) is copied here only, then moved on.
+  auto start = [this, request, stream]() mutable {
+    if (!core_->loop().Post([this, request = std::move(request), stream] {
           absl::Status started = StartOnLoop(request, stream);
           if (!started.ok()) stream->Fail(started);
         })) {
@@ -176,7 +177,8 @@ grpc::ServerWriteReactor<tandem::v1::TokenEvent>* DecodeWorkerImpl::Start(
   // A grammar is compiled on the core's preparer, neither on gRPC's thread nor on the engine
   // loop (once per schema: the engine's grammar cache); StartOnLoop reports a bad one.
   if (!core_->preparer().Post(
-          [this, params = proto::FromProto(request.sampling()), stream, start = std::move(start)] {
+          [this, params = proto::FromProto(request.sampling()), stream,
+           start = std::move(start)]() mutable {
             if (!core_->accepting()) return stream->Fail(ShuttingDown());
             engine_->PrepareConstraint(params).IgnoreError();
             start();

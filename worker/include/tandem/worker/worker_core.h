@@ -93,6 +93,7 @@ class WorkerCore {
   // Threads for a handler's work that may block before the request can go to the loop
   // (compiling a grammar, connecting to the peer it will push to), so that no gRPC thread
   // waits on it. A job checks accepting() first; its `dropped` answers the call.
+  // Created by Serve (so that its threads start after the role's set-up): handlers only.
   base::JobPool& preparer() { return *preparer_; }
   // False once a shutdown began. Any thread.
   bool accepting() const { return accepting_.load(); }
