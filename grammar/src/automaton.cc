@@ -124,6 +124,27 @@ void StackArena::Advance(const std::vector<int32_t>& tops, uint8_t byte, Step& o
   }
 }
 
+int32_t StackArena::InternSet(const std::vector<int32_t>& tops) {
+  auto [it, added] = set_index_.try_emplace(tops, static_cast<int32_t>(sets_.size()));
+  if (added) {
+    sets_.push_back(tops);
+    if (sets_.size() <= static_cast<size_t>(dense_sets_)) set_steps_.resize(sets_.size() * 256, kUnknownStep);
+  }
+  return it->second;
+}
+
+int32_t StackArena::ComputeSetStep(int32_t set, uint8_t byte) {
+  Advance(sets_[set], byte, scratch_);  // done with sets_[set] before InternSet grows sets_
+  const int32_t step =
+      scratch_.matched ? (InternSet(scratch_.tops) << 1) | (scratch_.ended ? 1 : 0) : kNoMatch;
+  if (set < dense_sets_) {
+    set_steps_[static_cast<size_t>(set) * 256 + byte] = step;
+  } else {
+    sparse_set_steps_.emplace(SparseKey(set, byte), step);
+  }
+  return step;
+}
+
 StackArena::Expansion StackArena::Start() {
   Expansion all;
   for (int32_t start : grammar_.rule_starts[grammar_.root]) {

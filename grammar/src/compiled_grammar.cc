@@ -226,23 +226,22 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Create(
     // The bottom frame (-1) stands for the unknown context.
     internal::StackArena arena(flat);
     struct Level {
-      std::vector<int32_t> tops;
+      int32_t set;           // the interned set of stacks after this node's bytes
       bool ended = false;    // the position's rule can end after exactly this many bytes
       bool escaped = false;  // it can end after fewer, followed by a byte that may follow it
     };
     std::vector<Level> levels;
-    internal::StackArena::Step step;
     for (size_t slot = first; slot < byte_positions.size(); slot += stride) {
       const int32_t pos = byte_positions[slot];
       TokenMask accepted(words, 0);
       std::vector<int32_t> uncertain;
       const std::bitset<256>& after = follow[flat.rule_of[pos]];
-      levels.assign(1, Level{{arena.Intern(pos, -1)}, false, false});
+      levels.assign(1, Level{arena.InternSet({arena.Intern(pos, -1)}), false, false});
       for (size_t i = 1; i < trie.size();) {
         const auto& node = trie[i];
-        const Level& parent = levels[node.depth - 1];
+        const Level parent = levels[node.depth - 1];
         const bool escaped = parent.escaped || (parent.ended && after.test(node.byte));
-        arena.Advance(parent.tops, node.byte, step);
+        const internal::StackArena::SetStep step = arena.AdvanceSet(parent.set, node.byte);
         if (!step.matched) {
           // No token below this node is matched inside the rule; those that continue after
           // the rule ended depend on the stack below.
@@ -259,9 +258,7 @@ absl::StatusOr<std::shared_ptr<const CompiledGrammar>> CompiledGrammar::Create(
           accepted[id >> 6] |= uint64_t{1} << (id & 63);
         }
         if (static_cast<int>(levels.size()) <= node.depth) levels.resize(node.depth + 1);
-        levels[node.depth].tops = step.tops;
-        levels[node.depth].ended = step.ended;
-        levels[node.depth].escaped = escaped;
+        levels[node.depth] = Level{step.next, step.ended, escaped};
         ++i;
       }
       compiled->accepted_[slot] = std::move(accepted);

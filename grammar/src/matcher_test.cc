@@ -3,6 +3,7 @@
 #include "tandem/grammar/matcher.h"
 
 #include <algorithm>
+#include <set>
 #include <thread>
 
 #include "automaton.h"
@@ -108,6 +109,42 @@ TEST(CompiledGrammarTest, ThreadsDoNotChangeTheMasks) {
       ASSERT_EQ((*one)->accepted(pos), (*four)->accepted(pos)) << "position " << pos;
       ASSERT_TRUE(std::ranges::equal((*one)->uncertain(pos), (*four)->uncertain(pos)));
     }
+  }
+}
+
+// The compile's memoized steps over interned stack sets equal Advance's, answered from the
+// dense tables and from the hash map that takes the sets past them, and again when asked twice.
+TEST(StackArenaTest, SetStepsEqualAdvanceInTheTablesAndPastThem) {
+  testing::SchemaFuzzer fuzz(31);
+  for (const std::string& gbnf : {JsonObjectGbnf(), *JsonSchemaToGbnf(fuzz.Schema())}) {
+    auto grammar = ParseGbnf(gbnf);
+    ASSERT_TRUE(grammar.ok()) << grammar.status();
+    const internal::FlatGrammar flat = internal::FlatGrammar::Build(*grammar);
+    constexpr int32_t kDense = 4;
+    internal::StackArena arena(flat, kDense);
+    std::vector<int32_t> frontier = {arena.InternSet(arena.Start().tops)};
+    std::set<int32_t> seen(frontier.begin(), frontier.end());
+    internal::StackArena::Step expected;
+    int past_the_tables = 0;
+    while (!frontier.empty() && seen.size() < 300) {
+      const int32_t set = frontier.back();
+      frontier.pop_back();
+      for (int byte = 0; byte < 256; ++byte) {
+        const std::vector<int32_t> tops = arena.set(set);
+        arena.Advance(tops, static_cast<uint8_t>(byte), expected);
+        for (int ask = 0; ask < 2; ++ask) {
+          const internal::StackArena::SetStep got =
+              arena.AdvanceSet(set, static_cast<uint8_t>(byte));
+          ASSERT_EQ(got.matched, expected.matched) << gbnf << "\nset " << set << " byte " << byte;
+          if (!expected.matched) continue;
+          ASSERT_EQ(got.ended, expected.ended);
+          ASSERT_EQ(arena.set(got.next), expected.tops);
+          if (seen.insert(got.next).second) frontier.push_back(got.next);
+        }
+        if (set >= kDense) ++past_the_tables;
+      }
+    }
+    EXPECT_GT(past_the_tables, 0) << gbnf;
   }
 }
 
