@@ -4,6 +4,7 @@
 //
 //   tandem_bench_structured --model=DIR [--batches=1,32] [--max-tokens=128] [--rounds=2]
 //                           [--repeats=3] [--threads=2] [--schema=FILE] [--temperature=1]
+//                           [--overlap-masks=1]
 //
 // After one unmeasured run of each mode, each run keeps `batch` requests in flight (a finished
 // request is replaced at once), every request with a 4-token prompt, for `rounds` x `batch`
@@ -14,6 +15,8 @@
 // so they are cut by max_tokens too. At temperature > 0 the sampler's softmax runs over the
 // allowed tokens only, so a constrained step can be cheaper than an unconstrained one;
 // --temperature=0 (greedy: an argmax either way) isolates the grammar's own cost.
+// --overlap-masks=0 computes the masks after the forward pass instead of during it
+// (EngineOptions::overlap_grammar_masks).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -89,6 +92,7 @@ int Main(int argc, char** argv) {
   std::string model;
   std::vector<int> batches = {1, 32};
   int max_tokens = 128, rounds = 2, threads = 2, repeats = 3;
+  bool overlap_masks = true;
   for (int i = 1; i < argc; ++i) {
     absl::string_view a = argv[i];
     auto value = [&](absl::string_view flag) -> std::optional<std::string> {
@@ -113,6 +117,8 @@ int Main(int argc, char** argv) {
       g_temperature = std::stof(*v);
     } else if (auto v = value("--repeats")) {
       repeats = std::stoi(*v);
+    } else if (auto v = value("--overlap-masks")) {
+      overlap_masks = *v != "0";
     } else if (auto v = value("--threads")) {
       threads = std::stoi(*v);
     } else {
@@ -136,6 +142,7 @@ int Main(int argc, char** argv) {
     options.num_threads = threads;
     options.max_num_seqs = std::max(batch, 1);
     options.kv_cache_bytes = 256ll << 20;
+    options.overlap_grammar_masks = overlap_masks;
     auto engine = engine::LlmEngine::Create(options);
     if (!engine.ok()) {
       std::fprintf(stderr, "%s\n", std::string(engine.status().message()).c_str());

@@ -9,6 +9,7 @@
 #include "tandem/base/status_macros.h"
 #include "tandem/kernels/cuda_backend.h"
 #include "disagg_role.h"
+#include "grammar_mask_prefetch.h"
 
 namespace tandem::engine {
 
@@ -217,6 +218,9 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
         engine->grammar_vocab_,
         grammar::TokenVocabulary::Create(std::move(bytes), std::move(stops), std::move(special)));
     engine->grammar_cache_ = std::make_unique<grammar::GrammarCache>();
+    if (options.overlap_grammar_masks) {
+      engine->mask_prefetch_ = std::make_unique<internal::GrammarMaskPrefetch>();
+    }
   }
   if (options.on_layer_kv_written) {
     LlmEngine* self = engine.get();
@@ -423,8 +427,11 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   telemetry_.BeginStep();
   TANDEM_ASSIGN_OR_RETURN(SchedulerStep step, ScheduleStep());
   TANDEM_RETURN_IF_ERROR(DraftStep(step));
-  TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits, ExecuteStep(step));
-  SampleStep(step, logits, outputs);
+  const bool prefetching = StartGrammarMasks(step);
+  absl::StatusOr<std::span<const float>> logits = ExecuteStep(step);
+  if (prefetching) mask_prefetch_->Wait();  // before any return: the masks use the matchers
+  if (!logits.ok()) return logits.status();
+  SampleStep(step, *logits, outputs);
   telemetry_.EndStep(scheduler_->has_work());
   FinishOutputs(outputs);
   return outputs;
@@ -557,6 +564,26 @@ absl::Status LlmEngine::DraftStep(const SchedulerStep& step) {
   return absl::OkStatus();
 }
 
+bool LlmEngine::StartGrammarMasks(const SchedulerStep& step) {
+  step_mask_index_.assign(step.seqs.size(), -1);
+  if (mask_prefetch_ == nullptr) return false;
+  std::vector<grammar::GrammarMatcher*> matchers;
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    const ScheduledSequence& s = step.seqs[i];
+    if (!s.samples || s.seq->matcher == nullptr) continue;
+    step_mask_index_[i] = static_cast<int>(matchers.size());
+    matchers.push_back(s.seq->matcher.get());
+  }
+  // One mask costs about what handing it to another thread does (bench/results/
+  // structured-decode-2026-11-27.md): it is computed when its sample is drawn.
+  if (matchers.size() < 2) {
+    step_mask_index_.assign(step.seqs.size(), -1);
+    return false;
+  }
+  mask_prefetch_->Start(std::move(matchers));
+  return true;
+}
+
 void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> logits,
                            std::vector<RequestOutput>& outputs) {
   const size_t vocab = checkpoint_->config().vocab_size;
@@ -564,7 +591,8 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
   std::map<std::string, size_t> output_index;
   for (size_t i = 0; i < outputs.size(); ++i) output_index[outputs[i].request_id] = i;
   size_t r = 0;
-  for (const ScheduledSequence& s : step.seqs) {
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    const ScheduledSequence& s = step.seqs[i];
     if (!s.samples) continue;
     const size_t num_rows = 1 + s.num_draft_tokens;
     std::span<const float> rows = logits.subspan(r * vocab, num_rows * vocab);
@@ -576,14 +604,17 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
       outputs.back().request_id = request.id;
       outputs.back().num_prompt_tokens = request.num_prompt_tokens;
     }
-    SampleSequence(s, rows, row, outputs[it->second]);
+    const int mask = step_mask_index_[i];
+    SampleSequence(s, rows, row, mask >= 0 ? &mask_prefetch_->mask(mask) : nullptr,
+                   outputs[it->second]);
   }
   // Draft tokens of sequences that did not run (past the batch cap) are proposed afresh.
   for (Sequence* seq : scheduler_->running()) seq->draft_tokens.clear();
 }
 
 void LlmEngine::SampleSequence(const ScheduledSequence& s, std::span<const float> rows,
-                               std::vector<float>& row, RequestOutput& out) {
+                               std::vector<float>& row, const grammar::TokenMask* grammar_mask,
+                               RequestOutput& out) {
   const size_t vocab = row.size();
   Sequence& seq = *s.seq;
   Request& request = *requests_.at(seq.request_id);
@@ -607,7 +638,9 @@ void LlmEngine::SampleSequence(const ScheduledSequence& s, std::span<const float
     const float* src = rows.data() + static_cast<size_t>(j) * vocab;
     row.assign(src, src + vocab);
     const int32_t draft = j < s.num_draft_tokens ? drafts[j] : -1;
-    const int32_t token = sampler_->Sample(row, seq, draft);
+    // The prefetched mask is of the state before this step's first token; later rows' masks
+    // follow the drafts accepted here.
+    const int32_t token = sampler_->Sample(row, seq, draft, j == 0 ? grammar_mask : nullptr);
     // The sampler draws from the grammar's mask: a refusal here is a defect, not bad input.
     const bool allowed = seq.matcher == nullptr || token < 0 || seq.matcher->AcceptToken(token);
     TANDEM_CHECK(allowed) << "token " << token << " was sampled outside the grammar's mask";

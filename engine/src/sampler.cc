@@ -42,7 +42,8 @@ uint64_t SamplerRng::Next() {
   return result;
 }
 
-int32_t Sampler::Sample(std::span<float> logits, Sequence& seq, int32_t draft) {
+int32_t Sampler::Sample(std::span<float> logits, Sequence& seq, int32_t draft,
+                        const grammar::TokenMask* grammar_mask) {
   const SamplingParams& p = *seq.params;
   const int vocab = static_cast<int>(logits.size());
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -112,10 +113,14 @@ int32_t Sampler::Sample(std::span<float> logits, Sequence& seq, int32_t draft) {
   const bool constrained = seq.matcher != nullptr;
   int32_t fallback = -1;
   if (constrained) {
-    seq.matcher->FillNextTokenMask(mask_);
+    if (grammar_mask == nullptr) {
+      seq.matcher->FillNextTokenMask(mask_);
+      grammar_mask = &mask_;
+    }
+    const grammar::TokenMask& mask = *grammar_mask;
     candidates_.clear();
     for (int w = 0; w * 64 < vocab; ++w) {
-      uint64_t bits = w < static_cast<int>(mask_.size()) ? mask_[w] : 0;
+      uint64_t bits = w < static_cast<int>(mask.size()) ? mask[w] : 0;
       const int end = std::min(64, vocab - w * 64);
       if (end < 64) bits &= (uint64_t{1} << end) - 1;
       for (int b = 0; b < end; ++b) {

@@ -125,6 +125,69 @@ TEST_F(StructuredOutputTest, BoundedSchemaGivesValidJsonUnderEverySampler) {
   }
 }
 
+// The engine computes a step's grammar masks on a thread of its own while the forward pass
+// runs; computed after it instead, every output is the same: constrained samples of every
+// sampler, n > 1, a regex, unconstrained requests batched with them, and with n-gram
+// speculation (rows after an accepted draft take their masks after the prefetched first one).
+TEST_F(StructuredOutputTest, MasksComputedDuringTheForwardPassGiveTheSameOutputs) {
+  const StructuredOutput schema{ConstraintKind::kJsonSchema, kBoundedSchema};
+  std::vector<GenerateRequest> requests;
+  for (int i = 0; i < 4; ++i) {
+    SamplingParams p;
+    p.seed = 10 + i;
+    if (i == 0) p.temperature = 0;
+    if (i == 1) p.n = 3;
+    if (i == 2) p.top_p = 0.7f, p.repetition_penalty = 1.2f;
+    requests.push_back(Request(absl::StrCat("schema", i), schema, p));
+  }
+  SamplingParams regex;
+  regex.seed = 7;
+  requests.push_back(
+      Request("regex", {ConstraintKind::kRegex, "(ab|cd){2,5}-[0-9]{3}"}, regex));
+  for (int i = 0; i < 3; ++i) {
+    SamplingParams p;
+    p.seed = 20 + i;
+    p.max_tokens = 24;
+    requests.push_back({absl::StrCat("free", i), engine_->tokenizer().Encode("Say more", true), p});
+  }
+  for (bool speculate : {false, true}) {
+    std::vector<std::vector<RequestOutput>> outputs;
+    for (bool overlap : {true, false}) {
+      EngineOptions options;
+      options.model_dir = testing::TinyModel("llama");
+      options.num_threads = 2;
+      options.kv_cache_bytes = 32ll << 20;
+      options.overlap_grammar_masks = overlap;
+      if (speculate) {
+        options.speculative.method = SpeculativeMethod::kNgram;
+        options.speculative.num_speculative_tokens = 3;
+        options.speculative.adaptive = false;
+      }
+      auto engine = LlmEngine::Create(options);
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      auto out = GenerateAll(**engine, requests);
+      ASSERT_TRUE(out.ok()) << out.status();
+      outputs.push_back(*std::move(out));
+    }
+    ASSERT_EQ(outputs[0].size(), requests.size());
+    ASSERT_EQ(outputs[1].size(), requests.size());
+    for (size_t r = 0; r < requests.size(); ++r) {
+      ASSERT_EQ(outputs[0][r].choices.size(), outputs[1][r].choices.size());
+      for (size_t c = 0; c < outputs[0][r].choices.size(); ++c) {
+        const ChoiceDelta& with = outputs[0][r].choices[c];
+        const ChoiceDelta& without = outputs[1][r].choices[c];
+        EXPECT_EQ(with.token_ids, without.token_ids)
+            << requests[r].request_id << " choice " << c << " speculate " << speculate;
+        EXPECT_EQ(with.text, without.text);
+        EXPECT_EQ(with.finish_reason, without.finish_reason);
+        if (requests[r].params.structured.kind != ConstraintKind::kNone) {
+          ExpectTokensAllowed(requests[r], with);
+        }
+      }
+    }
+  }
+}
+
 TEST_F(StructuredOutputTest, JsonObjectTokensAreAllowedAndFinishedOnesParse) {
   SamplingParams p;
   p.n = 4;

@@ -35,6 +35,7 @@
 namespace tandem::engine {
 namespace internal {
 class DisaggRole;
+class GrammarMaskPrefetch;
 }  // namespace internal
 
 // Tokens [begin, end) of one sample whose K and V a step has just written in one layer; see
@@ -107,6 +108,11 @@ struct EngineOptions {
   // runner sends each step's plan to the other ranks, whose runners (ModelRunner::RunFollower)
   // hold the other shards. Colocated role and CPU backend only, for now.
   collective::Communicator* tensor_parallel = nullptr;
+  // The grammar masks of a step's constrained samples are computed on a thread of their own
+  // while the forward pass runs (docs/architecture.md, "One engine step"); false computes each
+  // when its sample is drawn, after the forward pass (benchmarks compare the two). Outputs are
+  // the same either way.
+  bool overlap_grammar_masks = true;
 };
 
 // Single-threaded: one caller drives AddRequest / Abort / Step.
@@ -230,8 +236,13 @@ class LlmEngine {
   // Samples the logit rows of one sampling sequence of the step (1 + its draft tokens, from
   // `rows`): verifies its draft tokens in order, processing each token, until one is rejected
   // or the choice ends; gives back the rejected tokens' KV.
+  // `grammar_mask`: the sequence's first row's grammar mask when prefetched, else null.
   void SampleSequence(const ScheduledSequence& s, std::span<const float> rows,
-                      std::vector<float>& row, RequestOutput& out);
+                      std::vector<float>& row, const grammar::TokenMask* grammar_mask,
+                      RequestOutput& out);
+  // Starts the grammar masks of the step's constrained samples on mask_prefetch_ (they fill
+  // while the forward pass runs) and sets step_mask_index_; false when none was started.
+  bool StartGrammarMasks(const SchedulerStep& step);
   absl::StatusOr<std::span<const float>> ExecuteStep(const SchedulerStep& step);
   void SampleStep(const SchedulerStep& step, std::span<const float> logits,
                   std::vector<RequestOutput>& outputs);
@@ -255,6 +266,9 @@ class LlmEngine {
   // it, shared by every constrained request; the cache is thread-safe (Validate runs anywhere).
   std::shared_ptr<const grammar::TokenVocabulary> grammar_vocab_;
   std::unique_ptr<grammar::GrammarCache> grammar_cache_;
+  // With options_.overlap_grammar_masks and a vocabulary for grammars.
+  std::unique_ptr<internal::GrammarMaskPrefetch> mask_prefetch_;
+  std::vector<int> step_mask_index_;  // per step.seqs entry: its prefetched mask, or -1
   int max_model_len_ = 0;
   int64_t next_seq_id_ = 0;
   std::map<std::string, std::unique_ptr<Request>> requests_;

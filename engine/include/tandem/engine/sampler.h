@@ -32,7 +32,11 @@ class Sampler {
   // when it equals it); a sampled sequence accepts the draft with probability p(draft) and
   // otherwise draws from p with the draft removed, renormalised (the residual max(p - q, 0)).
   // The draft was accepted exactly when the result equals it.
-  int32_t Sample(std::span<float> logits, Sequence& seq, int32_t draft = -1);
+  //
+  // `grammar_mask`: seq.matcher's mask for its current state when already computed (the engine
+  // computes it during the forward pass); null: computed here.
+  int32_t Sample(std::span<float> logits, Sequence& seq, int32_t draft = -1,
+                 const grammar::TokenMask* grammar_mask = nullptr);
 
  private:
   std::vector<int32_t> eos_token_ids_;
