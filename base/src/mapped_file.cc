@@ -5,7 +5,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -40,6 +42,20 @@ absl::StatusOr<std::unique_ptr<MappedFile>> MappedFile::Open(const std::string& 
   }
   ::close(fd);
   return std::unique_ptr<MappedFile>(new MappedFile(path, data, size));
+}
+
+void MappedFile::DropPages(const void* begin, size_t size) const {
+  if (data_ == nullptr || size == 0) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto map_begin = reinterpret_cast<uintptr_t>(data_);
+  const uintptr_t map_end = map_begin + size_;
+  uintptr_t first = std::max(reinterpret_cast<uintptr_t>(begin), map_begin);
+  const uintptr_t last = std::min(reinterpret_cast<uintptr_t>(begin) + size, map_end);
+  if (first >= last) return;
+  first &= ~(page - 1);  // the mapping starts on a page, so this stays inside it
+  // A read-only private mapping: the dropped pages are read from the file again if touched.
+  // Failure only means the pages stay resident.
+  ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
 }
 
 MappedFile::~MappedFile() {

@@ -175,4 +175,14 @@ absl::StatusOr<std::vector<float>> Checkpoint::ReadFloat(const std::string& name
   return out;
 }
 
+void Checkpoint::DropPages(const TensorView& tensor) const {
+  for (const auto& f : files_) {
+    if (f->path() == tensor.file) return f->file().DropPages(tensor.data, tensor.nbytes);
+  }
+}
+
+void Checkpoint::DropAllPages() const {
+  for (const auto& f : files_) f->file().DropAllPages();
+}
+
 }  // namespace tandem::engine

@@ -391,5 +391,51 @@ TEST_F(CheckpointTest, WriterAlignsDataAndStreamsGeneratedTensors) {
   EXPECT_EQ(files, 1);
 }
 
+// Resident kilobytes of the mapping holding `addr` (/proc/self/smaps "Rss:").
+int64_t MappedRssKb(const void* addr) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  const auto a = reinterpret_cast<uintptr_t>(addr);
+  bool inside = false;
+  while (std::getline(smaps, line)) {
+    unsigned long begin = 0, end = 0;  // a mapping's first line: "begin-end perms ..."
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &begin, &end) == 2) {
+      inside = a >= begin && a < end;
+      continue;
+    }
+    if (inside && line.rfind("Rss:", 0) == 0) return std::stoll(line.substr(4));
+  }
+  return -1;
+}
+
+// A tensor copied out of the mapping can leave resident memory (a served model then holds its
+// weights once, not twice), and reads the same when touched again.
+TEST_F(CheckpointTest, DroppedPagesLeaveResidentMemoryAndReadTheSame) {
+  constexpr int64_t kElements = 4 << 20;  // 16 MiB of f32
+  SafetensorsWriter writer;
+  writer.AddGenerated("w", DType::kF32, {kElements}, [](int64_t first, int64_t count, float* out) {
+    for (int64_t i = 0; i < count; ++i) out[i] = ValueFor("w", first + i);
+  });
+  const std::string path = dir_ + "/w.safetensors";
+  ASSERT_TRUE(writer.Write(path).ok());
+  auto file = SafetensorsFile::Open(path);
+  ASSERT_TRUE(file.ok()) << file.status();
+  const TensorView& w = file.value()->tensors().at("w");
+  std::vector<float> first(kElements), again(kElements);
+  w.ToFloat(first.data());
+  const int64_t touched = MappedRssKb(w.data);
+  EXPECT_GE(touched, 15 * 1024) << "reading the tensor makes its pages resident";
+  file.value()->file().DropPages(w.data, w.nbytes);
+  EXPECT_LT(MappedRssKb(w.data), 1024);
+  w.ToFloat(again.data());
+  EXPECT_EQ(first, again);
+  for (int64_t i : {int64_t{0}, kElements / 2, kElements - 1}) {
+    EXPECT_EQ(again[i], ValueFor("w", i));
+  }
+  EXPECT_GE(MappedRssKb(w.data), 15 * 1024);
+  file.value()->file().DropAllPages();
+  EXPECT_LT(MappedRssKb(w.data), 1024);
+}
+
 }  // namespace
 }  // namespace tandem::engine

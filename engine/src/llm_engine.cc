@@ -199,7 +199,10 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                              .weight_dtype = draft_dtypes->weights,
                              .kv_cache_dtype = draft_dtypes->kv_cache,
                              .max_logit_rows_per_seq = 1}));
+    engine->draft_checkpoint_->DropAllPages();
   }
+  // The runners hold their own copies of the weights now.
+  engine->checkpoint_->DropAllPages();
   engine->sampler_ = std::make_unique<Sampler>(config.eos_token_ids);
   {
     // Rows of the embedding past the tokenizer's ids are no text: empty, never allowed.
@@ -980,6 +983,7 @@ absl::Status RunTensorParallelFollower(const EngineOptions& options) {
                           {.weight_dtype = std::nullopt,
                            .kv_cache_dtype = std::nullopt,
                            .tensor_parallel = comm}));
+  checkpoint->DropAllPages();
   return runner->RunFollower();
 }
 

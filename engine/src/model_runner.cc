@@ -58,15 +58,17 @@ absl::StatusOr<std::vector<unsigned char>> ReadSliceAs(const Checkpoint& checkpo
                   data + static_cast<size_t>((row_begin + r) * total_cols + col_begin) * out_size,
                   static_cast<size_t>(cols) * out_size);
     }
-    return out;
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      const float value =
-          LoadAsFloat(data, tensor.dtype, (row_begin + r) * total_cols + col_begin + c);
-      StoreFromFloat(out.data(), dtype, r * cols + c, value);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const float value =
+            LoadAsFloat(data, tensor.dtype, (row_begin + r) * total_cols + col_begin + c);
+        StoreFromFloat(out.data(), dtype, r * cols + c, value);
+      }
     }
   }
+  // Copied: the mapped pages need not stay resident while the next tensors load.
+  checkpoint.DropPages(tensor);
   return out;
 }
 

@@ -20,6 +20,11 @@ class MappedFile {
   MappedFile& operator=(const MappedFile&) = delete;
 
   const unsigned char* data() const { return data_; }
+  // Takes the pages holding [begin, begin + size) (within the mapping) out of the process's
+  // resident memory, e.g. once a checkpoint tensor has been copied where it is used. The bytes
+  // stay readable: a later read brings the pages back from the file.
+  void DropPages(const void* begin, size_t size) const;
+  void DropAllPages() const { DropPages(data_, size_); }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
 

@@ -38,6 +38,7 @@ class SafetensorsFile {
   static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }
   const std::string& path() const { return file_->path(); }
+  const MappedFile& file() const { return *file_; }
 
  private:
   std::unique_ptr<MappedFile> file_;
@@ -98,6 +99,11 @@ class Checkpoint {
   absl::StatusOr<TensorView> Tensor(const std::string& name) const;
   // The tensor converted to fp32.
   absl::StatusOr<std::vector<float>> ReadFloat(const std::string& name) const;
+  // Takes a tensor's pages, or every file's, out of resident memory once what is needed has
+  // been copied out (MappedFile::DropPages): a served model then holds its weights once, not
+  // also as mapped file pages. Tensors stay readable.
+  void DropPages(const TensorView& tensor) const;
+  void DropAllPages() const;
 
  private:
   // Presence, dtype and shape of the tensors of quantised linear `module` (W[out, in]).
