@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <optional>
 #include <random>
 
@@ -22,6 +23,7 @@ struct LlmEngine::Choice {
 
 struct LlmEngine::Request {
   std::string id;
+  RequestTask task = RequestTask::kGenerate;
   std::shared_ptr<const SamplingParams> params;
   std::vector<Choice> choices;
   int num_prompt_tokens = 0;
@@ -237,6 +239,14 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
 absl::Status LlmEngine::Validate(const GenerateRequest& request) const {
   TANDEM_RETURN_IF_ERROR(ValidateRequest(request, checkpoint_->config(), max_model_len_));
   const int prompt_len = static_cast<int>(request.prompt_tokens.size());
+  if (request.task == RequestTask::kEmbed) {
+    if (blocks_->BlocksFor(prompt_len) > blocks_->num_blocks()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the prompt (", prompt_len, " tokens) needs more KV cache than this engine",
+                       " has (", blocks_->num_blocks() * blocks_->block_size(), " tokens)"));
+    }
+    return absl::OkStatus();
+  }
   const int64_t total = static_cast<int64_t>(prompt_len) + request.params.max_tokens;
   if (blocks_->BlocksFor(static_cast<int>(total)) > blocks_->num_blocks()) {
     return absl::InvalidArgumentError(
@@ -267,10 +277,17 @@ absl::StatusOr<std::shared_ptr<const grammar::CompiledGrammar>> LlmEngine::Compi
 
 absl::StatusOr<std::unique_ptr<LlmEngine::Request>> LlmEngine::NewRequest(
     GenerateRequest& request) {
+  if (request.task == RequestTask::kEmbed) {
+    // Nothing is sampled: one step's worth of max_tokens, so that no stage plans for more
+    // (speculative drafts propose up to max_tokens - 1).
+    request.params = SamplingParams{};
+    request.params.max_tokens = 1;
+  }
   TANDEM_ASSIGN_OR_RETURN(std::shared_ptr<const grammar::CompiledGrammar> compiled,
                           CompiledConstraint(request.params));
   auto req = std::make_unique<Request>();
   req->id = request.request_id;
+  req->task = request.task;
   if (request.arrival != std::chrono::steady_clock::time_point{}) req->added = request.arrival;
   req->params = std::make_shared<const SamplingParams>(std::move(request.params));
   req->num_prompt_tokens = static_cast<int>(request.prompt_tokens.size());
@@ -434,7 +451,8 @@ absl::StatusOr<std::vector<RequestOutput>> LlmEngine::Step() {
   absl::StatusOr<std::span<const float>> logits = ExecuteStep(step);
   if (prefetching) mask_prefetch_->Wait();  // before any return: the masks use the matchers
   if (!logits.ok()) return logits.status();
-  SampleStep(step, *logits, outputs);
+  TANDEM_ASSIGN_OR_RETURN(std::span<const float> hidden, PooledHidden(step));
+  SampleStep(step, *logits, hidden, outputs);
   telemetry_.EndStep(scheduler_->has_work());
   FinishOutputs(outputs);
   return outputs;
@@ -587,9 +605,19 @@ bool LlmEngine::StartGrammarMasks(const SchedulerStep& step) {
   return true;
 }
 
+absl::StatusOr<std::span<const float>> LlmEngine::PooledHidden(const SchedulerStep& step) {
+  for (const ScheduledSequence& s : step.seqs) {
+    if (s.samples && requests_.at(s.seq->request_id)->task == RequestTask::kEmbed) {
+      return runner_->FinalHidden();
+    }
+  }
+  return std::span<const float>();
+}
+
 void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> logits,
-                           std::vector<RequestOutput>& outputs) {
+                           std::span<const float> hidden, std::vector<RequestOutput>& outputs) {
   const size_t vocab = checkpoint_->config().vocab_size;
+  const size_t hidden_size = checkpoint_->config().hidden_size;
   std::vector<float> row(vocab);
   std::map<std::string, size_t> output_index;
   for (size_t i = 0; i < outputs.size(); ++i) output_index[outputs[i].request_id] = i;
@@ -599,6 +627,7 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
     if (!s.samples) continue;
     const size_t num_rows = 1 + s.num_draft_tokens;
     std::span<const float> rows = logits.subspan(r * vocab, num_rows * vocab);
+    const size_t first_row = r;
     r += num_rows;
     const Request& request = *requests_.at(s.seq->request_id);
     auto [it, inserted] = output_index.try_emplace(request.id, outputs.size());
@@ -607,12 +636,39 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
       outputs.back().request_id = request.id;
       outputs.back().num_prompt_tokens = request.num_prompt_tokens;
     }
+    if (request.task == RequestTask::kEmbed) {
+      FinishEmbedding(s, hidden.subspan(first_row * hidden_size, hidden_size), outputs[it->second]);
+      continue;
+    }
     const int mask = step_mask_index_[i];
     SampleSequence(s, rows, row, mask >= 0 ? &mask_prefetch_->mask(mask) : nullptr,
                    outputs[it->second]);
   }
   // Draft tokens of sequences that did not run (past the batch cap) are proposed afresh.
   for (Sequence* seq : scheduler_->running()) seq->draft_tokens.clear();
+}
+
+void LlmEngine::FinishEmbedding(const ScheduledSequence& s, std::span<const float> hidden,
+                                RequestOutput& out) {
+  Request& request = *requests_.at(s.seq->request_id);
+  Choice& choice = request.choices[s.seq->choice_index];
+  if (telemetry_.tracing() && !request.first_token_traced) {
+    request.first_token_traced = true;
+    telemetry_.FirstToken(request.id, request.num_prompt_tokens, request.added);
+  }
+  // L2 normalisation in double; a zero vector (which a real model never gives) stays zero.
+  double sum = 0;
+  for (float x : hidden) sum += static_cast<double>(x) * x;
+  const double scale = sum > 0 ? 1.0 / std::sqrt(sum) : 0.0;
+  out.embedding.resize(hidden.size());
+  for (size_t i = 0; i < hidden.size(); ++i) {
+    out.embedding[i] = static_cast<float>(hidden[i] * scale);
+  }
+  out.choices.emplace_back();
+  out.choices.back().index = s.seq->choice_index;
+  // Its blocks go back now (and stay named in the prefix cache): whatever the role, an
+  // embedding hands nothing on.
+  FinishChoice(choice, FinishReason::kStop, out.choices.back());
 }
 
 void LlmEngine::SampleSequence(const ScheduledSequence& s, std::span<const float> rows,
@@ -959,6 +1015,7 @@ absl::StatusOr<std::vector<RequestOutput>> GenerateAll(LlmEngine& engine,
       RequestOutput& total = results[index.at(out.request_id)];
       total.finished = out.finished;
       total.num_generation_tokens = out.num_generation_tokens;
+      if (!out.embedding.empty()) total.embedding = std::move(out.embedding);
       for (ChoiceDelta& d : out.choices) {
         AccumulateDelta(total.choices[d.index], d);
       }

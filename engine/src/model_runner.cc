@@ -564,6 +564,18 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
                  /*layer_hook=*/true, step.block_copies);
 }
 
+absl::StatusOr<std::span<const float>> ModelRunner::FinalHidden() {
+  const size_t count = static_cast<size_t>(last_sampled_rows_) * config_.hidden_size;
+  const float* hidden = sampled_hidden_.as<float>();
+  if (!backend_->host_memory()) {
+    host_hidden_.resize(count);
+    backend_->CopyToHost(host_hidden_.data(), hidden, count * sizeof(float));
+    TANDEM_RETURN_IF_ERROR(backend_->Synchronize());
+    hidden = host_hidden_.data();
+  }
+  return std::span<const float>(hidden, count);
+}
+
 absl::StatusOr<std::span<const float>> ModelRunner::ExecuteDraft(
     const SchedulerStep& step, int offset, int num_layers,
     const std::vector<std::pair<int32_t, int32_t>>& block_copies) {
@@ -734,6 +746,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
     b.Linear(act, tokens, *layer.down, nullptr, proj);
     TANDEM_RETURN_IF_ERROR(all_reduce(proj));
   }
+  last_sampled_rows_ = num_sampled;
   if (num_sampled == 0) {
     TANDEM_RETURN_IF_ERROR(b.Synchronize());
     return std::span<const float>();

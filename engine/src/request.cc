@@ -35,6 +35,21 @@ absl::Status ValidateRequest(const GenerateRequest& request, const text::ModelCo
           "prompt token id ", id, " is outside the vocabulary [0, ", config.vocab_size, ")"));
     }
   }
+  if (request.task == RequestTask::kEmbed) {
+    if (request.params.n != 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("n must be 1 for an embedding request, got ", request.params.n));
+    }
+    if (request.params.structured.active()) {
+      return absl::InvalidArgumentError("an embedding request takes no structured output");
+    }
+    if (prompt_len > max_model_len) {
+      return absl::InvalidArgumentError(absl::StrCat("this model's maximum context length is ",
+                                                     max_model_len, " tokens, but the input has ",
+                                                     prompt_len, " tokens; shorten the input"));
+    }
+    return absl::OkStatus();
+  }
   const int64_t total = static_cast<int64_t>(prompt_len) + request.params.max_tokens;
   if (total > max_model_len) {
     return absl::InvalidArgumentError(

@@ -19,6 +19,7 @@ namespace tandem::testing {
 struct Reference {
   std::vector<std::vector<double>> logits;  // [prompt position][vocab]
   std::vector<int32_t> greedy_tokens;
+  std::vector<double> embedding;  // the last prompt token's final hidden state, unit norm
 };
 
 // The reference's logits at every prompt position and `steps` greedy tokens after the prompt.
@@ -39,7 +40,8 @@ inline Reference RunReference(const std::string& model, const std::vector<int32_
   std::ifstream in(out);
   nlohmann::json j = nlohmann::json::parse(in);
   return {j.at("logits").get<std::vector<std::vector<double>>>(),
-          j.at("greedy_tokens").get<std::vector<int32_t>>()};
+          j.at("greedy_tokens").get<std::vector<int32_t>>(),
+          j.at("embedding").get<std::vector<double>>()};
 }
 
 }  // namespace tandem::testing

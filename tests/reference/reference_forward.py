@@ -8,9 +8,11 @@ Qwen3ForCausalLM.
 
   reference_forward.py --model DIR --tokens 1,2,3 [--greedy-steps N] [--kv-dtype TYPE] --out FILE.json
 
-writes {"logits": [[vocab floats] per prompt position], "greedy_tokens": [N ids]}, where the
-greedy tokens continue the prompt by argmax (recomputing the whole sequence each step). An
---out ending in .npy saves the logits array instead and prints the greedy tokens.
+writes {"logits": [[vocab floats] per prompt position], "greedy_tokens": [N ids], "embedding":
+[hidden floats]}, where the greedy tokens continue the prompt by argmax (recomputing the whole
+sequence each step) and the embedding is the last prompt token's final hidden state (after the
+final norm, before the LM head), L2-normalised: what an embeddings request returns. An --out
+ending in .npy saves the logits array instead and prints the greedy tokens.
 """
 
 import argparse
@@ -205,8 +207,15 @@ def silu(x):
 
 
 def forward(cfg, w, tokens, kv_dtype="float64"):
-    """Logits [len(tokens), vocab] for a causal pass over `tokens`; K (after RoPE) and V are
-    rounded to `kv_dtype` as a KV cache of that type stores them ("float64": kept)."""
+    """Logits [len(tokens), vocab] for a causal pass over `tokens`; see final_hidden."""
+    head = w["model.embed_tokens.weight"] if cfg.tie else w["lm_head.weight"]
+    return final_hidden(cfg, w, tokens, kv_dtype) @ head.T
+
+
+def final_hidden(cfg, w, tokens, kv_dtype="float64"):
+    """Hidden states [len(tokens), hidden] after the final norm for a causal pass over `tokens`;
+    K (after RoPE) and V are rounded to `kv_dtype` as a KV cache of that type stores them
+    ("float64": kept)."""
     t = len(tokens)
     x = w["model.embed_tokens.weight"][np.asarray(tokens)]  # [t, hidden]
     positions = np.arange(t, dtype=np.float64)
@@ -250,9 +259,7 @@ def forward(cfg, w, tokens, kv_dtype="float64"):
         gate = h @ w[p + "mlp.gate_proj.weight"].T
         up = h @ w[p + "mlp.up_proj.weight"].T
         x = x + (silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-    x = rms_norm(x, w["model.norm.weight"], cfg.eps)
-    head = w["model.embed_tokens.weight"] if cfg.tie else w["lm_head.weight"]
-    return x @ head.T
+    return rms_norm(x, w["model.norm.weight"], cfg.eps)
 
 
 def main():
@@ -286,7 +293,10 @@ def main():
 
     weights, _ = dequantize.dequantize_weights(args.model, weights)
 
-    logits = forward(cfg, weights, tokens, args.kv_dtype)
+    hidden = final_hidden(cfg, weights, tokens, args.kv_dtype)
+    head = weights["model.embed_tokens.weight"] if cfg.tie else weights["lm_head.weight"]
+    logits = hidden @ head.T
+    embedding = hidden[-1] / np.linalg.norm(hidden[-1])
     sequence = list(tokens)
     greedy = []
     for step in range(args.greedy_steps):
@@ -299,7 +309,7 @@ def main():
         np.save(args.out, logits)
         print(json.dumps({"greedy_tokens": greedy}))
         return
-    result = {"logits": logits.tolist(), "greedy_tokens": greedy}
+    result = {"logits": logits.tolist(), "greedy_tokens": greedy, "embedding": embedding.tolist()}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f)

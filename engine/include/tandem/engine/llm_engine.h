@@ -244,8 +244,17 @@ class LlmEngine {
   // while the forward pass runs) and sets step_mask_index_; false when none was started.
   bool StartGrammarMasks(const SchedulerStep& step);
   absl::StatusOr<std::span<const float>> ExecuteStep(const SchedulerStep& step);
+  // The runner's final hidden states of the step's logit rows when an embedding request
+  // (RequestTask::kEmbed) samples in it; empty otherwise (nothing copied back).
+  absl::StatusOr<std::span<const float>> PooledHidden(const SchedulerStep& step);
+  // Samples every sampling sequence of the step from its rows of `logits`; an embedding
+  // request's sequence instead takes its row of `hidden` [rows, hidden_size] and finishes.
   void SampleStep(const SchedulerStep& step, std::span<const float> logits,
-                  std::vector<RequestOutput>& outputs);
+                  std::span<const float> hidden, std::vector<RequestOutput>& outputs);
+  // Finishes an embedding request's one sequence with its final hidden state `hidden` of the
+  // last prompt token, L2-normalised into out.embedding; no token is produced.
+  void FinishEmbedding(const ScheduledSequence& s, std::span<const float> hidden,
+                       RequestOutput& out);
   void FinishOutputs(std::vector<RequestOutput>& outputs);
 
   EngineOptions options_;

@@ -76,6 +76,11 @@ class ModelRunner {
   // With a tensor-parallel group, only the leader (rank 0) calls it; the plan goes to every
   // follower first.
   absl::StatusOr<std::span<const float>> Execute(const SchedulerStep& step);
+  // The final hidden states (after the model's final norm, before the LM head) of the last
+  // Execute's logit rows, [rows, hidden_size] in the same order, in host memory: what an
+  // embedding request pools. Valid until the next call of any pass; copied back from the
+  // device only when asked for.
+  absl::StatusOr<std::span<const float>> FinalHidden();
 
   // A draft pass over a step planned with draft tokens (early exit on the target's runner, or a
   // draft model's own runner, whose cache the engine caught up first): for each
@@ -214,6 +219,10 @@ class ModelRunner {
       sampled_hidden_, logits_;
   // The logits copied back, when backend memory is not host memory.
   std::vector<float> host_logits_;
+  // Rows of sampled_hidden_ the last pass filled, and their copy back (FinalHidden) when
+  // backend memory is not host memory.
+  int last_sampled_rows_ = 0;
+  std::vector<float> host_hidden_;
   // Tensor parallelism: this rank's vocabulary slice of the logits [sampled, vocab_stride], and
   // every rank's, all-gathered [ranks][sampled][vocab_stride].
   kernels::DeviceBuffer local_logits_;

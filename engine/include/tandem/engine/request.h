@@ -29,6 +29,13 @@ struct TokenLogprob {
   float logprob = 0.0f;
 };
 
+// What a request computes. kGenerate: tokens, sampled step by step. kEmbed (the API's
+// /v1/embeddings): a prefill that samples nothing; its one output, finished, carries the final
+// hidden state of the last prompt token (after the model's final norm, before the LM head),
+// L2-normalised. An embedding request's sampling params are not used (n must be 1) and its
+// prompt alone must fit in the context length.
+enum class RequestTask { kGenerate, kEmbed };
+
 struct GenerateRequest {
   std::string request_id;
   std::vector<int32_t> prompt_tokens;
@@ -36,6 +43,7 @@ struct GenerateRequest {
   // Isolates tenants in the prefix cache (the API's `cache_salt`): a request reuses cached KV
   // only of requests with the same salt. Empty: the shared, unsalted cache.
   std::string cache_salt{};
+  RequestTask task = RequestTask::kGenerate;
   // When the request reached the engine's owner (AsyncEngine::Submit, a worker's RPC), for the
   // step trace's first-token time, which then includes the wait for the step running at that
   // moment; unset (the epoch): when AddRequest took it.
@@ -59,6 +67,9 @@ struct RequestOutput {
   bool finished = false;             // every choice has finished
   int num_prompt_tokens = 0;
   int num_generation_tokens = 0;  // over all choices, so far
+  // RequestTask::kEmbed: the pooled, unit-norm vector [hidden_size], on the finished output
+  // (whose one choice ends with kStop and no tokens). Empty otherwise.
+  std::vector<float> embedding;
 };
 
 // A snapshot of an engine (or, from a Generator, summed over its workers).
@@ -109,7 +120,8 @@ struct EngineStats {
 
 // The checks of a request that need only the model (so a router without an engine makes them
 // too): sampling fields, token ids inside the vocabulary, a non-empty prompt, and prompt plus
-// max_tokens within max_model_len. InvalidArgument naming the field otherwise.
+// max_tokens within max_model_len (an embedding request: the prompt alone, and n == 1).
+// InvalidArgument naming the field otherwise.
 absl::Status ValidateRequest(const GenerateRequest& request, const text::ModelConfig& config,
                              int max_model_len);
 
