@@ -21,6 +21,8 @@ ApiMetrics::ApiMetrics(const ApiServerOptions& options)
     : ttft_slo(options.ttft_slo_seconds), tpot_slo(options.tpot_slo_seconds) {
   for (const char* reason : {"stop", "length", "abort", "error"}) Finished(reason);
   prompt_tokens = &registry.Counter("tandem_prompt_tokens_total", "Prompt tokens processed.");
+  embeddings = &registry.Counter("tandem_embeddings_total",
+                                 "Inputs embedded by /v1/embeddings (one vector each).");
   generation_tokens =
       &registry.Counter("tandem_generation_tokens_total", "Tokens generated, all choices.");
   ttft = &registry.Histogram("tandem_time_to_first_token_seconds",

@@ -849,4 +849,100 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const json& body, ApiKi
   return r;
 }
 
+absl::StatusOr<EmbeddingRequest> ParseEmbeddingRequest(const json& body, int vocab_size,
+                                                       int hidden_size) {
+  EmbeddingRequest r;
+  if (const json* v = Field(body, "model")) {
+    if (!v->is_string()) return ParamError("model", "model must be a string");
+    r.model = v->get<std::string>();
+  }
+  const json* v = Field(body, "input");
+  const std::string kType =
+      "input must be a string, an array of strings, an array of token ids, or an array of "
+      "token-id arrays";
+  if (v == nullptr) return ParamError("input", "input is required");
+  if (v->is_string()) {
+    if (v->get_ref<const std::string&>().empty()) {
+      return ParamError("input", "input must not be an empty string");
+    }
+    r.inputs.push_back({v->get<std::string>(), {}});
+  } else if (!v->is_array()) {
+    return ParamError("input", kType);
+  } else if (v->empty()) {
+    return ParamError("input", "input must not be an empty array");
+  } else if (v->front().is_number()) {
+    CompletionRequest::Prompt p;
+    TANDEM_RETURN_IF_ERROR(ReadTokenIds(*v, "input", vocab_size, &p.tokens));
+    r.inputs.push_back(std::move(p));
+  } else if (!v->front().is_string() && !v->front().is_array()) {
+    return ParamError("input", kType);
+  } else {
+    if (v->size() > static_cast<size_t>(kMaxEmbeddingInputs)) {
+      return ParamError("input", absl::StrCat("input may hold at most ", kMaxEmbeddingInputs,
+                                              " items, got ", v->size()));
+    }
+    const bool strings = v->front().is_string();
+    for (size_t i = 0; i < v->size(); ++i) {
+      const json& item = (*v)[i];
+      CompletionRequest::Prompt p;
+      if (strings) {
+        if (!item.is_string()) {
+          return ParamError("input", absl::StrCat("input[", i, "] must be a string, as the first"));
+        }
+        if (item.get_ref<const std::string&>().empty()) {
+          return ParamError("input", absl::StrCat("input[", i, "] must not be an empty string"));
+        }
+        p.text = item.get<std::string>();
+      } else {
+        if (!item.is_array()) {
+          return ParamError(
+              "input", absl::StrCat("input[", i, "] must be an array of token ids, as the first"));
+        }
+        if (item.empty()) {
+          return ParamError("input", absl::StrCat("input[", i, "] must not be empty"));
+        }
+        TANDEM_RETURN_IF_ERROR(ReadTokenIds(item, "input", vocab_size, &p.tokens));
+      }
+      r.inputs.push_back(std::move(p));
+    }
+  }
+  if (const json* f = Field(body, "encoding_format")) {
+    if (!f->is_string() || (*f != "float" && *f != "base64")) {
+      return ParamError(
+          "encoding_format",
+          absl::StrCat("encoding_format must be \"float\" or \"base64\", got ", ShortDump(*f)));
+    }
+    r.base64 = *f == "base64";
+  }
+  std::optional<int64_t> dimensions;
+  TANDEM_RETURN_IF_ERROR(
+      ReadInt(body, "dimensions", 1, std::numeric_limits<int32_t>::max(), &dimensions));
+  if (dimensions && *dimensions != hidden_size) {
+    return ParamError(
+        "dimensions",
+        absl::StrCat("dimensions must be this model's hidden size, ", hidden_size,
+                     " (or absent): its embeddings cannot be shortened; got ", *dimensions));
+  }
+  if (const json* u = Field(body, "user"); u != nullptr && !u->is_string()) {
+    return ParamError("user", "user must be a string");
+  }
+  TANDEM_RETURN_IF_ERROR(ReadBool(body, "add_special_tokens", &r.add_special_tokens));
+  std::optional<int64_t> truncate;
+  TANDEM_RETURN_IF_ERROR(
+      ReadInt(body, "truncate_prompt_tokens", -1, std::numeric_limits<int32_t>::max(), &truncate));
+  if (truncate) {
+    if (*truncate == 0) {
+      return ParamError("truncate_prompt_tokens",
+                        "truncate_prompt_tokens must be -1 (the context length) or at least 1");
+    }
+    r.truncate_prompt_tokens = static_cast<int>(*truncate);
+  }
+  bool normalize = true;
+  TANDEM_RETURN_IF_ERROR(ReadBool(body, "normalize", &normalize));
+  if (!normalize) {
+    return ParamError("normalize", "Tandem returns L2-normalised embeddings only");
+  }
+  return r;
+}
+
 }  // namespace tandem::router

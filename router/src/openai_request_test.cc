@@ -478,5 +478,71 @@ TEST(ResponsesToChatTest, RefusesWhatItCannotServe) {
   refused(R"({"input": "x", "text": {"format": {"type": "xml"}}})", "text");
 }
 
+absl::StatusOr<EmbeddingRequest> Embeddings(const std::string& body) {
+  absl::StatusOr<json> parsed = ParseJsonObject(body);
+  if (!parsed.ok()) return parsed.status();
+  return ParseEmbeddingRequest(*parsed, kVocab, /*hidden_size=*/64);
+}
+
+TEST(ParseEmbeddingRequestTest, TakesEveryInputShapeOpenAiDefines) {
+  auto one = Embeddings(R"({"model": "m", "input": "hello", "user": "u-1"})");
+  ASSERT_TRUE(one.ok()) << one.status();
+  ASSERT_EQ(one->inputs.size(), 1u);
+  EXPECT_EQ(one->inputs[0].text, "hello");
+  EXPECT_FALSE(one->base64);
+  EXPECT_EQ(one->model, "m");
+  auto strings = Embeddings(R"({"input": ["a", "b", "c"], "encoding_format": "base64"})");
+  ASSERT_TRUE(strings.ok()) << strings.status();
+  EXPECT_EQ(strings->inputs.size(), 3u);
+  EXPECT_TRUE(strings->base64);
+  auto ids = Embeddings(R"({"input": [1, 2, 3], "dimensions": 64})");
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  ASSERT_EQ(ids->inputs.size(), 1u);
+  EXPECT_EQ(ids->inputs[0].tokens, (std::vector<int32_t>{1, 2, 3}));
+  auto arrays = Embeddings(R"({"input": [[1, 2], [3]], "truncate_prompt_tokens": -1})");
+  ASSERT_TRUE(arrays.ok()) << arrays.status();
+  ASSERT_EQ(arrays->inputs.size(), 2u);
+  EXPECT_EQ(arrays->inputs[1].tokens, (std::vector<int32_t>{3}));
+  EXPECT_EQ(arrays->truncate_prompt_tokens, -1);
+}
+
+TEST(ParseEmbeddingRequestTest, RefusesWhatItCannotServeNamingTheField) {
+  struct Case {
+    const char* body;
+    const char* param;
+    const char* message;
+  };
+  for (const Case& c : std::vector<Case>{
+           {R"({})", "input", "input is required"},
+           {R"({"input": ""})", "input", "must not be an empty string"},
+           {R"({"input": []})", "input", "must not be an empty array"},
+           {R"({"input": ["a", ""]})", "input", "input[1] must not be an empty string"},
+           {R"({"input": [[1], []]})", "input", "input[1] must not be empty"},
+           {R"({"input": ["a", [1]]})", "input", "input[1] must be a string"},
+           {R"({"input": [5000]})", "input", "outside the vocabulary"},
+           {R"({"input": 7})", "input", "input must be a string"},
+           {R"({"input": [{"a": 1}]})", "input", "input must be a string"},
+           {R"({"input": "a", "model": 3})", "model", "model must be a string"},
+           {R"({"input": "a", "encoding_format": "int8"})", "encoding_format", "\"base64\""},
+           {R"({"input": "a", "dimensions": 32})", "dimensions", "hidden size, 64"},
+           {R"({"input": "a", "dimensions": "64"})", "dimensions", "integer"},
+           {R"({"input": "a", "user": 5})", "user", "user must be a string"},
+           {R"({"input": "a", "truncate_prompt_tokens": 0})", "truncate_prompt_tokens", "-1"},
+           {R"({"input": "a", "normalize": false})", "normalize", "normalised"},
+       }) {
+    auto r = Embeddings(c.body);
+    ASSERT_FALSE(r.ok()) << c.body;
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.body;
+    EXPECT_EQ(ParamOf(r.status()), c.param) << c.body;
+    EXPECT_THAT(r.status().message(), HasSubstr(c.message)) << c.body;
+  }
+  std::string many = "{\"input\": [";
+  for (int i = 0; i <= kMaxEmbeddingInputs; ++i) absl::StrAppend(&many, i ? "," : "", "\"x\"");
+  many += "]}";
+  auto r = Embeddings(many);
+  ASSERT_FALSE(r.ok());
+  EXPECT_THAT(r.status().message(), HasSubstr("at most 2048"));
+}
+
 }  // namespace
 }  // namespace tandem::router

@@ -161,6 +161,7 @@ void ApiServerImpl::Handle(const std::shared_ptr<http::HttpExchange>& ex) {
       {"/v1/responses", "POST", Endpoint::kResponses},
       {"/tokenize", "POST", Endpoint::kTokenize},
       {"/detokenize", "POST", Endpoint::kDetokenize},
+      {"/v1/embeddings", "POST", Endpoint::kEmbeddings},
   };
   const http::HttpRequest& req = ex->request();
   // Deny by default: only the probes (liveness, readiness) and metrics when made public skip
@@ -204,6 +205,8 @@ void ApiServerImpl::Handle(const std::shared_ptr<http::HttpExchange>& ex) {
       return HandleTokenize(*ex);
     case Endpoint::kDetokenize:
       return HandleDetokenize(*ex);
+    case Endpoint::kEmbeddings:
+      return HandleEmbeddings(ex);
   }
 }
 

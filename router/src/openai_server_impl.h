@@ -1,7 +1,7 @@
 // The OpenAI server's internals, shared by openai_server.cc (startup, routing, auth, errors),
 // openai_endpoints.cc (metrics, models, tokenize, readiness), openai_generation.cc (completions
-// and chat: requests, streaming, responses) and openai_metrics.cc. Nothing outside router/src
-// includes this.
+// and chat: requests, streaming, responses), openai_embeddings.cc and openai_metrics.cc. Nothing
+// outside router/src includes this.
 #pragma once
 
 #include <algorithm>
@@ -52,6 +52,7 @@ int HttpStatusOf(const absl::Status& status, int overload_status);
 struct ApiMetrics {
   metrics::Registry registry;
   prometheus::Counter* prompt_tokens;
+  prometheus::Counter* embeddings;  // inputs embedded by /v1/embeddings
   prometheus::Counter* generation_tokens;
   prometheus::Histogram* ttft;
   prometheus::Histogram* itl;
@@ -258,7 +259,8 @@ class ApiServerImpl : public ApiServer {
     kChatCompletions,
     kResponses,
     kTokenize,
-    kDetokenize
+    kDetokenize,
+    kEmbeddings
   };
   struct Route {
     const char* path;
@@ -291,6 +293,9 @@ class ApiServerImpl : public ApiServer {
                                                        const std::string& suffix) const;
   void HandleTokenize(http::HttpExchange& ex);
   void HandleDetokenize(http::HttpExchange& ex);
+  // /v1/embeddings (openai_embeddings.cc): one embedding engine request per input, answered
+  // once all have their vectors.
+  void HandleEmbeddings(const std::shared_ptr<http::HttpExchange>& ex);
   void HandleReady(const std::shared_ptr<http::HttpExchange>& ex);
   void ReadyDone(const absl::Status& status);
   // Completions, chat completions, and /v1/responses (`responses`: translated into a chat).

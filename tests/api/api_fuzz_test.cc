@@ -225,8 +225,55 @@ std::string MutatedBody(std::mt19937& rng, bool chat) {
   return body + "}";
 }
 
+// An embeddings body with 1 to 3 of its fields replaced by pool values (or by input shapes).
+std::string MutatedEmbeddingBody(std::mt19937& rng) {
+  const std::vector<std::string>& pool = []() -> const std::vector<std::string>& {
+    static const std::vector<std::string> p = ValuePool();
+    return p;
+  }();
+  static const std::vector<std::string> kFields = {"model",
+                                                   "input",
+                                                   "encoding_format",
+                                                   "dimensions",
+                                                   "user",
+                                                   "add_special_tokens",
+                                                   "truncate_prompt_tokens",
+                                                   "normalize",
+                                                   "not_an_openai_field"};
+  static const std::vector<std::string> kInputs = {
+      R"("")",        R"([])",      R"([[]])",          R"([""])",
+      R"(["a",""])",  R"([1,2,3])", R"([[1,2],[3]])",   R"([[1],"a"])",
+      R"(["a",[1]])", R"([-1])",    R"([1.5])",         R"([[1e30]])",
+      R"([null])",    R"({"a":1})", R"(["x","y","z"])", R"("base64")"};
+  std::vector<std::pair<std::string, std::string>> fields = {{"model", "\"tiny-model\""},
+                                                             {"input", "\"Hello\""}};
+  const int mutations = 1 + static_cast<int>(rng() % 3);
+  for (int m = 0; m < mutations; ++m) {
+    const std::string& field = kFields[rng() % kFields.size()];
+    std::string value =
+        field == "input" && rng() % 2 ? kInputs[rng() % kInputs.size()] : pool[rng() % pool.size()];
+    bool replaced = false;
+    for (auto& [k, v] : fields) {
+      if (k == field) {
+        v = value;
+        replaced = true;
+      }
+    }
+    if (!replaced) fields.push_back({field, value});
+  }
+  std::string body = "{";
+  for (size_t i = 0; i < fields.size(); ++i) {
+    body += (i ? "," : "") + ("\"" + fields[i].first + "\":") + fields[i].second;
+  }
+  return body + "}";
+}
+
 std::vector<Case> JsonCases(std::mt19937& rng) {
   std::vector<Case> cases;
+  for (int i = 0; i < 400; ++i) {
+    cases.push_back(
+        {"mutated embeddings field", Post("/v1/embeddings", MutatedEmbeddingBody(rng))});
+  }
   // Wrong types and values, field by field.
   for (int i = 0; i < 3200; ++i) {
     const bool chat = i % 2 == 1;
@@ -289,8 +336,8 @@ std::vector<Case> JsonCases(std::mt19937& rng) {
         std::string(100000, '{'),
         std::string(33, '[') + std::string(33, ']'),
         "{\"prompt\":" + std::string(40, '[') + "1" + std::string(40, ']') + "}"}) {
-    for (const char* path :
-         {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}) {
+    for (const char* path : {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize",
+                             "/v1/embeddings"}) {
       cases.push_back({"bad body", Post(path, body)});
     }
   }
@@ -341,13 +388,13 @@ std::vector<Case> HttpCases(std::mt19937& rng) {
                                           "*",
                                           "/" + std::string(8000, 'a'),
                                           "/v1/engines",
-                                          "/v1/embeddings",
+                                          "/v1/embeddings/",
                                           "/docs"};
   const std::vector<std::string> methods = {"GET",  "POST",  "PUT", "DELETE", "PATCH",  "OPTIONS",
                                             "HEAD", "TRACE", "FOO", "get",    "CONNECT"};
   const std::vector<std::string> routes = {
-      "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics",
-      "/tokenize",       "/detokenize"};
+      "/v1/completions", "/v1/chat/completions", "/v1/models",    "/health", "/ready", "/metrics",
+      "/tokenize",       "/detokenize",          "/v1/embeddings"};
   for (int i = 0; i < 900; ++i) {
     std::vector<std::string> all = paths;
     all.insert(all.end(), routes.begin(), routes.end());

@@ -94,6 +94,32 @@ absl::StatusOr<CompletionRequest> ParseCompletionRequest(const nlohmann::json& b
                                                          int vocab_size,
                                                          std::string_view raw_body = {});
 
+// Inputs one /v1/embeddings request may hold (OpenAI's limit).
+inline constexpr int kMaxEmbeddingInputs = 2048;
+
+// A /v1/embeddings request, checked but not yet tokenized.
+struct EmbeddingRequest {
+  std::optional<std::string> model;
+  // Each input as text or as token ids; the response's data[i] is inputs[i]'s vector.
+  std::vector<CompletionRequest::Prompt> inputs;
+  // encoding_format "base64": each vector as the base64 of its little-endian float32 bytes.
+  bool base64 = false;
+  // Text inputs are tokenized as completions prompts are: with the tokenizer's special tokens
+  // (BOS) unless false.
+  bool add_special_tokens = true;
+  // vLLM's truncate_prompt_tokens: keep only the last k tokens of each input; -1: the last
+  // max_model_len. Unset: an input longer than the context is refused.
+  std::optional<int> truncate_prompt_tokens;
+};
+
+// Checks an embeddings body: `input` a non-empty string, array of strings, array of token ids
+// or array of token-id arrays (none empty, at most kMaxEmbeddingInputs; ids in [0,
+// vocab_size)); encoding_format "float" or "base64"; dimensions absent or `hidden_size` (the
+// vectors are the model's hidden states, which Tandem does not shorten); user a string
+// (ignored); add_special_tokens; truncate_prompt_tokens; normalize absent or true.
+absl::StatusOr<EmbeddingRequest> ParseEmbeddingRequest(const nlohmann::json& body, int vocab_size,
+                                                       int hidden_size);
+
 // Token ids from a JSON array: integers in [0, vocab_size), else an error naming `param`.
 absl::StatusOr<std::vector<int32_t>> ParseTokenIds(const nlohmann::json& array, const char* param,
                                                    int vocab_size);

@@ -1,7 +1,8 @@
 // The OpenAI-compatible HTTP API in front of a Generator (one engine, or prefill and decode
 // workers): completions and chat completions
-// (streamed as server-sent events or not), models, tokenize/detokenize, health, readiness and
-// Prometheus metrics. docs/api.md describes every endpoint, field, limit and error.
+// (streamed as server-sent events or not), responses, embeddings, models, tokenize/detokenize,
+// health, readiness and Prometheus metrics. docs/api.md describes every endpoint, field, limit and
+// error.
 #pragma once
 
 #include <chrono>
