@@ -134,6 +134,29 @@ engine::FinishReason FromProto(tandem::v1::FinishReason reason) {
   }
 }
 
+tandem::v1::Task ToProto(engine::RequestTask task) {
+  switch (task) {
+    case engine::RequestTask::kGenerate:
+      return tandem::v1::TASK_GENERATE;
+    case engine::RequestTask::kEmbed:
+      return tandem::v1::TASK_EMBED;
+  }
+  return tandem::v1::TASK_GENERATE;
+}
+
+absl::StatusOr<engine::RequestTask> FromProto(tandem::v1::Task task) {
+  switch (task) {
+    case tandem::v1::TASK_GENERATE:
+      return engine::RequestTask::kGenerate;
+    case tandem::v1::TASK_EMBED:
+      return engine::RequestTask::kEmbed;
+    default:
+      break;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("task ", static_cast<int>(task), " is not one this worker knows"));
+}
+
 tandem::v1::PrefilledChoice ToProto(int index, const engine::PrefillHandoff& handoff) {
   tandem::v1::PrefilledChoice out;
   out.set_index(index);

@@ -213,6 +213,21 @@ TEST(PrefilledChoiceConvertTest, RoundTripKeepsTheRandomStreamBitForBit) {
   EXPECT_EQ(back->rng_state, (std::array<uint64_t, 4>{0, 0, 0, 0}));
 }
 
+// A Submit's task crosses the wire both ways; an older router's Submit (no task) is a generation,
+// and a task from a newer router is refused rather than run as something else.
+TEST(RequestTaskConvertTest, RoundTripAndUnknownTasks) {
+  for (engine::RequestTask task : {engine::RequestTask::kGenerate, engine::RequestTask::kEmbed}) {
+    absl::StatusOr<engine::RequestTask> back = FromProto(ToProto(task));
+    ASSERT_TRUE(back.ok()) << back.status();
+    EXPECT_EQ(*back, task);
+  }
+  EXPECT_EQ(ToProto(engine::RequestTask::kEmbed), tandem::v1::TASK_EMBED);
+  EXPECT_EQ(*FromProto(tandem::v1::SubmitRequest().task()), engine::RequestTask::kGenerate);
+  absl::StatusOr<engine::RequestTask> unknown = FromProto(static_cast<tandem::v1::Task>(9));
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(unknown.status().message()), HasSubstr("9"));
+}
+
 // Every KV element type has its own name in the handshake, and two engines whose caches differ
 // only in element type are refused with both named.
 TEST(KvLayoutConvertTest, TheCacheDtypeCrossesTheHandshake) {

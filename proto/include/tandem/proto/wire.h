@@ -1,6 +1,7 @@
 // tandem::wire: the engine API's types <-> control-plane messages (sampling params, finish
-// reasons, prefilled samples, the KV layout an engine states in the handshake). Links only the
-// engine API, so the router converts without the engine. Status conversions: status.h.
+// reasons, request tasks, prefilled samples, the KV layout an engine states in the handshake).
+// Links only the engine API, so the router converts without the engine. Status conversions:
+// status.h.
 //
 //   tandem::v1::SubmitRequest request;
 //   *request.mutable_sampling() = tandem::proto::ToProto(params);
@@ -21,6 +22,7 @@
 #include "tandem/proto/status.h"
 #include "tandem/text/model_config.h"
 #include "tandem/v1/kv_layout.pb.h"
+#include "tandem/v1/prefill.pb.h"
 #include "tandem/v1/sampling.pb.h"
 #include "tandem/v1/worker.pb.h"
 
@@ -47,6 +49,11 @@ tandem::v1::KvLayout EngineKvLayout(const text::ModelConfig& config, int block_s
 // from a newer peer becomes kAbort.
 tandem::v1::FinishReason ToProto(engine::FinishReason reason);
 engine::FinishReason FromProto(tandem::v1::FinishReason reason);
+
+// What a Submit computes. FromProto refuses (InvalidArgument) a task this build does not know (a
+// newer router's), so that a worker never runs it as something else.
+tandem::v1::Task ToProto(engine::RequestTask task);
+absl::StatusOr<engine::RequestTask> FromProto(tandem::v1::Task task);
 
 // A prefilled sample on the wire: first token, its logprobs, and the sampler's RNG state as 32
 // little-endian bytes. FromProto reads an empty state as all zeros (greedy sampling draws no
