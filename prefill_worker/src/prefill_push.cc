@@ -127,6 +127,10 @@ void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> wri
       job.started[c] = true;
       job.cached_tokens += w.begin;
     }
+    if (job.embed) {  // its KV stays here: nothing to push
+      if (layer == num_layers_ - 1) job.computed[c] = end;
+      continue;
+    }
     const int begin = std::max(job.dst_cached_tokens, std::min(w.begin, job.computed[c]));
     std::vector<kvtransfer::Range>& ranges = posts[&job];
     // The decode worker's cache: one region, or one region per layer.
@@ -272,6 +276,15 @@ void PrefillWorkerImpl::AfterStep(const std::vector<engine::RequestOutput>& outp
     auto it = jobs_.find(out.request_id);
     if (it == jobs_.end()) continue;
     Job& job = *it->second;
+    if (job.embed) {
+      // An embedding's one output carries its vector; the engine has already freed its blocks.
+      if (!out.embedding.empty() && !job.sample_done[0]) {
+        job.sample_done[0] = true;
+        job.computed[0] = job.prompt_len;
+        job.embedding = out.embedding;
+      }
+      continue;
+    }
     for (const engine::ChoiceDelta& delta : out.choices) {
       if (delta.finish_reason == engine::FinishReason::kNone ||
           delta.finish_reason == engine::FinishReason::kPrefilled || delta.token_ids.empty() ||
@@ -331,6 +344,7 @@ Answer PrefillWorkerImpl::Complete(Job& job) {
     for (const PrefillHandoff& handoff : job.handoffs) {
       *response.add_choices() = proto::ToProto(handoff.choice_index, handoff);
     }
+    response.mutable_embedding()->Add(job.embedding.begin(), job.embedding.end());
     response.set_num_prompt_tokens(job.prompt_len);
     response.set_kv_transfer_bytes(job.bytes);
     response.set_num_cached_tokens(job.cached_tokens);

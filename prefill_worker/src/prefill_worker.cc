@@ -56,11 +56,18 @@ void PrefillWorkerImpl::Shutdown(absl::Duration grace) {
 absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
     const tandem::v1::SubmitRequest& request, absl::Time call_deadline) {
   const tandem::v1::KvReservation& reservation = request.reservation();
-  const tandem::v1::TransferEndpoint& endpoint = reservation.endpoint();
   if (request.request_id().empty()) {
     return absl::InvalidArgumentError("request_id must not be empty");
   }
-  TANDEM_RETURN_IF_ERROR(core_->kv().CheckReceiver(endpoint, "reservation.endpoint"));
+  TANDEM_ASSIGN_OR_RETURN(const engine::RequestTask task, proto::FromProto(request.task()));
+  const bool embed = task == engine::RequestTask::kEmbed;
+  if (embed && request.has_reservation()) {
+    return absl::InvalidArgumentError("an embedding request takes no reservation");
+  }
+  if (!embed) {
+    TANDEM_RETURN_IF_ERROR(
+        core_->kv().CheckReceiver(reservation.endpoint(), "reservation.endpoint"));
+  }
 
   auto job = std::make_unique<Job>();
   job->received = absl::Now();
@@ -71,66 +78,19 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
                                     request.prompt_token_ids().end());
   job->request.params = proto::FromProto(request.sampling());
   job->request.cache_salt = request.cache_salt();
+  job->request.task = task;
+  job->embed = embed;
   TANDEM_RETURN_IF_ERROR(engine_->Validate(job->request));
   job->n = job->request.params.n;
   job->prompt_len = static_cast<int>(job->request.prompt_tokens.size());
+  if (!embed) TANDEM_RETURN_IF_ERROR(TakeReservation(reservation, *job));
 
-  const int bs = cache_layout_.block_size;
-  const int blocks_per_choice = (job->prompt_len + bs - 1) / bs;
-  if (reservation.blocks_per_choice() != blocks_per_choice) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "reservation.blocks_per_choice is ", reservation.blocks_per_choice(), " but ",
-        job->prompt_len, " prompt tokens take ", blocks_per_choice, " blocks of ", bs));
-  }
-  const int64_t want_blocks = static_cast<int64_t>(job->n) * blocks_per_choice;
-  if (reservation.block_ids_size() != want_blocks) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("reservation has ", reservation.block_ids_size(), " block ids; n = ", job->n,
-                     " samples of ", blocks_per_choice, " blocks need ", want_blocks));
-  }
-  const int dst_cached = reservation.num_cached_tokens();
-  if (dst_cached < 0 || dst_cached % bs != 0 || dst_cached > job->prompt_len) {
-    return absl::InvalidArgumentError(absl::StrCat("reservation.num_cached_tokens is ", dst_cached,
-                                                   "; want a multiple of ", bs, " in [0, ",
-                                                   job->prompt_len, "]"));
-  }
-  // Blocks written must be distinct; the decode worker's cached blocks (never written) are
-  // shared by every sample.
-  std::set<int32_t> seen;
-  for (int i = 0; i < reservation.block_ids_size(); ++i) {
-    const int32_t id = reservation.block_ids(i);
-    if (id < 0 || id >= endpoint.num_blocks()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "reservation block id ", id, " is outside [0, ", endpoint.num_blocks(), ")"));
-    }
-    if (i % blocks_per_choice < dst_cached / bs) continue;
-    if (!seen.insert(id).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("reservation block id ", id, " appears more than once"));
-    }
-  }
-  for (int c = 0; c < job->n; ++c) {
-    for (int i = 0; i < dst_cached / bs; ++i) {
-      if (seen.count(reservation.block_ids(c * blocks_per_choice + i)) > 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("reservation block id ", reservation.block_ids(c * blocks_per_choice + i),
-                         " is both cached and to be written"));
-      }
-    }
-  }
-  job->dst_cached_tokens = dst_cached;
-  job->dst_blocks.assign(reservation.block_ids().begin(), reservation.block_ids().end());
-  job->blocks_per_choice = blocks_per_choice;
-  job->dst_num_blocks = endpoint.num_blocks();
-  job->descriptors.assign(endpoint.region_descriptors().begin(),
-                          endpoint.region_descriptors().end());
-  job->peer_address = endpoint.address();
-
-  // The deadline: the Submit's, the reservation's expiry, the call's, and this worker's cap.
+  // The deadline: the Submit's, the reservation's expiry (none for an embedding), the call's, and
+  // this worker's cap.
   const absl::Time expiry = worker::FromUnixMillisOrInfinite(reservation.expires_unix_ms());
   const absl::Time deadline =
-      std::min({worker::FromUnixMillisOrInfinite(request.deadline_unix_ms()), expiry,
-                call_deadline, job->received + kMaxRequestTime});
+      std::min({worker::FromUnixMillisOrInfinite(request.deadline_unix_ms()), expiry, call_deadline,
+                job->received + kMaxRequestTime});
   if (deadline <= job->received) {
     return absl::DeadlineExceededError(
         absl::StrCat("request ", job->id, " arrived after its deadline"));
@@ -147,6 +107,7 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
       return absl::AlreadyExistsError(absl::StrCat("request ", job->id, " is already in flight"));
     }
   }
+  if (embed) return job;  // nothing to push, no decode worker to reach
   auto peer =
       core_->kv().Peer(job->peer_address, std::min(deadline, absl::Now() + kConnectTimeout));
   if (!peer.ok()) {
@@ -156,6 +117,63 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
   }
   job->peer = *peer;
   return job;
+}
+
+absl::Status PrefillWorkerImpl::TakeReservation(const tandem::v1::KvReservation& reservation,
+                                                Job& job) {
+  const tandem::v1::TransferEndpoint& endpoint = reservation.endpoint();
+  const int bs = cache_layout_.block_size;
+  const int blocks_per_choice = (job.prompt_len + bs - 1) / bs;
+  if (reservation.blocks_per_choice() != blocks_per_choice) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reservation.blocks_per_choice is ", reservation.blocks_per_choice(), " but ",
+                     job.prompt_len, " prompt tokens take ", blocks_per_choice, " blocks of ", bs));
+  }
+  const int64_t want_blocks = static_cast<int64_t>(job.n) * blocks_per_choice;
+  if (reservation.block_ids_size() != want_blocks) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("reservation has ", reservation.block_ids_size(), " block ids; n = ", job.n,
+                     " samples of ", blocks_per_choice, " blocks need ", want_blocks));
+  }
+  const int dst_cached = reservation.num_cached_tokens();
+  if (dst_cached < 0 || dst_cached % bs != 0 || dst_cached > job.prompt_len) {
+    return absl::InvalidArgumentError(absl::StrCat("reservation.num_cached_tokens is ", dst_cached,
+                                                   "; want a multiple of ", bs, " in [0, ",
+                                                   job.prompt_len, "]"));
+  }
+  // Blocks written must be distinct; the decode worker's cached blocks (never written) are
+  // shared by every sample.
+  std::set<int32_t> seen;
+  for (int i = 0; i < reservation.block_ids_size(); ++i) {
+    const int32_t id = reservation.block_ids(i);
+    if (id < 0 || id >= endpoint.num_blocks()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "reservation block id ", id, " is outside [0, ", endpoint.num_blocks(), ")"));
+    }
+    if (i % blocks_per_choice < dst_cached / bs) continue;
+    if (!seen.insert(id).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("reservation block id ", id, " appears more than once"));
+    }
+  }
+  for (int c = 0; c < job.n; ++c) {
+    for (int i = 0; i < dst_cached / bs; ++i) {
+      if (seen.count(reservation.block_ids(c * blocks_per_choice + i)) > 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("reservation block id ", reservation.block_ids(c * blocks_per_choice + i),
+                         " is both cached and to be written"));
+      }
+    }
+  }
+  job.dst_cached_tokens = dst_cached;
+  job.dst_blocks.assign(reservation.block_ids().begin(), reservation.block_ids().end());
+  job.blocks_per_choice = blocks_per_choice;
+  job.dst_num_blocks = endpoint.num_blocks();
+  job.descriptors.assign(endpoint.region_descriptors().begin(),
+                         endpoint.region_descriptors().end());
+  job.peer_address = endpoint.address();
+
+  return absl::OkStatus();
 }
 
 void PrefillWorkerImpl::Submit(const grpc::CallbackServerContext& context,

@@ -68,6 +68,9 @@ struct Job {
   // Set (on a gRPC thread) when the client cancels the Submit call.
   std::shared_ptr<std::atomic<bool>> call_cancelled = std::make_shared<std::atomic<bool>>(false);
   engine::GenerateRequest request;  // moved into the engine on admission
+  // An embedding (TASK_EMBED): no reservation and nothing pushed; it ends with `embedding`.
+  bool embed = false;
+  std::vector<float> embedding;
   int n = 1;
   int prompt_len = 0;
   UnaryCall<tandem::v1::SubmitResponse>* call = nullptr;        // answered once, by Complete
@@ -107,7 +110,10 @@ struct Job {
   absl::Time last_done = absl::InfinitePast();
 
   bool failing() const { return !failure.ok(); }
-  bool all_sampled() const { return static_cast<int>(handoffs.size()) == n; }
+  // Every sample has its first token (an embedding: its vector).
+  bool all_sampled() const {
+    return embed ? !embedding.empty() : static_cast<int>(handoffs.size()) == n;
+  }
 };
 
 // A finished job's answers, sent once the stats reflect its freed blocks.
@@ -202,6 +208,9 @@ class PrefillWorkerImpl final : public PrefillWorker {
   // to the decode worker).
   absl::StatusOr<std::unique_ptr<Job>> PrepareJob(const tandem::v1::SubmitRequest& request,
                                                   absl::Time call_deadline);
+  // Checks a generation's reservation against its prompt (job.n, job.prompt_len) and this
+  // worker's block size, and records where the KV goes.
+  absl::Status TakeReservation(const tandem::v1::KvReservation& reservation, Job& job);
 
   // --- the engine loop (loop thread only) ---
   absl::Duration Iterate();

@@ -722,6 +722,97 @@ TEST_P(PrefillWorkerTest, PreemptedSamplesArePushedAgainAndStillMatch) {
   ExpectDrained(*stub);
 }
 
+// An embedding Submit (TASK_EMBED) carries no reservation and reaches no decode worker: the
+// worker computes the prompt, alongside a generation, and answers the colocated engine's vector
+// bit for bit, with no token, no KV pushed and no block left held. Malformed ones are refused.
+TEST_P(PrefillWorkerTest, EmbeddingsAnswerTheColocatedVectorAndPushNothing) {
+  const std::string backend = GetParam();
+  auto worker = MakeWorker(backend, TinyQwen3(), kTinyKvBytes);
+  ASSERT_NE(worker, nullptr);
+  DecodeSide decode(backend, TinyQwen3(), kTinyKvBytes);
+  auto colocated = engine::LlmEngine::Create(
+      EngineOptionsFor(TinyQwen3(), kTinyKvBytes, engine::EngineRole::kColocated));
+  ASSERT_TRUE(colocated.ok()) << colocated.status();
+  const int vocab = (*colocated)->config().vocab_size;
+
+  // One prompt within a chunk, one over three chunks, and a generation beside them.
+  std::vector<engine::GenerateRequest> embeds;
+  for (int i = 0; i < 2; ++i) {
+    engine::GenerateRequest r{
+        absl::StrCat("emb", i), RandomPrompt(20 + 150 * i, vocab, 70 + i), {}};
+    r.task = engine::RequestTask::kEmbed;
+    embeds.push_back(r);
+  }
+  auto expected = engine::GenerateAll(**colocated, embeds);
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  engine::SamplingParams greedy;
+  greedy.temperature = 0;
+  greedy.max_tokens = 4;
+  const engine::GenerateRequest gen{"gen", RandomPrompt(90, vocab, 77), greedy};
+
+  auto stub = Connect(*worker);
+  auto embed_submit = [](const engine::GenerateRequest& r) {
+    tandem::v1::SubmitRequest submit = MakeSubmit(r, {});
+    submit.clear_reservation();
+    submit.set_task(proto::ToProto(r.task));
+    return submit;
+  };
+  std::vector<SubmitResult> results(embeds.size());
+  SubmitResult generated;
+  {
+    std::vector<std::jthread> threads;
+    for (size_t i = 0; i < embeds.size(); ++i) {
+      threads.emplace_back([&, i] { results[i] = CallSubmit(*stub, embed_submit(embeds[i])); });
+    }
+    threads.emplace_back([&] {
+      tandem::v1::KvReservation reservation =
+          decode.Reserve(gen.request_id, static_cast<int>(gen.prompt_tokens.size()), 1);
+      generated = CallSubmit(*stub, MakeSubmit(gen, reservation));
+    });
+  }
+  for (size_t i = 0; i < embeds.size(); ++i) {
+    const SubmitResult& result = results[i];
+    ASSERT_TRUE(result.status.ok()) << i << ": " << result.status.error_message();
+    EXPECT_EQ(result.response.choices_size(), 0) << i;
+    EXPECT_EQ(result.response.kv_transfer_bytes(), 0u) << i;
+    EXPECT_EQ(result.response.num_prompt_tokens(),
+              static_cast<int>(embeds[i].prompt_tokens.size()));
+    const std::vector<float> have(result.response.embedding().begin(),
+                                  result.response.embedding().end());
+    ASSERT_EQ(have.size(), static_cast<size_t>((*colocated)->config().hidden_size)) << i;
+    EXPECT_EQ(have, (*expected)[i].embedding) << i;
+  }
+  ASSERT_TRUE(generated.status.ok()) << generated.status.error_message();
+  EXPECT_TRUE(generated.response.embedding().empty());
+  ASSERT_TRUE(decode.Continue(gen, generated.response).ok());
+  decode.RunAll();
+
+  // Refused: a reservation with an embedding, more than one sample, a task from a newer router.
+  tandem::v1::SubmitRequest bad = embed_submit(embeds[0]);
+  bad.set_request_id("with-reservation");
+  *bad.mutable_reservation() = decode.Reserve("with-reservation", 20, 1);
+  SubmitResult refused = CallSubmit(*stub, bad);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(refused.status.error_message(), HasSubstr("reservation"));
+  decode.Release("with-reservation");
+  bad = embed_submit(embeds[0]);
+  bad.set_request_id("two");
+  bad.mutable_sampling()->set_n(2);
+  refused = CallSubmit(*stub, bad);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_THAT(refused.status.error_message(), HasSubstr("n must be 1"));
+  bad = embed_submit(embeds[0]);
+  bad.set_request_id("newer");
+  bad.set_task(static_cast<tandem::v1::Task>(7));
+  refused = CallSubmit(*stub, bad);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+
+  EXPECT_EQ(decode.blocks_used(), 0);
+  ExpectDrained(*stub);
+  EXPECT_THAT(HttpGet(worker->metrics_port(), "/metrics"),
+              HasSubstr("\ntandem_prefill_requests_total{code=\"OK\"} 3\n"));
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, PrefillWorkerTest, ::testing::Values("local", "ucx"));
 
 // Requests caught in the middle of a long prefill on purpose: the worker's engine is paused at a
