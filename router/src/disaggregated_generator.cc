@@ -84,12 +84,6 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   absl::Status Submit(GenerateRequest request, OutputCallback callback) override {
     // The checks a worker would make that need no worker state, so bad input is a 400 at once.
     TANDEM_RETURN_IF_ERROR(engine::ValidateRequest(request, config_, max_model_len_));
-    if (request.task == engine::RequestTask::kEmbed) {
-      // A 400, not a 404 or a 500: the endpoint exists, the serving mode lacks it.
-      return absl::FailedPreconditionError(
-          "embeddings are served by `tandem serve --colocated` only for now; this router's "
-          "prefill and decode workers do not compute them yet");
-    }
     TANDEM_RETURN_IF_ERROR(AdmitByTtft(
         *pool_->Snapshot(), static_cast<int64_t>(request.prompt_tokens.size()) * request.params.n,
         options_.admission_ttft_seconds));

@@ -91,6 +91,7 @@ void Flight::Attempt() {
   if (env_.routing == Routing::kKvAware && env_.pool->kv_index() != nullptr) {
     hits_ = env_.pool->kv_index()->Lookup(current_.prompt_tokens, current_.cache_salt);
   }
+  if (current_.task == engine::RequestTask::kEmbed) return Embed();
   SetState(FlightState::kReserving);
   Reserve(current_, -1, -1, nullptr, env_.options.admission_timeout,
           [this, self = shared_from_this()](absl::StatusOr<Reserved> reserved) {
@@ -149,6 +150,57 @@ void Flight::Attempt() {
       *start.mutable_choices() = prefilled.choices();
       Relay(*decode, std::move(start), [this](StreamEnd end) { OnStreamEnd(std::move(end)); });
     });
+  });
+}
+
+// Submits current_, an embedding request, to the prefill worker with the least work; its answer
+// finishes the request. A failure goes to OnStreamEnd (another worker when this one went away).
+void Flight::Embed() {
+  SetState(FlightState::kPrefilling);
+  std::shared_ptr<WorkerHandle> prefill;
+  int64_t queued_ahead = 0;
+  int64_t tokens = 0;
+  {
+    std::shared_ptr<const PoolSnapshot> pools = env_.pool->Snapshot();
+    const RouteRequest route = Route();
+    const PrefillPick pick = PickPrefill(*pools, route);
+    if (pick.worker != nullptr) {
+      prefill = pick.worker->handle;
+      queued_ahead = pick.queued;
+      tokens = pick.compute_tokens;
+      CountRoute(0, ReasonFor(route, *pick.worker));
+    }
+  }
+  if (prefill == nullptr) {
+    StreamEnd end;
+    end.error = absl::UnavailableError("no prefill worker is up");
+    return OnStreamEnd(std::move(end));
+  }
+  Prefill(current_, prefill, queued_ahead, tokens, tandem::v1::KvReservation(),
+          [this, prefill](absl::Status status, tandem::v1::SubmitResponse& response) {
+    StreamEnd end;
+    if (status.ok() && response.embedding().empty()) {
+      // A prefill worker that predates embeddings would have answered a generation's response.
+      status = absl::FailedPreconditionError(absl::StrCat(
+          "prefill worker ", prefill->address, " answered no embedding; it may not serve them"));
+    }
+    if (!status.ok()) {
+      if (status.code() == absl::StatusCode::kUnavailable) {
+        env_.pool->MarkDownIfUnreachable(*prefill);
+      }
+      end.error = Cancelled() ? absl::OkStatus() : std::move(status);
+      return OnStreamEnd(std::move(end));
+    }
+    sample_[0].done = true;
+    output_.choices.clear();
+    engine::ChoiceDelta& delta = output_.choices.emplace_back();
+    delta.index = 0;
+    delta.finish_reason = engine::FinishReason::kStop;
+    output_.finished = true;
+    output_.num_prompt_tokens = response.num_prompt_tokens();
+    output_.embedding.assign(response.embedding().begin(), response.embedding().end());
+    Deliver(output_, absl::OkStatus());
+    Finish();
   });
 }
 

@@ -22,6 +22,11 @@
 // done:        every sample finished, the request failed, or it was aborted. Every path that
 //              leaves a reservation unused releases it before `done`.
 //
+// An embedding request (engine::RequestTask::kEmbed) samples nothing and keeps its KV where it
+// was computed: it goes prefilling ──> done, Submitted (TASK_EMBED) to the prefill worker with
+// the least work without a reservation; no decode worker hears of it. Its one output carries the
+// vector. A prefill worker that went away sends it through migrating to another one.
+//
 // Abort() cancels the call in flight (Submit or Start; a Reserve or Handoff is let finish and
 // what it reserved is released) and any pause; the callback hears nothing more.
 //
@@ -135,6 +140,8 @@ class Flight : public std::enable_shared_from_this<Flight> {
   // --- the request's course (flight.cc) ---
   void SetState(FlightState state);
   void Attempt();
+  // Attempt's course for an embedding request: Submit, then the vector or the failure.
+  void Embed();
   void OnStreamEnd(StreamEnd end);
   void RetryAfterPause(const absl::Status& why);
   void ContinueElsewhere();
@@ -155,6 +162,8 @@ class Flight : public std::enable_shared_from_this<Flight> {
   void CancelOn(const WorkerHandle& worker, const std::string& request_id,
                 const std::string& reason, absl::Duration timeout, Then then);
   // `tokens`: the prompt tokens the prefill worker is expected to compute (its pending load).
+  // An embedding request goes without `reservation` (pass an empty one) and with
+  // options.prefill_timeout as its deadline.
   void Prefill(const engine::GenerateRequest& r, const std::shared_ptr<WorkerHandle>& prefill,
                int64_t queued_ahead, int64_t tokens, const tandem::v1::KvReservation& reservation,
                std::function<void(absl::Status, tandem::v1::SubmitResponse&)> then);

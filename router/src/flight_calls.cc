@@ -182,15 +182,19 @@ void Flight::Prefill(const engine::GenerateRequest& r,
                      int64_t tokens, const tandem::v1::KvReservation& reservation,
                      std::function<void(absl::Status, tandem::v1::SubmitResponse&)> then) {
   using Call = Unary<tandem::v1::SubmitRequest, tandem::v1::SubmitResponse>;
-  auto call = std::make_shared<Call>(absl::FromUnixMillis(reservation.expires_unix_ms()) +
-                                     absl::Seconds(1));
+  const bool embed = r.task == engine::RequestTask::kEmbed;
+  // A generation's KV must have landed before its reservation expires; an embedding has none.
+  const absl::Time deadline = embed ? absl::Now() + env_.options.prefill_timeout
+                                    : absl::FromUnixMillis(reservation.expires_unix_ms());
+  auto call = std::make_shared<Call>(deadline + absl::Seconds(1));
   tandem::v1::SubmitRequest& request = call->request;
   request.set_request_id(r.request_id);
   request.mutable_prompt_token_ids()->Add(r.prompt_tokens.begin(), r.prompt_tokens.end());
   *request.mutable_sampling() = proto::ToProto(r.params);
-  *request.mutable_reservation() = reservation;
+  if (!embed) *request.mutable_reservation() = reservation;
   request.set_cache_salt(r.cache_salt);
-  request.set_deadline_unix_ms(reservation.expires_unix_ms());
+  request.set_deadline_unix_ms(absl::ToUnixMillis(deadline));
+  request.set_task(proto::ToProto(r.task));
   if (!BeginCall(call->context)) {
     return then(absl::CancelledError("request aborted"), call->response);
   }

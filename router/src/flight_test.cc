@@ -28,6 +28,8 @@ struct Client {
   std::vector<int32_t> tokens;
   std::string text;
   std::vector<engine::FinishReason> finishes;
+  std::vector<float> embedding;
+  int num_prompt_tokens = 0;
   absl::Status status;
   bool finished = false;
   int outputs = 0;
@@ -106,6 +108,20 @@ class FlightTest : public ::testing::Test {
     request.prompt_tokens = {1, 2, 3, 4};
     request.params.max_tokens = max_tokens;
     request.params.structured = std::move(constraint);
+    return Launch(std::move(request));
+  }
+
+  // An embedding request of the prompt kEmbedPrompt.
+  std::shared_ptr<Flight> LaunchEmbed() {
+    engine::GenerateRequest request;
+    request.request_id = "emb";
+    request.prompt_tokens = kEmbedPrompt;
+    request.task = engine::RequestTask::kEmbed;
+    return Launch(std::move(request));
+  }
+  inline static const std::vector<int32_t> kEmbedPrompt = {5, 6, 7, 8, 9};
+
+  std::shared_ptr<Flight> Launch(engine::GenerateRequest request) {
     std::shared_ptr<Flight> flight = Flight::Launch(
         &env_, std::move(request),
         [this](const engine::RequestOutput& out, const absl::Status& status) {
@@ -114,6 +130,8 @@ class FlightTest : public ::testing::Test {
           ++client_.outputs;
           client_.status = status;
           client_.finished = out.finished;
+          client_.embedding = out.embedding;
+          client_.num_prompt_tokens = out.num_prompt_tokens;
           for (const engine::ChoiceDelta& d : out.choices) {
             client_.tokens.insert(client_.tokens.end(), d.token_ids.begin(), d.token_ids.end());
             client_.text += d.text;
@@ -378,6 +396,66 @@ TEST_F(FlightTest, AbortWhileHandingOffReleasesTheTargetAndFreesTheParkedKv) {
   }
   std::lock_guard<std::mutex> lock(decode_b_.mu);
   EXPECT_EQ(decode_b_.starts, 0);
+}
+
+// An embedding goes to the prefill worker alone, without a reservation: no decode worker hears
+// of it, and its vector and prompt length arrive in one finished output.
+TEST_F(FlightTest, AnEmbeddingGoesToAPrefillWorkerOnly) {
+  StartPool();
+  LaunchEmbed();
+  client_.WaitDone();
+  EXPECT_TRUE(client_.status.ok()) << client_.status;
+  EXPECT_TRUE(client_.finished);
+  EXPECT_EQ(client_.outputs, 1);
+  EXPECT_EQ(client_.embedding, fakes::EmbeddingOf(kEmbedPrompt));
+  EXPECT_EQ(client_.num_prompt_tokens, 5);
+  EXPECT_TRUE(client_.tokens.empty());
+  EXPECT_THAT(client_.finishes, ElementsAre(engine::FinishReason::kStop));
+  EXPECT_THAT(client_.states, ElementsAre(FlightState::kPrefilling, FlightState::kDone));
+  for (FakeDecode* d : {&decode_a_, &decode_b_}) {
+    std::lock_guard<std::mutex> lock(d->mu);
+    EXPECT_EQ(d->reserves, 0);
+    EXPECT_EQ(d->starts, 0);
+  }
+  std::lock_guard<std::mutex> lock(prefill_.mu);
+  ASSERT_EQ(prefill_.submitted.size(), 1u);
+  const tandem::v1::SubmitRequest& submit = prefill_.submitted[0];
+  EXPECT_EQ(submit.task(), tandem::v1::TASK_EMBED);
+  EXPECT_FALSE(submit.has_reservation());
+  EXPECT_GT(submit.deadline_unix_ms(), absl::ToUnixMillis(absl::Now()));
+  EXPECT_EQ(counters_.routed[0][static_cast<int>(RouteReason::kLoad)].load(), 1);
+}
+
+// A prefill worker that refuses an embedding (bad input it alone can tell) fails it with its
+// error, at once and once: nothing is retried, no decode worker is asked.
+TEST_F(FlightTest, AnEmbeddingTheWorkerRefusesFailsWithItsError) {
+  prefill_.submit_code = grpc::StatusCode::INVALID_ARGUMENT;
+  StartPool();
+  LaunchEmbed();
+  client_.WaitDone();
+  EXPECT_EQ(client_.status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(client_.status.message()), HasSubstr("refuses"));
+  EXPECT_TRUE(client_.finished);
+  EXPECT_TRUE(client_.embedding.empty());
+  std::lock_guard<std::mutex> lock(prefill_.mu);
+  EXPECT_EQ(prefill_.submits, 1);
+  std::lock_guard<std::mutex> lock_a(decode_a_.mu);
+  EXPECT_EQ(decode_a_.reserves, 0);
+}
+
+TEST_F(FlightTest, AbortWhileEmbeddingCancelsTheSubmit) {
+  prefill_.hold_submit = true;
+  StartPool();
+  LaunchEmbed();
+  prefill_.WaitFor([&] { return prefill_.held == 1; });
+  EXPECT_EQ(flight_->state(), FlightState::kPrefilling);
+  flight_->Abort();
+  client_.WaitDone();
+  EXPECT_EQ(client_.outputs, 0);
+  // The held Submit hears of the cancelled call.
+  prefill_.WaitFor([&] { return prefill_.held == 0; });
+  std::lock_guard<std::mutex> lock(decode_a_.mu);
+  EXPECT_EQ(decode_a_.reserves, 0);
 }
 
 }  // namespace

@@ -291,15 +291,29 @@ grpc::ServerUnaryReactor* FakePrefill::Submit(grpc::CallbackServerContext* conte
                                               const tandem::v1::SubmitRequest* request,
                                               tandem::v1::SubmitResponse* response) {
   bool hold = false;
+  grpc::StatusCode code = grpc::StatusCode::OK;
   {
     auto lock = Lock();
     ++submits;
     prompt_lengths.push_back(request->prompt_token_ids_size());
+    submitted.push_back(*request);
     hold = hold_submit;
+    code = submit_code;
     if (hold) ++held;
   }
   Changed();
   if (hold) return new HeldSubmit(this);
+  if (code != grpc::StatusCode::OK) {
+    return Answer(context, grpc::Status(code, "the fake prefill worker refuses it"));
+  }
+  if (request->task() == tandem::v1::TASK_EMBED) {
+    for (float x :
+         EmbeddingOf({request->prompt_token_ids().begin(), request->prompt_token_ids().end()})) {
+      response->add_embedding(x);
+    }
+    response->set_num_prompt_tokens(request->prompt_token_ids_size());
+    return Answer(context, grpc::Status::OK);
+  }
   const int n = std::max(1, request->sampling().n());
   for (int i = 0; i < n; ++i) response->add_choices()->set_index(i);
   response->set_num_prompt_tokens(request->prompt_token_ids_size());

@@ -2,7 +2,8 @@
 // API whose behaviour each test scripts, and which count what the router asked of them. Tokens
 // follow one rule on every worker, so a request that moves keeps one sequence: the token at
 // generation position p is 100 + p, its text "<100+p>" (the prompt is kPromptLen tokens; a
-// continuation's prompt carries the tokens generated so far).
+// continuation's prompt carries the tokens generated so far). An embedding (TASK_EMBED) is the
+// prompt's tokens divided by 10, one float each (EmbeddingOf).
 #pragma once
 
 #include <grpcpp/grpcpp.h>
@@ -23,6 +24,12 @@ namespace tandem::router::fakes {
 inline constexpr int kPromptLen = 4;
 
 inline std::string TokenText(int token) { return "<" + std::to_string(token) + ">"; }
+
+inline std::vector<float> EmbeddingOf(const std::vector<int32_t>& prompt) {
+  std::vector<float> out;
+  for (int32_t t : prompt) out.push_back(static_cast<float>(t) / 10);
+  return out;
+}
 
 // How a decode worker's Start stream ends.
 enum class StreamMode {
@@ -130,10 +137,12 @@ class FakeDecode final : public tandem::v1::DecodeWorker::CallbackService, publi
 class FakePrefill final : public tandem::v1::PrefillWorker::CallbackService, public FakeWorker {
  public:
   bool hold_submit = false;  // Submit answers only when cancelled
+  grpc::StatusCode submit_code = grpc::StatusCode::OK;  // how Submit answers
 
   int submits = 0;
   int held = 0;  // Submits being held now
   std::vector<int> prompt_lengths;
+  std::vector<tandem::v1::SubmitRequest> submitted;
 
   grpc::ServerUnaryReactor* Submit(grpc::CallbackServerContext* context,
                                    const tandem::v1::SubmitRequest* request,
