@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests",
                                 "disagg"))
@@ -203,6 +204,25 @@ def percentile(values, p):
     return values[k]
 
 
+def scrape_histogram(url, name):
+    """The cumulative buckets [(le, count)] of histogram `name` in a /metrics scrape."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    buckets = []
+    for m in re.finditer(r'^' + name + r'_bucket\{le="([^"]+)"\} (\S+)$', text, re.M):
+        buckets.append((float("inf") if m.group(1) == "+Inf" else float(m.group(1)),
+                        float(m.group(2))))
+    return sorted(buckets)
+
+
+def bucket_quantile(buckets, q):
+    """The upper bound of the bucket holding quantile q: the quantile is at most this."""
+    total = buckets[-1][1] if buckets else 0
+    for le, count in buckets:
+        if total and count >= q * total:
+            return le
+    return None
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("tandem")
@@ -284,6 +304,9 @@ def main():
                     stats.errors[why] = stats.errors.get(why, 0) + count
             wall = max(w for _, w, _ in parts)
             client_cpu = sum(c for _, _, c in parts)
+            # What the router adds, measured inside it: from a token's output reaching its API
+            # server (off the decode worker's stream) to its chunk in the client's socket.
+            write_buckets = scrape_histogram(router.url, "tandem_stream_write_seconds")
             max_threads = sampler.finish()
             decode_threads = decode_sampler.finish() if decode_sampler else None
             cpu = cpu_seconds(pid) - cpu_before
@@ -310,6 +333,15 @@ def main():
         "router_cpu_seconds_per_1000_tokens":
             round(1000 * cpu / stats.tokens, 4) if stats.tokens else None,
     }
+    if write_buckets and write_buckets[-1][1] > 0:
+        total = write_buckets[-1][1]
+        within = dict(write_buckets).get(0.0002, 0)
+        result.update({
+            "router_write_outputs": int(total),
+            "router_write_ms_p50_at_most": bucket_quantile(write_buckets, 0.5) * 1000,
+            "router_write_ms_p99_at_most": bucket_quantile(write_buckets, 0.99) * 1000,
+            "router_write_share_within_0_2_ms": round(within / total, 4),
+        })
     if stats.added_us:
         result.update({
             "added_latency_ms_p50": percentile(stats.added_us, 50) / 1000,

@@ -65,6 +65,7 @@ class Exchange : public HttpExchange {
   void Reply(HttpResponse response) override;
   void BeginStream(int status, const std::string& content_type, HttpHeaders headers) override;
   void Send(std::string data) override;
+  void Send(std::string data, std::function<void()> on_written) override;
   void EndStream() override;
   void OnClientGone(std::function<void()> on_gone) override;
   void Run(std::function<void()> fn) override;
@@ -137,7 +138,7 @@ class Session : public std::enable_shared_from_this<Session> {
     Enqueue(std::move(head));
   }
 
-  void DoSend(std::string data) {
+  void DoSend(std::string data, std::function<void()> on_written = nullptr) {
     if (!response_started_ || complete_ || closed_ || data.empty()) return;
     if (chunked_) {
       char size[32];
@@ -145,7 +146,7 @@ class Session : public std::enable_shared_from_this<Session> {
       data.insert(0, size);
       data += "\r\n";
     }
-    Enqueue(std::move(data));
+    Enqueue(std::move(data), std::move(on_written));
   }
 
   void DoEndStream() {
@@ -301,10 +302,10 @@ class Session : public std::enable_shared_from_this<Session> {
     if (on_gone) on_gone();
   }
 
-  void Enqueue(std::string data) {
+  void Enqueue(std::string data, std::function<void()> on_written = nullptr) {
     if (closed_) return;
     out_bytes_ += data.size();
-    out_.push_back(std::move(data));
+    out_.push_back({std::move(data), std::move(on_written)});
     if (static_cast<int64_t>(out_bytes_) > server_.options.max_pending_write_bytes) {
       return ClientGone();
     }
@@ -315,7 +316,7 @@ class Session : public std::enable_shared_from_this<Session> {
     writing_ = true;
     stream_.expires_after(server_.options.write_timeout);
     net::async_write(
-        stream_, net::buffer(out_.front()),
+        stream_, net::buffer(out_.front().data),
         [self = shared_from_this()](beast::error_code ec, size_t) { self->OnWrite(ec); });
   }
 
@@ -323,8 +324,11 @@ class Session : public std::enable_shared_from_this<Session> {
     writing_ = false;
     if (closed_) return;
     if (ec) return ClientGone();
-    out_bytes_ -= out_.front().size();
+    out_bytes_ -= out_.front().data.size();
+    std::function<void()> written = std::move(out_.front().on_written);
     out_.pop_front();
+    if (written) written();
+    if (closed_) return;
     if (!out_.empty()) return WriteNext();
     if (complete_) ResponseDone();
   }
@@ -414,7 +418,11 @@ class Session : public std::enable_shared_from_this<Session> {
   bool busy_ = false;  // counted in ServerState::responses_in_flight
   size_t drained_ = 0;
   std::chrono::steady_clock::time_point drain_deadline_;
-  std::deque<std::string> out_;
+  struct Pending {
+    std::string data;
+    std::function<void()> on_written;  // run once `data` is written
+  };
+  std::deque<Pending> out_;
   size_t out_bytes_ = 0;
   std::function<void()> on_gone_;
 };
@@ -431,6 +439,12 @@ void Exchange::BeginStream(int status, const std::string& content_type, HttpHead
 
 void Exchange::Send(std::string data) {
   session_->Post(id_, [d = std::move(data)](Session& s) mutable { s.DoSend(std::move(d)); });
+}
+
+void Exchange::Send(std::string data, std::function<void()> on_written) {
+  session_->Post(id_, [d = std::move(data), w = std::move(on_written)](Session& s) mutable {
+    s.DoSend(std::move(d), std::move(w));
+  });
 }
 
 void Exchange::EndStream() {

@@ -219,7 +219,9 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
         std::move(request),
         [gen, index](const engine::RequestOutput& out, const absl::Status& status) {
           // On the engine thread: hand over and return at once.
-          gen->exchange->Run([gen, index, out, status] { gen->OnOutput(index, out, status); });
+          gen->exchange->Run([gen, index, out, status, received = Clock::now()] {
+            gen->OnOutput(index, out, status, received);
+          });
         });
     if (!submitted.ok()) {
       for (size_t j = 0; j < k; ++j) engine_->Abort(gen->requests[j].id);
@@ -415,7 +417,7 @@ void Generation::StreamChat(int index, const engine::ChoiceDelta& d, Choice& c, 
                    {"delta", std::move(delta)},
                    {"logprobs", std::move(logprobs)},
                    {"finish_reason", std::move(finish)}};
-    exchange->Send(Sse(Chunk(json::array({std::move(choice)}))));
+    SendOutputChunk(Sse(Chunk(json::array({std::move(choice)}))));
   };
   // Content first, then each call's first delta (id, type, name) and argument fragments, each
   // its own chunk as OpenAI streams them; the logprobs ride on the first chunk, the finish
@@ -450,9 +452,20 @@ json Generation::Usage() const {
           {"total_tokens", prompt_tokens + generation_tokens}};
 }
 
+void Generation::SendOutputChunk(std::string data) {
+  if (output_timed) return exchange->Send(std::move(data));
+  output_timed = true;
+  exchange->Send(std::move(data),
+                 [histogram = server->metrics().stream_write, received = output_received] {
+                   histogram->Observe(Seconds(Clock::now() - received));
+                 });
+}
+
 void Generation::OnOutput(int request, const engine::RequestOutput& out,
-                          const absl::Status& status) {
+                          const absl::Status& status, Clock::time_point received) {
   if (done) return;
+  output_received = received;
+  output_timed = false;
   if (!status.ok()) {
     for (size_t k = 0; k < requests.size(); ++k) {
       if (static_cast<int>(k) != request && !requests[k].finished) {
@@ -520,7 +533,7 @@ void Generation::OnOutput(int request, const engine::RequestOutput& out,
     } else {
       choice = {{"index", index}, {"text", d.text}, {"logprobs", lp}, {"finish_reason", finish}};
     }
-    exchange->Send(Sse(Chunk(json::array({choice}))));
+    SendOutputChunk(Sse(Chunk(json::array({choice}))));
   }
   if (out.finished) req.finished = true;
   for (const Request& q : requests) {

@@ -31,6 +31,13 @@ ApiMetrics::ApiMetrics(const ApiServerOptions& options)
   itl = &registry.Histogram("tandem_inter_token_latency_seconds",
                               "Time between successive generated tokens of a request.",
                               metrics::LatencyBuckets());
+  stream_write = &registry.Histogram(
+      "tandem_stream_write_seconds",
+      "Time from a streamed output (tokens) reaching the API server, from the engine or the "
+      "decode worker's stream, to its chunk written to the client's socket: what the server "
+      "adds to each streamed token.",
+      {25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 0.01, 0.02, 0.05, 0.1, 0.25,
+       0.5, 1.0});
   e2e = &registry.Histogram("tandem_e2e_request_latency_seconds",
                               "Time from request arrival to its last token.", metrics::LatencyBuckets());
   running =

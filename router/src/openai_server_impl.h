@@ -56,6 +56,8 @@ struct ApiMetrics {
   prometheus::Counter* generation_tokens;
   prometheus::Histogram* ttft;
   prometheus::Histogram* itl;
+  // Streamed output: from the generator handing it over to its chunk in the client's socket.
+  prometheus::Histogram* stream_write;
   prometheus::Histogram* e2e;
   prometheus::Histogram* tpot;
   prometheus::Gauge* running;
@@ -177,12 +179,20 @@ struct Generation {
   bool seen_token = false;
   bool done = false;
   std::vector<Choice> choices;
+  // The output being streamed: when it was received, and whether a chunk of it was timed.
+  Clock::time_point output_received;
+  bool output_timed = true;
 
   // An output of requests[request]; its choice i is choices[request * per_prompt + i].
-  void OnOutput(int request, const engine::RequestOutput& out, const absl::Status& status);
+  // `received`: when the generator handed it over (tandem_stream_write_seconds starts there).
+  void OnOutput(int request, const engine::RequestOutput& out, const absl::Status& status,
+                Clock::time_point received);
   void OnClientGone();
 
  private:
+  // Sends a chunk of the output being streamed; its first one observes, once written,
+  // tandem_stream_write_seconds.
+  void SendOutputChunk(std::string data);
   json LogprobsFor(const engine::ChoiceDelta& delta, Choice& choice) const;
   void Merge(json& into, const json& delta) const;
   json Chunk(json choices) const;

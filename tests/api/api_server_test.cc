@@ -311,7 +311,8 @@ TEST(ApiServerTest, MetricsPassPromtoolOnALiveScrape) {
   for (const char* family :
        {"tandem_requests_total", "tandem_prompt_tokens_total", "tandem_generation_tokens_total",
         "tandem_time_to_first_token_seconds", "tandem_inter_token_latency_seconds",
-        "tandem_e2e_request_latency_seconds", "tandem_requests_running", "tandem_requests_waiting",
+        "tandem_stream_write_seconds", "tandem_e2e_request_latency_seconds",
+        "tandem_requests_running", "tandem_requests_waiting",
         "tandem_kv_cache_blocks_used", "tandem_kv_cache_blocks_capacity",
         "tandem_preemptions_total", "tandem_http_responses_total",
         "tandem_time_per_output_token_seconds", "tandem_requests_slo_total",
@@ -319,6 +320,11 @@ TEST(ApiServerTest, MetricsPassPromtoolOnALiveScrape) {
     EXPECT_THAT(r.body, HasSubstr(std::string("# TYPE ") + family + " ")) << family;
   }
   EXPECT_EQ(MetricValue(r.body, "tandem_generation_tokens_total"), 6);
+  // The stream's outputs (3 tokens, one or more per output) were each timed to the socket, once
+  // written; the other request was not streamed.
+  const double timed = MetricValue(r.body, "tandem_stream_write_seconds_count").value_or(0);
+  EXPECT_GE(timed, 1);
+  EXPECT_LE(timed, 3);
   EXPECT_EQ(MetricValue(r.body, "tandem_http_responses_total{code=\"400\"}"), 1);
   EXPECT_GT(MetricValue(r.body, "tandem_kv_cache_blocks_capacity").value_or(0), 0);
 

@@ -49,6 +49,9 @@ class HttpExchange {
   virtual void BeginStream(int status, const std::string& content_type,
                            HttpHeaders headers = {}) = 0;
   virtual void Send(std::string data) = 0;
+  // Send, then `on_written` on the connection's I/O thread once `data` is in the socket's send
+  // buffer (never, if the client goes away first): for measuring when output left the server.
+  virtual void Send(std::string data, std::function<void()> on_written) = 0;
   virtual void EndStream() = 0;
 
   // `on_gone` runs once, on an I/O thread, if the client goes away (or stops reading) before
