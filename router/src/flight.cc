@@ -101,20 +101,8 @@ void Flight::Attempt() {
       return OnStreamEnd(std::move(end));
     }
     SetState(FlightState::kPrefilling);
-    std::shared_ptr<WorkerHandle> prefill;
-    int64_t queued_ahead = 0;
-    int64_t tokens = 0;
-    {
-      std::shared_ptr<const PoolSnapshot> pools = env_.pool->Snapshot();
-      const RouteRequest route = Route();
-      const PrefillPick pick = PickPrefill(*pools, route);
-      if (pick.worker != nullptr) {
-        prefill = pick.worker->handle;
-        queued_ahead = pick.queued;
-        tokens = pick.compute_tokens;
-        CountRoute(0, ReasonFor(route, *pick.worker));
-      }
-    }
+    const PrefillChoice choice = ChoosePrefill();
+    std::shared_ptr<WorkerHandle> prefill = choice.worker;
     auto decode = std::make_shared<Reserved>(std::move(reserved).value());
     // After a failed prefill the blocks go back only once the prefill worker has stopped
     // writing into them: its Cancel answers after the request's transfers have ended (a
@@ -137,7 +125,7 @@ void Flight::Attempt() {
                });
     };
     if (prefill == nullptr) return failed(absl::UnavailableError("no prefill worker is up"));
-    Prefill(current_, prefill, queued_ahead, tokens, decode->reservation,
+    Prefill(current_, prefill, choice.queued_ahead, choice.tokens, decode->reservation,
             [this, decode, failed](absl::Status status, tandem::v1::SubmitResponse& prefilled) {
       if (!status.ok()) return failed(std::move(status));
       tandem::v1::StartRequest start;
@@ -153,30 +141,32 @@ void Flight::Attempt() {
   });
 }
 
+Flight::PrefillChoice Flight::ChoosePrefill() const {
+  PrefillChoice choice;
+  std::shared_ptr<const PoolSnapshot> pools = env_.pool->Snapshot();
+  const RouteRequest route = Route();
+  const PrefillPick pick = PickPrefill(*pools, route);
+  if (pick.worker != nullptr) {
+    choice.worker = pick.worker->handle;
+    choice.queued_ahead = pick.queued;
+    choice.tokens = pick.compute_tokens;
+    CountRoute(0, ReasonFor(route, *pick.worker));
+  }
+  return choice;
+}
+
 // Submits current_, an embedding request, to the prefill worker with the least work; its answer
 // finishes the request. A failure goes to OnStreamEnd (another worker when this one went away).
 void Flight::Embed() {
   SetState(FlightState::kPrefilling);
-  std::shared_ptr<WorkerHandle> prefill;
-  int64_t queued_ahead = 0;
-  int64_t tokens = 0;
-  {
-    std::shared_ptr<const PoolSnapshot> pools = env_.pool->Snapshot();
-    const RouteRequest route = Route();
-    const PrefillPick pick = PickPrefill(*pools, route);
-    if (pick.worker != nullptr) {
-      prefill = pick.worker->handle;
-      queued_ahead = pick.queued;
-      tokens = pick.compute_tokens;
-      CountRoute(0, ReasonFor(route, *pick.worker));
-    }
-  }
+  const PrefillChoice choice = ChoosePrefill();
+  std::shared_ptr<WorkerHandle> prefill = choice.worker;
   if (prefill == nullptr) {
     StreamEnd end;
     end.error = absl::UnavailableError("no prefill worker is up");
     return OnStreamEnd(std::move(end));
   }
-  Prefill(current_, prefill, queued_ahead, tokens, tandem::v1::KvReservation(),
+  Prefill(current_, prefill, choice.queued_ahead, choice.tokens, tandem::v1::KvReservation(),
           [this, prefill](absl::Status status, tandem::v1::SubmitResponse& response) {
     StreamEnd end;
     if (status.ok() && response.embedding().empty()) {

@@ -186,6 +186,14 @@ class Flight : public std::enable_shared_from_this<Flight> {
   // How current_ is routed: env_.routing, with what the workers' caches hold of its prompt.
   RouteRequest Route() const;
   void CountRoute(int pool, RouteReason reason) const;
+  // The prefill worker for current_ (PickPrefill over the pool's last snapshot), counted in the
+  // routing metrics; `worker` is null when none is up.
+  struct PrefillChoice {
+    std::shared_ptr<WorkerHandle> worker;
+    int64_t queued_ahead = 0;  // work queued on it before this request
+    int64_t tokens = 0;        // prompt tokens it will compute
+  };
+  PrefillChoice ChoosePrefill() const;
   // Calls the callback unless the request was aborted.
   void Deliver(const engine::RequestOutput& output, const absl::Status& status);
   bool AllDone() const;
