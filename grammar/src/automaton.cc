@@ -128,7 +128,9 @@ int32_t StackArena::InternSet(const std::vector<int32_t>& tops) {
   auto [it, added] = set_index_.try_emplace(tops, static_cast<int32_t>(sets_.size()));
   if (added) {
     sets_.push_back(tops);
-    if (sets_.size() <= static_cast<size_t>(dense_sets_)) set_steps_.resize(sets_.size() * 256, kUnknownStep);
+    if (sets_.size() <= static_cast<size_t>(dense_sets_)) {
+      set_steps_.resize(sets_.size() * 256, kUnknownStep);
+    }
   }
   return it->second;
 }
