@@ -415,6 +415,11 @@ absl::StatusOr<tandem::v1::HandoffResponse> DecodeWorkerImpl::RunHandoff(
   if (id.empty()) return absl::InvalidArgumentError("request_id is empty");
   const tandem::v1::TransferEndpoint& endpoint = request.reservation().endpoint();
   TANDEM_RETURN_IF_ERROR(core_->kv().CheckReceiver(endpoint, "reservation.endpoint"));
+  if (core_->kv().tp_size() > 1 || endpoint.tp_ranks_size() > 0) {
+    // The router recomputes the sample on the other worker instead.
+    return absl::FailedPreconditionError(
+        "KV handoff between tensor-parallel decode workers is not supported yet");
+  }
   if (endpoint.region_descriptors_size() != 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("reservation.endpoint has ", endpoint.region_descriptors_size(),

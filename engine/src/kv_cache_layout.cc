@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/base/status_macros.h"
 
 namespace tandem::engine {
 
@@ -49,16 +50,10 @@ absl::StatusOr<std::vector<KvCopyRange>> KvBlockCopyRanges(const KvCacheLayout& 
   return ranges;
 }
 
-absl::StatusOr<std::vector<KvShardTransfer>> KvReshardPlan(const std::vector<KvCacheLayout>& src,
-                                                           const std::vector<KvCacheLayout>& dst,
-                                                           const std::vector<int32_t>& src_blocks,
-                                                           const std::vector<int32_t>& dst_blocks) {
+absl::StatusOr<std::vector<KvHeadRun>> KvHeadRuns(const std::vector<KvCacheLayout>& src,
+                                                  const std::vector<KvCacheLayout>& dst) {
   if (src.empty() || dst.empty()) {
     return absl::InvalidArgumentError("a KV re-shard needs at least one rank on each side");
-  }
-  if (src_blocks.size() != dst_blocks.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("copying ", src_blocks.size(), " blocks into ", dst_blocks.size()));
   }
   const KvCacheLayout& a = src[0];
   for (const std::vector<KvCacheLayout>* side : {&src, &dst}) {
@@ -72,24 +67,7 @@ absl::StatusOr<std::vector<KvShardTransfer>> KvReshardPlan(const std::vector<KvC
       }
     }
   }
-  for (size_t r = 0; r < src.size(); ++r) {
-    for (int32_t b : src_blocks) {
-      if (b < 0 || b >= src[r].num_blocks) {
-        return absl::InvalidArgumentError(absl::StrCat("source block id ", b, " outside [0, ",
-                                                       src[r].num_blocks, ") of rank ", r));
-      }
-    }
-  }
-  for (size_t r = 0; r < dst.size(); ++r) {
-    for (int32_t b : dst_blocks) {
-      if (b < 0 || b >= dst[r].num_blocks) {
-        return absl::InvalidArgumentError(absl::StrCat("destination block id ", b, " outside [0, ",
-                                                       dst[r].num_blocks, ") of rank ", r));
-      }
-    }
-  }
-  const uint64_t head_bytes = static_cast<uint64_t>(a.head_dim) * a.element_bytes();
-  std::vector<KvShardTransfer> plan;
+  std::vector<KvHeadRun> runs;
   for (size_t d = 0; d < dst.size(); ++d) {
     const KvCacheLayout& to = dst[d];
     // Walk the destination's heads, taking each run from the first source rank that holds it.
@@ -109,37 +87,73 @@ absl::StatusOr<std::vector<KvShardTransfer>> KvReshardPlan(const std::vector<KvC
       }
       const KvCacheLayout& from = src[from_rank];
       const int run_end = std::min(end, from.kv_head_begin + from.num_kv_heads);
-      const uint64_t bytes = static_cast<uint64_t>(run_end - head) * head_bytes;
-      const uint64_t src_skip = static_cast<uint64_t>(head - from.kv_head_begin) * head_bytes;
-      const uint64_t dst_skip = static_cast<uint64_t>(head - to.kv_head_begin) * head_bytes;
-      const bool whole_rows = bytes == from.row_bytes() && bytes == to.row_bytes();
-      KvShardTransfer transfer{from_rank, static_cast<int>(d), {}};
-      for (int layer = 0; layer < a.num_layers; ++layer) {
-        for (int half = 0; half < 2; ++half) {
-          for (size_t i = 0; i < src_blocks.size(); ++i) {
-            if (whole_rows) {
-              transfer.ranges.push_back({from.Offset(layer, half, src_blocks[i]),
-                                         to.Offset(layer, half, dst_blocks[i]),
-                                         from.block_bytes()});
-              continue;
-            }
-            for (int slot = 0; slot < a.block_size; ++slot) {
-              transfer.ranges.push_back({from.Offset(layer, half, src_blocks[i], slot) + src_skip,
-                                         to.Offset(layer, half, dst_blocks[i], slot) + dst_skip,
-                                         bytes});
-            }
-          }
+      runs.push_back({from_rank, static_cast<int>(d), head, run_end});
+      head = run_end;
+    }
+  }
+  return runs;
+}
+
+void AppendKvRunRanges(const KvCacheLayout& from, const KvCacheLayout& to, const KvHeadRun& run,
+                       int src_layer, int dst_layer, int half, int32_t src_block, int32_t dst_block,
+                       int slot, int count, std::vector<KvCopyRange>& out) {
+  const uint64_t head_bytes = static_cast<uint64_t>(from.head_dim) * from.element_bytes();
+  const uint64_t bytes = static_cast<uint64_t>(run.head_end - run.head_begin) * head_bytes;
+  const uint64_t src_at = from.Offset(src_layer, half, src_block, slot) +
+                          static_cast<uint64_t>(run.head_begin - from.kv_head_begin) * head_bytes;
+  const uint64_t dst_at = to.Offset(dst_layer, half, dst_block, slot) +
+                          static_cast<uint64_t>(run.head_begin - to.kv_head_begin) * head_bytes;
+  if (bytes == from.row_bytes() && bytes == to.row_bytes()) {
+    // Whole token rows on both sides: the tokens are contiguous.
+    out.push_back({src_at, dst_at, bytes * static_cast<uint64_t>(count)});
+    return;
+  }
+  for (int i = 0; i < count; ++i) {
+    out.push_back({src_at + i * from.row_bytes(), dst_at + i * to.row_bytes(), bytes});
+  }
+}
+
+absl::StatusOr<std::vector<KvShardTransfer>> KvReshardPlan(const std::vector<KvCacheLayout>& src,
+                                                           const std::vector<KvCacheLayout>& dst,
+                                                           const std::vector<int32_t>& src_blocks,
+                                                           const std::vector<int32_t>& dst_blocks) {
+  if (src_blocks.size() != dst_blocks.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("copying ", src_blocks.size(), " blocks into ", dst_blocks.size()));
+  }
+  TANDEM_ASSIGN_OR_RETURN(std::vector<KvHeadRun> runs, KvHeadRuns(src, dst));
+  for (size_t r = 0; r < src.size(); ++r) {
+    for (int32_t b : src_blocks) {
+      if (b < 0 || b >= src[r].num_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat("source block id ", b, " outside [0, ",
+                                                       src[r].num_blocks, ") of rank ", r));
+      }
+    }
+  }
+  for (size_t r = 0; r < dst.size(); ++r) {
+    for (int32_t b : dst_blocks) {
+      if (b < 0 || b >= dst[r].num_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat("destination block id ", b, " outside [0, ",
+                                                       dst[r].num_blocks, ") of rank ", r));
+      }
+    }
+  }
+  std::vector<KvShardTransfer> plan;
+  for (const KvHeadRun& run : runs) {
+    // Consecutive runs of the same pair join one transfer.
+    if (plan.empty() || plan.back().src_rank != run.src_rank ||
+        plan.back().dst_rank != run.dst_rank) {
+      plan.push_back({run.src_rank, run.dst_rank, {}});
+    }
+    const KvCacheLayout& from = src[run.src_rank];
+    const KvCacheLayout& to = dst[run.dst_rank];
+    for (int layer = 0; layer < from.num_layers; ++layer) {
+      for (int half = 0; half < 2; ++half) {
+        for (size_t i = 0; i < src_blocks.size(); ++i) {
+          AppendKvRunRanges(from, to, run, layer, layer, half, src_blocks[i], dst_blocks[i], 0,
+                            from.block_size, plan.back().ranges);
         }
       }
-      // Consecutive runs from the same source rank join one transfer.
-      if (!plan.empty() && plan.back().src_rank == from_rank &&
-          plan.back().dst_rank == static_cast<int>(d)) {
-        plan.back().ranges.insert(plan.back().ranges.end(), transfer.ranges.begin(),
-                                  transfer.ranges.end());
-      } else {
-        plan.push_back(std::move(transfer));
-      }
-      head = run_end;
     }
   }
   return plan;

@@ -108,11 +108,6 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
       return absl::InvalidArgumentError(
           "an engine runs on rank 0 of its tensor-parallel group; other ranks run followers");
     }
-    if (options.role != EngineRole::kColocated) {
-      return absl::UnimplementedError(
-          "tensor parallelism runs colocated engines only for now (not prefill or decode "
-          "workers: their KV transfer does not map head slices between ranks yet)");
-    }
   }
   TANDEM_ASSIGN_OR_RETURN(RunnerDTypes dtypes,
                           ResolveRunnerDTypes(config, options.dtype, options.kv_cache_dtype));
@@ -471,7 +466,9 @@ absl::StatusOr<SchedulerStep> LlmEngine::ScheduleStep() {
 }
 
 absl::StatusOr<std::span<const float>> LlmEngine::ExecuteStep(const SchedulerStep& step) {
-  if (options_.on_layer_kv_written) {
+  const bool attach = options_.tensor_parallel != nullptr &&
+                      static_cast<bool>(options_.tensor_parallel_step_attachment);
+  if (options_.on_layer_kv_written || attach) {
     step_writes_.clear();
     for (const ScheduledSequence& s : step.seqs) {
       const Sequence& seq = *s.seq;
@@ -479,7 +476,14 @@ absl::StatusOr<std::span<const float>> LlmEngine::ExecuteStep(const SchedulerSte
                               seq.num_computed_tokens + s.num_new_tokens, &seq.block_table});
     }
   }
+  std::string attachment;
+  if (attach) attachment = options_.tensor_parallel_step_attachment(step_writes_);
+  const bool reports = !attachment.empty();
+  if (reports) runner_->set_step_attachment(std::move(attachment));
   TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits, runner_->Execute(step));
+  if (reports && options_.tensor_parallel_step_reports) {
+    options_.tensor_parallel_step_reports(runner_->step_reports());
+  }
   scheduler_->Commit(step);
   return logits;
 }
@@ -1024,24 +1028,35 @@ absl::StatusOr<std::vector<RequestOutput>> GenerateAll(LlmEngine& engine,
   return results;
 }
 
-absl::Status RunTensorParallelFollower(const EngineOptions& options) {
+absl::StatusOr<std::unique_ptr<TensorParallelFollower>> TensorParallelFollower::Create(
+    const EngineOptions& options) {
   collective::Communicator* comm = options.tensor_parallel;
   if (comm == nullptr || comm->rank() == 0) {
     return absl::InvalidArgumentError("a tensor-parallel follower is rank 1.. of a group");
   }
-  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint,
-                          Checkpoint::Open(options.model_dir));
-  const text::ModelConfig& config = checkpoint->config();
-  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Backend> backend,
+  std::unique_ptr<TensorParallelFollower> follower(new TensorParallelFollower());
+  TANDEM_ASSIGN_OR_RETURN(follower->checkpoint_, Checkpoint::Open(options.model_dir));
+  const text::ModelConfig& config = follower->checkpoint_->config();
+  TANDEM_ASSIGN_OR_RETURN(follower->backend_,
                           CreateBackend(options, config, config.max_position_embeddings, 1));
   TANDEM_ASSIGN_OR_RETURN(
-      std::unique_ptr<ModelRunner> runner,
-      ModelRunner::Create(*checkpoint, backend.get(),
+      follower->runner_,
+      ModelRunner::Create(*follower->checkpoint_, follower->backend_.get(),
                           {.weight_dtype = std::nullopt,
                            .kv_cache_dtype = std::nullopt,
                            .tensor_parallel = comm}));
-  checkpoint->DropAllPages();
-  return runner->RunFollower();
+  follower->checkpoint_->DropAllPages();
+  return follower;
+}
+
+TensorParallelFollower::~TensorParallelFollower() = default;
+
+absl::Status TensorParallelFollower::Run() { return runner_->RunFollower(); }
+
+absl::Status RunTensorParallelFollower(const EngineOptions& options) {
+  TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<TensorParallelFollower> follower,
+                          TensorParallelFollower::Create(options));
+  return follower->Run();
 }
 
 }  // namespace tandem::engine

@@ -84,10 +84,13 @@ absl::StatusOr<std::vector<float>> ReadFloatSlice(const Checkpoint& checkpoint,
 }
 
 // A step plan between the ranks of a tensor-parallel group: a header of kPlanHeader int32s
-// (command, tokens, sequences, sampled rows, block-table width, block copies), then, for a step,
-// one payload of int32s: token ids, positions, slots, sampled rows (the planned ints, as the
-// runner uploads them), query starts, context lengths, block tables, block copy pairs.
-constexpr int kPlanHeader = 6;
+// (command, tokens, sequences, sampled rows, block-table width, block copies, attachment bytes),
+// then, for a step, one payload of int32s: token ids, positions, slots, sampled rows (the
+// planned ints, as the runner uploads them), query starts, context lengths, block tables, block
+// copy pairs; then the attachment's bytes, if any (set_step_attachment).
+constexpr int kPlanHeader = 7;
+// The most attachment bytes a follower accepts with one step.
+constexpr int32_t kMaxStepAttachment = 64 << 20;
 enum PlanCommand : int32_t { kPlanStop = 0, kPlanStep = 1 };
 
 // A per-layer KV scale (vLLM's `self_attn.k_scale` / `v_scale` scalars) when the checkpoint has
@@ -122,7 +125,7 @@ ModelRunner::~ModelRunner() {
   // The leader releases its followers (RunFollower returns OK); after a failure there is nobody
   // in step to tell.
   if (tensor_parallel() && comm_->rank() == 0 && comm_->health().ok()) {
-    int32_t header[kPlanHeader] = {kPlanStop, 0, 0, 0, 0, 0};
+    int32_t header[kPlanHeader] = {kPlanStop, 0, 0, 0, 0, 0, 0};
     comm_->Broadcast(header, sizeof(header), /*root=*/0).IgnoreError();
   }
 }
@@ -440,10 +443,19 @@ void ModelRunner::CopyBlock(int32_t src, int32_t dst) {
 }
 
 absl::Status ModelRunner::SendPlan(int tokens, int num_seqs, int num_sampled, int max_blocks,
-                                   const std::vector<std::pair<int32_t, int32_t>>& block_copies) {
-  int32_t header[kPlanHeader] = {kPlanStep,  tokens,
-                                 num_seqs,   num_sampled,
-                                 max_blocks, static_cast<int32_t>(block_copies.size())};
+                                   const std::vector<std::pair<int32_t, int32_t>>& block_copies,
+                                   const std::string& attachment) {
+  if (attachment.size() > static_cast<size_t>(kMaxStepAttachment)) {
+    return absl::InvalidArgumentError(absl::StrCat("a step attachment of ", attachment.size(),
+                                                   " bytes exceeds ", kMaxStepAttachment));
+  }
+  int32_t header[kPlanHeader] = {kPlanStep,
+                                 tokens,
+                                 num_seqs,
+                                 num_sampled,
+                                 max_blocks,
+                                 static_cast<int32_t>(block_copies.size()),
+                                 static_cast<int32_t>(attachment.size())};
   TANDEM_RETURN_IF_ERROR(comm_->Broadcast(header, sizeof(header), /*root=*/0));
   plan_.clear();
   plan_.insert(plan_.end(), planned_ints_, planned_ints_ + 3 * tokens + num_sampled);
@@ -455,7 +467,30 @@ absl::Status ModelRunner::SendPlan(int tokens, int num_seqs, int num_sampled, in
     plan_.push_back(src);
     plan_.push_back(dst);
   }
-  return comm_->Broadcast(plan_.data(), plan_.size() * sizeof(int32_t), /*root=*/0);
+  TANDEM_RETURN_IF_ERROR(comm_->Broadcast(plan_.data(), plan_.size() * sizeof(int32_t), 0));
+  if (attachment.empty()) return absl::OkStatus();
+  return comm_->Broadcast(const_cast<char*>(attachment.data()), attachment.size(), /*root=*/0);
+}
+
+absl::Status ModelRunner::ExchangeStepReports(std::string mine) {
+  // Fixed-size slots: a length, then the bytes.
+  constexpr size_t kSlot = sizeof(uint32_t) + kMaxStepReportBytes;
+  if (mine.size() > kMaxStepReportBytes) mine.resize(kMaxStepReportBytes);
+  std::vector<char> in(kSlot, 0);
+  const uint32_t length = static_cast<uint32_t>(mine.size());
+  std::memcpy(in.data(), &length, sizeof(length));
+  std::memcpy(in.data() + sizeof(length), mine.data(), mine.size());
+  std::vector<char> out(kSlot * comm_->size());
+  TANDEM_RETURN_IF_ERROR(comm_->AllGather(in.data(), out.data(), kSlot));
+  if (comm_->rank() != 0) return absl::OkStatus();
+  step_reports_.clear();
+  for (int r = 1; r < comm_->size(); ++r) {
+    const char* slot = out.data() + kSlot * r;
+    uint32_t n = 0;
+    std::memcpy(&n, slot, sizeof(n));
+    step_reports_.emplace_back(slot + sizeof(n), std::min<size_t>(n, kMaxStepReportBytes));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status ModelRunner::RunFollower() {
@@ -470,11 +505,12 @@ absl::Status ModelRunner::RunFollower() {
         comm_->Broadcast(header, sizeof(header), /*root=*/0, absl::InfiniteDuration()));
     if (header[0] == kPlanStop) return absl::OkStatus();
     const int tokens = header[1], num_seqs = header[2], num_sampled = header[3],
-              max_blocks = header[4], num_copies = header[5];
+              max_blocks = header[4], num_copies = header[5], attachment_bytes = header[6];
     if (header[0] != kPlanStep || tokens < 0 || tokens > options_.max_num_batched_tokens ||
         num_seqs < 0 || num_seqs > options_.max_num_seqs || num_sampled < 0 ||
         num_sampled > max_logit_rows_ || max_blocks < 0 || max_blocks > options_.num_kv_blocks ||
-        num_copies < 0 || num_copies > options_.num_kv_blocks) {
+        num_copies < 0 || num_copies > options_.num_kv_blocks || attachment_bytes < 0 ||
+        attachment_bytes > kMaxStepAttachment) {
       return absl::InternalError(absl::StrCat("tensor-parallel rank ", comm_->rank(),
                                               ": malformed step plan from rank 0"));
     }
@@ -493,9 +529,18 @@ absl::Status ModelRunner::RunFollower() {
     p += table;
     block_copies.clear();
     for (int i = 0; i < num_copies; ++i, p += 2) block_copies.emplace_back(p[0], p[1]);
+    if (attachment_bytes > 0) {
+      std::string attachment(static_cast<size_t>(attachment_bytes), '\0');
+      TANDEM_RETURN_IF_ERROR(comm_->Broadcast(attachment.data(), attachment.size(), 0));
+      if (follower_hooks_.begin) follower_hooks_.begin(attachment);
+    }
     TANDEM_RETURN_IF_ERROR(Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
                                    /*layer_hook=*/true, block_copies)
                                .status());
+    if (attachment_bytes > 0) {
+      TANDEM_RETURN_IF_ERROR(
+          ExchangeStepReports(follower_hooks_.end ? follower_hooks_.end() : std::string()));
+    }
   }
 }
 
@@ -557,11 +602,20 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
         sample_rows[num_sampled++] = t - 1 - r;
     }
   }
-  if (tensor_parallel()) {
-    TANDEM_RETURN_IF_ERROR(SendPlan(tokens, num_seqs, num_sampled, max_blocks, step.block_copies));
+  if (!tensor_parallel()) {
+    return Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
+                   /*layer_hook=*/true, step.block_copies);
   }
-  return Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
-                 /*layer_hook=*/true, step.block_copies);
+  const std::string attachment = std::move(step_attachment_);
+  step_attachment_.clear();
+  TANDEM_RETURN_IF_ERROR(
+      SendPlan(tokens, num_seqs, num_sampled, max_blocks, step.block_copies, attachment));
+  absl::StatusOr<std::span<const float>> logits =
+      Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
+              /*layer_hook=*/true, step.block_copies);
+  if (!logits.ok() || attachment.empty()) return logits;
+  TANDEM_RETURN_IF_ERROR(ExchangeStepReports(std::string()));
+  return logits;
 }
 
 absl::StatusOr<std::span<const float>> ModelRunner::FinalHidden() {

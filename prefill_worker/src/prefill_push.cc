@@ -1,6 +1,8 @@
 // The prefill worker's engine loop: steps, the layer-by-layer KV push into the decode worker's
 // reserved blocks, and the answers once every page has landed.
 #include <algorithm>
+#include <map>
+#include <set>
 #include <utility>
 
 #include "absl/time/clock.h"
@@ -95,10 +97,20 @@ void PrefillWorkerImpl::CancelJob(const std::string& id, uint64_t serial, absl::
 void PrefillWorkerImpl::Fail(Job& job, absl::Status status) {
   if (job.failure.ok()) job.failure = std::move(status);
 }
+std::pair<int, int> PrefillWorkerImpl::PushRange(const Job& job, const KvWritten& w) const {
+  // What the decode worker lacks of what this sample holds now: the tokens this step wrote,
+  // and, the first time or when this worker's prefix cache moved the sample ahead of what was
+  // pushed (a recomputation after preemption), the cached or shared tokens before them.
+  const int end = std::min(w.end, job.prompt_len);
+  const int begin =
+      std::max(job.dst_cached_tokens, std::min(w.begin, job.computed[w.choice_index]));
+  return {begin, end};
+}
+
 void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> written) {
-  // One transfer per request and layer, with a range per (K or V, block) piece of its tokens.
-  std::map<Job*, std::vector<kvtransfer::Range>> posts;
-  const int bs = cache_layout_.block_size;
+  // One transfer per request, destination rank and layer, with a range per (K or V, block)
+  // piece of its tokens (per token when the two caches hold different heads).
+  std::map<std::pair<Job*, size_t>, std::vector<kvtransfer::Range>> posts;
   for (const KvWritten& w : written) {
     auto it = jobs_.find(w.request_id);
     if (it == jobs_.end()) continue;
@@ -108,7 +120,8 @@ void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> wri
       job.scheduled = std::min(job.scheduled, step_start_);
       if (w.begin < job.computed[w.choice_index]) {
         // The sample was preempted and is being recomputed: what it posts now must land after
-        // what it posted before, so let the earlier transfers finish first.
+        // what it posted before, so let the earlier transfers finish first (a follower's have:
+        // it waits for its pushes at the end of every step).
         for (auto& handle : job.handles) {
           absl::Status status = handle->Wait();
           if (!status.ok()) HandleFailed(job, status);
@@ -118,76 +131,123 @@ void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> wri
         if (job.failing()) continue;
       }
     }
-    const int end = std::min(w.end, job.prompt_len);
-    // What the decode worker lacks of what this sample holds now: the tokens this step wrote,
-    // and, the first time or when this worker's prefix cache moved the sample ahead of what was
-    // pushed (a recomputation after preemption), the cached or shared tokens before them.
     const int c = w.choice_index;
     if (layer == 0 && !job.started[c]) {
       job.started[c] = true;
       job.cached_tokens += w.begin;
     }
     if (job.embed) {  // its KV stays here: nothing to push
-      if (layer == num_layers_ - 1) job.computed[c] = end;
+      if (layer == num_layers_ - 1) job.computed[c] = std::min(w.end, job.prompt_len);
       continue;
     }
-    const int begin = std::max(job.dst_cached_tokens, std::min(w.begin, job.computed[c]));
-    std::vector<kvtransfer::Range>& ranges = posts[&job];
-    // The decode worker's cache: one region, or one region per layer.
-    engine::KvCacheLayout dst = cache_layout_;
-    dst.num_blocks = static_cast<int>(job.dst_num_blocks);
-    const int dst_layer = job.descriptors.size() > 1 ? 0 : layer;
-    for (int half = 0; half < 2; ++half) {
-      for (int t = begin; t < end;) {
-        const int logical = t / bs;
-        const int slot = t % bs;
-        const int count = std::min(end, (logical + 1) * bs) - t;
-        if (logical >= static_cast<int>(w.blocks->size()) || logical >= job.blocks_per_choice) {
-          break;
-        }
-        const int32_t src_block = (*w.blocks)[logical];
-        const int32_t dst_block =
-            job.dst_blocks[static_cast<size_t>(w.choice_index) * job.blocks_per_choice + logical];
-        ranges.push_back({cache_layout_.Offset(layer, half, src_block, slot),
-                          dst.Offset(dst_layer, half, dst_block, slot),
-                          static_cast<uint64_t>(count) * cache_layout_.row_bytes()});
-        t += count;
+    const auto [begin, end] = PushRange(job, w);
+    const std::span<const int32_t> dst_blocks(
+        job.dst_blocks.data() + static_cast<size_t>(c) * job.blocks_per_choice,
+        static_cast<size_t>(job.blocks_per_choice));
+    for (const engine::KvHeadRun& run : job.runs) {
+      if (run.src_rank != 0) {
+        // A follower rank pushes these heads (FollowerOrders); count its bytes.
+        if (end > begin) job.bytes += worker::RunBytes(group_layouts_[run.src_rank], run, end - begin);
+        continue;
       }
+      Job::Destination& dst = job.dsts[run.dst_rank];
+      // The decode worker's cache: one region, or one region per layer.
+      const int dst_layer = dst.descriptors.size() > 1 ? 0 : layer;
+      worker::AppendTokenRanges(cache_layout_, dst.layout, run, layer, dst_layer, begin, end,
+                                /*first_block=*/0, *w.blocks, dst_blocks,
+                                posts[{&job, static_cast<size_t>(run.dst_rank)}]);
     }
     if (layer == num_layers_ - 1) job.computed[c] = end;
   }
-  for (auto& [job, ranges] : posts) {
-    if (!ranges.empty() && !job->failing()) Post(*job, layer, std::move(ranges));
+  for (auto& [key, ranges] : posts) {
+    auto [job, dst] = key;
+    if (!ranges.empty() && !job->failing()) Post(*job, dst, layer, std::move(ranges));
   }
 }
 
-void PrefillWorkerImpl::Post(Job& job, int layer, std::vector<kvtransfer::Range> ranges) {
+std::string PrefillWorkerImpl::FollowerOrders(std::span<const KvWritten> written) {
+  tandem::v1::KvPushOrders orders;
+  std::set<Job*> described;
+  for (const KvWritten& w : written) {
+    auto it = jobs_.find(w.request_id);
+    if (it == jobs_.end()) continue;
+    Job& job = *it->second;
+    if (job.failing() || job.embed || w.choice_index < 0 || w.choice_index >= job.n) continue;
+    const auto [begin, end] = PushRange(job, w);
+    if (begin >= end) continue;
+    if (described.insert(&job).second) {
+      tandem::v1::KvPushOrders::Destination* d = orders.add_destinations();
+      d->set_request_id(job.id);
+      *d->mutable_endpoint() = job.endpoint;
+      d->set_deadline_unix_ms(absl::ToUnixMillis(job.transfer_deadline));
+    }
+    tandem::v1::KvPushOrders::Write* out = orders.add_writes();
+    out->set_request_id(job.id);
+    out->set_begin(begin);
+    out->set_end(end);
+    const int bs = cache_layout_.block_size;
+    const size_t dst_base = static_cast<size_t>(w.choice_index) * job.blocks_per_choice;
+    for (int logical = begin / bs; logical <= (end - 1) / bs; ++logical) {
+      if (logical >= static_cast<int>(w.blocks->size()) || logical >= job.blocks_per_choice) break;
+      out->add_src_blocks((*w.blocks)[logical]);
+      out->add_dst_blocks(job.dst_blocks[dst_base + logical]);
+    }
+  }
+  if (orders.writes_size() == 0) return std::string();
+  return orders.SerializeAsString();
+}
+
+void PrefillWorkerImpl::FollowerReports(std::span<const std::string> reports) {
+  for (size_t r = 0; r < reports.size(); ++r) {
+    tandem::v1::KvPushReport report;
+    if (!report.ParseFromString(reports[r])) {
+      // Cut short (too many failures to fit): every job of the step may have failed.
+      for (auto& [id, job] : jobs_) {
+        if (!job->embed) {
+          HandleFailed(*job, absl::UnavailableError(absl::StrCat(
+                                 "tensor-parallel rank ", r + 1, " sent an unreadable report")));
+        }
+      }
+      continue;
+    }
+    for (const tandem::v1::KvPushReport::Failure& f : report.failures()) {
+      auto it = jobs_.find(f.request_id());
+      if (it == jobs_.end()) continue;
+      HandleFailed(*it->second,
+                   absl::Status(static_cast<absl::StatusCode>(f.code()), f.message()));
+    }
+  }
+}
+
+void PrefillWorkerImpl::Post(Job& job, size_t dst_rank, int layer,
+                             std::vector<kvtransfer::Range> ranges) {
+  Job::Destination& dst = job.dsts[dst_rank];
   const std::string& descriptor =
-      job.descriptors.size() > 1 ? job.descriptors[layer] : job.descriptors[0];
+      dst.descriptors.size() > 1 ? dst.descriptors[layer] : dst.descriptors[0];
   uint64_t bytes = 0;
   for (const kvtransfer::Range& r : ranges) bytes += r.bytes;
   const absl::Time posted = absl::Now();
-  auto handle = core_->kv().Push(job.peer, descriptor, ranges, job.transfer_deadline);
+  auto handle = core_->kv().Push(dst.peer, descriptor, ranges, job.transfer_deadline);
   // NotFound: another request dropped the cached connection after it failed.
   auto gone = [](const absl::Status& s) {
     return s.code() == absl::StatusCode::kUnavailable || s.code() == absl::StatusCode::kNotFound;
   };
-  if (!handle.ok() && gone(handle.status()) && !job.reconnected) {
+  if (!handle.ok() && gone(handle.status()) && !dst.reconnected) {
     // The cached connection is gone (e.g. closed after an earlier failure): connect once more.
-    job.reconnected = true;
+    dst.reconnected = true;
     auto peer =
-        core_->kv().Peer(job.peer_address, std::min(job.deadline, absl::Now() + kConnectTimeout),
+        core_->kv().Peer(dst.address, std::min(job.deadline, absl::Now() + kConnectTimeout),
                          /*fresh=*/true);
     if (!peer.ok()) {
       Fail(job, TransferFailure(job.id, peer.status()));
       return;
     }
-    job.peer = *peer;
-    handle = core_->kv().Push(job.peer, descriptor, std::move(ranges), job.transfer_deadline);
+    dst.peer = *peer;
+    handle = core_->kv().Push(dst.peer, descriptor, std::move(ranges), job.transfer_deadline);
   }
   if (!handle.ok()) {
     if (handle.status().code() == absl::StatusCode::kUnavailable) {
-      core_->kv().DropPeer(job.peer_address, job.peer);
+      core_->kv().DropPeer(dst.address, dst.peer);
     }
     Fail(job, TransferFailure(job.id, handle.status()));
     return;
@@ -252,7 +312,9 @@ void PrefillWorkerImpl::HandleFailed(Job& job, const absl::Status& status) {
   if (status.code() == absl::StatusCode::kUnavailable ||
       status.code() == absl::StatusCode::kCancelled ||
       status.code() == absl::StatusCode::kDeadlineExceeded) {
-    core_->kv().DropPeer(job.peer_address, job.peer);
+    for (const Job::Destination& dst : job.dsts) {
+      if (dst.peer != 0) core_->kv().DropPeer(dst.address, dst.peer);
+    }
   }
   Fail(job, TransferFailure(job.id, status));
 }

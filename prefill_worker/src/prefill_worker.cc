@@ -18,10 +18,19 @@ absl::Status PrefillWorkerImpl::Start(PrefillWorkerOptions options) {
   options.engine.on_layer_kv_written = [this](int layer, std::span<const KvWritten> written) {
     OnLayerWritten(layer, written);
   };
+  if (options.engine.tensor_parallel != nullptr && options.engine.tensor_parallel->size() > 1) {
+    options.engine.tensor_parallel_step_attachment = [this](std::span<const KvWritten> written) {
+      return FollowerOrders(written);
+    };
+    options.engine.tensor_parallel_step_reports = [this](std::span<const std::string> reports) {
+      FollowerReports(reports);
+    };
+  }
   TANDEM_ASSIGN_OR_RETURN(
       core_, worker::WorkerCore::Create(std::move(options), engine::EngineRole::kPrefill));
   engine_ = &core_->engine();
   cache_layout_ = core_->kv().cache_layout();
+  group_layouts_ = core_->kv().group_layouts();
   num_layers_ = cache_layout_.num_layers;
   metrics_.ttft_target.Set(core_->options().engine.ttft_slo_seconds);
   {
@@ -108,14 +117,17 @@ absl::StatusOr<std::unique_ptr<Job>> PrefillWorkerImpl::PrepareJob(
     }
   }
   if (embed) return job;  // nothing to push, no decode worker to reach
-  auto peer =
-      core_->kv().Peer(job->peer_address, std::min(deadline, absl::Now() + kConnectTimeout));
-  if (!peer.ok()) {
-    return absl::Status(peer.status().code(),
-                        absl::StrCat("request ", job->id, ": cannot reach the decode worker: ",
-                                     std::string(peer.status().message())));
+  for (const engine::KvHeadRun& run : job->runs) {
+    Job::Destination& dst = job->dsts[run.dst_rank];
+    if (run.src_rank != 0 || dst.peer != 0) continue;  // a follower's, or connected
+    auto peer = core_->kv().Peer(dst.address, std::min(deadline, absl::Now() + kConnectTimeout));
+    if (!peer.ok()) {
+      return absl::Status(peer.status().code(),
+                          absl::StrCat("request ", job->id, ": cannot reach the decode worker: ",
+                                       std::string(peer.status().message())));
+    }
+    dst.peer = *peer;
   }
-  job->peer = *peer;
   return job;
 }
 
@@ -141,14 +153,38 @@ absl::Status PrefillWorkerImpl::TakeReservation(const tandem::v1::KvReservation&
                                                    "; want a multiple of ", bs, " in [0, ",
                                                    job.prompt_len, "]"));
   }
+  // Each rank of the decode worker's group, and which of this group's ranks sends it which
+  // heads.
+  int num_blocks = endpoint.num_blocks();
+  std::vector<engine::KvCacheLayout> dst_layouts;
+  for (const tandem::v1::TransferEndpoint* rank : worker::RankEndpoints(endpoint)) {
+    TANDEM_ASSIGN_OR_RETURN(engine::KvCacheLayout layout,
+                            worker::CacheLayoutOf(rank->layout(), rank->num_blocks()));
+    num_blocks = std::min(num_blocks, rank->num_blocks());
+    dst_layouts.push_back(layout);
+    job.dsts.push_back({.address = rank->address(),
+                        .descriptors = {rank->region_descriptors().begin(),
+                                        rank->region_descriptors().end()},
+                        .layout = layout});
+  }
+  absl::StatusOr<std::vector<engine::KvHeadRun>> runs =
+      engine::KvHeadRuns(group_layouts_, dst_layouts);
+  if (!runs.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("reservation.endpoint: the KV heads of this prefill worker's ",
+                     group_layouts_.size(), " ranks do not map onto the decode worker's ",
+                     dst_layouts.size(), ": ", runs.status().message()));
+  }
+  job.runs = std::move(runs).value();
+  if (group_layouts_.size() > 1) job.endpoint = endpoint;
   // Blocks written must be distinct; the decode worker's cached blocks (never written) are
   // shared by every sample.
   std::set<int32_t> seen;
   for (int i = 0; i < reservation.block_ids_size(); ++i) {
     const int32_t id = reservation.block_ids(i);
-    if (id < 0 || id >= endpoint.num_blocks()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "reservation block id ", id, " is outside [0, ", endpoint.num_blocks(), ")"));
+    if (id < 0 || id >= num_blocks) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("reservation block id ", id, " is outside [0, ", num_blocks, ")"));
     }
     if (i % blocks_per_choice < dst_cached / bs) continue;
     if (!seen.insert(id).second) {
@@ -168,10 +204,6 @@ absl::Status PrefillWorkerImpl::TakeReservation(const tandem::v1::KvReservation&
   job.dst_cached_tokens = dst_cached;
   job.dst_blocks.assign(reservation.block_ids().begin(), reservation.block_ids().end());
   job.blocks_per_choice = blocks_per_choice;
-  job.dst_num_blocks = endpoint.num_blocks();
-  job.descriptors.assign(endpoint.region_descriptors().begin(),
-                         endpoint.region_descriptors().end());
-  job.peer_address = endpoint.address();
 
   return absl::OkStatus();
 }

@@ -25,6 +25,7 @@
 #include "tandem/prefill_worker/prefill_worker.h"
 #include "tandem/v1/prefill.grpc.pb.h"
 #include "tandem/worker/grpc_call.h"
+#include "tandem/worker/tensor_parallel_kv.h"
 #include "tandem/worker/worker_core.h"
 
 namespace tandem::prefill_worker::internal {
@@ -76,16 +77,23 @@ struct Job {
   UnaryCall<tandem::v1::SubmitResponse>* call = nullptr;        // answered once, by Complete
   std::vector<UnaryCall<tandem::v1::CancelResponse>*> cancels;  // Cancel calls waiting for it
 
-  // Where the KV goes.
-  std::string peer_address;
-  kvtransfer::PeerId peer = 0;
-  bool reconnected = false;
-  std::vector<std::string> descriptors;  // one for all layers, or one per layer
-  std::vector<int32_t> dst_blocks;       // n x blocks_per_choice
+  // Where the KV goes: each rank of the decode worker's tensor-parallel group (one rank
+  // without), and which rank of this worker's group sends which heads to which of them.
+  struct Destination {
+    std::string address;
+    kvtransfer::PeerId peer = 0;  // 0: this rank sends it nothing (a follower does)
+    bool reconnected = false;
+    std::vector<std::string> descriptors;  // one for all layers, or one per layer
+    engine::KvCacheLayout layout;          // its cache
+  };
+  std::vector<Destination> dsts;
+  std::vector<engine::KvHeadRun> runs;
+  // The reservation's endpoint, for the followers' orders (a group of this worker's only).
+  tandem::v1::TransferEndpoint endpoint;
+  std::vector<int32_t> dst_blocks;  // n x blocks_per_choice
   int blocks_per_choice = 0;
   // Leading prompt tokens the decode worker already holds (its prefix cache): never pushed.
   int dst_cached_tokens = 0;
-  int64_t dst_num_blocks = 0;
   // The request fails past `deadline`; its transfers may finish until `transfer_deadline`, the
   // reservation's expiry (after it the decode worker may reuse the blocks).
   absl::Time deadline;
@@ -221,7 +229,15 @@ class PrefillWorkerImpl final : public PrefillWorker {
                  UnaryCall<tandem::v1::CancelResponse>* waiter);
   // The on_layer_kv_written hook: posts the layer's new pages of every request it wrote.
   void OnLayerWritten(int layer, std::span<const KvWritten> written);
-  void Post(Job& job, int layer, std::vector<kvtransfer::Range> ranges);
+  // What a step's written tokens are, prompt tokens [begin, end) of sample `w.choice_index`
+  // that the decode worker lacks; begin >= end when nothing is to be pushed (or the job is
+  // not this worker's to push).
+  std::pair<int, int> PushRange(const Job& job, const KvWritten& w) const;
+  void Post(Job& job, size_t dst, int layer, std::vector<kvtransfer::Range> ranges);
+  // With a tensor-parallel group: the followers' part of the step (the
+  // tensor_parallel_step_attachment hook), and their reports of it.
+  std::string FollowerOrders(std::span<const KvWritten> written);
+  void FollowerReports(std::span<const std::string> reports);
   // Polls a job's handles oldest first, dropping the finished ones; a failure fails the job.
   // With `all`, polls past unfinished ones too (a failing job waits for every handle).
   void PollHandles(Job& job, bool all);
@@ -244,6 +260,8 @@ class PrefillWorkerImpl final : public PrefillWorker {
   std::unique_ptr<worker::WorkerCore> core_;  // engine, KV endpoint, loop, servers
   engine::LlmEngine* engine_ = nullptr;       // core_'s
   engine::KvCacheLayout cache_layout_;  // this worker's cache; a decode worker's differs in size
+  // Every rank's cache of this worker's tensor-parallel group (this one's alone without).
+  std::vector<engine::KvCacheLayout> group_layouts_;
   int num_layers_ = 0;
   Metrics metrics_;
   Service service_{this};

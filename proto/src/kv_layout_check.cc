@@ -63,6 +63,16 @@ absl::Status ValidateLayout(const KvLayout& layout) {
                                     layout.tp_size(), "))"));
   }
   if (layout.layout_name().empty()) problems.push_back("layout_name empty (must be set)");
+  positive("total_kv_heads", layout.total_kv_heads());
+  if (layout.kv_head_begin() < 0 ||
+      (layout.total_kv_heads() > 0 &&
+       layout.kv_head_begin() + layout.num_kv_heads() > layout.total_kv_heads())) {
+    problems.push_back(absl::StrCat("kv_head_begin ", layout.kv_head_begin(), " (heads [",
+                                    layout.kv_head_begin(), ", ",
+                                    layout.kv_head_begin() + layout.num_kv_heads(),
+                                    ") must lie in [0, total_kv_heads ", layout.total_kv_heads(),
+                                    "))"));
+  }
   if (problems.empty()) return absl::OkStatus();
   return absl::InvalidArgumentError(
       absl::StrCat("invalid KV layout: ", absl::StrJoin(problems, "; ")));
@@ -79,10 +89,9 @@ absl::Status CheckLayoutCompatible(const KvLayout& sender, const KvLayout& recei
   CompareField("dtype", KvDtypeName(sender.dtype()), KvDtypeName(receiver.dtype()), &mismatches);
   CompareField("block_size", sender.block_size(), receiver.block_size(), &mismatches);
   CompareField("num_layers", sender.num_layers(), receiver.num_layers(), &mismatches);
-  CompareField("num_kv_heads", sender.num_kv_heads(), receiver.num_kv_heads(), &mismatches);
+  CompareField("total_kv_heads", sender.total_kv_heads(), receiver.total_kv_heads(),
+               &mismatches);
   CompareField("head_dim", sender.head_dim(), receiver.head_dim(), &mismatches);
-  CompareField("tp_size", sender.tp_size(), receiver.tp_size(), &mismatches);
-  CompareField("tp_rank", sender.tp_rank(), receiver.tp_rank(), &mismatches);
   CompareField("layout_name", Quoted(sender.layout_name()), Quoted(receiver.layout_name()),
                &mismatches);
   if (mismatches.empty()) return absl::OkStatus();
@@ -90,10 +99,13 @@ absl::Status CheckLayoutCompatible(const KvLayout& sender, const KvLayout& recei
       absl::StrCat("KV layout mismatch (sender vs receiver): ", absl::StrJoin(mismatches, "; ")));
 }
 
-absl::Status CheckTransferEndpoint(const tandem::v1::KvLayout& sender,
-                                   const std::string& sender_backend,
-                                   const tandem::v1::TransferEndpoint& endpoint,
-                                   const std::string& name, const std::string& sender_name) {
+namespace {
+
+// CheckTransferEndpoint of one rank's endpoint, its tp_ranks aside.
+absl::Status CheckRankEndpoint(const tandem::v1::KvLayout& sender,
+                               const std::string& sender_backend,
+                               const tandem::v1::TransferEndpoint& endpoint,
+                               const std::string& name, const std::string& sender_name) {
   TANDEM_RETURN_IF_ERROR(CheckLayoutCompatible(sender, endpoint.layout()));
   if (endpoint.backend() != sender_backend) {
     return absl::FailedPreconditionError(absl::StrCat(name, ".backend is '", endpoint.backend(),
@@ -113,6 +125,36 @@ absl::Status CheckTransferEndpoint(const tandem::v1::KvLayout& sender,
     return absl::InvalidArgumentError(absl::StrCat(name, " has ", num_descriptors,
                                                    " region descriptors; want 1 (all layers) or ",
                                                    num_layers, " (one per layer)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckTransferEndpoint(const tandem::v1::KvLayout& sender,
+                                   const std::string& sender_backend,
+                                   const tandem::v1::TransferEndpoint& endpoint,
+                                   const std::string& name, const std::string& sender_name) {
+  TANDEM_RETURN_IF_ERROR(CheckRankEndpoint(sender, sender_backend, endpoint, name, sender_name));
+  const int tp_size = endpoint.layout().tp_size();
+  if (tp_size == 1 && endpoint.tp_ranks_size() == 0) return absl::OkStatus();
+  if (endpoint.tp_ranks_size() != tp_size) {
+    return absl::InvalidArgumentError(absl::StrCat(name, " is a tensor-parallel group of ", tp_size,
+                                                   " ranks but lists ", endpoint.tp_ranks_size(),
+                                                   " rank endpoints"));
+  }
+  for (int r = 0; r < tp_size; ++r) {
+    const tandem::v1::TransferEndpoint& rank = endpoint.tp_ranks(r);
+    const std::string rank_name = absl::StrCat(name, ".tp_ranks[", r, "]");
+    if (rank.tp_ranks_size() > 0) {
+      return absl::InvalidArgumentError(absl::StrCat(rank_name, " lists ranks of its own"));
+    }
+    TANDEM_RETURN_IF_ERROR(CheckRankEndpoint(sender, sender_backend, rank, rank_name, sender_name));
+    if (rank.layout().tp_size() != tp_size || rank.layout().tp_rank() != r) {
+      return absl::InvalidArgumentError(absl::StrCat(rank_name, " is rank ",
+                                                     rank.layout().tp_rank(), " of ",
+                                                     rank.layout().tp_size()));
+    }
   }
   return absl::OkStatus();
 }

@@ -16,7 +16,7 @@ using ::testing::Not;
 
 constexpr char kLayerMajor[] = "layer[2][blocks][block_size][kv_heads][head_dim]";
 
-// A Llama-3-8B-like cache, rank 1 of 2.
+// A Llama-3-8B-like cache (8 KV heads), rank 1 of 2.
 tandem::v1::KvLayout Layout() {
   tandem::v1::KvLayout layout;
   layout.set_dtype(tandem::v1::KV_DTYPE_BF16);
@@ -27,11 +27,13 @@ tandem::v1::KvLayout Layout() {
   layout.set_tp_size(2);
   layout.set_tp_rank(1);
   layout.set_layout_name(kLayerMajor);
+  layout.set_kv_head_begin(4);
+  layout.set_total_kv_heads(8);
   return layout;
 }
 
-const char* const kFields[] = {"dtype",    "block_size", "num_layers", "num_kv_heads",
-                               "head_dim", "tp_size",    "tp_rank",    "layout_name"};
+const char* const kFields[] = {"dtype",    "block_size", "num_layers", "total_kv_heads",
+                               "head_dim", "layout_name"};
 
 TEST(CheckLayoutCompatibleTest, IdenticalLayoutsAreCompatible) {
   EXPECT_TRUE(CheckLayoutCompatible(Layout(), Layout()).ok());
@@ -69,10 +71,13 @@ INSTANTIATE_TEST_SUITE_P(
                   "dtype BF16 vs F32"},
         FieldCase{"block_size", [](auto* l) { l->set_block_size(32); }, "block_size 16 vs 32"},
         FieldCase{"num_layers", [](auto* l) { l->set_num_layers(28); }, "num_layers 32 vs 28"},
-        FieldCase{"num_kv_heads", [](auto* l) { l->set_num_kv_heads(8); }, "num_kv_heads 4 vs 8"},
+        FieldCase{"total_kv_heads",
+                  [](auto* l) {
+                    l->set_total_kv_heads(16);
+                    l->set_kv_head_begin(8);
+                  },
+                  "total_kv_heads 8 vs 16"},
         FieldCase{"head_dim", [](auto* l) { l->set_head_dim(64); }, "head_dim 128 vs 64"},
-        FieldCase{"tp_size", [](auto* l) { l->set_tp_size(4); }, "tp_size 2 vs 4"},
-        FieldCase{"tp_rank", [](auto* l) { l->set_tp_rank(0); }, "tp_rank 1 vs 0"},
         FieldCase{"layout_name", [](auto* l) { l->set_layout_name("blocks[layer][2]"); },
                   "layout_name \"layer[2][blocks][block_size][kv_heads][head_dim]\" vs "
                   "\"blocks[layer][2]\""}),
@@ -83,7 +88,8 @@ TEST(CheckLayoutCompatibleTest, NamesEveryMismatchWithBothValues) {
   receiver.set_dtype(tandem::v1::KV_DTYPE_FP8_E4M3);
   receiver.set_block_size(32);
   receiver.set_num_layers(28);
-  receiver.set_num_kv_heads(8);
+  receiver.set_num_kv_heads(4);
+  receiver.set_total_kv_heads(4);
   receiver.set_head_dim(64);
   receiver.set_tp_size(1);
   receiver.set_tp_rank(0);
@@ -92,9 +98,8 @@ TEST(CheckLayoutCompatibleTest, NamesEveryMismatchWithBothValues) {
   ASSERT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
   EXPECT_EQ(status.message(),
             "KV layout mismatch (sender vs receiver): dtype BF16 vs FP8_E4M3; block_size 16 vs "
-            "32; num_layers 32 vs 28; num_kv_heads 4 vs 8; head_dim 128 vs 64; tp_size 2 vs 1; "
-            "tp_rank 1 vs 0; layout_name \"layer[2][blocks][block_size][kv_heads][head_dim]\" vs "
-            "\"other\"");
+            "32; num_layers 32 vs 28; total_kv_heads 8 vs 4; head_dim 128 vs 64; layout_name "
+            "\"layer[2][blocks][block_size][kv_heads][head_dim]\" vs \"other\"");
 }
 
 TEST(CheckLayoutCompatibleTest, TwoMismatchesAreBothNamed) {
@@ -107,11 +112,74 @@ TEST(CheckLayoutCompatibleTest, TwoMismatchesAreBothNamed) {
               AllOf(HasSubstr("head_dim 128 vs 64"), HasSubstr("dtype BF16 vs F32")));
 }
 
-TEST(CheckLayoutCompatibleTest, SameLayoutsOfDifferentRanksAreIncompatible) {
-  // Rank 0's heads are not rank 1's: shipping them would put the wrong heads in the cache.
-  tandem::v1::KvLayout rank0 = Layout();
-  rank0.set_tp_rank(0);
-  EXPECT_EQ(CheckLayoutCompatible(rank0, Layout()).code(), absl::StatusCode::kFailedPrecondition);
+TEST(CheckLayoutCompatibleTest, GroupsOfDifferentDegreesAreCompatible) {
+  // Prefill over 2 ranks, decode over 1 or 4: the sender maps heads between the ranks.
+  tandem::v1::KvLayout whole = Layout();
+  whole.set_tp_size(1);
+  whole.set_tp_rank(0);
+  whole.set_kv_head_begin(0);
+  whole.set_num_kv_heads(8);
+  EXPECT_TRUE(CheckLayoutCompatible(Layout(), whole).ok());
+  tandem::v1::KvLayout quarter = Layout();
+  quarter.set_tp_size(4);
+  quarter.set_tp_rank(3);
+  quarter.set_kv_head_begin(6);
+  quarter.set_num_kv_heads(2);
+  EXPECT_TRUE(CheckLayoutCompatible(whole, quarter).ok());
+}
+
+TEST(ValidateLayoutTest, RefusesHeadsOutsideTheModels) {
+  tandem::v1::KvLayout layout = Layout();
+  layout.set_kv_head_begin(6);  // heads [6, 10) of 8
+  absl::Status status = ValidateLayout(layout);
+  ASSERT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_THAT(std::string(status.message()), HasSubstr("kv_head_begin 6"));
+  layout = Layout();
+  layout.clear_total_kv_heads();
+  EXPECT_THAT(std::string(ValidateLayout(layout).message()), HasSubstr("total_kv_heads 0"));
+}
+
+// A receiver of two ranks, as a decode worker's reservation describes it.
+tandem::v1::TransferEndpoint GroupEndpoint() {
+  tandem::v1::TransferEndpoint group;
+  for (int r = 0; r < 2; ++r) {
+    tandem::v1::TransferEndpoint* rank = group.add_tp_ranks();
+    rank->set_backend("ucx");
+    rank->set_address(std::string("agent-") + std::to_string(r));
+    rank->add_region_descriptors("d");
+    rank->set_num_blocks(64);
+    *rank->mutable_layout() = Layout();
+    rank->mutable_layout()->set_tp_rank(r);
+    rank->mutable_layout()->set_kv_head_begin(4 * r);
+  }
+  tandem::v1::TransferEndpoint rank0 = group.tp_ranks(0);
+  rank0.mutable_tp_ranks()->Swap(group.mutable_tp_ranks());
+  return rank0;
+}
+
+TEST(CheckTransferEndpointTest, ChecksEveryRankOfAGroup) {
+  tandem::v1::KvLayout sender = Layout();
+  sender.set_tp_size(1);
+  sender.set_tp_rank(0);
+  sender.set_kv_head_begin(0);
+  sender.set_num_kv_heads(8);
+  tandem::v1::TransferEndpoint group = GroupEndpoint();
+  EXPECT_TRUE(CheckTransferEndpoint(sender, "ucx", group, "reservation.endpoint", "me").ok());
+
+  tandem::v1::TransferEndpoint missing = group;
+  missing.mutable_tp_ranks()->RemoveLast();
+  EXPECT_THAT(std::string(CheckTransferEndpoint(sender, "ucx", missing, "e", "me").message()),
+              HasSubstr("group of 2 ranks but lists 1"));
+
+  tandem::v1::TransferEndpoint swapped = group;
+  swapped.mutable_tp_ranks(1)->mutable_layout()->set_tp_rank(0);
+  EXPECT_THAT(std::string(CheckTransferEndpoint(sender, "ucx", swapped, "e", "me").message()),
+              HasSubstr("e.tp_ranks[1] is rank 0 of 2"));
+
+  tandem::v1::TransferEndpoint no_address = group;
+  no_address.mutable_tp_ranks(1)->clear_address();
+  EXPECT_THAT(std::string(CheckTransferEndpoint(sender, "ucx", no_address, "e", "me").message()),
+              HasSubstr("e.tp_ranks[1].address is empty"));
 }
 
 TEST(CheckLayoutCompatibleTest, UnsetLayoutIsInvalidNotCompatible) {
@@ -122,7 +190,8 @@ TEST(CheckLayoutCompatibleTest, UnsetLayoutIsInvalidNotCompatible) {
   EXPECT_THAT(std::string(status.message()),
               AllOf(HasSubstr("sender"), HasSubstr("dtype UNSPECIFIED"), HasSubstr("block_size 0"),
                     HasSubstr("num_layers 0"), HasSubstr("num_kv_heads 0"), HasSubstr("head_dim 0"),
-                    HasSubstr("tp_size 0"), HasSubstr("layout_name empty")));
+                    HasSubstr("tp_size 0"), HasSubstr("layout_name empty"),
+                    HasSubstr("total_kv_heads 0")));
 }
 
 TEST(CheckLayoutCompatibleTest, InvalidReceiverIsNamedAsReceiver) {

@@ -93,15 +93,18 @@ tandem::v1::KvDtype ToProto(DType dtype) {
 }
 
 tandem::v1::KvLayout EngineKvLayout(const text::ModelConfig& config, int block_size,
-                                    DType kv_dtype) {
+                                    DType kv_dtype, int tp_size, int tp_rank, int kv_head_begin,
+                                    int num_kv_heads) {
   tandem::v1::KvLayout out;
   out.set_dtype(ToProto(kv_dtype));
   out.set_block_size(block_size);
   out.set_num_layers(config.num_layers);
-  out.set_num_kv_heads(config.num_kv_heads);
+  out.set_num_kv_heads(num_kv_heads > 0 ? num_kv_heads : config.num_kv_heads);
   out.set_head_dim(config.head_dim);
-  out.set_tp_size(1);
-  out.set_tp_rank(0);
+  out.set_tp_size(tp_size);
+  out.set_tp_rank(tp_rank);
+  out.set_kv_head_begin(kv_head_begin);
+  out.set_total_kv_heads(config.num_kv_heads);
   out.set_layout_name("layer[2][blocks][block_size][kv_heads][head_dim]");
   return out;
 }

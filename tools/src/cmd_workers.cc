@@ -18,6 +18,8 @@
 #include "tandem/cluster/registration.h"
 #include "tandem/decode_worker/decode_worker.h"
 #include "tandem/prefill_worker/prefill_worker.h"
+#include "tandem/worker/tensor_parallel_kv.h"
+#include "tensor_parallel_group.h"
 
 namespace tandem::tools {
 namespace {
@@ -188,6 +190,10 @@ absl::StatusOr<std::unique_ptr<cluster::WorkerRegistration>> RegisterWorker(
 }
 
 template <typename Worker, typename Options>
+absl::Status ServeWorker(const std::string& command, const sigset_t& signals,
+                         const WorkerFlags& flags);
+
+template <typename Worker, typename Options>
 absl::Status RunWorker(const std::string& command, int default_port, int argc, char** argv) {
   sigset_t signals = BlockStopSignals();
   // SIGUSR1: the etcd registration lost its lease (see RegisterWorker).
@@ -195,9 +201,33 @@ absl::Status RunWorker(const std::string& command, int default_port, int argc, c
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
   Args args(command);
   DeclareWorkerFlags(args, default_port);
+  DeclareTensorParallelFlags(args);
   TANDEM_RETURN_IF_ERROR(args.Parse(argc, argv));
   if (args.HandleHelp()) return absl::OkStatus();
+  TensorParallelGroup tp;
+  TANDEM_RETURN_IF_ERROR(tp.Configure(args, argc, argv));
   TANDEM_ASSIGN_OR_RETURN(WorkerFlags flags, ParseWorkerFlags(args, default_port));
+  if (tp.follower()) {
+    // Ranks 1..N-1 hold their shards and KV heads; rank 0 serves, registers and schedules.
+    const worker::KvEndpoint::Options kv{
+        .backend = flags.kv_backend,
+        .name = absl::StrCat(flags.worker_id, "/rank", tp.rank()),
+        .role = command,
+        .listen_host = flags.kv_host};
+    return tp.RunFollower(flags.engine, [&kv](const engine::EngineOptions& engine) {
+      return worker::RunKvFollower(engine, kv);
+    });
+  }
+  TANDEM_RETURN_IF_ERROR(tp.CheckModel(flags.engine));
+  TANDEM_RETURN_IF_ERROR(tp.Start());
+  flags.engine.tensor_parallel = tp.communicator();
+  // The worker (and so the followers' steps) ends inside; then the group finishes.
+  return tp.Finish(ServeWorker<Worker, Options>(command, signals, flags));
+}
+
+template <typename Worker, typename Options>
+absl::Status ServeWorker(const std::string& command, const sigset_t& signals,
+                         const WorkerFlags& flags) {
   Options options;
   options.engine = flags.engine;
   options.worker_id = flags.worker_id;

@@ -94,14 +94,16 @@ collective::GlooOptions TensorParallelGroup::GroupOptions() const {
   return {.rank = rank_, .size = size_, .leader_address = leader_, .hostname = host_};
 }
 
-absl::Status TensorParallelGroup::RunFollower(engine::EngineOptions options) {
+absl::Status TensorParallelGroup::RunFollower(
+    engine::EngineOptions options,
+    const std::function<absl::Status(const engine::EngineOptions&)>& run) {
   auto comm = collective::CreateGlooCommunicator(GroupOptions());
   if (!comm.ok()) {
     return absl::Status(comm.status().code(), absl::StrCat("tensor-parallel rank ", rank_, ": ",
                                                            comm.status().message()));
   }
   options.tensor_parallel = comm->get();
-  absl::Status status = engine::RunTensorParallelFollower(options);
+  absl::Status status = run(options);
   if (!status.ok()) {
     return absl::Status(status.code(),
                         absl::StrCat("tensor-parallel rank ", rank_, ": ", status.message()));

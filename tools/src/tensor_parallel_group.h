@@ -21,6 +21,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -51,8 +52,12 @@ class TensorParallelGroup {
   int rank() const { return rank_; }
   bool follower() const { return rank_ > 0; }
 
-  // Rank > 0: joins the group and runs the leader's steps until it stops (OK) or fails.
-  absl::Status RunFollower(engine::EngineOptions options);
+  // Rank > 0: joins the group and runs the leader's steps until it stops (OK) or fails; `run`
+  // runs them (a worker's followers also move their KV: worker::RunKvFollower).
+  absl::Status RunFollower(
+      engine::EngineOptions options,
+      const std::function<absl::Status(const engine::EngineOptions&)>& run =
+          engine::RunTensorParallelFollower);
   // Rank 0, before Start: refuses what no rank could run (shapes that do not divide, quantised
   // weights, the CUDA backend), so that the reason is said once, before any rank starts.
   absl::Status CheckModel(const engine::EngineOptions& options) const;

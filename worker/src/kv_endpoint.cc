@@ -16,11 +16,19 @@ constexpr uint64_t kCacheRegion = 0;
 
 absl::StatusOr<std::unique_ptr<KvEndpoint>> KvEndpoint::Create(const Options& options,
                                                                engine::LlmEngine& engine) {
+  return Create(options, engine.config(), engine.cache_layout(), /*tp_rank=*/0,
+                engine.kv_cache());
+}
+
+absl::StatusOr<std::unique_ptr<KvEndpoint>> KvEndpoint::Create(
+    const Options& options, const text::ModelConfig& config,
+    const engine::KvCacheLayout& cache_layout, int tp_rank, void* cache) {
   std::unique_ptr<KvEndpoint> endpoint(new KvEndpoint());
   endpoint->options_ = options;
-  endpoint->layout_ = proto::EngineKvLayout(engine.config(), engine.kv_layout().block_size,
-                                             engine.kv_layout().dtype);
-  endpoint->cache_layout_ = engine.cache_layout();
+  endpoint->layout_ = proto::EngineKvLayout(config, cache_layout.block_size, cache_layout.dtype,
+                                             cache_layout.tp_size, tp_rank,
+                                             cache_layout.kv_head_begin, cache_layout.num_kv_heads);
+  endpoint->cache_layout_ = cache_layout;
   kvtransfer::AgentOptions agent_options;
   agent_options.backend = options.backend;
   agent_options.name = options.name;
@@ -28,7 +36,7 @@ absl::StatusOr<std::unique_ptr<KvEndpoint>> KvEndpoint::Create(const Options& op
   TANDEM_ASSIGN_OR_RETURN(endpoint->agent_, kvtransfer::Agent::Create(agent_options));
   TANDEM_ASSIGN_OR_RETURN(
       endpoint->descriptor_,
-      endpoint->agent_->RegisterMemory(kCacheRegion, engine.kv_cache(), engine.kv_cache_bytes()));
+      endpoint->agent_->RegisterMemory(kCacheRegion, cache, cache_layout.total_bytes()));
   endpoint->registered_ = true;
   return endpoint;
 }
@@ -42,6 +50,7 @@ tandem::v1::TransferEndpoint KvEndpoint::Describe() const {
   endpoint.add_region_descriptors(descriptor_);
   endpoint.set_num_blocks(cache_layout_.num_blocks);
   *endpoint.mutable_layout() = layout_;
+  for (const tandem::v1::TransferEndpoint& rank : group_) *endpoint.add_tp_ranks() = rank;
   return endpoint;
 }
 

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/worker/tensor_parallel_kv.h"
 
 namespace tandem::worker {
 namespace {
@@ -38,6 +39,20 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(WorkerOptions opt
                                               .role = role_name,
                                               .listen_host = core->options_.kv_listen_host},
                                              *core->engine_));
+  if (collective::Communicator* comm = core->options_.engine.tensor_parallel;
+      comm != nullptr && comm->size() > 1) {
+    // The followers (RunKvFollower) registered their caches too: every rank's endpoint goes
+    // into this worker's reservations and pushes.
+    TANDEM_ASSIGN_OR_RETURN(std::vector<tandem::v1::TransferEndpoint> ranks,
+                            GatherRankEndpoints(*comm, core->kv_->Describe()));
+    std::vector<engine::KvCacheLayout> layouts;
+    for (const tandem::v1::TransferEndpoint& rank : ranks) {
+      TANDEM_ASSIGN_OR_RETURN(engine::KvCacheLayout layout,
+                              CacheLayoutOf(rank.layout(), rank.num_blocks()));
+      layouts.push_back(layout);
+    }
+    core->kv_->SetGroup(std::move(ranks), std::move(layouts));
+  }
   core->kv_events_ = std::make_unique<KvEventHub>(core->engine_->block_manager());
   return core;
 }

@@ -81,6 +81,30 @@ absl::StatusOr<std::vector<KvCopyRange>> KvBlockCopyRanges(const KvCacheLayout& 
                                                            const std::vector<int32_t>& src_blocks,
                                                            const std::vector<int32_t>& dst_blocks);
 
+// Heads [head_begin, head_end) of the model that destination rank `dst_rank` takes from source
+// rank `src_rank` when KV goes from one tensor-parallel group to another.
+struct KvHeadRun {
+  int src_rank = 0;
+  int dst_rank = 0;
+  int head_begin = 0;
+  int head_end = 0;
+};
+
+// Which source rank gives each destination rank each of its KV heads (rank r's cache is src[r]
+// and dst[r]): the first source rank holding the head, runs in destination order. InvalidArgument,
+// naming the difference, when the caches disagree on layers, block size, head_dim or element
+// type, or when a destination head is held by no source rank.
+absl::StatusOr<std::vector<KvHeadRun>> KvHeadRuns(const std::vector<KvCacheLayout>& src,
+                                                  const std::vector<KvCacheLayout>& dst);
+
+// Appends the byte ranges that move `run`'s heads of tokens [slot, slot + count) of one block,
+// the K (half 0) or V (half 1) of one layer, from `from` (block src_block of layer src_layer)
+// to `to` (dst_block of dst_layer): one range when both caches hold exactly the run's heads,
+// else one per token. Block ids and the slot range are the caller's to check.
+void AppendKvRunRanges(const KvCacheLayout& from, const KvCacheLayout& to, const KvHeadRun& run,
+                       int src_layer, int dst_layer, int half, int32_t src_block, int32_t dst_block,
+                       int slot, int count, std::vector<KvCopyRange>& out);
+
 // What one (source rank, destination rank) pair moves when KV goes from one tensor-parallel
 // group to another (offsets into the source rank's and the destination rank's caches).
 struct KvShardTransfer {

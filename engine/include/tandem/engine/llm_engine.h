@@ -106,8 +106,17 @@ struct EngineOptions {
   // `--tensor-parallel-size`: the group this engine is rank 0 (the leader) of, not owned, which
   // must outlive the engine; null: the whole model here. The engine schedules and samples; its
   // runner sends each step's plan to the other ranks, whose runners (ModelRunner::RunFollower)
-  // hold the other shards. Colocated role and CPU backend only, for now.
+  // hold the other shards. CPU backend only, for now. A prefill or decode worker's followers
+  // also move their KV heads' pages (worker/tensor_parallel_kv.h).
   collective::Communicator* tensor_parallel = nullptr;
+  // With tensor_parallel, the side channel of each step (ModelRunner::set_step_attachment):
+  // called on the engine thread once a step is scheduled, before it runs, with what it will
+  // write; the bytes returned go to every follower with the step's plan (empty: none, and no
+  // reports). After such a step, `tensor_parallel_step_reports` gets each follower's report
+  // (rank r's at [r - 1]). A prefill worker's group tells its followers here which pages to
+  // push, and learns whether they landed.
+  std::function<std::string(std::span<const KvWritten> written)> tensor_parallel_step_attachment;
+  std::function<void(std::span<const std::string> reports)> tensor_parallel_step_reports;
   // The grammar masks of a step's constrained samples are computed on a thread of their own
   // while the forward pass runs (docs/architecture.md, "One engine step"); false computes each
   // when its sample is drawn, after the forward pass (benchmarks compare the two). Outputs are
@@ -309,5 +318,27 @@ absl::StatusOr<std::vector<RequestOutput>> GenerateAll(LlmEngine& engine,
 // leader sends. Returns OK when the leader's engine is destroyed, or the group's error (a rank
 // died, a collective timed out) at once.
 absl::Status RunTensorParallelFollower(const EngineOptions& options);
+
+// The same in two parts, for a follower that prepares its runner before it runs the steps (a
+// worker's rank registers its KV cache with a transfer agent and sets the runner's follower step
+// hooks):
+//   TANDEM_ASSIGN_OR_RETURN(auto follower, TensorParallelFollower::Create(options));
+//   follower->runner().set_follower_step_hooks(...);
+//   return follower->Run();
+class TensorParallelFollower {
+ public:
+  static absl::StatusOr<std::unique_ptr<TensorParallelFollower>> Create(
+      const EngineOptions& options);
+  ~TensorParallelFollower();
+  ModelRunner& runner() { return *runner_; }
+  // ModelRunner::RunFollower.
+  absl::Status Run();
+
+ private:
+  TensorParallelFollower() = default;
+  std::unique_ptr<Checkpoint> checkpoint_;
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<ModelRunner> runner_;
+};
 
 }  // namespace tandem::engine

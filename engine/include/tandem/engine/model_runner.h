@@ -6,6 +6,8 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -129,6 +131,24 @@ class ModelRunner {
   // This runner's slice of the model (rank 0 of 1 without tensor parallelism).
   const TensorParallelShard& shard() const { return shard_; }
 
+  // The side channel of a tensor-parallel step, for work each rank does on its own shard
+  // during the step (a prefill worker's ranks each push their KV heads' pages). On the leader,
+  // `set_step_attachment` hands bytes to the next Execute, which sends them to every follower
+  // with the step's plan; after a step that carried bytes, each follower answers with a report
+  // (at most kMaxStepReportBytes, longer ones are cut), which the leader reads from
+  // step_reports() until the next such step. A follower's `begin` hook gets the bytes before
+  // the step runs (its layer-written hook is called during it), its `end` hook returns the
+  // report once the forward pass is done.
+  static constexpr size_t kMaxStepReportBytes = 4096;
+  void set_step_attachment(std::string bytes) { step_attachment_ = std::move(bytes); }
+  // Follower rank r's report at [r - 1].
+  const std::vector<std::string>& step_reports() const { return step_reports_; }
+  struct FollowerStepHooks {
+    std::function<void(std::string_view attachment)> begin;
+    std::function<std::string()> end;
+  };
+  void set_follower_step_hooks(FollowerStepHooks hooks) { follower_hooks_ = std::move(hooks); }
+
   // Called by Execute on its own thread as soon as layer `layer`'s K and V of every token of
   // the step are in the cache, before the next layer runs: lets a prefill worker push a
   // layer's pages while the later layers are still being computed. On a device backend Execute
@@ -164,7 +184,11 @@ class ModelRunner {
   absl::Status LoadWeights(const Checkpoint& checkpoint, DType weight_dtype);
   // Sends (leader) or receives (follower) a step plan; see model_runner.cc.
   absl::Status SendPlan(int tokens, int num_seqs, int num_sampled, int max_blocks,
-                        const std::vector<std::pair<int32_t, int32_t>>& block_copies);
+                        const std::vector<std::pair<int32_t, int32_t>>& block_copies,
+                        const std::string& attachment);
+  // After a step with an attachment: every rank's report (`mine`) gathered; the leader keeps
+  // the followers'.
+  absl::Status ExchangeStepReports(std::string mine);
   bool tensor_parallel() const { return comm_ != nullptr && comm_->size() > 1; }
   // Backend memory holding `values` (an empty buffer for an empty vector).
   absl::StatusOr<kernels::DeviceBuffer> Upload(const std::vector<float>& values);
@@ -179,6 +203,9 @@ class ModelRunner {
   text::ModelConfig config_;
   ModelRunnerOptions options_;
   std::function<void(int layer)> layer_written_hook_;
+  std::string step_attachment_;             // leader: for the next Execute
+  std::vector<std::string> step_reports_;   // leader: the followers' of the last such step
+  FollowerStepHooks follower_hooks_;
   kernels::Backend* backend_ = nullptr;  // not owned
   collective::Communicator* comm_ = nullptr;  // not owned; null without tensor parallelism
   TensorParallelShard shard_;

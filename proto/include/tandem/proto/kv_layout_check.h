@@ -1,9 +1,11 @@
 // The KV layout handshake rule: when two workers may copy KV pages between their caches.
 //
 // A prefill worker writes raw KV bytes into a decode worker's blocks. Unless both caches have
-// the same dtype, block size, layers, heads, head size, memory order and tensor-parallel shard,
-// those bytes would be read as something else: silent corruption. So every handshake and every
-// reservation is checked, and a mismatch is refused with every difference named:
+// the same dtype, block size, layers, model KV heads, head size and memory order, those bytes
+// would be read as something else: silent corruption. So every handshake and every reservation
+// is checked, and a mismatch is refused with every difference named. Tensor-parallel degrees may
+// differ: the sender maps heads between the groups' ranks (engine::KvHeadRuns).
+//
 //
 //   absl::Status s = tandem::proto::CheckLayoutCompatible(my_layout, endpoint.layout());
 //   // FailedPrecondition: "KV layout mismatch (sender vs receiver): dtype BF16 vs F32;
@@ -22,14 +24,15 @@ namespace tandem::proto {
 std::string KvDtypeName(tandem::v1::KvDtype dtype);
 
 // OK when `layout` describes a usable cache: a known dtype, positive block_size, num_layers,
-// num_kv_heads, head_dim and tp_size, 0 <= tp_rank < tp_size, and a layout_name. Otherwise
-// InvalidArgument naming every bad field and its value.
+// num_kv_heads, head_dim, tp_size and total_kv_heads, 0 <= tp_rank < tp_size, the rank's heads
+// within the model's, and a layout_name. Otherwise InvalidArgument naming every bad field and
+// its value.
 absl::Status ValidateLayout(const tandem::v1::KvLayout& layout);
 
 // OK only when pages written in `sender`'s layout can be read as they are in `receiver`'s: both
 // layouts are valid (else InvalidArgument, as ValidateLayout, saying which side) and dtype,
-// block_size, num_layers, num_kv_heads (per shard), head_dim, tp_size, tp_rank and layout_name
-// all agree. Otherwise FailedPrecondition whose message names every mismatching field with the
+// block_size, num_layers, total_kv_heads, head_dim and layout_name all agree (not the
+// tensor-parallel degree, rank or heads per rank). Otherwise FailedPrecondition whose message names every mismatching field with the
 // sender's value first.
 absl::Status CheckLayoutCompatible(const tandem::v1::KvLayout& sender,
                                    const tandem::v1::KvLayout& receiver);

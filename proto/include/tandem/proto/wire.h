@@ -40,10 +40,13 @@ engine::SamplingParams FromProto(const tandem::v1::SamplingParams& params);
 tandem::v1::KvDtype ToProto(DType dtype);
 
 // The layout of an engine's KV cache as the handshake states it: its element type
-// (--kv-cache-dtype), the engine's block size, layers, KV heads and head size, one unsharded
-// rank, and the memory order "layer[2][blocks][block_size][kv_heads][head_dim]".
+// (--kv-cache-dtype), the engine's block size, layers, KV heads and head size, the
+// tensor-parallel rank whose cache it is (its heads [kv_head_begin, + num_kv_heads); 0: the
+// model's, one unsharded rank), and the memory order
+// "layer[2][blocks][block_size][kv_heads][head_dim]".
 tandem::v1::KvLayout EngineKvLayout(const text::ModelConfig& config, int block_size,
-                                    DType kv_dtype);
+                                    DType kv_dtype, int tp_size = 1, int tp_rank = 0,
+                                    int kv_head_begin = 0, int num_kv_heads = 0);
 
 // Finish reasons on the wire. kPrefilled never crosses it (it becomes NONE); an unknown value
 // from a newer peer becomes kAbort.

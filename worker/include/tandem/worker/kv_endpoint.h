@@ -44,6 +44,12 @@ class KvEndpoint {
   // its Close()).
   static absl::StatusOr<std::unique_ptr<KvEndpoint>> Create(const Options& options,
                                                             engine::LlmEngine& engine);
+  // The same for a cache of `cache_layout` at `cache` held by rank `tp_rank` of a
+  // tensor-parallel group (a follower's runner).
+  static absl::StatusOr<std::unique_ptr<KvEndpoint>> Create(const Options& options,
+                                                            const text::ModelConfig& config,
+                                                            const engine::KvCacheLayout& cache_layout,
+                                                            int tp_rank, void* cache);
   // Close().
   ~KvEndpoint();
 
@@ -53,8 +59,22 @@ class KvEndpoint {
   const std::string& backend() const { return options_.backend; }
 
   // Where peers push into this cache: backend, agent address, the region's descriptor, the
-  // number of blocks and the layout (what a reservation hands out).
+  // number of blocks and the layout (what a reservation hands out); on rank 0 of a
+  // tensor-parallel group, with every rank's endpoint (SetGroup).
   tandem::v1::TransferEndpoint Describe() const;
+  // Rank 0 of a tensor-parallel group: every rank's endpoint (GatherRankEndpoints), rank r's at
+  // [r], and their caches' layouts. Before serving.
+  void SetGroup(std::vector<tandem::v1::TransferEndpoint> ranks,
+                std::vector<engine::KvCacheLayout> layouts) {
+    group_ = std::move(ranks);
+    group_layouts_ = std::move(layouts);
+  }
+  // Each rank's cache layout (this cache's alone without a group).
+  std::vector<engine::KvCacheLayout> group_layouts() const {
+    return group_layouts_.empty() ? std::vector<engine::KvCacheLayout>{cache_layout_}
+                                  : group_layouts_;
+  }
+  int tp_size() const { return cache_layout_.tp_size; }
 
   // The Handshake RPC of a worker named `worker_id`: OK with this side's id and layout when
   // pages can go from the sender to the receiver (this side sends when `this_side_sends`),
@@ -97,6 +117,8 @@ class KvEndpoint {
   std::string descriptor_;
   std::unique_ptr<kvtransfer::Agent> agent_;
   bool registered_ = false;
+  std::vector<tandem::v1::TransferEndpoint> group_;
+  std::vector<engine::KvCacheLayout> group_layouts_;
 
   std::mutex peers_mu_;
   std::map<std::string, kvtransfer::PeerId> peers_;  // guarded by peers_mu_
