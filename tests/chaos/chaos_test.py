@@ -4,7 +4,9 @@ and one failure per scenario. Workers are listed on the router's command line, a
 discovered through etcd (registered on leases), where etcd and the router are also restarted
 and the router must follow workers that join and leave. Every request must still finish, with the exact tokens an
 undisturbed run gives (greedy decoding, so a migrated stream that skipped or repeated a token
-would differ), and no KV block may stay in use on the workers that are left.
+would differ), and no KV block may stay in use on the workers that are left. One scenario runs
+decode workers of two tensor-parallel ranks and kills one rank: its group must go down, its
+streams move, and it must leave etcd.
 
 Prints one table row per scenario: requests sent, succeeded, failed, lost (never finished),
 and recovery time (from the failure until the last stream that was in flight at that moment
@@ -347,6 +349,15 @@ def run_scenario(name, action, reference, seconds, clients, etcd=None, ttl=LEASE
             problems.append("no request was in flight across the failure")
         if getattr(action, "moves", False) and retries < 1:
             problems.append("no stream was moved (no retry counted): the failure hit no work")
+        if getattr(action, "leaves_etcd", False):
+            # The router's capacity is the decode workers' it discovers: once the victim's
+            # lease expires, only the survivor's is left.
+            left = metric(decodes[1].metrics_url, "tandem_kv_cache_blocks_capacity")
+            try:
+                wait_until(lambda: router_capacity(topology["router"].url) == left,
+                           "leave of the killed group from etcd", limit=ttl + HANG_S)
+            except RuntimeError as e:
+                problems.append(str(e))
         wrong = [r for r in records if r[2] and r[3] != reference]
         failed = [r for r in records if not r[2]]
         return {
@@ -400,6 +411,38 @@ def kill(role, sig, grace=True):
     action.drains = sig == signal.SIGTERM
     action.moves = sig == signal.SIGKILL or not grace
     return action
+
+
+def kill_tp_rank(prefills, decodes, topology):
+    """SIGKILL of one follower rank of the first decode worker's tensor-parallel group: rank 0
+    must take the group down at once (its streams then move) and the group must leave etcd
+    (its lease, unrenewed, expires)."""
+    victim = decodes[0]
+    followers = cluster_children(victim.proc.pid)
+    if not followers:
+        raise RuntimeError("the tensor-parallel decode worker runs no follower process")
+    os.kill(followers[0], signal.SIGKILL)
+    return victim
+
+
+kill_tp_rank.role = "decode"
+kill_tp_rank.moves = True
+kill_tp_rank.leaves_etcd = True
+
+
+def cluster_children(pid):
+    """Pids whose parent is `pid`."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except OSError:
+            pass
+    return out
 
 
 def start_long_run_workers(decode_extra=()):
@@ -620,6 +663,8 @@ def main():
          no_grace, ()),
         ("etcd: SIGKILL decode worker", kill("decode", signal.SIGKILL), True, (), ()),
         ("etcd: SIGTERM (drain) decode worker", kill("decode", signal.SIGTERM), True, (), ()),
+        # Decode workers of 2 tensor-parallel ranks each; one rank of one group is killed.
+        ("etcd: SIGKILL one rank of a tp=2 decode", kill_tp_rank, True, ["--tp", "2"], ()),
         ("etcd: SIGTERM (drain, no grace) decode", kill("decode", signal.SIGTERM, grace=False),
          True, no_grace, ()),
         ("etcd: restart etcd", restart_etcd, True, (), ()),
