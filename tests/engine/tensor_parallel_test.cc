@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tandem/collective/gloo_communicator.h"
 #include "tandem/engine/llm_engine.h"
@@ -152,6 +153,91 @@ INSTANTIATE_TEST_SUITE_P(ArchsAndDegrees, TensorParallelTest,
                            return absl::StrCat(std::get<0>(info.param), "Tp",
                                                std::get<1>(info.param));
                          });
+
+// The step side channel a worker's ranks move their KV over: each step's bytes reach every
+// follower before its layers run, its layer hook runs once per layer, and each follower's report
+// comes back to the leader after the step; a step given no bytes sends none and asks for no
+// report.
+TEST(TensorParallelStepSideChannelTest, AttachmentsReachFollowersAndReportsComeBack) {
+  const std::string model = testing::TinyModel("llama", DType::kF32);
+  constexpr int kTp = 2;
+  TempDir dir;
+  std::vector<absl::Status> follower_status(kTp, absl::OkStatus());
+  std::vector<std::vector<std::string>> reports;  // per step with bytes, in step order
+  std::vector<std::string> sent;
+  int steps = 0;
+  int num_layers = 0;
+  {
+    std::vector<std::jthread> followers;
+    for (int rank = 1; rank < kTp; ++rank) {
+      followers.emplace_back([&, rank] {
+        auto comm = collective::CreateGlooCommunicator(
+            {.rank = rank, .size = kTp, .file_store_dir = dir.path()});
+        if (!comm.ok()) {
+          follower_status[rank] = comm.status();
+          return;
+        }
+        EngineOptions options = Options(model);
+        options.tensor_parallel = comm->get();
+        auto follower = TensorParallelFollower::Create(options);
+        if (!follower.ok()) {
+          follower_status[rank] = follower.status();
+          return;
+        }
+        std::string seen;
+        int layers = 0;
+        ModelRunner& runner = (*follower)->runner();
+        runner.set_layer_written_hook([&layers](int) { ++layers; });
+        runner.set_follower_step_hooks(
+            {.begin =
+                 [&](std::string_view attachment) {
+                   seen = std::string(attachment);
+                   layers = 0;
+                 },
+             .end = [&, rank] { return absl::StrCat("rank ", rank, " ", seen, " ", layers); }});
+        follower_status[rank] = (*follower)->Run();
+      });
+    }
+    auto comm =
+        collective::CreateGlooCommunicator({.rank = 0, .size = kTp, .file_store_dir = dir.path()});
+    ASSERT_TRUE(comm.ok()) << comm.status();
+    EngineOptions options = Options(model);
+    options.tensor_parallel = comm->get();
+    options.tensor_parallel_step_attachment = [&](std::span<const KvWritten> written) {
+      // Every other step carries the ids and token ranges it writes.
+      if (steps++ % 2 == 1) return std::string();
+      std::string bytes;
+      for (const KvWritten& w : written) {
+        bytes += absl::StrCat(std::string(w.request_id), "[", w.begin, ",", w.end);
+        bytes += ")";
+      }
+      sent.push_back(bytes);
+      return bytes;
+    };
+    options.tensor_parallel_step_reports = [&](std::span<const std::string> step) {
+      reports.emplace_back(step.begin(), step.end());
+    };
+    auto engine = LlmEngine::Create(options);
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    num_layers = (*engine)->config().num_layers;
+    auto out = GenerateAll(**engine, Requests((*engine)->config().vocab_size));
+    ASSERT_TRUE(out.ok()) << out.status();
+    engine->reset();
+  }
+  for (int rank = 1; rank < kTp; ++rank) {
+    EXPECT_TRUE(follower_status[rank].ok()) << "rank " << rank << ": " << follower_status[rank];
+  }
+  ASSERT_GT(steps, kSteps);
+  ASSERT_EQ(reports.size(), sent.size());
+  EXPECT_EQ(sent.size(), static_cast<size_t>((steps + 1) / 2));
+  for (size_t i = 0; i < sent.size(); ++i) {
+    ASSERT_EQ(reports[i].size(), static_cast<size_t>(kTp - 1));
+    for (int rank = 1; rank < kTp; ++rank) {
+      EXPECT_EQ(reports[i][rank - 1], absl::StrCat("rank ", rank, " ", sent[i], " ", num_layers))
+          << "step " << 2 * i;
+    }
+  }
+}
 
 TEST(TensorParallelShardTest, SplitsOrReplicatesKvHeads) {
   text::ModelConfig c;
