@@ -31,6 +31,7 @@ tandem::v1::KvLayout DecodeLayout() {
   layout.set_head_dim(128);
   layout.set_tp_size(1);
   layout.set_tp_rank(0);
+  layout.set_total_kv_heads(8);
   layout.set_layout_name("layer[2][blocks][block_size][kv_heads][head_dim]");
   return layout;
 }

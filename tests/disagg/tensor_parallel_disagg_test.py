@@ -9,7 +9,8 @@
   changes the tokens.
 - A storm of streams cut mid-prefill and mid-decode leaves 0 KV blocks in use on both workers
   (the leader's block manager is the group's) and the next request is served in full.
-- Each group runs as one process per rank.
+- Each group runs as one process per rank; `tandem serve --prefill-tp 2 --decode-tp 2` runs
+  both workers in one process and starts their followers.
 
 usage: tensor_parallel_disagg_test.py TANDEM_BINARY [unittest args]
 """
@@ -93,6 +94,15 @@ class TensorParallelDisaggregated(e2e.ProcessesTestCase):
     def tearDownClass(cls):
         assert cls.colocated.stop() == 0
 
+    def assert_same(self, got, want, what):
+        for (gi, gtext, gtokens, glogprobs, gfinish), (wi, wtext, wtokens, wlogprobs, wfinish) \
+                in zip(e2e.comparable(got), e2e.comparable(want), strict=True):
+            self.assertEqual((gi, gtext, gtokens, gfinish), (wi, wtext, wtokens, wfinish), what)
+            # The ranks' partial sums are added in another order than one rank's.
+            for a, b in zip(glogprobs, wlogprobs, strict=True):
+                self.assertAlmostEqual(a, b, delta=1e-4, msg=what)
+        self.assertEqual(got["usage"], want["usage"], what)
+
     def check_degrees(self, prefill_tp, decode_tp):
         decode = self.start(e2e.start_worker(
             "decode", extra=["--tp", str(decode_tp), "--step-delay-ms", str(self.DECODE_DELAY_MS)]))
@@ -104,14 +114,10 @@ class TensorParallelDisaggregated(e2e.ProcessesTestCase):
 
         got = e2e.run_all(router.url, self.bodies)
         for i, (w, g) in enumerate(zip(self.want, got)):
-            what = f"request {i}, prefill tp {prefill_tp}, decode tp {decode_tp}"
-            for (gi, gtext, gtokens, glogprobs, gfinish), (wi, wtext, wtokens, wlogprobs, wfinish) \
-                    in zip(e2e.comparable(g), e2e.comparable(w), strict=True):
-                self.assertEqual((gi, gtext, gtokens, gfinish), (wi, wtext, wtokens, wfinish), what)
-                # The ranks' partial sums are added in another order than one rank's.
-                for a, b in zip(glogprobs, wlogprobs, strict=True):
-                    self.assertAlmostEqual(a, b, delta=1e-4, msg=what)
-            self.assertEqual(g["usage"], w["usage"])
+            self.assert_same(g, w, f"request {i}, prefill tp {prefill_tp}, decode tp {decode_tp}")
+        for worker, tp in ((prefill, prefill_tp), (decode, decode_tp)):
+            moved = e2e.metric(worker.metrics_url, "tandem_tensor_parallel_collective_bytes_total")
+            self.assertEqual(moved > 0, tp > 1, f"{worker.metrics_url}: collective bytes {moved}")
 
         self.assertEqual(storm(router.url, 40), 20, "every second stream was cut mid-decode")
         self.assertEqual(e2e.wait_for_zero(router.url + "/metrics",
@@ -126,6 +132,19 @@ class TensorParallelDisaggregated(e2e.ProcessesTestCase):
                          0)
         for p in (router, prefill, decode):
             self.assertEqual(p.stop(), 0)
+
+    def test_serve_runs_both_groups(self):
+        """`tandem serve --prefill-tp 2 --decode-tp 2`: the workers in one process, one more
+        process per follower rank, the colocated tokens."""
+        serve = self.start(e2e.Process(
+            ["serve", "--model", e2e.MODEL, "--port", "0", "--prefill-tp", "2", "--decode-tp",
+             "2"] + e2e.ENGINE_FLAGS, r"on (http://127\.0\.0\.1:\d+) \(prefill (.*)\)"))
+        self.assertIn("over 2 ranks, decode", serve.match.group(2))
+        self.assertEqual(len(children(serve.proc.pid)), 2, "one follower per group")
+        got = e2e.run_all(serve.match.group(1), self.bodies[:4])
+        for i, (w, g) in enumerate(zip(self.want, got)):
+            self.assert_same(g, w, f"request {i}, serve --prefill-tp 2 --decode-tp 2")
+        self.assertEqual(serve.stop(), 0)
 
     def test_prefill_2_decode_1(self):
         self.check_degrees(2, 1)

@@ -191,7 +191,7 @@ absl::StatusOr<std::unique_ptr<cluster::WorkerRegistration>> RegisterWorker(
 
 template <typename Worker, typename Options>
 absl::Status ServeWorker(const std::string& command, const sigset_t& signals,
-                         const WorkerFlags& flags);
+                         const WorkerFlags& flags, TensorParallelGroup& tp);
 
 template <typename Worker, typename Options>
 absl::Status RunWorker(const std::string& command, int default_port, int argc, char** argv) {
@@ -222,12 +222,12 @@ absl::Status RunWorker(const std::string& command, int default_port, int argc, c
   TANDEM_RETURN_IF_ERROR(tp.Start());
   flags.engine.tensor_parallel = tp.communicator();
   // The worker (and so the followers' steps) ends inside; then the group finishes.
-  return tp.Finish(ServeWorker<Worker, Options>(command, signals, flags));
+  return tp.Finish(ServeWorker<Worker, Options>(command, signals, flags, tp));
 }
 
 template <typename Worker, typename Options>
 absl::Status ServeWorker(const std::string& command, const sigset_t& signals,
-                         const WorkerFlags& flags) {
+                         const WorkerFlags& flags, TensorParallelGroup& tp) {
   Options options;
   options.engine = flags.engine;
   options.worker_id = flags.worker_id;
@@ -259,6 +259,7 @@ absl::Status ServeWorker(const std::string& command, const sigset_t& signals,
   do {
     sigwait(&signals, &received);
   } while (received == SIGUSR1 && *registration == nullptr);
+  tp.Stopping();  // the worker's engine releases its followers as it shuts down
   if (received == SIGUSR1) {
     // The lease is gone: routers have dropped this worker, so it stops serving.
     std::string reason;

@@ -39,12 +39,48 @@ void DeclareTensorParallelFlags(Args& args) {
   args.Declare("tp-host", "HOST",
                "the address the other ranks reach this rank's collectives at (default 127.0.0.1 "
                "on one node, else this machine's host name)");
+  args.Declare("tp-group", "NAME",
+               "set by `serve` on the ranks it starts for --prefill-tp / --decode-tp: which "
+               "worker's group the rank belongs to");
+}
+
+std::string TensorParallelGroupName(const Args& args) { return args.GetOr("tp-group", ""); }
+
+absl::Status TensorParallelGroup::ConfigureNamed(const Args& args, int argc, char** argv,
+                                                 const std::string& name, int size) {
+  command_ = args.command();
+  argv_.assign(argv, argv + argc);
+  name_ = name;
+  const std::string prefix = absl::StrCat(command_, ": ");
+  if (size < 1 || size > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "the ", name, " worker's tensor-parallel size must be in [1, 64]"));
+  }
+  size_ = size;
+  rank_ = 0;
+  host_ = "127.0.0.1";
+  if (TensorParallelGroupName(args) == name) {
+    // A follower this command started for the group: its rank and the store's address.
+    TANDEM_ASSIGN_OR_RETURN(int64_t rank, args.Int("tp-rank", 0));
+    leader_ = args.GetOr("tp-leader", "");
+    if (rank < 1 || rank >= size_ || leader_.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, "--tp-group ", name, " needs --tp-rank in [1, ", size_ - 1,
+                       "] and --tp-leader"));
+    }
+    rank_ = static_cast<int>(rank);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status TensorParallelGroup::Configure(const Args& args, int argc, char** argv) {
   command_ = args.command();
   argv_.assign(argv, argv + argc);
   const std::string prefix = absl::StrCat(command_, ": ");
+  if (args.Has("tp-group")) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, "--tp-group is set by `serve --prefill-tp/--decode-tp` on the ranks it starts"));
+  }
   if (args.Has("tensor-parallel-size") && args.Has("tp") &&
       *args.Get("tensor-parallel-size") != *args.Get("tp")) {
     return absl::InvalidArgumentError(
@@ -147,6 +183,10 @@ absl::Status TensorParallelGroup::Start() {
                                     std::string("--tp-leader"), store_->address()}) {
       args.push_back(flag);
     }
+    if (!name_.empty()) {
+      args.push_back("--tp-group");
+      args.push_back(name_);
+    }
     if (!host_given_) {
       args.push_back("--tp-host");
       args.push_back(host_);
@@ -183,7 +223,7 @@ absl::Status TensorParallelGroup::Start() {
       while (::waitpid(child.pid, &status, 0) < 0 && errno == EINTR) {
       }
       child.status = status;
-      if (finishing_.exchange(true)) return;
+      if (stopping_ || finishing_.exchange(true)) return;
       // A rank went away while the group runs: the group cannot compute another step.
       std::fprintf(stderr, "tandem %s: tensor-parallel rank %d (pid %d) %s; stopping the group\n",
                    command_.c_str(), child.rank, static_cast<int>(child.pid),

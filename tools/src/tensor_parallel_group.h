@@ -36,6 +36,8 @@
 namespace tandem::tools {
 
 void DeclareTensorParallelFlags(Args& args);
+// The group a follower rank of `serve --prefill-tp/--decode-tp` belongs to ("" otherwise).
+std::string TensorParallelGroupName(const Args& args);
 
 class TensorParallelGroup {
  public:
@@ -48,6 +50,10 @@ class TensorParallelGroup {
   // Reads the flags (argv as the subcommand got it: argv[0] is its name, kept to start the
   // followers with the same flags). InvalidArgument for flags that do not fit together.
   absl::Status Configure(const Args& args, int argc, char** argv);
+  // One of several groups a command runs on one node (`serve --prefill-tp N --decode-tp M`):
+  // `size` ranks, and its followers are started with `--tp-group NAME` besides their rank.
+  absl::Status ConfigureNamed(const Args& args, int argc, char** argv, const std::string& name,
+                              int size);
   int size() const { return size_; }
   int rank() const { return rank_; }
   bool follower() const { return rank_ > 0; }
@@ -65,6 +71,10 @@ class TensorParallelGroup {
   absl::Status Start();
   // The group's communicator for EngineOptions::tensor_parallel; null for a group of one.
   collective::Communicator* communicator() const { return comm_.get(); }
+  // Rank 0, before it destroys its engine (which releases the followers): their exits from
+  // now on are expected, not a failure of the group (Finish reports how they exited). A
+  // command with several groups calls it on each before destroying any engine.
+  void Stopping() { stopping_ = true; }
   // Rank 0, after the engine is destroyed: with `status` OK waits for the followers it started
   // and returns the first one's failure; otherwise kills them and returns `status`.
   absl::Status Finish(absl::Status status);
@@ -75,6 +85,7 @@ class TensorParallelGroup {
 
   std::string command_;
   std::vector<std::string> argv_;
+  std::string name_;  // ConfigureNamed's
   int size_ = 1;
   int rank_ = 0;
   std::string leader_;  // --tp-leader, empty on one node
@@ -90,6 +101,7 @@ class TensorParallelGroup {
   std::vector<Child> children_;
   std::vector<std::thread> watchers_;
   std::atomic<bool> finishing_{false};
+  std::atomic<bool> stopping_{false};
 };
 
 }  // namespace tandem::tools
