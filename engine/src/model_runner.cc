@@ -173,7 +173,7 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoin
           "tensor parallelism runs on the CPU backend (Gloo) for now; the CUDA backend's "
           "NCCL wiring is not built yet");
     }
-    TANDEM_RETURN_IF_ERROR(TensorParallelWeightsSupported(checkpoint));
+    TANDEM_RETURN_IF_ERROR(TensorParallelWeightsSupported(checkpoint, comm->size()));
     const text::ModelConfig& c = checkpoint.config();
     std::vector<int32_t> settings(kSettingsFields);
     settings[kMaxBatchedTokens] = options.max_num_batched_tokens;
@@ -312,6 +312,8 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight
   // of its W[out, in] (a column-parallel shard takes rows, a row-parallel one columns).
   struct Part {
     std::string module;
+    int out;  // the module's W[out, in]
+    int in;
     int row_begin;
     int rows;
     int col_begin = 0;
@@ -343,11 +345,23 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight
           absl::StrCat(parts.begin()->module,
                        ": layers fused into one projection are quantised and unquantised both"));
     }
-    // Create refuses tensor parallelism over quantised checkpoints: parts are whole modules.
+    // Unpacked whole, then cut to this rank's rows or inputs.
     std::vector<QuantizedMatrix> matrices;
     for (const Part& part : parts) {
       TANDEM_ASSIGN_OR_RETURN(QuantizedMatrix matrix,
-                              ReadQuantizedMatrix(checkpoint, part.module, part.rows, k));
+                              ReadQuantizedMatrix(checkpoint, part.module, part.out, part.in));
+      if (part.rows != part.out) {
+        matrix = SliceQuantizedRows(matrix, part.row_begin, part.rows);
+      }
+      if (part.cols >= 0 && part.cols != part.in) {
+        absl::StatusOr<QuantizedMatrix> cols =
+            SliceQuantizedCols(matrix, part.col_begin, part.cols);
+        if (!cols.ok()) {
+          return absl::Status(cols.status().code(),
+                              absl::StrCat(part.module, ": ", cols.status().message()));
+        }
+        matrix = std::move(cols).value();
+      }
       matrices.push_back(std::move(matrix));
     }
     TANDEM_ASSIGN_OR_RETURN(QuantizedMatrix stacked, StackRows(std::move(matrices)));
@@ -394,11 +408,14 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight
     TANDEM_ASSIGN_OR_RETURN(layer->input_norm, read(p + "input_layernorm.weight"));
     TANDEM_ASSIGN_OR_RETURN(layer->post_attn_norm, read(p + "post_attention_layernorm.weight"));
     // q, k and v share their input, so one fused projection reads it once: this rank's heads.
-    TANDEM_ASSIGN_OR_RETURN(layer->qkv,
-                            load_projection({{p + "self_attn.q_proj", q_begin, q_dim},
-                                             {p + "self_attn.k_proj", kv_begin, kv_dim},
-                                             {p + "self_attn.v_proj", kv_begin, kv_dim}},
-                                            c.hidden_size));
+    const int all_q = c.num_heads * hd;
+    const int all_kv = c.num_kv_heads * hd;
+    TANDEM_ASSIGN_OR_RETURN(
+        layer->qkv,
+        load_projection({{p + "self_attn.q_proj", all_q, c.hidden_size, q_begin, q_dim},
+                         {p + "self_attn.k_proj", all_kv, c.hidden_size, kv_begin, kv_dim},
+                         {p + "self_attn.v_proj", all_kv, c.hidden_size, kv_begin, kv_dim}},
+                        c.hidden_size));
     std::vector<float> qkv_bias;
     if (c.attention_bias) {
       for (auto [name, begin, count] : {std::tuple{"q_proj", q_begin, q_dim},
@@ -418,17 +435,24 @@ absl::Status ModelRunner::LoadWeights(const Checkpoint& checkpoint, DType weight
     // Row-parallel: this rank's input columns; the partial outputs are summed across ranks.
     TANDEM_ASSIGN_OR_RETURN(
         layer->o,
-        load_projection({{p + "self_attn.o_proj", 0, c.hidden_size, q_begin, q_dim}}, q_dim));
+        load_projection(
+            {{p + "self_attn.o_proj", c.hidden_size, all_q, 0, c.hidden_size, q_begin, q_dim}},
+            q_dim));
     // The bias is added once, by rank 0, before the sum.
     if (c.o_proj_bias && shard.rank == 0) {
       TANDEM_ASSIGN_OR_RETURN(layer->o_bias, read(p + "self_attn.o_proj.bias"));
     }
-    TANDEM_ASSIGN_OR_RETURN(layer->gate_up, load_projection({{p + "mlp.gate_proj", i_begin, inter},
-                                                             {p + "mlp.up_proj", i_begin, inter}},
-                                                            c.hidden_size));
+    const int all_inter = c.intermediate_size;
+    TANDEM_ASSIGN_OR_RETURN(
+        layer->gate_up,
+        load_projection({{p + "mlp.gate_proj", all_inter, c.hidden_size, i_begin, inter},
+                         {p + "mlp.up_proj", all_inter, c.hidden_size, i_begin, inter}},
+                        c.hidden_size));
     TANDEM_ASSIGN_OR_RETURN(
         layer->down,
-        load_projection({{p + "mlp.down_proj", 0, c.hidden_size, i_begin, inter}}, inter));
+        load_projection(
+            {{p + "mlp.down_proj", c.hidden_size, all_inter, 0, c.hidden_size, i_begin, inter}},
+            inter));
     layers_.push_back(std::move(layer));
   }
   return absl::OkStatus();

@@ -200,4 +200,62 @@ absl::StatusOr<QuantizedMatrix> StackRows(std::vector<QuantizedMatrix> parts) {
   return out;
 }
 
+QuantizedMatrix SliceQuantizedRows(const QuantizedMatrix& m, int begin, int count) {
+  QuantizedMatrix out;
+  out.quant = m.quant;
+  out.n = count;
+  out.k = m.k;
+  out.group_size = m.group_size;
+  out.k_order = m.k_order;
+  const size_t groups = m.group_size > 0 ? static_cast<size_t>(m.k / m.group_size) : 0;
+  auto rows = [&](const auto& v, size_t width, auto& to) {
+    if (v.empty()) return;
+    to.assign(v.begin() + static_cast<ptrdiff_t>(begin * width),
+              v.begin() + static_cast<ptrdiff_t>((begin + count) * width));
+  };
+  rows(m.values, static_cast<size_t>(m.k), out.values);
+  rows(m.scales, groups, out.scales);
+  rows(m.zeros, groups, out.zeros);
+  return out;
+}
+
+absl::StatusOr<QuantizedMatrix> SliceQuantizedCols(const QuantizedMatrix& m, int begin,
+                                                   int count) {
+  if (!m.k_order.empty()) {
+    return absl::UnimplementedError(
+        "tensor parallelism does not split the inputs of an act-order (desc_act) GPTQ layer: "
+        "its groups are scattered over the inputs");
+  }
+  const int g = m.group_size;
+  // Int8 has one scale per row (group_size k): a slice keeps the row's scale.
+  const bool per_row = m.quant == kernels::WeightQuant::kInt8 && g == m.k;
+  if (!per_row && (begin % g != 0 || count % g != 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "a tensor-parallel rank's inputs [", begin, ", ", begin + count,
+        ") of a layer quantised in groups of ", g, " inputs are not whole groups"));
+  }
+  QuantizedMatrix out;
+  out.quant = m.quant;
+  out.n = m.n;
+  out.k = count;
+  out.group_size = per_row ? count : g;
+  const int groups = m.k / g;
+  const int group_begin = per_row ? 0 : begin / g;
+  const int out_groups = per_row ? 1 : count / g;
+  out.values.resize(static_cast<size_t>(m.n) * count);
+  out.scales.resize(static_cast<size_t>(m.n) * out_groups);
+  if (!m.zeros.empty()) out.zeros.resize(static_cast<size_t>(m.n) * out_groups);
+  for (int r = 0; r < m.n; ++r) {
+    std::copy_n(m.values.begin() + static_cast<ptrdiff_t>(r) * m.k + begin, count,
+                out.values.begin() + static_cast<ptrdiff_t>(r) * count);
+    std::copy_n(m.scales.begin() + static_cast<ptrdiff_t>(r) * groups + group_begin, out_groups,
+                out.scales.begin() + static_cast<ptrdiff_t>(r) * out_groups);
+    if (!m.zeros.empty()) {
+      std::copy_n(m.zeros.begin() + static_cast<ptrdiff_t>(r) * groups + group_begin, out_groups,
+                  out.zeros.begin() + static_cast<ptrdiff_t>(r) * out_groups);
+    }
+  }
+  return out;
+}
+
 }  // namespace tandem::engine

@@ -97,9 +97,10 @@ with tempfile.TemporaryDirectory() as tmp:
     check(generate(2, "--tensor-parallel-size", "2", *seeded)["token_ids"] ==
           generate(1, *seeded)["token_ids"], "seeded sampling: --tp 2 gives the tokens of --tp 1")
 
-    qmodel = os.path.join(tmp, "int8")
-    r = run("synth-model", "--out", qmodel, "--preset", "tiny", "--quant", "int8")
-    check(r.returncode == 0, f"synth-model --quant int8: {r.stderr}")
+    qmodel = os.path.join(tmp, "gptq-act-order")
+    r = run("synth-model", "--out", qmodel, "--preset", "tiny", "--quant", "gptq",
+            "--group-size", "32", "--desc-act")
+    check(r.returncode == 0, f"synth-model --quant gptq --desc-act: {r.stderr}")
     base = ["generate", "--model", model, "--prompt", "x", "--threads", "1"]
     bad = [
         (base + ["--tp", "3"], "does not divide the 4 attention heads"),
@@ -109,7 +110,7 @@ with tempfile.TemporaryDirectory() as tmp:
         (base + ["--tp", "2", "--tp-rank", "2", "--tp-leader", "127.0.0.1:1"], "--tp-rank must be"),
         (base + ["--tp-leader", "127.0.0.1:1"], "need --tensor-parallel-size > 1"),
         (["generate", "--model", qmodel, "--prompt", "x", "--threads", "1", "--tp", "2"],
-         "does not shard quantised checkpoints"),
+         "does not shard act-order (desc_act) checkpoints yet"),
         (["serve", "--model", model, "--port", "0", "--tp", "2"],
          "give the workers theirs with --prefill-tp N and --decode-tp M"),
         (["serve", "--colocated", "--model", model, "--port", "0", "--decode-tp", "2"],

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "tandem/collective/gloo_communicator.h"
+#include "tandem/engine/checkpoint.h"
 #include "tandem/engine/llm_engine.h"
 #include "test_models.h"
 
@@ -237,6 +238,64 @@ TEST(TensorParallelStepSideChannelTest, AttachmentsReachFollowersAndReportsComeB
           << "step " << 2 * i;
     }
   }
+}
+
+// Weight-only quantised checkpoints split unpacked: a rank's output rows with their scales,
+// or its inputs as whole groups; tp=2 and tp=4 give the tokens of one engine on the same
+// checkpoint. Groups of 8 inputs, so that 4 ranks' parts of down_proj's 160 inputs are whole
+// groups.
+class QuantizedTensorParallelTest
+    : public ::testing::TestWithParam<std::tuple<std::string /*quant*/, int /*tp*/>> {};
+
+TEST_P(QuantizedTensorParallelTest, GivesTheTokensOfOneEngine) {
+  const auto& [quant, tp] = GetParam();
+  const std::string model =
+      testing::TinyQuantModel("llama", quant, DType::kF32, false, true, /*group_size=*/8);
+  auto single = LlmEngine::Create(Options(model));
+  ASSERT_TRUE(single.ok()) << single.status();
+  const int vocab = (*single)->config().vocab_size;
+  auto expected = GenerateAll(**single, Requests(vocab));
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  single->reset();
+  std::vector<RequestOutput> got = RunGroup(model, tp, Requests(vocab));
+  ASSERT_EQ(got.size(), expected->size());
+  for (size_t r = 0; r < got.size(); ++r) {
+    const ChoiceDelta& want = (*expected)[r].choices[0];
+    const ChoiceDelta& have = got[r].choices[0];
+    ASSERT_EQ(want.token_ids.size(), static_cast<size_t>(kSteps));
+    EXPECT_EQ(have.token_ids, want.token_ids) << (*expected)[r].request_id;
+    ASSERT_EQ(have.logprobs.size(), want.logprobs.size());
+    for (size_t i = 0; i < want.logprobs.size(); ++i) {
+      EXPECT_NEAR(have.logprobs[i], want.logprobs[i], 1e-4)
+          << (*expected)[r].request_id << " token " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(QuantsAndDegrees, QuantizedTensorParallelTest,
+                         ::testing::Combine(::testing::Values("int8", "awq", "gptq"),
+                                            ::testing::Values(2, 4)),
+                         [](const auto& info) {
+                           return absl::StrCat(std::get<0>(info.param), "Tp",
+                                               std::get<1>(info.param));
+                         });
+
+TEST(QuantizedTensorParallelTest, RefusesActOrderAndCutGroups) {
+  auto act_order = Checkpoint::Open(testing::TinyQuantModel("llama", "gptq", DType::kF16, true));
+  ASSERT_TRUE(act_order.ok()) << act_order.status();
+  absl::Status status = TensorParallelWeightsSupported(**act_order, 2);
+  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
+  EXPECT_NE(status.message().find("act-order"), std::string::npos) << status;
+  EXPECT_TRUE(TensorParallelWeightsSupported(**act_order, 1).ok());
+  // Groups of 32 inputs: 2 ranks would give each 80 of down_proj's 160 inputs.
+  auto awq = Checkpoint::Open(testing::TinyQuantModel("llama", "awq", DType::kF32));
+  ASSERT_TRUE(awq.ok()) << awq.status();
+  status = TensorParallelWeightsSupported(**awq, 2);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
+  EXPECT_NE(status.message().find("down_proj into parts of 80, not whole quantisation groups "
+                                  "of 32"),
+            std::string::npos)
+      << status;
 }
 
 TEST(TensorParallelShardTest, SplitsOrReplicatesKvHeads) {

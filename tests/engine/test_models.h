@@ -67,16 +67,17 @@ inline std::string TinyDraftModel(const std::string& arch, DType dtype, int voca
 // quantises are TinyModel(arch, kF32)'s.
 inline std::string TinyQuantModel(const std::string& arch, const std::string& quant,
                                   DType dtype = DType::kF16, bool desc_act = false,
-                                  bool sym = true) {
+                                  bool sym = true, int group_size = 32) {
   tools::SynthModelOptions options;
   options.arch = arch;
   options.dtype = dtype;
   options.quant = quant;
-  options.group_size = 32;
+  options.group_size = group_size;
   options.desc_act = desc_act;
   options.sym = sym;
   return SynthOnce(absl::StrCat("tiny-", arch, "-", quant, "-", DTypeName(dtype),
-                                desc_act ? "-act-order" : "", sym ? "" : "-asym"),
+                                desc_act ? "-act-order" : "", sym ? "" : "-asym",
+                                group_size == 32 ? "" : absl::StrCat("-g", group_size)),
                    options);
 }
 

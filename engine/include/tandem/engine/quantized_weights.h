@@ -41,4 +41,13 @@ absl::StatusOr<QuantizedMatrix> ReadQuantizedMatrix(const Checkpoint& checkpoint
 // size and k order (GPTQ quantises layers that share an input with one act order).
 absl::StatusOr<QuantizedMatrix> StackRows(std::vector<QuantizedMatrix> parts);
 
+// A tensor-parallel rank's part of a layer: its output rows [begin, begin + count) (a
+// column-parallel projection), with their scales and zero points.
+QuantizedMatrix SliceQuantizedRows(const QuantizedMatrix& m, int begin, int count);
+// Its inputs [begin, begin + count) (a row-parallel projection): whole groups of the layer's
+// scales (int8's one scale per row is kept). InvalidArgument when the inputs cut a group;
+// Unimplemented for an act-order layer (its groups are scattered over the inputs).
+absl::StatusOr<QuantizedMatrix> SliceQuantizedCols(const QuantizedMatrix& m, int begin,
+                                                   int count);
+
 }  // namespace tandem::engine

@@ -48,13 +48,16 @@ struct TensorParallelShard {
 };
 
 // Whether the checkpoint in `model_dir` can be split over `size` ranks: the shapes divide
-// (TensorParallelShard::For) and its weights are not quantised (not sharded yet). A launcher
-// checks this before it starts any rank, so a refusal is said once.
+// (TensorParallelShard::For) and its quantised weights split (TensorParallelWeightsSupported).
+// A launcher checks this before it starts any rank, so a refusal is said once.
 absl::Status CheckTensorParallelModel(const std::string& model_dir, int size);
 
 class Checkpoint;
-// Unimplemented, naming the method, for a quantised checkpoint.
-absl::Status TensorParallelWeightsSupported(const Checkpoint& checkpoint);
+// Quantised weights are split as unpacked: a rank's output rows with their scales
+// (column-parallel), or its inputs as whole groups (row-parallel; int8 keeps its per-row scale).
+// Unimplemented for act-order (desc_act) checkpoints; InvalidArgument when a rank's inputs of
+// o_proj or down_proj are not whole groups.
+absl::Status TensorParallelWeightsSupported(const Checkpoint& checkpoint, int size);
 
 // The KV heads each rank of a group of `size` holds (the model's own count when size is 1).
 int KvHeadsPerRank(const text::ModelConfig& config, int size);
