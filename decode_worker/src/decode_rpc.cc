@@ -1,5 +1,6 @@
 // The decode worker's RPCs: their checks on the gRPC thread, their bodies on the engine loop.
 #include <algorithm>
+#include <map>
 #include <span>
 #include <utility>
 
@@ -339,8 +340,8 @@ absl::StatusOr<DecodeWorkerImpl::HandoffPlan> DecodeWorkerImpl::PlanHandoff(
     return absl::AbortedError(
         absl::StrCat("sample ", index, " of request ", id, " is being handed off already"));
   }
-  const engine::KvCacheLayout& src = core_->kv().cache_layout();
-  const int block_size = src.block_size;
+  const std::vector<engine::KvCacheLayout> group = core_->kv().group_layouts();
+  const int block_size = group[0].block_size;
   const int need = (parked.num_kv_tokens + block_size - 1) / block_size;
   const int per_choice = reservation.blocks_per_choice();
   if (per_choice < need) {
@@ -354,21 +355,72 @@ absl::StatusOr<DecodeWorkerImpl::HandoffPlan> DecodeWorkerImpl::PlanHandoff(
         "target_index ", request.target_index(), " is outside the ", reservation.block_ids_size(),
         " block ids of the reservation (", per_choice, " per sample)"));
   }
-  // The endpoint's layout was checked equal to this worker's; only its size differs.
-  engine::KvCacheLayout dst = src;
-  dst.num_blocks = reservation.endpoint().num_blocks();
-  const engine::BlockTable src_blocks(parked.blocks.begin(), parked.blocks.begin() + need);
-  const engine::BlockTable dst_blocks(reservation.block_ids().begin() + first,
-                                      reservation.block_ids().begin() + first + need);
-  TANDEM_ASSIGN_OR_RETURN(std::vector<engine::KvCopyRange> ranges,
-                          engine::KvBlockCopyRanges(src, dst, src_blocks, dst_blocks));
-  HandoffPlan plan;
-  for (const engine::KvCopyRange& r : ranges) {
-    plan.ranges.push_back({r.src_offset, r.dst_offset, r.bytes});
+  // Each rank of the target (one without tensor parallelism), and which rank of this worker's
+  // group sends it which heads.
+  const tandem::v1::TransferEndpoint& endpoint = reservation.endpoint();
+  std::vector<const tandem::v1::TransferEndpoint*> ranks = worker::RankEndpoints(endpoint);
+  std::vector<engine::KvCacheLayout> dst;
+  for (const tandem::v1::TransferEndpoint* rank : ranks) {
+    TANDEM_ASSIGN_OR_RETURN(engine::KvCacheLayout layout,
+                            worker::CacheLayoutOf(rank->layout(), rank->num_blocks()));
+    dst.push_back(layout);
   }
+  absl::StatusOr<std::vector<engine::KvHeadRun>> runs = engine::KvHeadRuns(group, dst);
+  if (!runs.ok()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "the KV heads of this decode worker do not map onto the target's: ", runs.status().message()));
+  }
+  const std::vector<int32_t> src_blocks(parked.blocks.begin(), parked.blocks.begin() + need);
+  const std::vector<int32_t> dst_blocks(reservation.block_ids().begin() + first,
+                                        reservation.block_ids().begin() + first + need);
+  for (int32_t b : dst_blocks) {
+    for (const engine::KvCacheLayout& layout : dst) {
+      if (b < 0 || b >= layout.num_blocks) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "reservation block id ", b, " is outside [0, ", layout.num_blocks, ")"));
+      }
+    }
+  }
+  HandoffPlan plan;
   plan.num_kv_tokens = parked.num_kv_tokens;
   plan.deadline = std::min(absl::Now() + kHandoffTransferMax,
                            worker::FromUnixMillisOrInfinite(reservation.expires_unix_ms()));
+  std::map<int, size_t> push_of_rank;
+  bool followers = false;
+  for (const engine::KvHeadRun& run : *runs) {
+    plan.bytes += worker::RunBytes(group[run.src_rank], run, parked.num_kv_tokens) *
+                  static_cast<uint64_t>(group[run.src_rank].num_layers);
+    if (run.src_rank != 0) {
+      followers = true;
+      continue;
+    }
+    auto [at, added] = push_of_rank.emplace(run.dst_rank, plan.pushes.size());
+    if (added) {
+      plan.pushes.push_back({ranks[run.dst_rank]->address(),
+                             ranks[run.dst_rank]->region_descriptors(0), {}});
+    }
+    for (int layer = 0; layer < group[0].num_layers; ++layer) {
+      worker::AppendTokenRanges(group[0], dst[run.dst_rank], run, layer, layer, 0,
+                                parked.num_kv_tokens, 0, src_blocks, dst_blocks,
+                                plan.pushes[at->second].ranges);
+    }
+  }
+  if (followers) {
+    tandem::v1::KvPushOrders orders;
+    const std::string key = absl::StrCat(id, "#", index);
+    tandem::v1::KvPushOrders::Destination* d = orders.add_destinations();
+    d->set_request_id(key);
+    *d->mutable_endpoint() = endpoint;
+    d->set_deadline_unix_ms(absl::ToUnixMillis(plan.deadline));
+    tandem::v1::KvPushOrders::Write* w = orders.add_writes();
+    w->set_request_id(key);
+    w->set_begin(0);
+    w->set_end(parked.num_kv_tokens);
+    w->mutable_src_blocks()->Add(src_blocks.begin(), src_blocks.end());
+    w->mutable_dst_blocks()->Add(dst_blocks.begin(), dst_blocks.end());
+    w->set_all_layers(true);
+    plan.follower_orders = orders.SerializeAsString();
+  }
   parked.transferring = true;
   return plan;
 }
@@ -415,33 +467,64 @@ absl::StatusOr<tandem::v1::HandoffResponse> DecodeWorkerImpl::RunHandoff(
   if (id.empty()) return absl::InvalidArgumentError("request_id is empty");
   const tandem::v1::TransferEndpoint& endpoint = request.reservation().endpoint();
   TANDEM_RETURN_IF_ERROR(core_->kv().CheckReceiver(endpoint, "reservation.endpoint"));
-  if (core_->kv().tp_size() > 1 || endpoint.tp_ranks_size() > 0) {
-    // The router recomputes the sample on the other worker instead.
-    return absl::FailedPreconditionError(
-        "KV handoff between tensor-parallel decode workers is not supported yet");
-  }
-  if (endpoint.region_descriptors_size() != 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("reservation.endpoint has ", endpoint.region_descriptors_size(),
-                     " region descriptors; a handoff writes into a decode worker's one region"));
+  for (const tandem::v1::TransferEndpoint* rank : worker::RankEndpoints(endpoint)) {
+    if (rank->region_descriptors_size() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "reservation.endpoint has ", rank->region_descriptors_size(),
+          " region descriptors; a handoff writes into a decode worker's one region"));
+    }
   }
   absl::StatusOr<HandoffPlan> plan = core_->loop().Call<absl::StatusOr<HandoffPlan>>(
       [&] { return PlanHandoff(request); }, Stopped());
   if (!plan.ok()) return plan.status();
 
-  uint64_t bytes = 0;
-  for (const kvtransfer::Range& r : plan->ranges) bytes += r.bytes;
+  const uint64_t bytes = plan->bytes;
   const absl::Time begin = absl::Now();
   absl::Status moved = [&]() -> absl::Status {
-    // A connection of its own: closing it also cancels whatever a failed transfer still has in
-    // flight, so nothing reads the parked blocks once they are given back.
+    // Connections of their own: closing them also cancels whatever a failed transfer still has
+    // in flight, so nothing reads the parked blocks once they are given back.
     kvtransfer::Agent& agent = core_->kv().agent();
-    TANDEM_ASSIGN_OR_RETURN(kvtransfer::PeerId peer,
-                            agent.Connect(endpoint.address(), plan->deadline));
-    auto handle = core_->kv().Push(peer, endpoint.region_descriptors(0), std::move(plan->ranges),
-                                   plan->deadline);
-    absl::Status status = handle.ok() ? (*handle)->Wait() : handle.status();
-    agent.Disconnect(peer).IgnoreError();
+    std::vector<kvtransfer::PeerId> peers;
+    std::vector<std::unique_ptr<kvtransfer::TransferHandle>> handles;
+    absl::Status status;
+    for (HandoffPlan::RankPush& push : plan->pushes) {
+      absl::StatusOr<kvtransfer::PeerId> peer = agent.Connect(push.address, plan->deadline);
+      if (!peer.ok()) {
+        status = peer.status();
+        break;
+      }
+      peers.push_back(*peer);
+      auto handle =
+          core_->kv().Push(*peer, push.descriptor, std::move(push.ranges), plan->deadline);
+      if (!handle.ok()) {
+        status = handle.status();
+        break;
+      }
+      handles.push_back(std::move(handle).value());
+    }
+    if (status.ok() && !plan->follower_orders.empty()) {
+      // The followers push their heads between two steps; they answer once their pushes are
+      // done (or failed).
+      absl::StatusOr<std::vector<std::string>> reports =
+          core_->loop().Call<absl::StatusOr<std::vector<std::string>>>(
+              [&] { return engine_->TensorParallelSideChannel(plan->follower_orders); },
+              Stopped());
+      status = reports.status();
+      for (size_t r = 0; reports.ok() && status.ok() && r < reports->size(); ++r) {
+        tandem::v1::KvPushReport report;
+        if (!report.ParseFromString((*reports)[r])) {
+          status = absl::InternalError(absl::StrCat("rank ", r + 1, " sent an unreadable report"));
+        } else if (report.failures_size() > 0) {
+          status = absl::Status(static_cast<absl::StatusCode>(report.failures(0).code()),
+                                report.failures(0).message());
+        }
+      }
+    }
+    for (auto& handle : handles) {
+      absl::Status done = handle->Wait();
+      if (status.ok()) status = done;
+    }
+    for (kvtransfer::PeerId peer : peers) agent.Disconnect(peer).IgnoreError();
     return status;
   }();
   const double seconds = absl::ToDoubleSeconds(absl::Now() - begin);

@@ -17,6 +17,7 @@
 #include "tandem/base/job_pool.h"
 #include "tandem/decode_worker/decode_worker.h"
 #include "tandem/engine/engine_metrics.h"
+#include "tandem/worker/tensor_parallel_kv.h"
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/metrics/registry.h"
 #include "tandem/v1/decode.grpc.pb.h"
@@ -202,8 +203,18 @@ class DecodeWorkerImpl final : public DecodeWorker {
  private:
   // Moves a parked sample's KV into the reservation the request names; waits for the copy.
   absl::StatusOr<tandem::v1::HandoffResponse> RunHandoff(const tandem::v1::HandoffRequest& request);
+  // A parked sample's KV on its way to another decode worker: rank 0's pushes, one per
+  // destination rank it writes, and the followers' part of this worker's tensor-parallel group
+  // (KvPushOrders, sent between steps; empty without one).
   struct HandoffPlan {
-    std::vector<kvtransfer::Range> ranges;
+    struct RankPush {
+      std::string address;
+      std::string descriptor;
+      std::vector<kvtransfer::Range> ranges;
+    };
+    std::vector<RankPush> pushes;
+    std::string follower_orders;
+    uint64_t bytes = 0;  // every rank's
     int num_kv_tokens = 0;
     absl::Time deadline;
   };

@@ -973,7 +973,9 @@ TEST_P(DecodeWorkerTest, DrainHandsKvToAnotherWorker) {
       const int layers = colocated->config().num_layers;
       const int64_t block_bytes = engine::ModelRunner::KvBytesPerBlock(
           colocated->config(), 16, colocated->cache_layout().dtype);
-      EXPECT_EQ(moved.kv_transfer_bytes(), block_bytes * ((kv_tokens + 15) / 16)) << layers;
+      // Every layer's K and V rows of the sample's tokens, not the unused slots of its last
+      // block.
+      EXPECT_EQ(moved.kv_transfer_bytes(), block_bytes / 16 * kv_tokens) << layers;
       // A second handoff of the same sample finds nothing. After the last one nothing is
       // parked, so the draining worker may already be stopping its server: the call is then
       // refused (UNAVAILABLE) or cut (CANCELLED) instead.

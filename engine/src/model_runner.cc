@@ -91,7 +91,7 @@ absl::StatusOr<std::vector<float>> ReadFloatSlice(const Checkpoint& checkpoint,
 constexpr int kPlanHeader = 7;
 // The most attachment bytes a follower accepts with one step.
 constexpr int32_t kMaxStepAttachment = 64 << 20;
-enum PlanCommand : int32_t { kPlanStop = 0, kPlanStep = 1 };
+enum PlanCommand : int32_t { kPlanStop = 0, kPlanStep = 1, kPlanSideChannel = 2 };
 
 // A per-layer KV scale (vLLM's `self_attn.k_scale` / `v_scale` scalars) when the checkpoint has
 // one, else 1.
@@ -496,6 +496,22 @@ absl::Status ModelRunner::SendPlan(int tokens, int num_seqs, int num_sampled, in
   return comm_->Broadcast(const_cast<char*>(attachment.data()), attachment.size(), /*root=*/0);
 }
 
+absl::StatusOr<std::vector<std::string>> ModelRunner::SideChannel(std::string bytes) {
+  if (!tensor_parallel() || comm_->rank() != 0) {
+    return absl::FailedPreconditionError("the side channel is rank 0's, with followers");
+  }
+  if (bytes.empty() || bytes.size() > static_cast<size_t>(kMaxStepAttachment)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("side-channel bytes must be 1..", kMaxStepAttachment));
+  }
+  int32_t header[kPlanHeader] = {kPlanSideChannel, 0, 0, 0, 0, 0,
+                                 static_cast<int32_t>(bytes.size())};
+  TANDEM_RETURN_IF_ERROR(comm_->Broadcast(header, sizeof(header), /*root=*/0));
+  TANDEM_RETURN_IF_ERROR(comm_->Broadcast(bytes.data(), bytes.size(), /*root=*/0));
+  TANDEM_RETURN_IF_ERROR(ExchangeStepReports(std::string()));
+  return step_reports_;
+}
+
 absl::Status ModelRunner::ExchangeStepReports(std::string mine) {
   // Fixed-size slots: a length, then the bytes.
   constexpr size_t kSlot = sizeof(uint32_t) + kMaxStepReportBytes;
@@ -528,6 +544,20 @@ absl::Status ModelRunner::RunFollower() {
     TANDEM_RETURN_IF_ERROR(
         comm_->Broadcast(header, sizeof(header), /*root=*/0, absl::InfiniteDuration()));
     if (header[0] == kPlanStop) return absl::OkStatus();
+    if (header[0] == kPlanSideChannel) {
+      // Bytes without a step: the hooks run back to back, and the reports go back.
+      const int32_t bytes = header[6];
+      if (bytes <= 0 || bytes > kMaxStepAttachment) {
+        return absl::InternalError(absl::StrCat("tensor-parallel rank ", comm_->rank(),
+                                                ": malformed side-channel plan from rank 0"));
+      }
+      std::string attachment(static_cast<size_t>(bytes), '\0');
+      TANDEM_RETURN_IF_ERROR(comm_->Broadcast(attachment.data(), attachment.size(), 0));
+      if (follower_hooks_.begin) follower_hooks_.begin(attachment);
+      TANDEM_RETURN_IF_ERROR(
+          ExchangeStepReports(follower_hooks_.end ? follower_hooks_.end() : std::string()));
+      continue;
+    }
     const int tokens = header[1], num_seqs = header[2], num_sampled = header[3],
               max_blocks = header[4], num_copies = header[5], attachment_bytes = header[6];
     if (header[0] != kPlanStep || tokens < 0 || tokens > options_.max_num_batched_tokens ||

@@ -6,7 +6,8 @@ and the router must follow workers that join and leave. Every request must still
 undisturbed run gives (greedy decoding, so a migrated stream that skipped or repeated a token
 would differ), and no KV block may stay in use on the workers that are left. One scenario runs
 decode workers of two tensor-parallel ranks and kills one rank: its group must go down, its
-streams move, and it must leave etcd.
+streams move, and it must leave etcd; another drains such a group, whose streams must move with
+their KV (each rank pushing its heads).
 
 Prints one table row per scenario: requests sent, succeeded, failed, lost (never finished),
 and recovery time (from the failure until the last stream that was in flight at that moment
@@ -349,6 +350,8 @@ def run_scenario(name, action, reference, seconds, clients, etcd=None, ttl=LEASE
             problems.append("no request was in flight across the failure")
         if getattr(action, "moves", False) and retries < 1:
             problems.append("no stream was moved (no retry counted): the failure hit no work")
+        if getattr(action, "hands_off", False) and handoffs < 1:
+            problems.append("no stream was handed off with its KV")
         if getattr(action, "leaves_etcd", False):
             # The router's capacity is the decode workers' it discovers: once the victim's
             # lease expires, only the survivor's is left.
@@ -410,6 +413,12 @@ def kill(role, sig, grace=True):
     action.role = role
     action.drains = sig == signal.SIGTERM
     action.moves = sig == signal.SIGKILL or not grace
+    return action
+
+
+def handing_off(action):
+    """`action`, which must move some stream with its KV (a KV handoff)."""
+    action.hands_off = True
     return action
 
 
@@ -663,6 +672,11 @@ def main():
          no_grace, ()),
         ("etcd: SIGKILL decode worker", kill("decode", signal.SIGKILL), True, (), ()),
         ("etcd: SIGTERM (drain) decode worker", kill("decode", signal.SIGTERM), True, (), ()),
+        # Decode workers of 2 tensor-parallel ranks each: the drained group's ranks each push
+        # their KV heads to the other group's ranks.
+        ("SIGTERM (drain, no grace) tp=2 decode", handing_off(kill("decode", signal.SIGTERM,
+                                                                     grace=False)),
+         False, no_grace + ["--tp", "2"], ()),
         # Decode workers of 2 tensor-parallel ranks each; one rank of one group is killed.
         ("etcd: SIGKILL one rank of a tp=2 decode", kill_tp_rank, True, ["--tp", "2"], ()),
         ("etcd: SIGTERM (drain, no grace) decode", kill("decode", signal.SIGTERM, grace=False),

@@ -39,38 +39,16 @@ class KvPushFollower {
       request.deadline = FromUnixMillisOrInfinite(d.deadline_unix_ms());
       request.failure = Prepare(d.endpoint(), request);
     }
+    bool all_layers = false;
     for (tandem::v1::KvPushOrders::Write& w : *orders.mutable_writes()) {
+      all_layers = all_layers || w.all_layers();
       writes_.push_back(std::move(w));
     }
+    if (!all_layers) return;
+    for (int layer = 0; layer < group_[rank_].num_layers; ++layer) Push(layer, true);
   }
 
-  void LayerWritten(int layer) {
-    for (const tandem::v1::KvPushOrders::Write& w : writes_) {
-      auto it = requests_.find(w.request_id());
-      if (it == requests_.end() || !it->second.failure.ok()) continue;
-      Request& request = it->second;
-      const engine::KvCacheLayout& from = group_[rank_];
-      const int first_block = w.begin() / from.block_size;
-      for (const engine::KvHeadRun& run : request.runs) {
-        Destination& dst = request.dsts[run.dst_rank];
-        const int dst_layer = dst.descriptors.size() > 1 ? 0 : layer;
-        std::vector<kvtransfer::Range> ranges;
-        AppendTokenRanges(from, dst.layout, run, layer, dst_layer, w.begin(), w.end(), first_block,
-                          {w.src_blocks().data(), static_cast<size_t>(w.src_blocks_size())},
-                          {w.dst_blocks().data(), static_cast<size_t>(w.dst_blocks_size())},
-                          ranges);
-        if (ranges.empty()) continue;
-        const std::string& descriptor =
-            dst.descriptors.size() > 1 ? dst.descriptors[layer] : dst.descriptors[0];
-        auto handle = kv_.Push(dst.peer, descriptor, std::move(ranges), request.deadline);
-        if (!handle.ok()) {
-          Failed(request, dst, handle.status());
-          break;
-        }
-        request.handles.push_back(std::move(handle).value());
-      }
-    }
-  }
+  void LayerWritten(int layer) { Push(layer, false); }
 
   std::string End() {
     tandem::v1::KvPushReport report;
@@ -99,6 +77,37 @@ class KvPushFollower {
   }
 
  private:
+  // Pushes this rank's heads of layer `layer` of the writes of one kind: written by the step
+  // (as it writes the layer), or computed already (all_layers).
+  void Push(int layer, bool all_layers) {
+    for (const tandem::v1::KvPushOrders::Write& w : writes_) {
+      if (w.all_layers() != all_layers) continue;
+      auto it = requests_.find(w.request_id());
+      if (it == requests_.end() || !it->second.failure.ok()) continue;
+      Request& request = it->second;
+      const engine::KvCacheLayout& from = group_[rank_];
+      const int first_block = w.begin() / from.block_size;
+      for (const engine::KvHeadRun& run : request.runs) {
+        Destination& dst = request.dsts[run.dst_rank];
+        const int dst_layer = dst.descriptors.size() > 1 ? 0 : layer;
+        std::vector<kvtransfer::Range> ranges;
+        AppendTokenRanges(from, dst.layout, run, layer, dst_layer, w.begin(), w.end(), first_block,
+                          {w.src_blocks().data(), static_cast<size_t>(w.src_blocks_size())},
+                          {w.dst_blocks().data(), static_cast<size_t>(w.dst_blocks_size())},
+                          ranges);
+        if (ranges.empty()) continue;
+        const std::string& descriptor =
+            dst.descriptors.size() > 1 ? dst.descriptors[layer] : dst.descriptors[0];
+        auto handle = kv_.Push(dst.peer, descriptor, std::move(ranges), request.deadline);
+        if (!handle.ok()) {
+          Failed(request, dst, handle.status());
+          break;
+        }
+        request.handles.push_back(std::move(handle).value());
+      }
+    }
+  }
+
   struct Destination {
     std::string address;
     kvtransfer::PeerId peer = 0;

@@ -193,6 +193,10 @@ class LlmEngine {
   // The KV cache, for registration with a transfer agent.
   // Device memory with Device::kCuda (kv_cache_on_host() false): only a CUDA-aware transfer
   // backend ("cuda_ipc") can send it.
+  // With a tensor-parallel group, between steps: ModelRunner::SideChannel.
+  absl::StatusOr<std::vector<std::string>> TensorParallelSideChannel(std::string bytes) {
+    return runner_->SideChannel(std::move(bytes));
+  }
   void* kv_cache() { return runner_->kv_cache(); }
   bool kv_cache_on_host() const { return runner_->kv_cache_on_host(); }
   size_t kv_cache_bytes() const { return runner_->kv_cache_bytes(); }

@@ -148,6 +148,10 @@ class ModelRunner {
     std::function<std::string()> end;
   };
   void set_follower_step_hooks(FollowerStepHooks hooks) { follower_hooks_ = std::move(hooks); }
+  // Leader, between steps: sends `bytes` (not empty) to every follower with no step, whose
+  // `begin` and then `end` hooks run at once, and returns their reports (rank r's at [r - 1]).
+  // For work on the followers' caches outside a step (a draining decode worker's KV handoff).
+  absl::StatusOr<std::vector<std::string>> SideChannel(std::string bytes);
 
   // Called by Execute on its own thread as soon as layer `layer`'s K and V of every token of
   // the step are in the cache, before the next layer runs: lets a prefill worker push a
