@@ -427,7 +427,7 @@ def kill_tp_rank(prefills, decodes, topology):
     must take the group down at once (its streams then move) and the group must leave etcd
     (its lease, unrenewed, expires)."""
     victim = decodes[0]
-    followers = cluster_children(victim.proc.pid)
+    followers = cluster.children(victim.proc.pid)
     if not followers:
         raise RuntimeError("the tensor-parallel decode worker runs no follower process")
     os.kill(followers[0], signal.SIGKILL)
@@ -437,21 +437,6 @@ def kill_tp_rank(prefills, decodes, topology):
 kill_tp_rank.role = "decode"
 kill_tp_rank.moves = True
 kill_tp_rank.leaves_etcd = True
-
-
-def cluster_children(pid):
-    """Pids whose parent is `pid`."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry))
-        except OSError:
-            pass
-    return out
 
 
 def start_long_run_workers(decode_extra=()):

@@ -12,6 +12,9 @@ import sys
 import tempfile
 import urllib.request
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "disagg"))
+from disagg_e2e_test import children  # noqa: E402  (process helpers shared by the tests)
+
 TANDEM = sys.argv[1]
 failures = []
 HANG_GUARD_S = 120  # a guard against hangs only; nothing here depends on how fast it runs
@@ -25,22 +28,6 @@ def check(cond, what):
 
 def run(*args):
     return subprocess.run([TANDEM, *args], capture_output=True, text=True, timeout=HANG_GUARD_S)
-
-
-def children(pid):
-    """Pids whose parent is `pid`."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                out.append(int(entry))
-        except OSError:
-            pass
-    return out
 
 
 def alive(pid):

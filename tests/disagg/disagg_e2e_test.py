@@ -179,6 +179,61 @@ def comparable(response):
              c["finish_reason"]) for c in sorted(response["choices"], key=lambda c: c["index"])]
 
 
+def children(pid):
+    """Pids whose parent is `pid` (a tensor-parallel group's followers)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except OSError:
+            pass
+    return out
+
+
+def storm(router_url, clients, prompt_words=200):
+    """`clients` streams of 200 tokens at once, the even ones cut at a random moment soon after
+    sending (while queued or in prefill, mostly; where it falls is not what the tests check),
+    the odd ones after their first tokens; returns how many were cut mid-decode (after 3
+    events). A decode worker's --step-delay-ms makes sure a stream cut after its first tokens
+    still has most of its generation left."""
+    host, port = re.match(r"http://([^:]+):(\d+)", router_url).groups()
+    body = json.dumps({"model": "tiny", "prompt": " ".join(["storm"] * prompt_words),
+                       "max_tokens": 200, "stream": True, "ignore_eos": True}).encode()
+    raw = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
+           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+           ).encode() + body
+    cut_mid_decode = []
+
+    def client(i):
+        s = socket.create_connection((host, int(port)), timeout=120)
+        try:
+            s.sendall(raw)
+            if i % 2 == 0:
+                time.sleep(random.uniform(0, 0.05))
+                return
+            data = b""
+            while data.count(b"data: ") < 3:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            if data.count(b"data: ") >= 3:
+                cut_mid_decode.append(i)
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return len(cut_mid_decode)
+
+
 def wait_for_zero(url, name, timeout=60):
     """Polls a gauge until it reads 0; returns the last value (`timeout` only catches a hang)."""
     deadline = time.time() + timeout
@@ -260,15 +315,6 @@ class DisaggregatedServing(unittest.TestCase):
             self.assertEqual(wait_for_zero(worker.metrics_url, "tandem_kv_cache_blocks_used"), 0)
 
     def test_abort_storm_leaks_no_kv_block(self):
-        host, port = re.match(r"http://([^:]+):(\d+)", self.router.url).groups()
-        prompt = " ".join(["storm"] * 300)
-        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 200, "stream": True,
-                           "ignore_eos": True}).encode()
-        raw = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-               ).encode() + body
-        outcomes = {"mid_prefill": 0, "mid_decode": 0}
-        lock = threading.Lock()
         router_metrics = self.router.url + "/metrics"
         aborts = 'tandem_requests_total{finish_reason="abort"}'
         completed = 'tandem_requests_total{finish_reason="length"}'
@@ -278,39 +324,8 @@ class DisaggregatedServing(unittest.TestCase):
         # share cached blocks, on both workers, while they are cut.
         hits = "tandem_prefix_cache_hits_tokens_total"
         hits_before = {w: metric(w.metrics_url, hits) or 0 for w in (self.prefill, self.decode)}
-
-        def client(i):
-            s = socket.create_connection((host, int(port)), timeout=120)
-            try:
-                s.sendall(raw)
-                if i % 2 == 0:
-                    # Cut at a random moment soon after sending: while queued or in prefill
-                    # (mostly; where it falls is not what this test checks).
-                    time.sleep(random.uniform(0, 0.05))
-                    with lock:
-                        outcomes["mid_prefill"] += 1
-                    return
-                data = b""
-                # Cut after a few decoded tokens, with at least 197 * DECODE_DELAY_MS of the
-                # stream still to come.
-                while data.count(b"data: ") < 3:
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        break
-                    data += chunk
-                if data.count(b"data: ") >= 3:
-                    with lock:
-                        outcomes["mid_decode"] += 1
-            finally:
-                s.close()
-
-        for _ in range(4):
-            threads = [threading.Thread(target=client, args=(i,)) for i in range(300)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        self.assertEqual(outcomes["mid_decode"], 600)
+        mid_decode = sum(storm(self.router.url, 300, prompt_words=300) for _ in range(4))
+        self.assertEqual(mid_decode, 600)
         # Every storm stream was cut while it ran: once the router is done with them all, each
         # one cut after its first tokens counts as an abort, and none ran to its end.
         self.assertEqual(wait_for_zero(router_metrics, "tandem_api_requests_in_flight"), 0)

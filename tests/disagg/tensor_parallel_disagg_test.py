@@ -14,70 +14,14 @@
 
 usage: tensor_parallel_disagg_test.py TANDEM_BINARY [unittest args]
 """
-import json
 import os
-import random
-import re
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 import unittest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import disagg_e2e_test as e2e  # noqa: E402  (the processes and helpers of the e2e test)
-
-
-def children(pid):
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(entry))
-        except OSError:
-            pass
-    return out
-
-
-def storm(router_url, clients):
-    """`clients` streams, half cut right after sending, half after their first tokens."""
-    host, port = re.match(r"http://([^:]+):(\d+)", router_url).groups()
-    body = json.dumps({"model": "tiny", "prompt": " ".join(["storm"] * 200), "max_tokens": 200,
-                       "stream": True, "ignore_eos": True}).encode()
-    raw = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\n"
-           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-           ).encode() + body
-    cut_mid_decode = []
-
-    def client(i):
-        s = socket.create_connection((host, int(port)), timeout=120)
-        try:
-            s.sendall(raw)
-            if i % 2 == 0:
-                time.sleep(random.uniform(0, 0.05))
-                return
-            data = b""
-            while data.count(b"data: ") < 3:
-                chunk = s.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
-            if data.count(b"data: ") >= 3:
-                cut_mid_decode.append(i)
-        finally:
-            s.close()
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return len(cut_mid_decode)
 
 
 class TensorParallelDisaggregated(e2e.ProcessesTestCase):
@@ -109,7 +53,7 @@ class TensorParallelDisaggregated(e2e.ProcessesTestCase):
         prefill = self.start(e2e.start_worker("prefill", extra=["--tp", str(prefill_tp)]))
         router = self.start(e2e.start_router(prefill.address, decode.address))
         for worker, tp in ((prefill, prefill_tp), (decode, decode_tp)):
-            self.assertEqual(len(children(worker.proc.pid)), tp - 1,
+            self.assertEqual(len(e2e.children(worker.proc.pid)), tp - 1,
                              f"{worker.address}: one process per follower rank")
 
         got = e2e.run_all(router.url, self.bodies)
@@ -119,7 +63,7 @@ class TensorParallelDisaggregated(e2e.ProcessesTestCase):
             moved = e2e.metric(worker.metrics_url, "tandem_tensor_parallel_collective_bytes_total")
             self.assertEqual(moved > 0, tp > 1, f"{worker.metrics_url}: collective bytes {moved}")
 
-        self.assertEqual(storm(router.url, 40), 20, "every second stream was cut mid-decode")
+        self.assertEqual(e2e.storm(router.url, 40), 20, "every second stream was cut mid-decode")
         self.assertEqual(e2e.wait_for_zero(router.url + "/metrics",
                                            "tandem_api_requests_in_flight"), 0)
         r = e2e.post(router.url, {"model": "tiny", "prompt": "after the storm", "max_tokens": 8,
@@ -140,7 +84,7 @@ class TensorParallelDisaggregated(e2e.ProcessesTestCase):
             ["serve", "--model", e2e.MODEL, "--port", "0", "--prefill-tp", "2", "--decode-tp",
              "2"] + e2e.ENGINE_FLAGS, r"on (http://127\.0\.0\.1:\d+) \(prefill (.*)\)"))
         self.assertIn("over 2 ranks, decode", serve.match.group(2))
-        self.assertEqual(len(children(serve.proc.pid)), 2, "one follower per group")
+        self.assertEqual(len(e2e.children(serve.proc.pid)), 2, "one follower per group")
         got = e2e.run_all(serve.match.group(1), self.bodies[:4])
         for i, (w, g) in enumerate(zip(self.want, got)):
             self.assert_same(g, w, f"request {i}, serve --prefill-tp 2 --decode-tp 2")

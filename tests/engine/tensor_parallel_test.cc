@@ -111,6 +111,32 @@ std::vector<RequestOutput> RunGroup(const std::string& model, int tp,
   return outputs;
 }
 
+// A group's outputs against one engine's: the same tokens, logprobs (and the top
+// alternatives) within 1e-4.
+void ExpectTokensOfOneEngine(const std::vector<RequestOutput>& expected,
+                             const std::vector<RequestOutput>& got) {
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t r = 0; r < got.size(); ++r) {
+    const ChoiceDelta& want = expected[r].choices[0];
+    const ChoiceDelta& have = got[r].choices[0];
+    ASSERT_EQ(want.token_ids.size(), static_cast<size_t>(kSteps));
+    EXPECT_EQ(have.token_ids, want.token_ids) << expected[r].request_id;
+    ASSERT_EQ(have.logprobs.size(), want.logprobs.size());
+    for (size_t i = 0; i < want.logprobs.size(); ++i) {
+      EXPECT_NEAR(have.logprobs[i], want.logprobs[i], 1e-4)
+          << expected[r].request_id << " token " << i;
+    }
+    ASSERT_EQ(have.top_logprobs.size(), want.top_logprobs.size());
+    for (size_t i = 0; i < want.top_logprobs.size(); ++i) {
+      ASSERT_EQ(have.top_logprobs[i].size(), want.top_logprobs[i].size());
+      for (size_t k = 0; k < want.top_logprobs[i].size(); ++k) {
+        EXPECT_EQ(have.top_logprobs[i][k].token, want.top_logprobs[i][k].token);
+        EXPECT_NEAR(have.top_logprobs[i][k].logprob, want.top_logprobs[i][k].logprob, 1e-4);
+      }
+    }
+  }
+}
+
 class TensorParallelTest
     : public ::testing::TestWithParam<std::tuple<std::string /*arch*/, int /*tp*/>> {};
 
@@ -124,27 +150,7 @@ TEST_P(TensorParallelTest, GivesTheTokensOfOneEngine) {
   ASSERT_TRUE(expected.ok()) << expected.status();
   single->reset();
 
-  std::vector<RequestOutput> got = RunGroup(model, tp, Requests(vocab));
-  ASSERT_EQ(got.size(), expected->size());
-  for (size_t r = 0; r < got.size(); ++r) {
-    const ChoiceDelta& want = (*expected)[r].choices[0];
-    const ChoiceDelta& have = got[r].choices[0];
-    ASSERT_EQ(want.token_ids.size(), static_cast<size_t>(kSteps));
-    EXPECT_EQ(have.token_ids, want.token_ids) << (*expected)[r].request_id;
-    ASSERT_EQ(have.logprobs.size(), want.logprobs.size());
-    for (size_t i = 0; i < want.logprobs.size(); ++i) {
-      EXPECT_NEAR(have.logprobs[i], want.logprobs[i], 1e-4)
-          << (*expected)[r].request_id << " token " << i;
-    }
-    ASSERT_EQ(have.top_logprobs.size(), want.top_logprobs.size());
-    for (size_t i = 0; i < want.top_logprobs.size(); ++i) {
-      ASSERT_EQ(have.top_logprobs[i].size(), want.top_logprobs[i].size());
-      for (size_t k = 0; k < want.top_logprobs[i].size(); ++k) {
-        EXPECT_EQ(have.top_logprobs[i][k].token, want.top_logprobs[i][k].token);
-        EXPECT_NEAR(have.top_logprobs[i][k].logprob, want.top_logprobs[i][k].logprob, 1e-4);
-      }
-    }
-  }
+  ExpectTokensOfOneEngine(*expected, RunGroup(model, tp, Requests(vocab)));
 }
 
 INSTANTIATE_TEST_SUITE_P(ArchsAndDegrees, TensorParallelTest,
@@ -257,19 +263,7 @@ TEST_P(QuantizedTensorParallelTest, GivesTheTokensOfOneEngine) {
   auto expected = GenerateAll(**single, Requests(vocab));
   ASSERT_TRUE(expected.ok()) << expected.status();
   single->reset();
-  std::vector<RequestOutput> got = RunGroup(model, tp, Requests(vocab));
-  ASSERT_EQ(got.size(), expected->size());
-  for (size_t r = 0; r < got.size(); ++r) {
-    const ChoiceDelta& want = (*expected)[r].choices[0];
-    const ChoiceDelta& have = got[r].choices[0];
-    ASSERT_EQ(want.token_ids.size(), static_cast<size_t>(kSteps));
-    EXPECT_EQ(have.token_ids, want.token_ids) << (*expected)[r].request_id;
-    ASSERT_EQ(have.logprobs.size(), want.logprobs.size());
-    for (size_t i = 0; i < want.logprobs.size(); ++i) {
-      EXPECT_NEAR(have.logprobs[i], want.logprobs[i], 1e-4)
-          << (*expected)[r].request_id << " token " << i;
-    }
-  }
+  ExpectTokensOfOneEngine(*expected, RunGroup(model, tp, Requests(vocab)));
 }
 
 INSTANTIATE_TEST_SUITE_P(QuantsAndDegrees, QuantizedTensorParallelTest,
