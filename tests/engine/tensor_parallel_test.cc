@@ -137,29 +137,34 @@ void ExpectTokensOfOneEngine(const std::vector<RequestOutput>& expected,
   }
 }
 
-class TensorParallelTest
-    : public ::testing::TestWithParam<std::tuple<std::string /*arch*/, int /*tp*/>> {};
-
-TEST_P(TensorParallelTest, GivesTheTokensOfOneEngine) {
-  const auto& [arch, tp] = GetParam();
-  const std::string model = testing::TinyModel(arch, DType::kF32);
+// Runs Requests on one engine and on a group of `tp` over `model`, and compares.
+void ExpectGroupMatchesOneEngine(const std::string& model, int tp) {
   auto single = LlmEngine::Create(Options(model));
   ASSERT_TRUE(single.ok()) << single.status();
   const int vocab = (*single)->config().vocab_size;
   auto expected = GenerateAll(**single, Requests(vocab));
   ASSERT_TRUE(expected.ok()) << expected.status();
   single->reset();
-
   ExpectTokensOfOneEngine(*expected, RunGroup(model, tp, Requests(vocab)));
+}
+
+// "llamaTp2" for ("llama", 2).
+std::string CaseName(const ::testing::TestParamInfo<std::tuple<std::string, int>>& info) {
+  return absl::StrCat(std::get<0>(info.param), "Tp", std::get<1>(info.param));
+}
+
+class TensorParallelTest
+    : public ::testing::TestWithParam<std::tuple<std::string /*arch*/, int /*tp*/>> {};
+
+TEST_P(TensorParallelTest, GivesTheTokensOfOneEngine) {
+  const auto& [arch, tp] = GetParam();
+  ExpectGroupMatchesOneEngine(testing::TinyModel(arch, DType::kF32), tp);
 }
 
 INSTANTIATE_TEST_SUITE_P(ArchsAndDegrees, TensorParallelTest,
                          ::testing::Combine(::testing::Values("llama", "qwen2", "qwen3"),
                                             ::testing::Values(2, 4)),
-                         [](const auto& info) {
-                           return absl::StrCat(std::get<0>(info.param), "Tp",
-                                               std::get<1>(info.param));
-                         });
+                         CaseName);
 
 // The step side channel a worker's ranks move their KV over: each step's bytes reach every
 // follower before its layers run, its layer hook runs once per layer, and each follower's report
@@ -255,24 +260,14 @@ class QuantizedTensorParallelTest
 
 TEST_P(QuantizedTensorParallelTest, GivesTheTokensOfOneEngine) {
   const auto& [quant, tp] = GetParam();
-  const std::string model =
-      testing::TinyQuantModel("llama", quant, DType::kF32, false, true, /*group_size=*/8);
-  auto single = LlmEngine::Create(Options(model));
-  ASSERT_TRUE(single.ok()) << single.status();
-  const int vocab = (*single)->config().vocab_size;
-  auto expected = GenerateAll(**single, Requests(vocab));
-  ASSERT_TRUE(expected.ok()) << expected.status();
-  single->reset();
-  ExpectTokensOfOneEngine(*expected, RunGroup(model, tp, Requests(vocab)));
+  ExpectGroupMatchesOneEngine(
+      testing::TinyQuantModel("llama", quant, DType::kF32, false, true, /*group_size=*/8), tp);
 }
 
 INSTANTIATE_TEST_SUITE_P(QuantsAndDegrees, QuantizedTensorParallelTest,
                          ::testing::Combine(::testing::Values("int8", "awq", "gptq"),
                                             ::testing::Values(2, 4)),
-                         [](const auto& info) {
-                           return absl::StrCat(std::get<0>(info.param), "Tp",
-                                               std::get<1>(info.param));
-                         });
+                         CaseName);
 
 TEST(QuantizedTensorParallelTest, RefusesActOrderAndCutGroups) {
   auto act_order = Checkpoint::Open(testing::TinyQuantModel("llama", "gptq", DType::kF16, true));
