@@ -1,6 +1,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/src/cuda/cublas_loader.h"
 #include "kernels/src/cuda/dispatch.cuh"
 #include "kernels/src/cuda/element_types.cuh"
 #include "kernels/src/cuda/linear.cuh"
@@ -11,9 +12,10 @@ namespace {
 
 constexpr int kThreads = 256;
 
-absl::Status CublasStatus(cublasStatus_t status, const char* what) {
+// Of a call through `api`.
+absl::Status CublasStatus(const CublasApi& api, cublasStatus_t status, const char* what) {
   if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cublasGetStatusName(status)));
+  return absl::InternalError(absl::StrCat(what, ": ", api.status_name(status)));
 }
 
 __global__ void AddBiasKernel(float* __restrict__ y,           // [m, n]
@@ -103,13 +105,19 @@ absl::Status LaunchLinearLowPrecision(const float* x, int m, const void* w, DTyp
   return CudaStatus(cudaGetLastError(), "Linear (low-precision weights)");
 }
 
+void CublasHandleDeleter::operator()(cublasContext* handle) const {
+  // A handle exists only once cuBLAS loaded.
+  if (absl::StatusOr<const CublasApi*> api = LoadCublas(); api.ok()) (*api)->destroy(handle);
+}
+
 absl::StatusOr<CublasHandle> CreateCublasHandle(cudaStream_t stream) {
+  TANDEM_ASSIGN_OR_RETURN(const CublasApi* api, LoadCublas());
   cublasHandle_t raw = nullptr;
-  TANDEM_RETURN_IF_ERROR(CublasStatus(cublasCreate(&raw), "cublasCreate"));
+  TANDEM_RETURN_IF_ERROR(CublasStatus(*api, api->create(&raw), "cublasCreate"));
   CublasHandle handle(raw);
-  TANDEM_RETURN_IF_ERROR(CublasStatus(cublasSetStream(raw, stream), "cublasSetStream"));
-  TANDEM_RETURN_IF_ERROR(
-      CublasStatus(cublasSetMathMode(raw, CUBLAS_DEFAULT_MATH), "cublasSetMathMode"));
+  TANDEM_RETURN_IF_ERROR(CublasStatus(*api, api->set_stream(raw, stream), "cublasSetStream"));
+  TANDEM_RETURN_IF_ERROR(CublasStatus(*api, api->set_math_mode(raw, CUBLAS_DEFAULT_MATH),
+                                      "cublasSetMathMode"));
   return handle;
 }
 
@@ -119,8 +127,10 @@ absl::Status LaunchLinear(cublasHandle_t handle, const float* x, int m, const fl
   // Row-major y[m, n] = x W^T is column-major y^T[n, m] = W[n, k] (W^T stored) * x^T[k, m].
   const float one = 1.0f;
   const float zero = 0.0f;
+  // The handle's existence means cuBLAS loaded.
+  TANDEM_ASSIGN_OR_RETURN(const CublasApi* api, LoadCublas());
   absl::Status status = CublasStatus(
-      cublasSgemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, k, x, k, &zero, y, n),
+      *api, api->sgemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, k, x, k, &zero, y, n),
       "cublasSgemm");
   if (!status.ok() || bias == nullptr) return status;
   const int64_t total = static_cast<int64_t>(m) * n;

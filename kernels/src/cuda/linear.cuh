@@ -1,4 +1,4 @@
-// Linear layers through cuBLAS.
+// Linear layers through cuBLAS (loaded on first use: cublas_loader.h).
 #pragma once
 
 #include <cublas_v2.h>
@@ -12,8 +12,9 @@
 
 namespace tandem::kernels::cuda {
 
+// Only handles of CreateCublasHandle, which loaded cuBLAS (cublas_loader.h).
 struct CublasHandleDeleter {
-  void operator()(cublasContext* handle) const { cublasDestroy(handle); }
+  void operator()(cublasContext* handle) const;
 };
 using CublasHandle = std::unique_ptr<cublasContext, CublasHandleDeleter>;
 

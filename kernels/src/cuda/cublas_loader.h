@@ -1,0 +1,31 @@
+// cuBLAS, loaded with dlopen when the first CUDA backend needs it, so that a process that never
+// uses the GPU does not map libcublas and libcublasLt (about 60 MB resident on CUDA 13).
+//
+//   TANDEM_ASSIGN_OR_RETURN(const CublasApi* cublas, LoadCublas());
+//   cublasHandle_t handle = nullptr;
+//   cublas->create(&handle);
+#pragma once
+
+#include <cublas_v2.h>
+
+#include "absl/status/statusor.h"
+
+namespace tandem::kernels::cuda {
+
+// The cuBLAS entry points the CUDA backend calls (the symbols cublas_v2.h's names stand for).
+struct CublasApi {
+  decltype(&cublasCreate_v2) create = nullptr;
+  decltype(&cublasDestroy_v2) destroy = nullptr;
+  decltype(&cublasSetStream_v2) set_stream = nullptr;
+  decltype(&cublasSetMathMode) set_math_mode = nullptr;
+  decltype(&cublasSgemm_v2) sgemm = nullptr;
+  decltype(&cublasGetStatusName) status_name = nullptr;
+};
+
+// Loads libcublas.so.<major of the cuBLAS this build was compiled against> once: first by its
+// name (LD_LIBRARY_PATH, the executable's run path, the loader's cache), then from the CUDA
+// toolkit the build used. FailedPrecondition naming the library and the loader's reason when it
+// cannot be loaded or lacks an entry point; the same answer on every later call.
+absl::StatusOr<const CublasApi*> LoadCublas();
+
+}  // namespace tandem::kernels::cuda
