@@ -1,8 +1,11 @@
 #include "tandem/collective/communicator.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "tandem/base/status_macros.h"
 
 namespace tandem::collective {
 
@@ -29,6 +32,30 @@ absl::Status Communicator::AllReduceSum(float* data, size_t count) {
 absl::Status Communicator::AllGather(const void* in, void* out, size_t bytes) {
   return Run("all-gather", bytes * static_cast<uint64_t>(size_),
              [&] { return DoAllGather(in, out, bytes); });
+}
+
+absl::StatusOr<std::vector<std::string>> Communicator::AllGatherBytes(std::string_view mine,
+                                                                      size_t max_bytes) {
+  if (mine.size() > max_bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(mine.size(), " bytes exceed the all-gather's slots of ", max_bytes));
+  }
+  // Fixed-size slots: a length, then the bytes.
+  const size_t slot = sizeof(uint32_t) + max_bytes;
+  std::vector<char> in(slot, 0);
+  const uint32_t length = static_cast<uint32_t>(mine.size());
+  std::memcpy(in.data(), &length, sizeof(length));
+  std::memcpy(in.data() + sizeof(length), mine.data(), mine.size());
+  std::vector<char> out(slot * static_cast<size_t>(size_));
+  TANDEM_RETURN_IF_ERROR(AllGather(in.data(), out.data(), slot));
+  std::vector<std::string> all;
+  for (int r = 0; r < size_; ++r) {
+    const char* at = out.data() + slot * static_cast<size_t>(r);
+    uint32_t n = 0;
+    std::memcpy(&n, at, sizeof(n));
+    all.emplace_back(at + sizeof(n), std::min<size_t>(n, max_bytes));
+  }
+  return all;
 }
 
 absl::Status Communicator::Broadcast(void* data, size_t bytes, int root,

@@ -99,6 +99,16 @@ TEST_P(GlooGroupTest, EveryCollectiveGivesTheSameResultOnEveryRank) {
       ASSERT_TRUE(comm.Broadcast(text.data(), text.size(), root).ok());
       EXPECT_EQ(text, absl::StrCat("from rank ", root).substr(0, 11));
     }
+    // All-gather of byte strings of different lengths (an empty one among them).
+    auto strings = comm.AllGatherBytes(std::string(static_cast<size_t>(rank) * 7, 'a' + rank), 64);
+    ASSERT_TRUE(strings.ok()) << strings.status();
+    ASSERT_EQ(strings->size(), static_cast<size_t>(size));
+    for (int r = 0; r < size; ++r) {
+      EXPECT_EQ((*strings)[r], std::string(static_cast<size_t>(r) * 7, 'a' + r));
+    }
+    // Past the slots: refused on this rank before anything is sent.
+    EXPECT_EQ(comm.AllGatherBytes(std::string(65, 'x'), 64).status().code(),
+              absl::StatusCode::kInvalidArgument);
     ASSERT_TRUE(comm.Barrier().ok());
     EXPECT_GE(comm.stats().calls, static_cast<uint64_t>(3 + size));
     EXPECT_GE(comm.stats().bytes, values.size() * sizeof(float));

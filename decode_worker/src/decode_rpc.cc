@@ -358,17 +358,13 @@ absl::StatusOr<DecodeWorkerImpl::HandoffPlan> DecodeWorkerImpl::PlanHandoff(
   // Each rank of the target (one without tensor parallelism), and which rank of this worker's
   // group sends it which heads.
   const tandem::v1::TransferEndpoint& endpoint = reservation.endpoint();
-  std::vector<const tandem::v1::TransferEndpoint*> ranks = worker::RankEndpoints(endpoint);
-  std::vector<engine::KvCacheLayout> dst;
-  for (const tandem::v1::TransferEndpoint* rank : ranks) {
-    TANDEM_ASSIGN_OR_RETURN(engine::KvCacheLayout layout,
-                            worker::CacheLayoutOf(rank->layout(), rank->num_blocks()));
-    dst.push_back(layout);
-  }
+  const std::vector<const tandem::v1::TransferEndpoint*> ranks = worker::RankEndpoints(endpoint);
+  TANDEM_ASSIGN_OR_RETURN(std::vector<engine::KvCacheLayout> dst, worker::RankLayouts(ranks));
   absl::StatusOr<std::vector<engine::KvHeadRun>> runs = engine::KvHeadRuns(group, dst);
   if (!runs.ok()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "the KV heads of this decode worker do not map onto the target's: ", runs.status().message()));
+    return absl::FailedPreconditionError(
+        absl::StrCat("the KV heads of this decode worker do not map onto the target's: ",
+                     runs.status().message()));
   }
   const std::vector<int32_t> src_blocks(parked.blocks.begin(), parked.blocks.begin() + need);
   const std::vector<int32_t> dst_blocks(reservation.block_ids().begin() + first,

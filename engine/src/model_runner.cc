@@ -513,24 +513,24 @@ absl::StatusOr<std::vector<std::string>> ModelRunner::SideChannel(std::string by
 }
 
 absl::Status ModelRunner::ExchangeStepReports(std::string mine) {
-  // Fixed-size slots: a length, then the bytes.
-  constexpr size_t kSlot = sizeof(uint32_t) + kMaxStepReportBytes;
   if (mine.size() > kMaxStepReportBytes) mine.resize(kMaxStepReportBytes);
-  std::vector<char> in(kSlot, 0);
-  const uint32_t length = static_cast<uint32_t>(mine.size());
-  std::memcpy(in.data(), &length, sizeof(length));
-  std::memcpy(in.data() + sizeof(length), mine.data(), mine.size());
-  std::vector<char> out(kSlot * comm_->size());
-  TANDEM_RETURN_IF_ERROR(comm_->AllGather(in.data(), out.data(), kSlot));
+  TANDEM_ASSIGN_OR_RETURN(std::vector<std::string> all,
+                          comm_->AllGatherBytes(mine, kMaxStepReportBytes));
   if (comm_->rank() != 0) return absl::OkStatus();
-  step_reports_.clear();
-  for (int r = 1; r < comm_->size(); ++r) {
-    const char* slot = out.data() + kSlot * r;
-    uint32_t n = 0;
-    std::memcpy(&n, slot, sizeof(n));
-    step_reports_.emplace_back(slot + sizeof(n), std::min<size_t>(n, kMaxStepReportBytes));
-  }
+  step_reports_.assign(std::make_move_iterator(all.begin() + 1),
+                       std::make_move_iterator(all.end()));
   return absl::OkStatus();
+}
+
+absl::Status ModelRunner::FollowerReceiveAttachment(int32_t bytes) {
+  std::string attachment(static_cast<size_t>(bytes), '\0');
+  TANDEM_RETURN_IF_ERROR(comm_->Broadcast(attachment.data(), attachment.size(), 0));
+  if (follower_hooks_.begin) follower_hooks_.begin(attachment);
+  return absl::OkStatus();
+}
+
+absl::Status ModelRunner::FollowerReport() {
+  return ExchangeStepReports(follower_hooks_.end ? follower_hooks_.end() : std::string());
 }
 
 absl::Status ModelRunner::RunFollower() {
@@ -551,11 +551,8 @@ absl::Status ModelRunner::RunFollower() {
         return absl::InternalError(absl::StrCat("tensor-parallel rank ", comm_->rank(),
                                                 ": malformed side-channel plan from rank 0"));
       }
-      std::string attachment(static_cast<size_t>(bytes), '\0');
-      TANDEM_RETURN_IF_ERROR(comm_->Broadcast(attachment.data(), attachment.size(), 0));
-      if (follower_hooks_.begin) follower_hooks_.begin(attachment);
-      TANDEM_RETURN_IF_ERROR(
-          ExchangeStepReports(follower_hooks_.end ? follower_hooks_.end() : std::string()));
+      TANDEM_RETURN_IF_ERROR(FollowerReceiveAttachment(bytes));
+      TANDEM_RETURN_IF_ERROR(FollowerReport());
       continue;
     }
     const int tokens = header[1], num_seqs = header[2], num_sampled = header[3],
@@ -583,18 +580,11 @@ absl::Status ModelRunner::RunFollower() {
     p += table;
     block_copies.clear();
     for (int i = 0; i < num_copies; ++i, p += 2) block_copies.emplace_back(p[0], p[1]);
-    if (attachment_bytes > 0) {
-      std::string attachment(static_cast<size_t>(attachment_bytes), '\0');
-      TANDEM_RETURN_IF_ERROR(comm_->Broadcast(attachment.data(), attachment.size(), 0));
-      if (follower_hooks_.begin) follower_hooks_.begin(attachment);
-    }
+    if (attachment_bytes > 0) TANDEM_RETURN_IF_ERROR(FollowerReceiveAttachment(attachment_bytes));
     TANDEM_RETURN_IF_ERROR(Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
                                    /*layer_hook=*/true, block_copies)
                                .status());
-    if (attachment_bytes > 0) {
-      TANDEM_RETURN_IF_ERROR(
-          ExchangeStepReports(follower_hooks_.end ? follower_hooks_.end() : std::string()));
-    }
+    if (attachment_bytes > 0) TANDEM_RETURN_IF_ERROR(FollowerReport());
   }
 }
 

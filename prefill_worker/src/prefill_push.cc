@@ -147,7 +147,9 @@ void PrefillWorkerImpl::OnLayerWritten(int layer, std::span<const KvWritten> wri
     for (const engine::KvHeadRun& run : job.runs) {
       if (run.src_rank != 0) {
         // A follower rank pushes these heads (FollowerOrders); count its bytes.
-        if (end > begin) job.bytes += worker::RunBytes(group_layouts_[run.src_rank], run, end - begin);
+        if (end > begin) {
+          job.bytes += worker::RunBytes(group_layouts_[run.src_rank], run, end - begin);
+        }
         continue;
       }
       Job::Destination& dst = job.dsts[run.dst_rank];
@@ -173,6 +175,7 @@ std::string PrefillWorkerImpl::FollowerOrders(std::span<const KvWritten> written
     if (it == jobs_.end()) continue;
     Job& job = *it->second;
     if (job.failing() || job.embed || w.choice_index < 0 || w.choice_index >= job.n) continue;
+    if (!job.followers_push) continue;  // rank 0 sends every head this job needs
     const auto [begin, end] = PushRange(job, w);
     if (begin >= end) continue;
     if (described.insert(&job).second) {

@@ -155,17 +155,16 @@ absl::Status PrefillWorkerImpl::TakeReservation(const tandem::v1::KvReservation&
   }
   // Each rank of the decode worker's group, and which of this group's ranks sends it which
   // heads.
+  const std::vector<const tandem::v1::TransferEndpoint*> ranks = worker::RankEndpoints(endpoint);
+  TANDEM_ASSIGN_OR_RETURN(std::vector<engine::KvCacheLayout> dst_layouts,
+                          worker::RankLayouts(ranks));
   int num_blocks = endpoint.num_blocks();
-  std::vector<engine::KvCacheLayout> dst_layouts;
-  for (const tandem::v1::TransferEndpoint* rank : worker::RankEndpoints(endpoint)) {
-    TANDEM_ASSIGN_OR_RETURN(engine::KvCacheLayout layout,
-                            worker::CacheLayoutOf(rank->layout(), rank->num_blocks()));
-    num_blocks = std::min(num_blocks, rank->num_blocks());
-    dst_layouts.push_back(layout);
-    job.dsts.push_back({.address = rank->address(),
-                        .descriptors = {rank->region_descriptors().begin(),
-                                        rank->region_descriptors().end()},
-                        .layout = layout});
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    num_blocks = std::min(num_blocks, dst_layouts[r].num_blocks);
+    job.dsts.push_back({.address = ranks[r]->address(),
+                        .descriptors = {ranks[r]->region_descriptors().begin(),
+                                        ranks[r]->region_descriptors().end()},
+                        .layout = dst_layouts[r]});
   }
   absl::StatusOr<std::vector<engine::KvHeadRun>> runs =
       engine::KvHeadRuns(group_layouts_, dst_layouts);
@@ -176,7 +175,9 @@ absl::Status PrefillWorkerImpl::TakeReservation(const tandem::v1::KvReservation&
                      dst_layouts.size(), ": ", runs.status().message()));
   }
   job.runs = std::move(runs).value();
-  if (group_layouts_.size() > 1) job.endpoint = endpoint;
+  job.followers_push = std::any_of(job.runs.begin(), job.runs.end(),
+                                   [](const engine::KvHeadRun& run) { return run.src_rank != 0; });
+  if (job.followers_push) job.endpoint = endpoint;
   // Blocks written must be distinct; the decode worker's cached blocks (never written) are
   // shared by every sample.
   std::set<int32_t> seen;

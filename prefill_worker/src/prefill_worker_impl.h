@@ -88,6 +88,7 @@ struct Job {
   };
   std::vector<Destination> dsts;
   std::vector<engine::KvHeadRun> runs;
+  bool followers_push = false;  // some run's source is a follower rank
   // The reservation's endpoint, for the followers' orders (a group of this worker's only).
   tandem::v1::TransferEndpoint endpoint;
   std::vector<int32_t> dst_blocks;  // n x blocks_per_choice

@@ -13,7 +13,7 @@
 namespace tandem::worker {
 namespace {
 
-// Each rank's endpoint travels in a slot of this many bytes (a length, then the message).
+// Each rank's endpoint travels in a slot of this many bytes.
 constexpr size_t kEndpointSlot = 16 << 10;
 // A follower's connect to a decode rank takes at most this (and never past the deadline).
 constexpr absl::Duration kFollowerConnectTimeout = absl::Seconds(10);
@@ -123,14 +123,14 @@ class KvPushFollower {
   };
 
   absl::Status Prepare(const tandem::v1::TransferEndpoint& endpoint, Request& request) {
-    std::vector<engine::KvCacheLayout> dst_layouts;
-    for (const tandem::v1::TransferEndpoint* rank : RankEndpoints(endpoint)) {
-      TANDEM_ASSIGN_OR_RETURN(engine::KvCacheLayout layout,
-                              CacheLayoutOf(rank->layout(), rank->num_blocks()));
-      dst_layouts.push_back(layout);
-      request.dsts.push_back({rank->address(), 0,
-                              {rank->region_descriptors().begin(), rank->region_descriptors().end()},
-                              layout});
+    const std::vector<const tandem::v1::TransferEndpoint*> ranks = RankEndpoints(endpoint);
+    TANDEM_ASSIGN_OR_RETURN(std::vector<engine::KvCacheLayout> dst_layouts, RankLayouts(ranks));
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      request.dsts.push_back(
+          {ranks[r]->address(),
+           0,
+           {ranks[r]->region_descriptors().begin(), ranks[r]->region_descriptors().end()},
+           dst_layouts[r]});
     }
     TANDEM_ASSIGN_OR_RETURN(std::vector<engine::KvHeadRun> runs,
                             engine::KvHeadRuns(group_, dst_layouts));
@@ -140,7 +140,8 @@ class KvPushFollower {
       if (dst.peer == 0) {
         TANDEM_ASSIGN_OR_RETURN(
             dst.peer,
-            kv_.Peer(dst.address, std::min(request.deadline, absl::Now() + kFollowerConnectTimeout)));
+            kv_.Peer(dst.address,
+                     std::min(request.deadline, absl::Now() + kFollowerConnectTimeout)));
       }
       request.runs.push_back(run);
     }
@@ -168,23 +169,14 @@ class KvPushFollower {
 absl::StatusOr<std::vector<tandem::v1::TransferEndpoint>> GatherRankEndpoints(
     collective::Communicator& comm, const tandem::v1::TransferEndpoint& mine) {
   const std::string bytes = mine.SerializeAsString();
-  if (bytes.size() + sizeof(uint32_t) > kEndpointSlot) {
+  if (bytes.size() > kEndpointSlot) {
     return absl::InternalError(absl::StrCat("a KV endpoint of ", bytes.size(),
                                             " bytes does not fit the group's exchange"));
   }
-  std::vector<char> in(kEndpointSlot, 0);
-  const uint32_t length = static_cast<uint32_t>(bytes.size());
-  std::memcpy(in.data(), &length, sizeof(length));
-  std::memcpy(in.data() + sizeof(length), bytes.data(), bytes.size());
-  std::vector<char> out(kEndpointSlot * comm.size());
-  TANDEM_RETURN_IF_ERROR(comm.AllGather(in.data(), out.data(), kEndpointSlot));
-  std::vector<tandem::v1::TransferEndpoint> ranks(comm.size());
-  for (int r = 0; r < comm.size(); ++r) {
-    const char* slot = out.data() + kEndpointSlot * r;
-    uint32_t n = 0;
-    std::memcpy(&n, slot, sizeof(n));
-    if (n > kEndpointSlot - sizeof(n) ||
-        !ranks[r].ParseFromArray(slot + sizeof(n), static_cast<int>(n))) {
+  TANDEM_ASSIGN_OR_RETURN(std::vector<std::string> all, comm.AllGatherBytes(bytes, kEndpointSlot));
+  std::vector<tandem::v1::TransferEndpoint> ranks(all.size());
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (!ranks[r].ParseFromString(all[r])) {
       return absl::InternalError(absl::StrCat("rank ", r, " sent a malformed KV endpoint"));
     }
     ranks[r].clear_tp_ranks();
@@ -213,7 +205,8 @@ absl::StatusOr<engine::KvCacheLayout> CacheLayoutOf(const tandem::v1::KvLayout& 
       break;
     default:
       return absl::InvalidArgumentError(
-          absl::StrCat("KV dtype ", static_cast<int>(layout.dtype()), " is not one this build holds"));
+          absl::StrCat("KV dtype ", static_cast<int>(layout.dtype()),
+                       " is not one this build holds"));
   }
   return engine::KvCacheLayout{.num_layers = layout.num_layers(),
                                .num_blocks = num_blocks,
@@ -234,6 +227,24 @@ std::vector<const tandem::v1::TransferEndpoint*> RankEndpoints(
     for (const tandem::v1::TransferEndpoint& rank : endpoint.tp_ranks()) ranks.push_back(&rank);
   }
   return ranks;
+}
+
+absl::StatusOr<std::vector<engine::KvCacheLayout>> RankLayouts(
+    std::span<const tandem::v1::TransferEndpoint* const> ranks) {
+  std::vector<engine::KvCacheLayout> layouts;
+  for (const tandem::v1::TransferEndpoint* rank : ranks) {
+    TANDEM_ASSIGN_OR_RETURN(engine::KvCacheLayout layout,
+                            CacheLayoutOf(rank->layout(), rank->num_blocks()));
+    layouts.push_back(layout);
+  }
+  return layouts;
+}
+
+absl::StatusOr<std::vector<engine::KvCacheLayout>> RankLayouts(
+    const std::vector<tandem::v1::TransferEndpoint>& ranks) {
+  std::vector<const tandem::v1::TransferEndpoint*> pointers;
+  for (const tandem::v1::TransferEndpoint& rank : ranks) pointers.push_back(&rank);
+  return RankLayouts(pointers);
 }
 
 void AppendTokenRanges(const engine::KvCacheLayout& from, const engine::KvCacheLayout& to,
@@ -279,12 +290,7 @@ absl::Status RunKvFollower(const engine::EngineOptions& options, const KvEndpoin
                                              comm->rank(), runner.kv_cache()));
   TANDEM_ASSIGN_OR_RETURN(std::vector<tandem::v1::TransferEndpoint> ranks,
                           GatherRankEndpoints(*comm, endpoint->Describe()));
-  std::vector<engine::KvCacheLayout> group;
-  for (const tandem::v1::TransferEndpoint& rank : ranks) {
-    TANDEM_ASSIGN_OR_RETURN(engine::KvCacheLayout layout,
-                            CacheLayoutOf(rank.layout(), rank.num_blocks()));
-    group.push_back(layout);
-  }
+  TANDEM_ASSIGN_OR_RETURN(std::vector<engine::KvCacheLayout> group, RankLayouts(ranks));
   KvPushFollower pushes(*endpoint, comm->rank(), std::move(group));
   runner.set_layer_written_hook([&pushes](int layer) { pushes.LayerWritten(layer); });
   runner.set_follower_step_hooks(

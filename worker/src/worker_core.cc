@@ -45,12 +45,7 @@ absl::StatusOr<std::unique_ptr<WorkerCore>> WorkerCore::Create(WorkerOptions opt
     // into this worker's reservations and pushes.
     TANDEM_ASSIGN_OR_RETURN(std::vector<tandem::v1::TransferEndpoint> ranks,
                             GatherRankEndpoints(*comm, core->kv_->Describe()));
-    std::vector<engine::KvCacheLayout> layouts;
-    for (const tandem::v1::TransferEndpoint& rank : ranks) {
-      TANDEM_ASSIGN_OR_RETURN(engine::KvCacheLayout layout,
-                              CacheLayoutOf(rank.layout(), rank.num_blocks()));
-      layouts.push_back(layout);
-    }
+    TANDEM_ASSIGN_OR_RETURN(std::vector<engine::KvCacheLayout> layouts, RankLayouts(ranks));
     core->kv_->SetGroup(std::move(ranks), std::move(layouts));
   }
   core->kv_events_ = std::make_unique<KvEventHub>(core->engine_->block_manager());

@@ -16,8 +16,11 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/time/time.h"
 
 namespace tandem::collective {
@@ -44,6 +47,10 @@ class Communicator {
   // Concatenates each rank's `bytes` bytes of `in` into out[size() * bytes], rank r's at
   // offset r * bytes, on every rank. `in` and `out` do not overlap.
   absl::Status AllGather(const void* in, void* out, size_t bytes);
+  // Every rank's `mine` (at most `max_bytes`; InvalidArgument past it), rank r's at [r], on
+  // every rank: one all-gather of fixed slots of a length and max_bytes bytes.
+  absl::StatusOr<std::vector<std::string>> AllGatherBytes(std::string_view mine,
+                                                          size_t max_bytes);
   // Copies root's data[0, bytes) into every other rank's `data`. `timeout` overrides the
   // group's for this call; absl::InfiniteDuration() waits for as long as the root takes (a
   // follower waiting for the next step of an idle leader), still failing at once when the

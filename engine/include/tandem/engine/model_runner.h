@@ -193,6 +193,10 @@ class ModelRunner {
   // After a step with an attachment: every rank's report (`mine`) gathered; the leader keeps
   // the followers'.
   absl::Status ExchangeStepReports(std::string mine);
+  // Follower: receives an attachment of `bytes` and runs the begin hook on it; after the step,
+  // the end hook's report to rank 0.
+  absl::Status FollowerReceiveAttachment(int32_t bytes);
+  absl::Status FollowerReport();
   bool tensor_parallel() const { return comm_ != nullptr && comm_->size() > 1; }
   // Backend memory holding `values` (an empty buffer for an empty vector).
   absl::StatusOr<kernels::DeviceBuffer> Upload(const std::vector<float>& values);

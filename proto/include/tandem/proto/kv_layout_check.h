@@ -6,7 +6,6 @@
 // is checked, and a mismatch is refused with every difference named. Tensor-parallel degrees may
 // differ: the sender maps heads between the groups' ranks (engine::KvHeadRuns).
 //
-//
 //   absl::Status s = tandem::proto::CheckLayoutCompatible(my_layout, endpoint.layout());
 //   // FailedPrecondition: "KV layout mismatch (sender vs receiver): dtype BF16 vs F32;
 //   //                      head_dim 128 vs 64"
@@ -32,8 +31,8 @@ absl::Status ValidateLayout(const tandem::v1::KvLayout& layout);
 // OK only when pages written in `sender`'s layout can be read as they are in `receiver`'s: both
 // layouts are valid (else InvalidArgument, as ValidateLayout, saying which side) and dtype,
 // block_size, num_layers, total_kv_heads, head_dim and layout_name all agree (not the
-// tensor-parallel degree, rank or heads per rank). Otherwise FailedPrecondition whose message names every mismatching field with the
-// sender's value first.
+// tensor-parallel degree, rank or heads per rank). Otherwise FailedPrecondition whose message
+// names every mismatching field with the sender's value first.
 absl::Status CheckLayoutCompatible(const tandem::v1::KvLayout& sender,
                                    const tandem::v1::KvLayout& receiver);
 

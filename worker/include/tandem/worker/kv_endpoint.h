@@ -46,10 +46,9 @@ class KvEndpoint {
                                                             engine::LlmEngine& engine);
   // The same for a cache of `cache_layout` at `cache` held by rank `tp_rank` of a
   // tensor-parallel group (a follower's runner).
-  static absl::StatusOr<std::unique_ptr<KvEndpoint>> Create(const Options& options,
-                                                            const text::ModelConfig& config,
-                                                            const engine::KvCacheLayout& cache_layout,
-                                                            int tp_rank, void* cache);
+  static absl::StatusOr<std::unique_ptr<KvEndpoint>> Create(
+      const Options& options, const text::ModelConfig& config,
+      const engine::KvCacheLayout& cache_layout, int tp_rank, void* cache);
   // Close().
   ~KvEndpoint();
 
@@ -74,7 +73,6 @@ class KvEndpoint {
     return group_layouts_.empty() ? std::vector<engine::KvCacheLayout>{cache_layout_}
                                   : group_layouts_;
   }
-  int tp_size() const { return cache_layout_.tp_size; }
 
   // The Handshake RPC of a worker named `worker_id`: OK with this side's id and layout when
   // pages can go from the sender to the receiver (this side sends when `this_side_sends`),

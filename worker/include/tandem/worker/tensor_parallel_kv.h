@@ -43,6 +43,12 @@ absl::StatusOr<engine::KvCacheLayout> CacheLayoutOf(const tandem::v1::KvLayout& 
 std::vector<const tandem::v1::TransferEndpoint*> RankEndpoints(
     const tandem::v1::TransferEndpoint& endpoint);
 
+// Each rank's cache layout (CacheLayoutOf of its layout and number of blocks), rank r's at [r].
+absl::StatusOr<std::vector<engine::KvCacheLayout>> RankLayouts(
+    std::span<const tandem::v1::TransferEndpoint* const> ranks);
+absl::StatusOr<std::vector<engine::KvCacheLayout>> RankLayouts(
+    const std::vector<tandem::v1::TransferEndpoint>& ranks);
+
 // Appends the ranges that move `run`'s heads of prompt tokens [begin, end) of one sample, K and
 // V of layer `layer` (written into layer `dst_layer` of the destination's region), from `from`
 // into `to`. src_blocks[i] and dst_blocks[i] hold the sample's logical block first_block + i.
