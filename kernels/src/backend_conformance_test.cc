@@ -866,11 +866,13 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
     }
   }
 
-  // Quantised weights: decode rows and prefill tiles, panel remainders, k blocks that end
-  // inside a group (k 640 with groups of 128 and 32 past a 256-deep block), act-order k.
+  // Quantised weights: decode rows (1 to 3 take panel pairs on AVX-512) and prefill tiles, panel
+  // remainders, k blocks that end inside a group (k 640 with groups of 128 and 32 past a
+  // 256-deep block), act-order k.
   for (auto [m, n, k, bias] : std::vector<std::tuple<int, int, int, bool>>{
            {1, 1, 8, false},
            {1, 45, 300, true},
+           {2, 100, 300, true},
            {7, 257, 512, true},
            {130, 129, 300, false},
            {1, 50, 5000, false},
@@ -882,6 +884,7 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
            {1, 8, 32, 32, false, false},
            {1, 45, 640, 128, false, true},
            {1, 64, 640, 32, true, false},
+           {3, 97, 640, 128, false, true},
            {7, 257, 512, 128, true, true},
            {130, 129, 384, 128, false, true},
            {13, 40, 5120, 128, true, false},

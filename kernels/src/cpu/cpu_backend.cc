@@ -224,6 +224,8 @@ class CpuBackend final : public Backend {
     int64_t grain = (panels + pool_->num_threads() * chunks_per_thread - 1) /
                     (pool_->num_threads() * chunks_per_thread);
     grain = std::max(grain, kMinParallelFlops / flops_per_panel);
+    // Quantised weights: chunks of whole panel pairs, which short row tiles take per call.
+    if (packed.quant() != WeightQuant::kNone) grain += grain % 2;
     pool_->ParallelFor(panels, grain, [&](int64_t begin, int64_t end, int thread) {
       table_->gemm_panels(args, begin, end, scratch_[thread].get());
     });

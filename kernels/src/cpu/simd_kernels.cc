@@ -38,6 +38,11 @@ const float* Fp8Values(DType dtype) {
   return dtype == DType::kF8E5M2 ? e5m2.data() : e4m3.data();
 }
 
+// 2^23 and its bits: a float whose mantissa's low bits are free, so that OR-ing a small
+// integer into them gives 2^23 + that integer exactly (int4 weights are widened this way).
+constexpr float kNibbleBias = 8388608.0f;
+constexpr int kNibbleBiasBits = 0x4b000000;
+
 // Portable: eight lanes of plain C++, which the compiler maps onto SSE2.
 namespace portable {
 
@@ -48,6 +53,7 @@ struct Vec {
   static constexpr const char* kName = "cpu-portable";
   static constexpr int kLanes = 8;
   static constexpr int kRowsPerTile = 4;
+  static constexpr int kQuantPairRows = 0;  // quantised micro-kernels: one panel per call
 
   static T Zero() { return Set(0.0f); }
   static T Set(float a) {
@@ -80,11 +86,13 @@ struct Vec {
     for (int i = 0; i < kLanes; ++i) r.v[i] = static_cast<float>(p[i]);
     return r;
   }
-  // kLanes bytes: their low nibbles (lanes of *lo) and high nibbles (*hi), as floats.
-  static void LoadNibbles(const uint8_t* p, T* lo, T* hi) {
+  // kLanes bytes, as floats biased so that no conversion instruction is needed: *lo holds
+  // 2^23 + low nibble, *hi 2^23 + 16 x high nibble (both exact; kNibbleBias is 2^23, whose
+  // float has the mantissa's low bits free for a small integer).
+  static void LoadNibblesBiased(const uint8_t* p, T* lo, T* hi) {
     for (int i = 0; i < kLanes; ++i) {
-      lo->v[i] = static_cast<float>(p[i] & 15);
-      hi->v[i] = static_cast<float>(p[i] >> 4);
+      lo->v[i] = kNibbleBias + static_cast<float>(p[i] & 15);
+      hi->v[i] = kNibbleBias + static_cast<float>(p[i] & 0xf0);
     }
   }
   static void Store(float* p, const T& a) {
@@ -160,6 +168,8 @@ struct Vec {
   static constexpr int kLanes = 8;
   // 6 rows x 2 vectors = 12 accumulators, 2 W vectors, 1 broadcast: 15 of 16 registers.
   static constexpr int kRowsPerTile = 6;
+  // Two quantised panels' scales and zero points alone would take 8 of the 16 registers.
+  static constexpr int kQuantPairRows = 0;
 
   static __m256i Mask(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -181,11 +191,13 @@ struct Vec {
     return _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
   }
-  static void LoadNibbles(const uint8_t* p, T* lo, T* hi) {
+  static void LoadNibblesBiased(const uint8_t* p, T* lo, T* hi) {
     const __m256i bytes =
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    *lo = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(15)));
-    *hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+    const __m256i bias = _mm256_set1_epi32(kNibbleBiasBits);
+    *lo = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), bias));
+    *hi = _mm256_castsi256_ps(
+        _mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi32(0xf0)), bias));
   }
   static void Store(float* p, T a) { _mm256_storeu_ps(p, a); }
   static void StoreN(float* p, T a, int n) { _mm256_maskstore_ps(p, Mask(n), a); }
@@ -234,6 +246,9 @@ struct Vec {
   static constexpr int kLanes = 16;
   // 12 rows x 2 vectors = 24 accumulators, 2 W vectors, 1 broadcast: 27 of 32 registers.
   static constexpr int kRowsPerTile = 12;
+  // Tiles of up to 3 rows take two quantised panels per call: 3 x 4 accumulators, 4 scales,
+  // 4 zero points, 4 W vectors, 1 broadcast and the nibble mask: 26 of 32 registers.
+  static constexpr int kQuantPairRows = 3;
 
   static __mmask16 Mask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
   static T Zero() { return _mm512_setzero_ps(); }
@@ -252,11 +267,15 @@ struct Vec {
     return _mm512_cvtepi32_ps(
         _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
   }
-  static void LoadNibbles(const uint8_t* p, T* lo, T* hi) {
+  static void LoadNibblesBiased(const uint8_t* p, T* lo, T* hi) {
     const __m512i bytes =
         _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    *lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(15)));
-    *hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+    const __m512i bias = _mm512_set1_epi32(kNibbleBiasBits);
+    // (bytes & mask) | bias in one instruction each: 0xea is A & B | C.
+    *lo = _mm512_castsi512_ps(
+        _mm512_ternarylogic_epi32(bytes, _mm512_set1_epi32(15), bias, 0xea));
+    *hi = _mm512_castsi512_ps(
+        _mm512_ternarylogic_epi32(bytes, _mm512_set1_epi32(0xf0), bias, 0xea));
   }
   static void Store(float* p, T a) { _mm512_storeu_ps(p, a); }
   static void StoreN(float* p, T a, int n) { _mm512_mask_storeu_ps(p, Mask(n), a); }
