@@ -507,6 +507,7 @@ void LlmEngine::ProposeDrafts() {
   const int k = spec_tokens_;
   for (Sequence* seq : scheduler_->running()) {
     seq->draft_tokens.clear();
+    seq->draft_dists.clear();
     if (seq->num_uncomputed_tokens() != 1) continue;  // still prefilling
     // Never more than the sequence may still produce: max_tokens and the context length, one
     // token coming after the drafts either way.
@@ -574,10 +575,23 @@ absl::Status LlmEngine::DraftStep(const SchedulerStep& step) {
     size_t r = 0;
     for (const ScheduledSequence& s : step.seqs) {
       if (s.num_draft_tokens <= j) continue;
-      // The draft proposes its argmax (lowest id among equals): a point-mass proposal, which
-      // verification accepts with the target's own probability of it.
       const float* row = logits.data() + r++ * vocab;
-      s.seq->draft_tokens[j] = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+      Sequence& seq = *s.seq;
+      if (j == 0) seq.draft_dists.assign(s.num_draft_tokens, DraftDistribution{});
+      if (seq.params->greedy()) {
+        // The draft's argmax (lowest id among equals): a point-mass proposal, which greedy
+        // verification accepts when it is the target's argmax too.
+        seq.draft_tokens[j] = static_cast<int32_t>(std::max_element(row, row + vocab) - row);
+      } else {
+        // A draw from the draft's distribution, processed as the target's will be at this
+        // position: its penalties and min_tokens see the drafts before this one.
+        draft_row_.assign(row, row + vocab);
+        const size_t known = seq.tokens.size();
+        seq.tokens.insert(seq.tokens.end(), seq.draft_tokens.begin(),
+                          seq.draft_tokens.begin() + j);
+        seq.draft_tokens[j] = sampler_->SampleDraft(draft_row_, seq, &seq.draft_dists[j]);
+        seq.tokens.resize(known);
+      }
       // The draft's KV now reaches the position this pass ran.
       if (draft_runner_ != nullptr) {
         s.seq->draft_kv_tokens = static_cast<int>(s.seq->tokens.size()) + j;
@@ -649,7 +663,10 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
                    outputs[it->second]);
   }
   // Draft tokens of sequences that did not run (past the batch cap) are proposed afresh.
-  for (Sequence* seq : scheduler_->running()) seq->draft_tokens.clear();
+  for (Sequence* seq : scheduler_->running()) {
+    seq->draft_tokens.clear();
+    seq->draft_dists.clear();
+  }
 }
 
 void LlmEngine::FinishEmbedding(const ScheduledSequence& s, std::span<const float> hidden,
@@ -703,7 +720,9 @@ void LlmEngine::SampleSequence(const ScheduledSequence& s, std::span<const float
     const int32_t draft = j < s.num_draft_tokens ? drafts[j] : -1;
     // The prefetched mask is of the state before this step's first token; later rows' masks
     // follow the drafts accepted here.
-    const int32_t token = sampler_->Sample(row, seq, draft, j == 0 ? grammar_mask : nullptr);
+    const DraftDistribution* q =
+        j < static_cast<int>(seq.draft_dists.size()) ? &seq.draft_dists[j] : nullptr;
+    const int32_t token = sampler_->Sample(row, seq, draft, j == 0 ? grammar_mask : nullptr, q);
     // The sampler draws from the grammar's mask: a refusal here is a defect, not bad input.
     const bool allowed = seq.matcher == nullptr || token < 0 || seq.matcher->AcceptToken(token);
     TANDEM_CHECK(allowed) << "token " << token << " was sampled outside the grammar's mask";

@@ -168,6 +168,95 @@ TEST(SamplerTest, LogprobsAreThoseOfTheRawDistribution) {
   EXPECT_EQ(seq.last_top_logprobs[1].token, 1);
 }
 
+// Speculative verification of a sampled draft: a draft drawn from q (SampleDraft over the
+// draft's logits) and verified against the target's logits yields tokens distributed as the
+// target's own distribution p, whatever q is; q = p accepts every draft.
+struct DraftCase {
+  const char* name;
+  std::vector<float> draft_logits;
+  SamplingParams params;
+};
+
+TEST(SamplerTest, SampledDraftsVerifiedAgainstTheTargetFollowTheTarget) {
+  const std::vector<float> target = {0.5f, 2.0f, -1.0f, 1.0f, 0.0f, 1.5f};
+  SamplingParams plain{.temperature = 0.8f};
+  SamplingParams truncated{.temperature = 0.8f, .top_p = 0.9f, .top_k = 4};
+  for (const DraftCase& c : std::vector<DraftCase>{
+           {"a different draft", {2.0f, 0.0f, 1.0f, -1.0f, 1.5f, 0.5f}, plain},
+           {"the same draft", target, plain},
+           {"top-k and top-p, a different draft", {0.0f, 0.0f, 3.0f, 0.0f, 0.0f, 0.0f}, truncated},
+       }) {
+    SCOPED_TRACE(c.name);
+    // p: the target's own draws.
+    Sampler sampler({});
+    Sequence plain_seq = MakeSeq(c.params, {0}, 7);
+    std::vector<double> want(target.size(), 0);
+    const int draws = 60000;
+    for (int i = 0; i < draws; ++i) ++want[SampleOnce(sampler, target, plain_seq)];
+    Sequence seq = MakeSeq(c.params, {0}, 8);
+    std::vector<double> got(target.size(), 0);
+    int accepted = 0;
+    for (int i = 0; i < draws; ++i) {
+      DraftDistribution q;
+      std::vector<float> draft_row = c.draft_logits;
+      const int32_t draft = sampler.SampleDraft(draft_row, seq, &q);
+      ASSERT_GT(q.Probability(draft), 0.0);
+      std::vector<float> row = target;
+      const int32_t token = sampler.Sample(row, seq, draft, nullptr, &q);
+      ++got[token];
+      accepted += token == draft;
+    }
+    for (size_t t = 0; t < target.size(); ++t) {
+      // Binomial standard error at 60,000 draws is at most 0.002; 0.01 is five of them.
+      EXPECT_NEAR(got[t] / draws, want[t] / draws, 0.01) << "token " << t;
+    }
+    if (c.draft_logits == target) EXPECT_EQ(accepted, draws);
+    if (c.params.top_k > 0) {
+      // Tokens outside the target's top-k never come out, though the draft proposes them.
+      EXPECT_EQ(got[2], 0);
+      EXPECT_EQ(got[4], 0);
+    }
+  }
+}
+
+TEST(SamplerTest, SampledDraftKeepsItsMostLikelyTokensAndSeesTheDraftsBefore) {
+  Sampler sampler({});
+  std::vector<float> logits(1000, 0.0f);
+  for (int i = 0; i < 1000; ++i) logits[i] = static_cast<float>(i % 97) * 0.05f;
+  Sequence seq = MakeSeq({.temperature = 1.0f}, {0}, 3);
+  DraftDistribution q;
+  std::vector<float> row = logits;
+  sampler.SampleDraft(row, seq, &q);
+  ASSERT_EQ(q.ids.size(), static_cast<size_t>(Sampler::kMaxDraftCandidates));
+  double sum = 0;
+  float least_kept = 1e9f;
+  std::vector<bool> kept(1000, false);
+  for (size_t i = 0; i < q.ids.size(); ++i) {
+    sum += q.probs[i];
+    least_kept = std::min(least_kept, logits[q.ids[i]]);
+    kept[q.ids[i]] = true;
+  }
+  EXPECT_NEAR(sum, 1.0, 1e-5);
+  for (int i = 0; i < 1000; ++i) {
+    if (!kept[i]) EXPECT_LE(logits[i], least_kept) << "token " << i << " is more likely";
+  }
+  // A repetition penalty on the drafts already in seq.tokens (as DraftStep places them) moves
+  // the draft's mass away from them, as it moves the target's at that position.
+  const SamplingParams penalty{.temperature = 1.0f, .repetition_penalty = 100.0f};
+  Sequence before = MakeSeq(penalty, {0}, 3);
+  std::vector<float> peaked = {0.0f, 5.0f, 0.0f};
+  DraftDistribution unpenalised;
+  sampler.SampleDraft(peaked, before, &unpenalised);
+  EXPECT_GT(unpenalised.Probability(1), 0.95);  // softmax(0, 5, 0)
+  Sequence after = MakeSeq(penalty, {0}, 3);
+  after.tokens.push_back(1);  // an earlier draft
+  peaked = {0.0f, 5.0f, 0.0f};
+  DraftDistribution penalised;
+  sampler.SampleDraft(peaked, after, &penalised);
+  EXPECT_NEAR(penalised.Probability(1),
+              std::exp(0.05) / (2 + std::exp(0.05)), 1e-5);  // softmax(0, 5 / 100, 0)
+}
+
 TEST(SamplingParamsTest, RejectsOutOfRangeValuesNamingTheField) {
   struct Case {
     SamplingParams p;

@@ -428,6 +428,29 @@ INSTANTIATE_TEST_SUITE_P(Methods, SpeculativeSampledTest,
                            return info.param.name;
                          });
 
+// A draft that is the target itself (the same checkpoint as a draft model) proposes from the
+// very distribution verification checks against, processed the same way (temperature, top-p,
+// the repetition penalty over the drafts before each): every sampled draft is accepted, where
+// a point-mass draft (its argmax) would be accepted only as often as the target picks it.
+TEST(SpeculativeTest, SampledDraftsFromTheTargetItselfAreAllAccepted) {
+  const std::string model = testing::TinySmallVocabModel(12);
+  SpeculativeOptions options = DraftModel(3);
+  options.draft_model = model;
+  auto spec = MakeEngine(model, options, true, /*max_num_seqs=*/64);
+  ASSERT_NE(spec, nullptr);
+  SamplingParams params = kSampled;
+  params.max_tokens = 12;
+  std::vector<GenerateRequest> requests;
+  for (int i = 0; i < 64; ++i) {
+    params.seed = 17 + i;
+    requests.push_back({absl::StrCat("s", i), kSmallVocabPrompt, params});
+  }
+  RunAll(*spec, std::move(requests));
+  const EngineStats stats = spec->stats();
+  ASSERT_GT(stats.spec_proposed_tokens, 64 * 6);
+  EXPECT_EQ(stats.spec_accepted_tokens, stats.spec_proposed_tokens);
+}
+
 // What /metrics shows of speculation: the counters equal the engine's stats, per position too.
 TEST(SpeculativeTest, MetricsReportProposedAndAcceptedTokens) {
   const std::string model = testing::TinyModel("llama", DType::kBF16);

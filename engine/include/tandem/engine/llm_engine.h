@@ -284,6 +284,7 @@ class LlmEngine {
   std::unique_ptr<kernels::Backend> draft_backend_;
   std::unique_ptr<ModelRunner> draft_runner_;
   std::unique_ptr<Sampler> sampler_;
+  std::vector<float> draft_row_;  // DraftStep's scratch copy of a draft logits row
   // The tokenizer's vocabulary as bytes (EOS ids end a grammar) and the grammars compiled for
   // it, shared by every constrained request; the cache is thread-safe (Validate runs anywhere).
   std::shared_ptr<const grammar::TokenVocabulary> grammar_vocab_;

@@ -35,15 +35,44 @@ class Sampler {
   //
   // `grammar_mask`: seq.matcher's mask for its current state when already computed (the engine
   // computes it during the forward pass); null: computed here.
+  //
+  // `q`: the distribution a sampled draft was drawn from (SampleDraft); null or empty: the draft
+  // is a point mass as above. The draft is then accepted with probability min(1, p(draft) /
+  // q(draft)), and otherwise the token is drawn from max(p - q, 0) renormalised: exact
+  // rejection sampling, so the result is still an exact draw from p.
   int32_t Sample(std::span<float> logits, Sequence& seq, int32_t draft = -1,
-                 const grammar::TokenMask* grammar_mask = nullptr);
+                 const grammar::TokenMask* grammar_mask = nullptr,
+                 const DraftDistribution* q = nullptr);
+
+  // A draft model's (or early exit's) proposal for a sampled sequence: `logits` (the draft's
+  // row, overwritten as scratch) processed exactly as Sample processes the target's (min_tokens,
+  // penalties and logit_bias, with seq.tokens already holding the drafts before this position;
+  // then temperature, top-k, top-p and min-p; the grammar is left to verification, which
+  // rejects what it forbids), cut to its kMaxDraftCandidates most likely tokens and
+  // renormalised into *q; returns a draw from q, from seq.rng.
+  int32_t SampleDraft(std::span<float> logits, Sequence& seq, DraftDistribution* q);
+
+  // Tokens a draft distribution keeps (its most likely), so that a proposal costs a few hundred
+  // bytes whatever the vocabulary.
+  static constexpr int kMaxDraftCandidates = 64;
 
  private:
+  // min_tokens, the penalties and logit_bias, applied to `logits` in place.
+  void AdjustLogits(std::span<float> logits, const Sequence& seq);
+  // Temperature, top-k, top-p and min-p over candidates_ (constrained: the grammar's allowed
+  // tokens already there; else the whole vocabulary): the first (returned) entries of
+  // candidates_ and probs_ are the distribution, *mass their sum.
+  int Truncate(std::span<const float> logits, const SamplingParams& p, bool constrained,
+               double* mass);
+
   std::vector<int32_t> eos_token_ids_;
   std::vector<float> probs_;         // scratch [vocab]
+  std::vector<float> residual_;      // scratch [vocab]
   std::vector<float> raw_logits_;    // scratch [vocab]
   std::vector<int32_t> candidates_;  // scratch [vocab]
   std::vector<int32_t> counts_;      // scratch [vocab], zero between calls
+  std::vector<int32_t> slot_;        // scratch [vocab], -1 between calls
+  std::vector<int> order_;           // scratch [vocab]
   grammar::TokenMask mask_;          // scratch [vocab / 64]
 };
 

@@ -34,6 +34,19 @@ class SamplerRng {
   uint64_t s_[4];
 };
 
+// A sampled draft token's proposal distribution: `probs` (summing to 1) over `ids`.
+struct DraftDistribution {
+  std::vector<int32_t> ids;
+  std::vector<float> probs;
+  // q(id): 0 for a token not among ids.
+  double Probability(int32_t id) const {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] == id) return probs[i];
+    }
+    return 0.0;
+  }
+};
+
 struct Sequence {
   int64_t seq_id = 0;
   std::string request_id;
@@ -62,6 +75,10 @@ struct Sequence {
   // runs them after the last sampled token; the scheduler drops those that do not fit). Empty
   // outside a speculative step.
   std::vector<int32_t> draft_tokens;
+  // Per draft token, the distribution it was drawn from (Sampler::SampleDraft: a draft model
+  // or early exit proposing for a sampled sequence); shorter, or an entry empty: that draft is
+  // a point mass (greedy sequences, the n-gram proposer).
+  std::vector<DraftDistribution> draft_dists;
   // A draft model's KV cache holds the draft's KV of this many leading tokens (in this
   // sequence's blocks); it catches up before proposing.
   int draft_kv_tokens = 0;
