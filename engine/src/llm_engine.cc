@@ -538,6 +538,21 @@ absl::Status LlmEngine::DraftStep(const SchedulerStep& step) {
   static const std::vector<std::pair<int32_t, int32_t>> kNoCopies;
   const std::vector<std::pair<int32_t, int32_t>>* copies = &step.block_copies;
   if (draft_runner_ != nullptr) {
+    // A probe catches up over the last kProbeCatchUpTokens tokens only, marking what it skips
+    // stale; a step that proposes for real first takes the draft back to the stale part.
+    const bool probe = spec_length_ != nullptr && spec_length_->probing();
+    for (const ScheduledSequence& s : step.seqs) {
+      if (s.num_draft_tokens == 0) continue;
+      Sequence& seq = *s.seq;
+      const int from = static_cast<int>(seq.tokens.size()) - 1 - kProbeCatchUpTokens;
+      if (probe && seq.draft_kv_tokens < from) {
+        if (seq.draft_kv_stale_from < 0) seq.draft_kv_stale_from = seq.draft_kv_tokens;
+        seq.draft_kv_tokens = from;
+      } else if (!probe && seq.draft_kv_stale_from >= 0) {
+        seq.draft_kv_tokens = std::min(seq.draft_kv_tokens, seq.draft_kv_stale_from);
+        seq.draft_kv_stale_from = -1;
+      }
+    }
     // The draft's KV of every real token but the last (which the first pass runs), in passes
     // of at most a step's tokens: all of the prompt the first time (its KV came from the
     // target's prefill or another worker), what verification accepted since then afterwards.

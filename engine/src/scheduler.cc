@@ -46,6 +46,7 @@ void Scheduler::Preempt(Sequence* seq) {
   blocks_->Free(seq->block_table);
   seq->num_computed_tokens = 0;
   seq->draft_kv_tokens = 0;
+  seq->draft_kv_stale_from = -1;
   seq->status = SequenceStatus::kWaiting;
   ++seq->num_preemptions;
   ++num_preemptions_;

@@ -108,6 +108,7 @@ double SpeculationLength::ExpectedTokens(int k) const {
 
 int SpeculationLength::Choose(const StepLatencyModel& model, int num_seqs, int64_t context,
                               double draft_pass_seconds, double last_step_seconds) {
+  probing_ = false;
   if (num_seqs <= 0) return max_;
   const bool flat = !model.ready();
   if (flat && !(last_step_seconds > 0)) return max_;
@@ -127,12 +128,19 @@ int SpeculationLength::Choose(const StepLatencyModel& model, int num_seqs, int64
   }
   if (best > 0) {
     steps_off_ = 0;
+    probe_interval_ = kFirstProbeInterval;
     return best;
   }
   // Off: probe now and then with one draft token (the cheapest probe), or acceptance would
   // never be measured again; where the first draft is accepted often enough, the longer
-  // lengths follow.
-  return ++steps_off_ % 32 == 0 ? 1 : 0;
+  // lengths follow. Each probe that leaves it off doubles the wait for the next, up to
+  // kLastProbeInterval steps.
+  probing_ = ++steps_off_ >= probe_interval_;
+  if (probing_) {
+    steps_off_ = 0;
+    probe_interval_ = std::min(2 * probe_interval_, kLastProbeInterval);
+  }
+  return probing_ ? 1 : 0;
 }
 
 }  // namespace tandem::engine

@@ -7,6 +7,8 @@
 #include "tandem/engine/speculative.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 #include <map>
 #include <random>
 
@@ -451,6 +453,51 @@ TEST(SpeculativeTest, SampledDraftsFromTheTargetItselfAreAllAccepted) {
   EXPECT_EQ(stats.spec_accepted_tokens, stats.spec_proposed_tokens);
 }
 
+// A draft model that disagrees with the target (another seed's weights), left to the adaptive
+// length: speculation goes off after the first rejections and is probed ever more rarely; by
+// the later probes the draft is hundreds of tokens behind and catches up over the last
+// kProbeCatchUpTokens only, its older KV left stale. Outputs stay exactly the unspeculated ones
+// and the draft proposes for only a few steps. (Speculation is off for any step costs here:
+// with nothing accepted, no draft length yields more than one token per step.)
+TEST(SpeculativeTest, AnOffDraftModelProbesRarelyOverRecentTokensWithOutputsUnchanged) {
+  const std::string model = testing::TinyModel("llama", DType::kBF16);
+  const std::string dir = absl::StrCat(std::getenv("TANDEM_BINARY_DIR") != nullptr
+                                           ? std::getenv("TANDEM_BINARY_DIR")
+                                           : std::filesystem::temp_directory_path().string(),
+                                       "/test-models/tiny-llama-bf16-draft1-seed99");
+  if (!std::filesystem::exists(dir + "/config.json")) {
+    tools::SynthModelOptions draft;
+    draft.out_dir = dir;
+    draft.seed = 99;
+    draft.num_layers = 1;
+    draft.dtype = DType::kBF16;
+    ASSERT_TRUE(tools::WriteSyntheticModel(draft).ok());
+  }
+  SpeculativeOptions options = DraftModel(4);
+  options.draft_model = dir;
+  options.adaptive = true;
+  auto plain = MakeEngine(model, {});
+  auto spec = MakeEngine(model, options);
+  ASSERT_NE(spec, nullptr);
+  std::mt19937 rng(5);
+  SamplingParams p{.temperature = 0, .max_tokens = 600, .ignore_eos = true};
+  std::vector<GenerateRequest> requests;
+  for (int i = 0; i < 3; ++i) {
+    requests.push_back({absl::StrCat("r", i), RepetitivePrompt(rng, plain->config().vocab_size,
+                                                               5, 4), p});
+  }
+  const std::vector<RequestOutput> got = RunAll(*spec, requests);
+  ExpectSameOutputs(got, RunAll(*plain, requests));
+  for (const RequestOutput& out : got) EXPECT_EQ(out.choices[0].token_ids.size(), 600u);
+  const EngineStats stats = spec->stats();
+  // Per sequence: a step or two at the start, then probes after 32, 64, 128 and 256 steps off
+  // (the last two with the draft 128 and 256 tokens behind). Measured: 5 each.
+  EXPECT_GT(stats.spec_verify_steps, 3 * 3);
+  EXPECT_LE(stats.spec_verify_steps, 3 * 8) << stats.spec_proposed_tokens << " proposed";
+  EXPECT_LT(stats.spec_accepted_tokens * 4, stats.spec_proposed_tokens);
+  EXPECT_EQ(stats.kv_blocks_used, 0);
+}
+
 // What /metrics shows of speculation: the counters equal the engine's stats, per position too.
 TEST(SpeculativeTest, MetricsReportProposedAndAcceptedTokens) {
   const std::string model = testing::TinyModel("llama", DType::kBF16);
@@ -546,15 +593,29 @@ TEST(SpeculationLengthTest, ChoosesTheLengthWithTheMostTokensPerSecond) {
   SpeculationLength rejected(4);
   for (int i = 0; i < 200; ++i) rejected.Observe(4, 0);
   EXPECT_LT(rejected.acceptance(0), 0.05);
-  int off = 0;
-  int probes = 0;
-  for (int i = 0; i < 64; ++i) {
+  // Off, and probed with one token after 32 steps, then twice as long after each probe that
+  // leaves it off, up to every 512th step.
+  std::vector<int> probe_steps;
+  for (int i = 1; i <= 1600; ++i) {
     const int k = rejected.Choose(cheap_tokens, 8, 800);
-    off += k == 0;
-    probes += k == 1;  // a probe proposes one token
+    EXPECT_EQ(k == 1, rejected.probing()) << "step " << i;
+    if (k == 1) {
+      probe_steps.push_back(i);
+    } else {
+      EXPECT_EQ(k, 0) << "step " << i;
+    }
   }
-  EXPECT_EQ(off, 62);
-  EXPECT_EQ(probes, 2);
+  EXPECT_EQ(probe_steps, (std::vector<int>{32, 96, 224, 480, 992, 1504}));
+  // Accepted again: on at once; off again later, the first probe comes after 32 steps again.
+  for (int i = 0; i < 2000; ++i) rejected.Observe(4, 4);
+  EXPECT_EQ(rejected.Choose(cheap_tokens, 8, 800), 4);
+  EXPECT_FALSE(rejected.probing());
+  for (int i = 0; i < 2000; ++i) rejected.Observe(4, 0);
+  int first_probe = 0;
+  for (int i = 1; i <= 40 && first_probe == 0; ++i) {
+    if (rejected.Choose(cheap_tokens, 8, 800) == 1) first_probe = i;
+  }
+  EXPECT_EQ(first_probe, 32);
 
   // Acceptance that decays with the position: the expected tokens follow the product.
   SpeculationLength halves(3);

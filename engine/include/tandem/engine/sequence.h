@@ -82,6 +82,10 @@ struct Sequence {
   // A draft model's KV cache holds the draft's KV of this many leading tokens (in this
   // sequence's blocks); it catches up before proposing.
   int draft_kv_tokens = 0;
+  // A probe while speculation is off caught the draft up over recent tokens only: its KV from
+  // this position up to where that catch-up began is stale, and is recomputed (draft_kv_tokens
+  // goes back here) before the draft proposes outside a probe. -1: none is.
+  int draft_kv_stale_from = -1;
 
   // Sampler outputs of the latest step that sampled (filled when params->logprobs >= 0).
   float last_logprob = 0.0f;

@@ -68,9 +68,10 @@ class NgramProposer {
 // (1 + sum over j < k of the chance that drafts 0..j are all accepted, from decayed per-position
 // acceptance rates) over the step's time: what the latency model predicts for the running batch
 // with k draft tokens each, plus k draft passes at their measured time (a model's draft, early
-// exit's; nothing for n-gram lookup). k = 0 is speculation off; while off, every 32nd step
-// still proposes one draft token, so that the acceptance it measures stays current at little
-// cost.
+// exit's; nothing for n-gram lookup). k = 0 is speculation off; while off, a probe step still
+// proposes one draft token now and then (after 32 steps off, then twice as long after each
+// probe that leaves it off, up to 512), so that the acceptance it measures stays current at
+// little cost.
 class SpeculationLength {
  public:
   explicit SpeculationLength(int max_tokens);
@@ -84,6 +85,8 @@ class SpeculationLength {
   // acceptance saves is switched off from the first steps.
   int Choose(const StepLatencyModel& model, int num_seqs, int64_t context,
              double draft_pass_seconds = 0, double last_step_seconds = 0);
+  // Whether the last Choose returned a probe (speculation is off; one draft token now and then).
+  bool probing() const { return probing_; }
   // The decayed share of proposals at `position` accepted when every earlier one was.
   double acceptance(int position) const;
   // Expected tokens one sequence-step yields with k draft tokens.
@@ -93,7 +96,17 @@ class SpeculationLength {
   int max_;
   std::vector<double> proposed_;  // [max], decayed counts
   std::vector<double> accepted_;  // [max]
+  static constexpr int kFirstProbeInterval = 32;
+  static constexpr int kLastProbeInterval = 512;
   int steps_off_ = 0;
+  int probe_interval_ = kFirstProbeInterval;
+  bool probing_ = false;
 };
+
+// Tokens a draft model catches up over before a probe (SpeculationLength::probing): catching up
+// everything since its last pass would cost a fixed share of the target's compute however
+// rarely it probes, so the older KV is left stale (it only shapes proposals) until the draft
+// proposes for real.
+inline constexpr int kProbeCatchUpTokens = 64;
 
 }  // namespace tandem::engine
