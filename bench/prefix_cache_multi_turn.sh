@@ -17,6 +17,10 @@
 #   a conversation holds its slot throughout; set: `tandem bench --think-time`, turns of other
 #   conversations run in between) change the routing workload from the default above.
 #
+#   bench/results/kv-routing-bounded-cache-2026-11-27.md sweeps PREFILL_KV_BYTES with
+#   CONVERSATIONS=32 TURNS=10 CONCURRENCY=8 THINK_TIME=0; with 134217728 (128 MiB per prefill
+#   worker) kv-aware routing computed under half the prefill tokens of load routing.
+#
 # usage: bench/prefix_cache_multi_turn.sh build/bin/tandem OUT_DIR [caching|routing|all]
 # MODEL (default /tmp/prefix-small) is written with the small preset when missing.
 set -e
