@@ -214,6 +214,7 @@ class Backend {
   // y[m, n] = x[m, k] * W^T (+ bias[n] when bias is not null). Whatever W's dtype, each product
   // is of W's exact value (quantised: of DequantizeWeight's value) and accumulates in fp32.
   // Batch invariant: row i of y is bitwise the same whatever m is and whatever the other rows hold.
+  // y must not overlap x (other operators say where theirs may alias).
   virtual void Linear(const float* x, int m, const PackedWeight& w, const float* bias,
                       float* y) = 0;
 
