@@ -18,6 +18,25 @@ uint64_t SplitMix64(uint64_t& x) {
 }
 uint64_t Rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
+// A draw from ids[0..n) with weights probs (summing to `mass`). Should rounding put the draw past
+// the last sum: the last id with any weight.
+int32_t Draw(const int32_t* ids, const float* probs, int n, double mass, SamplerRng& rng) {
+  const double u = rng.Uniform() * mass;
+  int32_t chosen = ids[n - 1];
+  for (int i = n - 1; i >= 0; --i) {
+    if (probs[i] > 0) {
+      chosen = ids[i];
+      break;
+    }
+  }
+  double cum = 0;
+  for (int i = 0; i < n; ++i) {
+    cum += probs[i];
+    if (u < cum) return ids[i];
+  }
+  return chosen;
+}
+
 }  // namespace
 
 SamplerRng::SamplerRng(uint64_t seed) {
@@ -174,13 +193,7 @@ int32_t Sampler::SampleDraft(std::span<float> logits, Sequence& seq, DraftDistri
   }
   double total = 0;
   for (float v : q->probs) total += v;
-  const double u = seq.rng.Uniform() * total;
-  double cum = 0;
-  for (int i = 0; i < n; ++i) {
-    cum += q->probs[i];
-    if (u < cum) return q->ids[i];
-  }
-  return q->ids[n - 1];  // rounding put u past the last sum
+  return Draw(q->ids.data(), q->probs.data(), n, total, seq.rng);
 }
 
 int32_t Sampler::Sample(std::span<float> logits, Sequence& seq, int32_t draft,
@@ -267,13 +280,15 @@ int32_t Sampler::Sample(std::span<float> logits, Sequence& seq, int32_t draft,
   } else {
     double mass = 0;
     int keep = Truncate(logits, p, constrained, &mass);
+    // The draft's place among p's candidates; -1: p gives it nothing.
+    int at = -1;
+    for (int i = 0; draft >= 0 && i < keep; ++i) {
+      if (candidates_[i] == draft) at = i;
+    }
     if (draft >= 0 && q != nullptr && !q->ids.empty()) {
       // A sampled draft x ~ q: accept with probability min(1, p(x) / q(x)); else draw from the
       // residual max(p - q, 0), renormalised (p's mass here is `mass`, not yet divided out).
-      double p_draft = 0;
-      for (int i = 0; i < keep; ++i) {
-        if (candidates_[i] == draft) p_draft = probs_[i] / mass;
-      }
+      const double p_draft = at >= 0 ? probs_[at] / mass : 0.0;
       const double q_draft = q->Probability(draft);
       if (seq.rng.Uniform() * q_draft < p_draft) {
         if (p.logprobs >= 0) seq.last_logprob = raw_logits_[draft] - log_z;
@@ -303,10 +318,6 @@ int32_t Sampler::Sample(std::span<float> logits, Sequence& seq, int32_t draft,
       }
     } else if (draft >= 0) {
       // A point-mass draft: accept with probability p(draft); else draw from p without it.
-      int at = -1;
-      for (int i = 0; i < keep; ++i) {
-        if (candidates_[i] == draft) at = i;
-      }
       if (at >= 0) {
         if (seq.rng.Uniform() * mass < probs_[at]) {
           if (p.logprobs >= 0) seq.last_logprob = raw_logits_[draft] - log_z;
@@ -321,23 +332,7 @@ int32_t Sampler::Sample(std::span<float> logits, Sequence& seq, int32_t draft,
         }
       }
     }
-    double u = seq.rng.Uniform() * mass;
-    // Should rounding put u past the last sum: the last token with any probability.
-    chosen = candidates_[keep - 1];
-    for (int i = keep - 1; i >= 0; --i) {
-      if (probs_[i] > 0) {
-        chosen = candidates_[i];
-        break;
-      }
-    }
-    double cum = 0;
-    for (int i = 0; i < keep; ++i) {
-      cum += probs_[i];
-      if (u < cum) {
-        chosen = candidates_[i];
-        break;
-      }
-    }
+    chosen = Draw(candidates_.data(), probs_.data(), keep, mass, seq.rng);
   }
 
   if (p.logprobs >= 0) seq.last_logprob = raw_logits_[chosen] - log_z;

@@ -195,7 +195,8 @@ struct Vec {
     const __m256i bytes =
         _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     const __m256i bias = _mm256_set1_epi32(kNibbleBiasBits);
-    *lo = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), bias));
+    *lo = _mm256_castsi256_ps(
+        _mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi32(15)), bias));
     *hi = _mm256_castsi256_ps(
         _mm256_or_si256(_mm256_and_si256(bytes, _mm256_set1_epi32(0xf0)), bias));
   }
