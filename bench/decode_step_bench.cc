@@ -5,10 +5,15 @@
 // measured in the same run.
 //
 //   tandem_bench_decode [--preset=small] [--context=256] [--dtypes=float32,bfloat16,int8,int4]
-//                       [--batches=1,4,16] [--bandwidth-mib=256] [google benchmark flags]
+//                       [--batches=1,4,16] [--bandwidth-mib=256] [--device=cpu|cuda]
+//                       [--num-layers=N (the preset's shape with N layers)]
+//                       [google benchmark flags]
 //
 // The bandwidth kernels stream --bandwidth-mib MiB: more than the last-level cache to measure
-// memory, as a preset whose weights do not fit it (medium) needs.
+// memory, as a preset whose weights do not fit it (medium) needs. With --device=cuda the step
+// runs on GPU 0 and both yardsticks are the device's own: a device-to-device cudaMemcpy (bytes
+// read plus written) and, as "read", the same figure (a copy is the read-heavy limit there).
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -24,7 +29,12 @@
 #include "tandem/engine/checkpoint.h"
 #include "tandem/engine/model_runner.h"
 #include "tandem/kernels/backend.h"
+#include "tandem/kernels/cuda_backend.h"
 #include "tandem/tools/synth_model.h"
+
+#if TANDEM_BENCH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 namespace tandem {
 namespace {
@@ -33,6 +43,38 @@ std::string g_preset = "small";
 int g_context = 256;
 double g_copy_gbs = 0;
 double g_read_gbs = 0;
+bool g_cuda = false;
+int g_num_layers = 0;  // 0: the preset's
+
+#if TANDEM_BENCH_CUDA
+// Device-to-device copy of `bytes` (far over the L2), median of 20 event-timed copies after a
+// warm-up; bytes read plus bytes written per second, in GB/s. 0 when it cannot run.
+double MeasureCudaCopyGBs(size_t bytes) {
+  void* a = nullptr;
+  void* b = nullptr;
+  if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) return 0;
+  cudaMemset(a, 0x5a, bytes);
+  cudaEvent_t start, end;
+  cudaEventCreate(&start);
+  cudaEventCreate(&end);
+  std::vector<float> ms;
+  for (int i = 0; i < 23; ++i) {
+    cudaEventRecord(start);
+    cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(end);
+    cudaEventSynchronize(end);
+    float t = 0;
+    cudaEventElapsedTime(&t, start, end);
+    if (i >= 3) ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(end);
+  cudaFree(a);
+  cudaFree(b);
+  std::sort(ms.begin(), ms.end());
+  return 2.0 * static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e-3) / 1e9;
+}
+#endif
 
 // How a run holds its weights: converted to a float dtype at load, or a quantised checkpoint
 // ("int8": compressed-tensors, "int4": AWQ group 128) whose other tensors stay bf16.
@@ -44,12 +86,15 @@ struct WeightFormat {
 
 std::string ModelDir(const std::string& quant) {
   std::string dir = (std::filesystem::temp_directory_path() /
-                     ("tandem-bench-" + g_preset + (quant.empty() ? "" : "-" + quant)))
+                     ("tandem-bench-" + g_preset +
+                      (g_num_layers > 0 ? "-l" + std::to_string(g_num_layers) : "") +
+                      (quant.empty() ? "" : "-" + quant)))
                         .string();
   if (!std::filesystem::exists(dir + "/config.json")) {
     tools::SynthModelOptions options;
     options.out_dir = dir;
     options.preset = g_preset;
+    options.num_layers = g_num_layers;
     options.dtype = DType::kBF16;
     options.quant = quant;
     absl::Status s = tools::WriteSyntheticModel(options);
@@ -97,9 +142,23 @@ void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
     return;
   }
   const text::ModelConfig& c = (*checkpoint)->config();
-  auto backend = kernels::CreateCpuBackend({.num_threads = 2});
   const int block_size = 16;
   const int blocks_per_seq = (context + 1 + block_size - 1) / block_size;
+  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend;
+  if (g_cuda) {
+    auto gpu = kernels::CreateCudaBackend(
+        {.max_seqs = std::max(batch, 1),
+         .max_blocks_per_seq = blocks_per_seq,
+         .attention_workspace_bytes = kernels::CudaAttentionWorkspaceBytes(
+             std::max(batch, context), c.num_heads, c.head_dim, context + 1)});
+    if (!gpu.ok()) {
+      state.SkipWithError(std::string(gpu.status().message()).c_str());
+      return;
+    }
+    backend = std::unique_ptr<kernels::Backend>(std::move(*gpu));
+  } else {
+    backend = kernels::CreateCpuBackend({.num_threads = 2});
+  }
   engine::BlockManager blocks(batch * blocks_per_seq, block_size);
   auto runner = engine::ModelRunner::Create(**checkpoint, backend->get(),
                                             {.max_num_batched_tokens = std::max(batch, context),
@@ -189,6 +248,12 @@ int main(int argc, char** argv) {
       }
     } else if (a.rfind("--bandwidth-mib=", 0) == 0) {
       bandwidth_bytes = static_cast<size_t>(std::atol(a.c_str() + 16)) << 20;
+    } else if (a.rfind("--num-layers=", 0) == 0) {
+      tandem::g_num_layers = std::atoi(a.c_str() + 13);
+    } else if (a == "--device=cuda") {
+      tandem::g_cuda = true;
+    } else if (a == "--device=cpu") {
+      tandem::g_cuda = false;
     } else if (a.rfind("--batches=", 0) == 0) {
       batches.clear();
       for (absl::string_view b : absl::StrSplit(a.substr(10), ',')) {
@@ -199,12 +264,27 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  tandem::g_read_gbs = tandem::bench::MeasureReadBandwidthGBs(2, bandwidth_bytes);
-  tandem::g_copy_gbs = tandem::bench::MeasureCopyBandwidthGBs(2, bandwidth_bytes);
-  std::printf("read bandwidth (2 threads, read-only sum of %zu MiB, same run): %.2f GB/s\n",
+  if (tandem::g_cuda) {
+#if TANDEM_BENCH_CUDA
+    tandem::g_copy_gbs = tandem::MeasureCudaCopyGBs(size_t{1} << 30);
+#endif
+    if (tandem::g_copy_gbs <= 0) {
+      std::fprintf(stderr, "tandem_bench_decode: --device=cuda: no usable CUDA device\n");
+      return 1;
+    }
+    tandem::g_read_gbs = tandem::g_copy_gbs;
+    std::printf("device copy bandwidth (cudaMemcpy 1 GiB, read + write, same run): %.1f GB/s\n",
+                tandem::g_copy_gbs);
+  } else {
+    tandem::g_read_gbs = tandem::bench::MeasureReadBandwidthGBs(2, bandwidth_bytes);
+    tandem::g_copy_gbs = tandem::bench::MeasureCopyBandwidthGBs(2, bandwidth_bytes);
+  }
+  if (!tandem::g_cuda) std::printf("read bandwidth (2 threads, read-only sum of %zu MiB, same run): %.2f GB/s\n",
               bandwidth_bytes >> 20, tandem::g_read_gbs);
-  std::printf("copy bandwidth (2 threads, %zu MiB, same run): %.2f GB/s\n", bandwidth_bytes >> 20,
-              tandem::g_copy_gbs);
+  if (!tandem::g_cuda) {
+    std::printf("copy bandwidth (2 threads, %zu MiB, same run): %.2f GB/s\n",
+                bandwidth_bytes >> 20, tandem::g_copy_gbs);
+  }
   for (const WeightFormat& format : formats) {
     auto* b = benchmark::RegisterBenchmark(
         absl::StrCat("BM_DecodeStep/", format.name).c_str(),

@@ -64,18 +64,21 @@ inline std::string TinyDraftModel(const std::string& arch, DType dtype, int voca
 // A tiny synthetic model of `arch` with weight-only quantised linear layers (`quant`: int8, awq
 // or gptq; groups of 32, as the tiny preset's 64-wide hidden size cannot hold 128), its other
 // tensors of `dtype`; created on first use. The same seed as TinyModel: the float weights it
-// quantises are TinyModel(arch, kF32)'s.
+// quantises are TinyModel(arch, kF32, preset)'s. `preset` "small" gives head_dim 64, which the
+// CUDA attention kernels have (tiny's is 16 or 32).
 inline std::string TinyQuantModel(const std::string& arch, const std::string& quant,
                                   DType dtype = DType::kF16, bool desc_act = false,
-                                  bool sym = true, int group_size = 32) {
+                                  bool sym = true, int group_size = 32,
+                                  const std::string& preset = "tiny") {
   tools::SynthModelOptions options;
+  options.preset = preset;
   options.arch = arch;
   options.dtype = dtype;
   options.quant = quant;
   options.group_size = group_size;
   options.desc_act = desc_act;
   options.sym = sym;
-  return SynthOnce(absl::StrCat("tiny-", arch, "-", quant, "-", DTypeName(dtype),
+  return SynthOnce(absl::StrCat(preset, "-", arch, "-", quant, "-", DTypeName(dtype),
                                 desc_act ? "-act-order" : "", sym ? "" : "-asym",
                                 group_size == 32 ? "" : absl::StrCat("-g", group_size)),
                    options);

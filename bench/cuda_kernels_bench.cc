@@ -1,0 +1,278 @@
+// The CUDA backend's operators at Llama-3-8B shapes on GPU 0, against the device's own
+// copy bandwidth measured in the same run; run by scripts/gpu-check beside PyTorch's figures.
+//
+//   tandem_bench_cuda_kernels [OUT_JSON]
+//
+//   Linear        bf16 weights, fp32 x and y: the five projections of the 8B shape at m = 1, 2,
+//                 4, 8, 16, 64 and 256; GB/s counts weight, x and y bytes once, TFLOP/s 2 m n k.
+//   PagedAttention decode (one query row per sequence), 32 query heads over 8 KV heads (GQA
+//                 4:1), head_dim 128, bf16 KV in 16-token blocks scattered over the cache;
+//                 GB/s counts the K and V bytes read. And one causal 4096-token prefill in one
+//                 call (TFLOP/s of the causal half of 4 T^2 d heads).
+//
+// Each figure is the median of three trials, a trial being the mean over a burst of calls
+// queued back to back and then synchronised (launch gaps included, as a decode step has them).
+// Weights smaller than 256 MiB are cycled over several copies so the 50 MB L2 does not serve
+// them; every input is random (an xorshift stream), never zeros.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "tandem/base/half.h"
+#include "tandem/kernels/backend.h"
+#include "tandem/kernels/cuda_backend.h"
+
+namespace tandem {
+namespace {
+
+using kernels::Backend;
+using kernels::DeviceBuffer;
+
+struct Rng {
+  uint64_t s;
+  float Next() {  // uniform in [-1, 1)
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    return static_cast<float>(static_cast<int64_t>(s >> 40) - (1 << 23)) / (1 << 23);
+  }
+};
+
+std::vector<uint16_t> RandomBf16(int64_t count, uint64_t seed, float scale) {
+  std::vector<uint16_t> out(static_cast<size_t>(count));
+  Rng rng{seed * 0x9E3779B97F4A7C15ull + 1};
+  for (auto& v : out) v = FloatToBf16(rng.Next() * scale);
+  return out;
+}
+
+std::vector<float> RandomF32(int64_t count, uint64_t seed) {
+  std::vector<float> out(static_cast<size_t>(count));
+  Rng rng{seed * 0x9E3779B97F4A7C15ull + 7};
+  for (auto& v : out) v = rng.Next();
+  return out;
+}
+
+[[noreturn]] void Die(const std::string& what) {
+  std::fprintf(stderr, "tandem_bench_cuda_kernels: %s\n", what.c_str());
+  std::exit(1);
+}
+
+void Check(const absl::Status& s, const char* what) {
+  if (!s.ok()) Die(absl::StrCat(what, ": ", s.message()));
+}
+
+// Seconds per call of `op` (a burst of `calls` then one Synchronize), median of three.
+template <typename Op>
+double TimeCalls(Backend& b, int calls, Op op) {
+  for (int i = 0; i < 3; ++i) op(i);  // warm-up
+  Check(b.Synchronize(), "warm-up");
+  std::vector<double> trials;
+  for (int t = 0; t < 3; ++t) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < calls; ++i) op(i);
+    Check(b.Synchronize(), "timed calls");
+    trials.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() / calls);
+  }
+  std::sort(trials.begin(), trials.end());
+  return trials[1];
+}
+
+double CopyBandwidthGBs() {
+  const size_t bytes = size_t{1} << 30;
+  void* a = nullptr;
+  void* b = nullptr;
+  if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
+    Die("cudaMalloc for the copy bandwidth");
+  }
+  cudaMemset(a, 0x5a, bytes);
+  cudaEvent_t start, end;
+  cudaEventCreate(&start);
+  cudaEventCreate(&end);
+  std::vector<float> ms;
+  for (int i = 0; i < 23; ++i) {
+    cudaEventRecord(start);
+    cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(end);
+    cudaEventSynchronize(end);
+    float t = 0;
+    cudaEventElapsedTime(&t, start, end);
+    if (i >= 3) ms.push_back(t);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(end);
+  cudaFree(a);
+  cudaFree(b);
+  std::sort(ms.begin(), ms.end());
+  return 2.0 * static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e-3) / 1e9;
+}
+
+struct Row {
+  std::string op, shape;
+  double us, gbs, tflops, of_copy;
+};
+
+}  // namespace
+}  // namespace tandem
+
+int main(int argc, char** argv) {
+  using namespace tandem;
+  auto created = kernels::CreateCudaBackend(
+      {.max_seqs = 256,
+       .max_blocks_per_seq = 32768 / 16,
+       // The 4096-token prefill needs the most merge workspace (decode rows are few).
+       .attention_workspace_bytes = kernels::CudaAttentionWorkspaceBytes(4096, 32, 128, 4096)});
+  if (!created.ok()) Die(std::string(created.status().message()));
+  Backend& b = **created;
+  const double copy_gbs = CopyBandwidthGBs();
+  std::vector<Row> rows;
+
+  // Linear: the 8B projections (n, k) as the runner fuses them.
+  const int hidden = 4096, inter = 14336, q_dim = 4096, kv_dim = 1024, vocab = 128256;
+  const struct {
+    const char* name;
+    int n, k;
+  } projections[] = {{"qkv", q_dim + 2 * kv_dim, hidden},
+                     {"o", hidden, q_dim},
+                     {"gate_up", 2 * inter, hidden},
+                     {"down", hidden, inter},
+                     {"lm_head", vocab, hidden}};
+  const int max_m = 256;
+  auto x = b.Allocate(sizeof(float) * max_m * inter);
+  auto y = b.Allocate(sizeof(float) * max_m * vocab);
+  if (!x.ok() || !y.ok()) Die("activation buffers");
+  {
+    const std::vector<float> xs = RandomF32(int64_t{max_m} * inter, 1);
+    b.CopyToDevice(x->data(), xs.data(), xs.size() * sizeof(float));
+  }
+  for (const auto& proj : projections) {
+    const int64_t weight_bytes = int64_t{proj.n} * proj.k * 2;
+    const int copies = static_cast<int>(std::clamp<int64_t>((256ll << 20) / weight_bytes + 1, 1, 8));
+    std::vector<std::unique_ptr<kernels::PackedWeight>> weights;
+    for (int c = 0; c < copies; ++c) {
+      const std::vector<uint16_t> w =
+          RandomBf16(int64_t{proj.n} * proj.k, 100 + c, 1.0f / std::sqrt(float(proj.k)));
+      weights.push_back(b.PackWeight(w.data(), DType::kBF16, proj.n, proj.k));
+    }
+    Check(b.Synchronize(), "PackWeight");
+    for (int m : {1, 2, 4, 8, 16, 64, 256}) {
+      const int calls = m <= 16 ? 50 : 10;
+      const double s = TimeCalls(b, calls, [&](int i) {
+        b.Linear(x->as<float>(), m, *weights[i % copies], nullptr, y->as<float>());
+      });
+      const double bytes = weight_bytes + 4.0 * m * (proj.k + proj.n);
+      const double gbs = bytes / s / 1e9;
+      rows.push_back({"Linear bf16", absl::StrCat(proj.name, " m", m, " n", proj.n, " k", proj.k),
+                      s * 1e6, gbs, 2.0 * m * proj.n * proj.k / s / 1e12, gbs / copy_gbs});
+    }
+  }
+
+  // PagedAttention, decode: batch x context.
+  const int heads = 32, kv_heads = 8, head_dim = 128, block = 16;
+  const struct {
+    int batch, context;
+  } decodes[] = {{1, 4096}, {1, 32768}, {8, 8192}, {16, 4096}, {64, 1024}, {64, 4096},
+                 {256, 512}};
+  for (const auto& d : decodes) {
+    const int blocks_per_seq = (d.context + block - 1) / block;
+    const int num_blocks = d.batch * blocks_per_seq;
+    const kernels::KvLayout layout{.num_blocks = num_blocks,
+                                   .block_size = block,
+                                   .num_kv_heads = kv_heads,
+                                   .head_dim = head_dim,
+                                   .dtype = DType::kBF16};
+    auto cache = b.Allocate(static_cast<size_t>(layout.LayerBytes()));
+    auto q = b.Allocate(sizeof(float) * d.batch * heads * head_dim);
+    auto out = b.Allocate(sizeof(float) * d.batch * heads * head_dim);
+    if (!cache.ok() || !q.ok() || !out.ok()) Die("attention buffers");
+    {
+      const std::vector<uint16_t> kv = RandomBf16(layout.LayerElements(), 7, 1.0f);
+      b.CopyToDevice(cache->data(), kv.data(), kv.size() * 2);
+      const std::vector<float> qs = RandomF32(int64_t{d.batch} * heads * head_dim, 8);
+      b.CopyToDevice(q->data(), qs.data(), qs.size() * sizeof(float));
+    }
+    // Blocks scattered: sequence s takes every batch-th block starting at s, reversed.
+    std::vector<int32_t> query_start(d.batch + 1), context_len(d.batch, d.context),
+        table(static_cast<size_t>(d.batch) * blocks_per_seq);
+    for (int s = 0; s <= d.batch; ++s) query_start[s] = s;
+    for (int s = 0; s < d.batch; ++s) {
+      for (int i = 0; i < blocks_per_seq; ++i) {
+        table[static_cast<size_t>(s) * blocks_per_seq + i] =
+            (blocks_per_seq - 1 - i) * d.batch + s;
+      }
+    }
+    const kernels::PagedAttentionBatch batch{d.batch, query_start.data(), context_len.data(),
+                                             table.data(), blocks_per_seq};
+    const double s = TimeCalls(b, 20, [&](int) {
+      b.PagedAttention(q->as<float>(), cache->data(), layout, batch, heads,
+                       1.0f / std::sqrt(128.0f), out->as<float>());
+    });
+    const double bytes = 2.0 * d.batch * d.context * kv_heads * head_dim * 2;
+    const double gbs = bytes / s / 1e9;
+    rows.push_back({"PagedAttention decode bf16 KV",
+                    absl::StrCat("batch ", d.batch, " x context ", d.context), s * 1e6, gbs,
+                    4.0 * d.batch * d.context * heads * head_dim / s / 1e12, gbs / copy_gbs});
+  }
+
+  // Prefill attention: one causal 4096-token prompt in one call.
+  {
+    const int tokens = 4096;
+    const int blocks_per_seq = tokens / block;
+    const kernels::KvLayout layout{.num_blocks = blocks_per_seq,
+                                   .block_size = block,
+                                   .num_kv_heads = kv_heads,
+                                   .head_dim = head_dim,
+                                   .dtype = DType::kBF16};
+    auto cache = b.Allocate(static_cast<size_t>(layout.LayerBytes()));
+    auto q = b.Allocate(sizeof(float) * tokens * heads * head_dim);
+    auto out = b.Allocate(sizeof(float) * tokens * heads * head_dim);
+    if (!cache.ok() || !q.ok() || !out.ok()) Die("prefill attention buffers");
+    const std::vector<uint16_t> kv = RandomBf16(layout.LayerElements(), 9, 1.0f);
+    b.CopyToDevice(cache->data(), kv.data(), kv.size() * 2);
+    const std::vector<float> qs = RandomF32(int64_t{tokens} * heads * head_dim, 10);
+    b.CopyToDevice(q->data(), qs.data(), qs.size() * sizeof(float));
+    std::vector<int32_t> query_start = {0, tokens}, context_len = {tokens}, table(blocks_per_seq);
+    for (int i = 0; i < blocks_per_seq; ++i) table[i] = i;
+    const kernels::PagedAttentionBatch batch{1, query_start.data(), context_len.data(),
+                                             table.data(), blocks_per_seq};
+    const double s = TimeCalls(b, 3, [&](int) {
+      b.PagedAttention(q->as<float>(), cache->data(), layout, batch, heads,
+                       1.0f / std::sqrt(128.0f), out->as<float>());
+    });
+    const double flops = 4.0 * tokens * tokens * head_dim * heads / 2;
+    rows.push_back({"PagedAttention prefill causal", "4096 tokens, 32/8 heads, hd 128",
+                    s * 1e6, 0, flops / s / 1e12, 0});
+  }
+
+  std::printf("device copy bandwidth (cudaMemcpy 1 GiB, read + write): %.1f GB/s\n", copy_gbs);
+  std::printf("%-30s %-34s %10s %9s %8s %8s\n", "op", "shape", "us", "GB/s", "TFLOP/s",
+              "of_copy");
+  for (const Row& r : rows) {
+    std::printf("%-30s %-34s %10.1f %9.1f %8.2f %8.3f\n", r.op.c_str(), r.shape.c_str(), r.us,
+                r.gbs, r.tflops, r.of_copy);
+  }
+  if (argc > 1) {
+    FILE* f = std::fopen(argv[1], "w");
+    if (f == nullptr) Die(absl::StrCat("cannot write ", argv[1]));
+    std::fprintf(f, "{\"copy_gbs\": %.1f, \"rows\": [\n", copy_gbs);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      std::fprintf(f,
+                   " {\"op\": \"%s\", \"shape\": \"%s\", \"us\": %.2f, \"gbs\": %.1f, "
+                   "\"tflops\": %.3f, \"of_copy\": %.4f}%s\n",
+                   r.op.c_str(), r.shape.c_str(), r.us, r.gbs, r.tflops, r.of_copy,
+                   i + 1 < rows.size() ? "," : "");
+    }
+    std::fprintf(f, "]}\n");
+    std::fclose(f);
+  }
+  return 0;
+}
