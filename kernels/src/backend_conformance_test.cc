@@ -305,9 +305,16 @@ class LinearCase : public OpCase {
     h.backend().Linear(d_x, m_, *packed, d_bias, d_y);
     if (!h.Finish()) return;
 
+    // A backend that rounds x to W's type first (the CUDA backend's prefill path) is held to
+    // the same tolerance on the rounded x.
+    std::vector<float> x_read = x;
+    if (h.backend().LinearRoundsX(m_, w_dtype_)) {
+      const std::vector<unsigned char> x_bytes = Encode(x, w_dtype_);
+      for (size_t i = 0; i < x.size(); ++i) x_read[i] = LoadAsFloat(x_bytes.data(), w_dtype_, i);
+    }
     std::vector<float> expected(int64_t{m_} * n_);
-    reference::Linear(x.data(), m_, w_bytes.data(), w_dtype_, n_, k_, bias_ ? bias.data() : nullptr,
-                      expected.data());
+    reference::Linear(x_read.data(), m_, w_bytes.data(), w_dtype_, n_, k_,
+                      bias_ ? bias.data() : nullptr, expected.data());
     // Error relative to sum |x| |w| (+ |bias|), the scale of a dot product's rounding error
     // whatever cancellation leaves of the result; an element from the wrong row or column is off
     // by about 1 / sqrt(k) of it.
@@ -852,7 +859,9 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
     add(LinearCase(m, n, k, bias, kLinearTolerance));
   }
   // bf16 and fp16 weights, widened in registers: decode rows, a prefill tile, panel and k-block
-  // remainders.
+  // remainders; the CUDA backend's vectorised GEMV (k a multiple of 8, m up to 4): each of its
+  // row bounds (1, 2, 4) and m = 3 under one, an odd n (a warp's second column past the end), k
+  // not a multiple of its 32 x 4 chunk stride; and past it (m 5 to 17) its tensor-core path.
   for (DType w_dtype : {DType::kBF16, DType::kF16}) {
     for (auto [m, n, k, bias] : std::vector<std::tuple<int, int, int, bool>>{
              {1, 1, 1, false},
@@ -861,6 +870,14 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
              {130, 129, 300, true},
              {1, 50, 5000, false},
              {1, 1024, 256, false},
+             {1, 301, 4096, true},
+             {2, 63, 1032, false},
+             {4, 130, 2056, true},
+             {3, 129, 1024, true},
+             {5, 64, 2048, false},
+             {9, 257, 512, true},
+             {16, 100, 1032, true},
+             {17, 33, 512, false},
          }) {
       add(LinearCase(m, n, k, bias, kLinearTolerance, w_dtype));
     }
@@ -934,7 +951,8 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
   // PagedAttention: decode batches (q_len 1) and prefill batches (whole prompts, and chunks
   // whose context includes earlier chunks), over GQA ratios 1 to 8 and page sizes 8/16/32;
   // contexts of one token, ending on and past block boundaries, and past 512 (the CUDA backend
-  // splits keys into 512-token partitions and merges them).
+  // splits keys into partitions of 64 to 512 tokens, smaller when a call has few rows, and
+  // merges them).
   const std::vector<std::vector<AttentionSeq>> decode_batches = {
       {{1, 1}},
       {{1, 700}},
@@ -955,7 +973,8 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
            {64, 1, 4, 32},
            {128, 2, 4, 16},
            {128, 1, 8, 32},
-           {80, 1, 3, 8},  // not a power of two: the CPU backend only
+           {64, 1, 16, 16},  // past the CUDA backend's wide-load kernel (groups of up to 8)
+           {80, 1, 3, 8},    // not a power of two: the CPU backend only
        }) {
     for (const auto* batches : {&decode_batches, &prefill_batches}) {
       for (const std::vector<AttentionSeq>& seqs : *batches) {

@@ -81,13 +81,15 @@ class CudaPackedWeight final : public PackedWeight {
 
 class CudaBackendImpl final : public CudaBackend {
  public:
-  CudaBackendImpl(const CudaBackendOptions& options, Stream stream, cuda::CublasHandle cublas,
-                  DeviceArray<int32_t> metadata, DeviceArray<float> workspace)
+  CudaBackendImpl(const CudaBackendOptions& options, int multiprocessors, Stream stream,
+                  cuda::CublasHandle cublas, DeviceArray<int32_t> metadata,
+                  DeviceArray<float> workspace)
       : options_(options),
         stream_(std::move(stream)),
         cublas_(std::move(cublas)),
         metadata_(std::move(metadata)),
-        workspace_(std::move(workspace)) {
+        workspace_(std::move(workspace)),
+        multiprocessors_(std::max(multiprocessors, 1)) {
     staging_.reserve(MetadataInts());
   }
 
@@ -189,6 +191,10 @@ class CudaBackendImpl final : public CudaBackend {
                                               std::move(d_scales).value(), std::move(order));
   }
 
+  bool LinearRoundsX(int m, DType w_dtype) const override {
+    return m > cuda::kGemvMaxRows && (w_dtype == DType::kBF16 || w_dtype == DType::kF16);
+  }
+
   void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
     const auto& packed = static_cast<const CudaPackedWeight&>(w);
     if (packed.data() == nullptr) {
@@ -201,8 +207,26 @@ class CudaBackendImpl final : public CudaBackend {
       Keep(cuda::LaunchLinear(cublas_.get(), x, m, static_cast<const float*>(packed.data()), w.n(),
                               w.k(), bias, y, stream_.get()));
     } else {
-      Keep(cuda::LaunchLinearLowPrecision(x, m, packed.data(), w.dtype(), w.n(), w.k(), bias, y,
-                                          stream_.get()));
+      void* x16 = nullptr;
+      if (m > cuda::kGemvMaxRows) {
+        // The tensor-core path reads x rounded to 16 bits: scratch grown on demand (a
+        // runner's first prefill of its largest size; decode never needs it).
+        const int64_t bytes = int64_t{m} * w.k() * 2;
+        if (bytes > x16_bytes_) {
+          x16_.reset();
+          x16_bytes_ = 0;
+          auto grown = DeviceAlloc<unsigned char>(bytes);
+          if (!grown.ok()) {
+            Keep(grown.status());
+            return;
+          }
+          x16_ = std::move(grown).value();
+          x16_bytes_ = bytes;
+        }
+        x16 = x16_.get();
+      }
+      Keep(cuda::LaunchLinearLowPrecision(cublas_.get(), x, m, packed.data(), w.dtype(), w.n(),
+                                          w.k(), bias, y, x16, stream_.get()));
     }
   }
 
@@ -286,12 +310,17 @@ class CudaBackendImpl final : public CudaBackend {
     staging_.insert(staging_.end(), batch.block_table, batch.block_table + table_ints);
     int max_context = 1;
     for (int s = 0; s < n; ++s) max_context = std::max(max_context, batch.context_len[s]);
-    // From pageable memory the copy returns once staging_ has been read, so reusing it next
-    // call is safe.
-    TANDEM_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(metadata_.get(), staging_.data(), sizeof(int32_t) * staging_.size(),
-                        cudaMemcpyHostToDevice, stream_.get()),
-        "PagedAttention metadata upload"));
+    // Every layer of a step plans the same batch: upload it only when it changed. An upload
+    // from pageable memory waits for the stream, so one per layer would stall the host there.
+    if (staging_ != uploaded_) {
+      // From pageable memory the copy returns once staging_ has been read, so reusing it next
+      // call is safe.
+      TANDEM_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(metadata_.get(), staging_.data(), sizeof(int32_t) * staging_.size(),
+                          cudaMemcpyHostToDevice, stream_.get()),
+          "PagedAttention metadata upload"));
+      uploaded_ = staging_;
+    }
 
     cuda::PagedAttentionParams p;
     p.q = q;
@@ -312,8 +341,26 @@ class CudaBackendImpl final : public CudaBackend {
     p.head_dim = layout.head_dim;
     p.block_size = layout.block_size;
     p.max_blocks_per_seq = batch.max_blocks_per_seq;
-    p.max_partitions =
-        (max_context + cuda::kAttentionPartitionTokens - 1) / cuda::kAttentionPartitionTokens;
+    // Partitions of up to kAttentionPartitionTokens keys; halved (down to the minimum) while
+    // the grid has fewer than two blocks per multiprocessor and the merge workspace allows,
+    // so that decode of a few sequences still spreads over the whole GPU.
+    auto partitions_of = [&](int tokens) { return (max_context + tokens - 1) / tokens; };
+    auto workspace_fits = [&](int tokens) {
+      return cuda::PagedAttentionWorkspaceFloats(p.num_tokens, num_heads, layout.head_dim,
+                                                 partitions_of(tokens)) *
+                 int64_t{sizeof(float)} <=
+             options_.attention_workspace_bytes;
+    };
+    int partition = cuda::kAttentionPartitionTokens;
+    while (partition > cuda::kAttentionMinPartitionTokens &&
+           int64_t{layout.num_kv_heads} * p.num_tokens * partitions_of(partition) <
+               2 * int64_t{multiprocessors_} &&
+           partitions_of(partition / 2) > partitions_of(partition) &&
+           workspace_fits(partition / 2)) {
+      partition /= 2;
+    }
+    p.partition_tokens = partition;
+    p.max_partitions = partitions_of(partition);
     p.scale = scale;
     const int64_t needed = cuda::PagedAttentionWorkspaceFloats(p.num_tokens, num_heads,
                                                                layout.head_dim, p.max_partitions);
@@ -337,6 +384,10 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceArray<int32_t> metadata_;  // [MetadataInts()]
   DeviceArray<float> workspace_;   // [attention_workspace_bytes / 4]
   std::vector<int32_t> staging_;   // host copy of the metadata, capacity MetadataInts()
+  std::vector<int32_t> uploaded_;  // what metadata_ holds now
+  DeviceArray<unsigned char> x16_;  // [x16_bytes_]: Linear's x rounded to 16 bits (prefill)
+  int64_t x16_bytes_ = 0;
+  int multiprocessors_ = 1;
   absl::Status status_;
 };
 
@@ -375,6 +426,10 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackend
     return absl::InvalidArgumentError("CudaBackendOptions bounds must be positive");
   }
   TANDEM_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(options.device), "cudaSetDevice"));
+  int multiprocessors = 1;
+  TANDEM_RETURN_IF_ERROR(CudaStatus(
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, options.device),
+      "cudaDeviceGetAttribute"));
   cudaStream_t raw_stream = nullptr;
   TANDEM_RETURN_IF_ERROR(
       CudaStatus(cudaStreamCreateWithFlags(&raw_stream, cudaStreamNonBlocking), "stream"));
@@ -386,7 +441,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackend
                            int64_t{options.max_seqs} * options.max_blocks_per_seq));
   TANDEM_ASSIGN_OR_RETURN(DeviceArray<float> workspace,
                           DeviceAlloc<float>(options.attention_workspace_bytes / 4));
-  return std::make_unique<CudaBackendImpl>(options, std::move(stream), std::move(cublas),
+  return std::make_unique<CudaBackendImpl>(options, multiprocessors, std::move(stream),
+                                           std::move(cublas),
                                            std::move(metadata), std::move(workspace));
 }
 

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstdint>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/src/cuda/cublas_loader.h"
@@ -27,8 +28,8 @@ __global__ void AddBiasKernel(float* __restrict__ y,           // [m, n]
   }
 }
 
-// Rows of x a GEMV block serves at once; more rows take the tiled kernel.
-constexpr int kGemvMaxRows = 4;
+// Rows of x the scalar GEMV serves at once (when the vectorised one cannot take a call).
+constexpr int kGemvScalarMaxRows = 4;
 constexpr int kGemvWarps = 8;
 constexpr int kTile = 16;
 
@@ -42,24 +43,177 @@ __global__ void GemvKernel(const float* __restrict__ x,                   // [m,
   const int col = blockIdx.x * kGemvWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (col >= n) return;
-  float acc[kGemvMaxRows] = {};
+  float acc[kGemvScalarMaxRows] = {};
   const W* wc = w + static_cast<int64_t>(col) * k;
   for (int i = lane; i < k; i += 32) {
     const float wi = ToFloat(wc[i]);
 #pragma unroll
-    for (int r = 0; r < kGemvMaxRows; ++r) {
+    for (int r = 0; r < kGemvScalarMaxRows; ++r) {
       if (r < m) acc[r] += x[static_cast<int64_t>(r) * k + i] * wi;
     }
   }
 #pragma unroll
-  for (int r = 0; r < kGemvMaxRows; ++r) {
+  for (int r = 0; r < kGemvScalarMaxRows; ++r) {
     float v = acc[r];
     for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
     if (lane == 0 && r < m) y[static_cast<int64_t>(r) * n + col] = v + (bias ? bias[col] : 0.0f);
   }
 }
 
-// More rows: kTile x kTile output tiles through shared memory. grid (ceil(n / kTile),
+// Eight weights of one 16-byte load, widened.
+__device__ __forceinline__ void Widen8(const uint4& raw, const __nv_bfloat16*, float (&out)[8]) {
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(h[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+__device__ __forceinline__ void Widen8(const uint4& raw, const __half*, float (&out)[8]) {
+  const auto* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(h[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// A 16-byte load that skips L1: each weight byte is read once per call.
+__device__ __forceinline__ uint4 LoadStreaming(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+constexpr int kVecWarps = 4;     // warps per block
+constexpr int kVecCols = 2;      // output columns per warp
+constexpr int kVecUnroll = 4;    // 16-byte loads per column in flight per lane
+
+// Decode GEMV at the bandwidth limit, for 16-bit weights with k % 8 == 0 and 16-byte aligned
+// x and w: each warp owns kVecCols columns and streams them in 16-byte loads (kVecUnroll in
+// flight per lane), x is read as float4 through the read-only cache and reused across the
+// warp's columns; fp32 products and accumulation. kRows >= m rows of x (a template bound, so
+// the accumulators stay in registers). grid ceil(n / (kVecWarps * kVecCols)), kVecWarps * 32.
+template <typename W, int kRows>
+__global__ void __launch_bounds__(kVecWarps * 32)
+    GemvVecKernel(const float* __restrict__ x, int m, const W* __restrict__ w, int n, int k,
+                  const float* __restrict__ bias, float* __restrict__ y) {
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int col0 = (blockIdx.x * kVecWarps + warp) * kVecCols;
+  if (col0 >= n) return;
+  const int chunks = k / 8;  // 16-byte chunks per weight row
+  const uint4* wrow[kVecCols];
+#pragma unroll
+  for (int c = 0; c < kVecCols; ++c) {
+    // A column past n re-reads the last one; its sum is not written.
+    wrow[c] = reinterpret_cast<const uint4*>(w + static_cast<int64_t>(min(col0 + c, n - 1)) * k);
+  }
+  float acc[kRows][kVecCols] = {};
+  for (int base = 0; base < chunks; base += 32 * kVecUnroll) {
+    uint4 raw[kVecUnroll][kVecCols];
+#pragma unroll
+    for (int u = 0; u < kVecUnroll; ++u) {
+      const int chunk = base + u * 32 + lane;
+#pragma unroll
+      for (int c = 0; c < kVecCols; ++c) {
+        raw[u][c] = chunk < chunks ? LoadStreaming(wrow[c] + chunk) : make_uint4(0, 0, 0, 0);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kVecUnroll; ++u) {
+      const int chunk = base + u * 32 + lane;
+      if (chunk >= chunks) break;
+      float wf[kVecCols][8];
+#pragma unroll
+      for (int c = 0; c < kVecCols; ++c) Widen8(raw[u][c], static_cast<const W*>(nullptr), wf[c]);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        if (r < m) {
+          const float4* xr = reinterpret_cast<const float4*>(x + static_cast<int64_t>(r) * k) +
+                             2 * chunk;
+          const float4 a = __ldg(xr);
+          const float4 b = __ldg(xr + 1);
+#pragma unroll
+          for (int c = 0; c < kVecCols; ++c) {
+            float s = acc[r][c];
+            s += a.x * wf[c][0];
+            s += a.y * wf[c][1];
+            s += a.z * wf[c][2];
+            s += a.w * wf[c][3];
+            s += b.x * wf[c][4];
+            s += b.y * wf[c][5];
+            s += b.z * wf[c][6];
+            s += b.w * wf[c][7];
+            acc[r][c] = s;
+          }
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (r >= m) break;
+#pragma unroll
+    for (int c = 0; c < kVecCols; ++c) {
+      float v = acc[r][c];
+#pragma unroll
+      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+      const int col = col0 + c;
+      if (lane == 0 && col < n) {
+        y[static_cast<int64_t>(r) * n + col] = v + (bias ? bias[col] : 0.0f);
+      }
+    }
+  }
+}
+
+template <typename W, int kRows>
+void LaunchGemvVec(const float* x, int m, const W* w, int n, int k, const float* bias, float* y,
+                   cudaStream_t stream) {
+  constexpr int kColsPerBlock = kVecWarps * kVecCols;
+  GemvVecKernel<W, kRows>
+      <<<(n + kColsPerBlock - 1) / kColsPerBlock, kVecWarps * 32, 0, stream>>>(x, m, w, n, k,
+                                                                              bias, y);
+}
+
+// Runs GemvVecKernel when it takes this call (16-bit weights, m <= kGemvMaxRows, k a multiple of
+// 8, 16-byte aligned x and w); false otherwise.
+template <typename W>
+bool TryGemvVec(const float* x, int m, const W* w, int n, int k, const float* bias, float* y,
+                cudaStream_t stream) {
+  if constexpr (sizeof(W) != 2) {
+    return false;
+  } else {
+    if (m > kGemvMaxRows || k % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
+        reinterpret_cast<uintptr_t>(w) % 16 != 0) {
+      return false;
+    }
+    static_assert(kGemvMaxRows == 4);
+    if (m == 1) {
+      LaunchGemvVec<W, 1>(x, m, w, n, k, bias, y, stream);
+    } else if (m == 2) {
+      LaunchGemvVec<W, 2>(x, m, w, n, k, bias, y, stream);
+    } else {
+      LaunchGemvVec<W, 4>(x, m, w, n, k, bias, y, stream);
+    }
+    return true;
+  }
+}
+
+// x rounded to the weights' 16-bit type for the tensor cores. Grid-stride over `count`.
+template <typename W>
+__global__ void NarrowKernel(const float* __restrict__ x, int64_t count, W* __restrict__ out) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = FromFloat<W>(x[i]);
+  }
+}
+
+// More rows, when cuBLAS cannot take them: kTile x kTile output tiles through shared memory. grid (ceil(n / kTile),
 // ceil(m / kTile)), kTile x kTile threads.
 template <typename W>
 __global__ void GemmTileKernel(const float* __restrict__ x, int m, const W* __restrict__ w, int n,
@@ -86,15 +240,50 @@ __global__ void GemmTileKernel(const float* __restrict__ x, int m, const W* __re
 
 }  // namespace
 
-absl::Status LaunchLinearLowPrecision(const float* x, int m, const void* w, DType w_dtype, int n,
-                                      int k, const float* bias, float* y, cudaStream_t stream) {
+absl::Status LaunchLinearLowPrecision(cublasHandle_t handle, const float* x, int m, const void* w,
+                                      DType w_dtype, int n, int k, const float* bias, float* y,
+                                      void* x16, cudaStream_t stream) {
   if (m <= 0 || n <= 0) return absl::OkStatus();
   if (n > 65535 * kTile || m > 65535 * kTile) {
     return absl::InvalidArgumentError("Linear: grid too large");
   }
+  if (m > kGemvMaxRows && w_dtype != DType::kF32) {
+    // Prefill: the tensor cores, on x rounded to the weights' type.
+    const bool bf16 = w_dtype == DType::kBF16;
+    if (!bf16 && w_dtype != DType::kF16) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("no CUDA kernel for weights of ", DTypeName(w_dtype)));
+    }
+    const int64_t count = static_cast<int64_t>(m) * k;
+    const int blocks = static_cast<int>(std::min<int64_t>((count + kThreads - 1) / kThreads, 4096));
+    if (bf16) {
+      NarrowKernel<<<blocks, kThreads, 0, stream>>>(x, count, static_cast<__nv_bfloat16*>(x16));
+    } else {
+      NarrowKernel<<<blocks, kThreads, 0, stream>>>(x, count, static_cast<__half*>(x16));
+    }
+    TANDEM_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "Linear: narrowing x"));
+    TANDEM_ASSIGN_OR_RETURN(const CublasApi* api, LoadCublas());
+    const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+    const float one = 1.0f;
+    const float zero = 0.0f;
+    // Row-major y[m, n] = x W^T is column-major y^T[n, m] = W[n, k] (W^T stored) * x^T[k, m].
+    TANDEM_RETURN_IF_ERROR(CublasStatus(
+        *api,
+        api->gemm_ex(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, type, k, x16, type, k,
+                     &zero, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+        "cublasGemmEx"));
+    if (bias == nullptr) return absl::OkStatus();
+    const int64_t total = static_cast<int64_t>(m) * n;
+    const int bias_blocks =
+        static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, 65535));
+    AddBiasKernel<<<bias_blocks, kThreads, 0, stream>>>(y, bias, total, n);
+    return CudaStatus(cudaGetLastError(), "AddBiasKernel");
+  }
   TANDEM_DISPATCH_WEIGHT_DTYPE(w_dtype, W, {
     const auto* wt = static_cast<const W*>(w);
-    if (m <= kGemvMaxRows) {
+    if (TryGemvVec(x, m, wt, n, k, bias, y, stream)) {
+      // Decode rows at the bandwidth limit.
+    } else if (m <= kGemvScalarMaxRows) {
       GemvKernel<W><<<(n + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, 0, stream>>>(x, m, wt, n,
                                                                                        k, bias, y);
     } else {

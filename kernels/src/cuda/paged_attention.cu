@@ -8,7 +8,6 @@ namespace {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kPartition = kAttentionPartitionTokens;
 
 // The sequence holding query row `token` and how many keys that row sees.
 struct RowInfo {
@@ -43,7 +42,8 @@ __device__ __forceinline__ int64_t KvOffset(const PagedAttentionParams& p, const
 }
 
 // grid (max_partitions, num_kv_heads, num_tokens), kThreads threads.
-// Dynamic shared memory: group * (kHeadDim + kPartition) floats. Cache: the KV element type.
+// Dynamic shared memory: group * (kHeadDim + PagedAttentionLogitStride(p)) floats. Cache: the KV
+// element type.
 template <int kHeadDim, typename Cache>
 __global__ void __launch_bounds__(kThreads)
     PagedAttentionPartitionKernel(const PagedAttentionParams p) {
@@ -51,14 +51,15 @@ __global__ void __launch_bounds__(kThreads)
   const int kv_head = blockIdx.y;
   const int token = blockIdx.z;
   const RowInfo row = FindRow(p, token);
-  const int begin = partition * kPartition;
+  const int stride = PagedAttentionLogitStride(p.partition_tokens);
+  const int begin = partition * p.partition_tokens;
   if (begin >= row.visible) return;
-  const int n = min(row.visible - begin, kPartition);
+  const int n = min(row.visible - begin, p.partition_tokens);
   const int group = p.num_heads / p.num_kv_heads;
 
   extern __shared__ float shared[];
   float* q_s = shared;                     // [group][kHeadDim]
-  float* logits = q_s + group * kHeadDim;  // [group][kPartition]
+  float* logits = q_s + group * kHeadDim;  // [group][stride]
   __shared__ float scratch[32];
   __shared__ float group_max[kAttentionMaxGroup];
   __shared__ float group_sum[kAttentionMaxGroup];
@@ -85,14 +86,14 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) dot += q_s[g * kHeadDim + lane + 32 * e] * k_reg[e];
       dot = WarpSum(dot);
-      if (lane == 0) logits[g * kPartition + j] = dot * p.scale;
+      if (lane == 0) logits[g * stride + j] = dot * p.scale;
     }
   }
   __syncthreads();
 
   // Softmax numerators within the partition, per query head.
   for (int g = 0; g < group; ++g) {
-    float* lg = logits + g * kPartition;
+    float* lg = logits + g * stride;
     float m = -INFINITY;
     for (int j = threadIdx.x; j < n; j += kThreads) m = fmaxf(m, lg[j]);
     m = BlockReduce<true>(m, scratch);
@@ -127,7 +128,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int g = 0; g < kAttentionMaxGroup; ++g) {
       if (g < group) {
-        const float w = logits[g * kPartition + j];
+        const float w = logits[g * stride + j];
 #pragma unroll
         for (int e = 0; e < kDims; ++e) acc[g][e] += w * v_reg[e];
       }
@@ -135,7 +136,9 @@ __global__ void __launch_bounds__(kThreads)
   }
   if constexpr (kSubsets > 1) {
     __syncthreads();        // logits are no longer read; reuse them to merge the subsets
-    float* merge = logits;  // [group][kSubsets][kHeadDim] <= group * kPartition floats
+    // [group][kSubsets][kHeadDim] <= group * stride floats (stride >= kMinLogitStride).
+    static_assert(kSubsets * kHeadDim <= kAttentionMinLogitStride);
+    float* merge = logits;
 #pragma unroll
     for (int g = 0; g < kAttentionMaxGroup; ++g) {
       if (g < group) {
@@ -183,6 +186,185 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// Elements of K or V one lane reads at once: 16 bytes of a 16-bit cache, 8 of an 8-bit one,
+// 32 (two 16-byte loads) of fp32.
+constexpr int kVecElems = 8;
+// Query heads per KV head PagedAttentionVecKernel holds (its accumulators are registers).
+constexpr int kVecMaxGroup = 8;
+// Keys whose loads each lane has in flight before it uses the first.
+constexpr int kVecKeysInFlight = 4;
+
+template <typename Cache>
+struct alignas(sizeof(Cache) * kVecElems) CacheVec {
+  Cache e[kVecElems];
+};
+
+// The bandwidth-bound form of PagedAttentionPartitionKernel (same grid, partitions and
+// outputs), for query groups of at most kVecMaxGroup heads. kHeadDim / kVecElems lanes share
+// one key: each reads kVecElems consecutive elements of it in one wide load, so a warp reads
+// 32 / (kHeadDim / kVecElems) whole keys per load instruction, and kVecKeysInFlight such loads
+// are issued before the first is used. Scores reduce over the lanes of a key with shuffles;
+// the weighted sum of V accumulates per lane in registers and is reduced over the block once.
+// Dynamic shared memory: group * (kHeadDim + stride) + kWarps * group * kHeadDim floats.
+template <int kHeadDim, typename Cache>
+__global__ void __launch_bounds__(kThreads)
+    PagedAttentionVecKernel(const PagedAttentionParams p) {
+  constexpr int kLanesPerKey = kHeadDim / kVecElems;
+  constexpr int kKeysPerWarp = 32 / kLanesPerKey;
+  constexpr int kKeysPerPass = kWarps * kKeysPerWarp;
+  static_assert(kLanesPerKey <= 32 && 32 % kLanesPerKey == 0);
+  using Vec = CacheVec<Cache>;
+  const int partition = blockIdx.x;
+  const int kv_head = blockIdx.y;
+  const int token = blockIdx.z;
+  const RowInfo row = FindRow(p, token);
+  const int stride = PagedAttentionLogitStride(p.partition_tokens);
+  const int begin = partition * p.partition_tokens;
+  if (begin >= row.visible) return;
+  const int n = min(row.visible - begin, p.partition_tokens);
+  const int group = p.num_heads / p.num_kv_heads;
+
+  extern __shared__ float shared[];
+  float* q_s = shared;                     // [group][kHeadDim]
+  float* logits = q_s + group * kHeadDim;  // [group][stride]
+  float* merge = logits + group * stride;  // [kWarps][group][kHeadDim]
+  __shared__ float scratch[32];
+  __shared__ float group_max[kVecMaxGroup];
+  __shared__ float group_sum[kVecMaxGroup];
+
+  const float* q_row =
+      p.q + (static_cast<int64_t>(token) * p.num_heads + kv_head * group) * kHeadDim;
+  for (int i = threadIdx.x; i < group * kHeadDim; i += kThreads) q_s[i] = q_row[i];
+  __syncthreads();
+
+  const int32_t* table = p.block_table + static_cast<int64_t>(row.seq) * p.max_blocks_per_seq;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int key_slot = lane / kLanesPerKey;  // which of the warp's keys
+  const int sub = lane % kLanesPerKey;       // which kVecElems elements of it
+  const auto* k_cache = static_cast<const Cache*>(p.k_cache);
+  const auto* v_cache = static_cast<const Cache*>(p.v_cache);
+  auto load = [&](const Cache* cache, int j) {
+    return *reinterpret_cast<const Vec*>(cache + KvOffset(p, table, begin + j, kv_head, kHeadDim) +
+                                         sub * kVecElems);
+  };
+
+  // Scores. The loop bound is warp-uniform so every lane reaches the shuffles.
+  const float score_scale = p.scale * p.k_scale;
+  for (int base = warp * kKeysPerWarp; base < n; base += kKeysPerPass * kVecKeysInFlight) {
+    Vec raw[kVecKeysInFlight];
+#pragma unroll
+    for (int u = 0; u < kVecKeysInFlight; ++u) {
+      const int j = base + u * kKeysPerPass + key_slot;
+      raw[u] = j < n ? load(k_cache, j) : Vec{};
+    }
+#pragma unroll
+    for (int u = 0; u < kVecKeysInFlight; ++u) {
+      const int j = base + u * kKeysPerPass + key_slot;
+      float kf[kVecElems];
+#pragma unroll
+      for (int e = 0; e < kVecElems; ++e) kf[e] = ToFloat(raw[u].e[e]);
+#pragma unroll
+      for (int g = 0; g < kVecMaxGroup; ++g) {
+        if (g < group) {
+          const float* qg = q_s + g * kHeadDim + sub * kVecElems;
+          float dot = 0.0f;
+#pragma unroll
+          for (int e = 0; e < kVecElems; ++e) dot += qg[e] * kf[e];
+#pragma unroll
+          for (int offset = kLanesPerKey / 2; offset > 0; offset /= 2) {
+            dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+          }
+          if (sub == 0 && j < n) logits[g * stride + j] = dot * score_scale;
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // Softmax numerators within the partition, per query head.
+  for (int g = 0; g < group; ++g) {
+    float* lg = logits + g * stride;
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < n; j += kThreads) m = fmaxf(m, lg[j]);
+    m = BlockReduce<true>(m, scratch);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n; j += kThreads) {
+      const float e = expf(lg[j] - m);
+      lg[j] = e;
+      sum += e;
+    }
+    sum = BlockReduce<false>(sum, scratch);
+    if (threadIdx.x == 0) {
+      group_max[g] = m;
+      group_sum[g] = sum;
+    }
+  }
+  __syncthreads();
+
+  // Weighted values: each lane accumulates its kVecElems dims over the keys it reads.
+  float acc[kVecMaxGroup][kVecElems] = {};
+  for (int base = warp * kKeysPerWarp; base < n; base += kKeysPerPass * kVecKeysInFlight) {
+    Vec raw[kVecKeysInFlight];
+#pragma unroll
+    for (int u = 0; u < kVecKeysInFlight; ++u) {
+      const int j = base + u * kKeysPerPass + key_slot;
+      raw[u] = j < n ? load(v_cache, j) : Vec{};
+    }
+#pragma unroll
+    for (int u = 0; u < kVecKeysInFlight; ++u) {
+      const int j = base + u * kKeysPerPass + key_slot;
+      if (j < n) {
+        float vf[kVecElems];
+#pragma unroll
+        for (int e = 0; e < kVecElems; ++e) vf[e] = ToFloat(raw[u].e[e]);
+#pragma unroll
+        for (int g = 0; g < kVecMaxGroup; ++g) {
+          if (g < group) {
+            const float w = logits[g * stride + j];
+#pragma unroll
+            for (int e = 0; e < kVecElems; ++e) acc[g][e] += w * vf[e];
+          }
+        }
+      }
+    }
+  }
+  // Over the warp's key slots (lanes kLanesPerKey apart), then over the warps.
+#pragma unroll
+  for (int g = 0; g < kVecMaxGroup; ++g) {
+    if (g < group) {
+#pragma unroll
+      for (int e = 0; e < kVecElems; ++e) {
+        float v = acc[g][e];
+#pragma unroll
+        for (int offset = kLanesPerKey; offset < 32; offset *= 2) {
+          v += __shfl_xor_sync(0xffffffffu, v, offset);
+        }
+        if (key_slot == 0) merge[(warp * group + g) * kHeadDim + sub * kVecElems + e] = v;
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * kHeadDim; i += kThreads) {
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += merge[w * group * kHeadDim + i];
+    total *= p.v_scale;
+    const int g = i / kHeadDim;
+    const int d = i % kHeadDim;
+    const int64_t head_row = static_cast<int64_t>(token) * p.num_heads + kv_head * group + g;
+    if (p.max_partitions == 1) {
+      p.out[head_row * kHeadDim + d] = total / group_sum[g];
+    } else {
+      p.partial_out[(head_row * p.max_partitions + partition) * kHeadDim + d] = total;
+      if (d == 0) {
+        p.partial_max[head_row * p.max_partitions + partition] = group_max[g];
+        p.partial_sum[head_row * p.max_partitions + partition] = group_sum[g];
+      }
+    }
+  }
+}
+
 // grid (num_heads, num_tokens), kHeadDim threads: merges a row's partitions, rescaling each
 // by exp(its max - the overall max).
 template <int kHeadDim>
@@ -191,7 +373,7 @@ __global__ void __launch_bounds__(kHeadDim)
   const int h = blockIdx.x;
   const int token = blockIdx.y;
   const RowInfo row = FindRow(p, token);
-  const int partitions = (row.visible + kPartition - 1) / kPartition;
+  const int partitions = (row.visible + p.partition_tokens - 1) / p.partition_tokens;
   const int64_t head_row = static_cast<int64_t>(token) * p.num_heads + h;
   const float* maxes = p.partial_max + head_row * p.max_partitions;
   const float* sums = p.partial_sum + head_row * p.max_partitions;
@@ -225,6 +407,11 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
   if (p.block_size <= 0 || p.max_partitions <= 0) {
     return absl::InvalidArgumentError("PagedAttention: bad block_size or partition count");
   }
+  if (p.partition_tokens < kAttentionMinPartitionTokens ||
+      p.partition_tokens > kAttentionPartitionTokens) {
+    return absl::InvalidArgumentError(absl::StrCat("PagedAttention: partition of ",
+                                                   p.partition_tokens, " keys"));
+  }
   if (p.max_partitions > 1 &&
       (p.partial_out == nullptr || p.partial_max == nullptr || p.partial_sum == nullptr)) {
     return absl::InvalidArgumentError("PagedAttention: split over partitions needs workspace");
@@ -233,10 +420,15 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
     return absl::InvalidArgumentError("PagedAttention: grid too large");
   }
   TANDEM_DISPATCH_HEAD_DIM(p.head_dim, kHeadDim, {
-    const size_t shared_bytes = sizeof(float) * group * (kHeadDim + kPartition);
+    // Groups of up to kVecMaxGroup heads take the wide-load kernel; larger ones the original.
+    const bool vec = group <= kVecMaxGroup;
+    const size_t shared_bytes =
+        sizeof(float) * group *
+        (kHeadDim + PagedAttentionLogitStride(p.partition_tokens) + (vec ? kWarps * kHeadDim : 0));
     void (*partition_kernel)(const PagedAttentionParams) = nullptr;
     TANDEM_DISPATCH_KV_DTYPE(p.cache_dtype, Cache, {
-      partition_kernel = &PagedAttentionPartitionKernel<kHeadDim, Cache>;
+      partition_kernel = vec ? &PagedAttentionVecKernel<kHeadDim, Cache>
+                             : &PagedAttentionPartitionKernel<kHeadDim, Cache>;
     });
     if (shared_bytes > 48 * 1024) {
       const cudaError_t error = cudaFuncSetAttribute(
@@ -246,7 +438,7 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
     const dim3 grid(p.max_partitions, p.num_kv_heads, p.num_tokens);
     partition_kernel<<<grid, kThreads, shared_bytes, stream>>>(p);
     if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) {
-      return CudaStatus(error, "PagedAttentionPartitionKernel");
+      return CudaStatus(error, vec ? "PagedAttentionVecKernel" : "PagedAttentionPartitionKernel");
     }
     if (p.max_partitions > 1) {
       PagedAttentionMergeKernel<kHeadDim>

@@ -1,10 +1,13 @@
 // Paged attention for decode and chunked prefill, split over the KV sequence.
 //
-// Every query row (token) attends to its visible prefix in partitions of
-// kAttentionPartitionTokens keys: one block per (partition, KV head, row) computes a partial
+// Every query row (token) attends to its visible prefix in partitions of partition_tokens keys
+// (at most kAttentionPartitionTokens; the launcher's caller picks fewer when a call has too few
+// rows x KV heads to fill the GPU): one block per (partition, KV head, row) computes a partial
 // softmax for all the query heads sharing that KV head, so each K and V vector is read once per
 // group. A second kernel merges the partitions. Calls whose rows all fit one partition skip the
-// merge and write the output directly.
+// merge and write the output directly. Groups of up to 8 query heads per KV head (every Llama,
+// Qwen and Mistral model) run a kernel that reads K and V in 16-byte loads, several keys in
+// flight per lane; larger groups run a simpler one that reads a key per warp.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,6 +20,14 @@
 namespace tandem::kernels::cuda {
 
 inline constexpr int kAttentionPartitionTokens = 512;
+inline constexpr int kAttentionMinPartitionTokens = 64;
+// Floats per query head of a block's logit area, which the kernel also reuses to merge
+// head_dim-wide partial sums (at most 128 floats for the head dims it has).
+inline constexpr int kAttentionMinLogitStride = 128;
+__host__ __device__ inline constexpr int PagedAttentionLogitStride(int partition_tokens) {
+  return partition_tokens > kAttentionMinLogitStride ? partition_tokens
+                                                     : kAttentionMinLogitStride;
+}
 // Query heads per KV head that one block can hold in shared memory.
 inline constexpr int kAttentionMaxGroup = 16;
 
@@ -45,7 +56,9 @@ struct PagedAttentionParams {
   int head_dim = 0;
   int block_size = 0;
   int max_blocks_per_seq = 0;
-  // ceil(longest context / kAttentionPartitionTokens).
+  // Keys per partition, in [kAttentionMinPartitionTokens, kAttentionPartitionTokens].
+  int partition_tokens = kAttentionPartitionTokens;
+  // ceil(longest context / partition_tokens).
   int max_partitions = 0;
   float scale = 1.0f;
 };
