@@ -1,9 +1,12 @@
 #include "tandem/collective/gloo_communicator.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <exception>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -11,6 +14,7 @@
 #include "gloo/allreduce.h"
 #include "gloo/barrier.h"
 #include "gloo/broadcast.h"
+#include "gloo/common/error.h"
 #include "gloo/math.h"
 #include "gloo/rendezvous/context.h"
 #include "gloo/rendezvous/file_store.h"
@@ -114,6 +118,45 @@ class GlooCommunicator : public Communicator {
   uint32_t next_tag_ = 0;
 };
 
+// A RendezvousStore as Gloo calls it: failures become gloo::IoException, as Gloo expects.
+class ExternalStore : public gloo::rendezvous::Store {
+ public:
+  ExternalStore(RendezvousStore& store, std::chrono::milliseconds timeout)
+      : store_(store), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    const absl::Status status = store_.Set(key, std::string(data.begin(), data.end()));
+    if (!status.ok()) {
+      throw gloo::IoException(absl::StrCat("rendezvous store: set ", key, ": ", status.message()));
+    }
+  }
+  std::vector<char> get(const std::string& key) override {
+    absl::StatusOr<std::string> value = store_.Get(key, absl::FromChrono(timeout_));
+    if (!value.ok()) {
+      throw gloo::IoException(
+          absl::StrCat("rendezvous store: get ", key, ": ", value.status().message()));
+    }
+    return std::vector<char>(value->begin(), value->end());
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys,
+            const std::chrono::milliseconds& timeout) override {
+    const absl::Time deadline = absl::Now() + absl::FromChrono(timeout);
+    for (const std::string& key : keys) {
+      absl::StatusOr<std::string> value =
+          store_.Get(key, std::max(deadline - absl::Now(), absl::ZeroDuration()));
+      if (!value.ok()) {
+        throw gloo::IoException(
+            absl::StrCat("rendezvous store: wait for ", key, ": ", value.status().message()));
+      }
+    }
+  }
+
+ private:
+  RendezvousStore& store_;
+  std::chrono::milliseconds timeout_;
+};
+
 absl::StatusOr<std::unique_ptr<Communicator>> Connect(const GlooOptions& options,
                                                       TcpStoreServer* server) {
   if (options.size < 1 || options.rank < 0 || options.rank >= options.size) {
@@ -125,9 +168,10 @@ absl::StatusOr<std::unique_ptr<Communicator>> Connect(const GlooOptions& options
   }
   const bool file = !options.file_store_dir.empty();
   const bool tcp = !options.leader_address.empty() || server != nullptr;
-  if (file == tcp) {
+  const bool external = options.store != nullptr;
+  if (int{file} + int{tcp} + int{external} != 1) {
     return absl::InvalidArgumentError(
-        "give exactly one rendezvous: a file store directory or the leader's address");
+        "give exactly one rendezvous: a file store directory, the leader's address or a store");
   }
   const std::chrono::milliseconds timeout = ToMillis(options.timeout);
   const std::chrono::milliseconds connect_timeout = ToMillis(options.connect_timeout);
@@ -145,6 +189,8 @@ absl::StatusOr<std::unique_ptr<Communicator>> Connect(const GlooOptions& options
     std::unique_ptr<gloo::rendezvous::Store> store;
     if (file) {
       store = std::make_unique<gloo::rendezvous::FileStore>(options.file_store_dir);
+    } else if (external) {
+      store = std::make_unique<ExternalStore>(*options.store, connect_timeout);
     } else {
       auto client = internal::TcpStoreClient::Connect(store_address, connect_timeout);
       if (!client.ok()) return client.status();

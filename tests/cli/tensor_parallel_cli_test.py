@@ -3,10 +3,12 @@
 gives the tokens of one process (logprobs within 1e-4, seeded sampling identical), flags that
 cannot work are refused in one line, and a rank that dies takes its group down with a one-line
 reason instead of a hang (`serve --colocated --tp 2`, a follower killed with SIGKILL; and the
-leader killed: its followers go with it)."""
+leader killed: its followers go with it); a decode group started rank by rank meets on etcd
+(`--tp-name`)."""
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +30,12 @@ def check(cond, what):
 
 def run(*args):
     return subprocess.run([TANDEM, *args], capture_output=True, text=True, timeout=HANG_GUARD_S)
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def alive(pid):
@@ -96,6 +104,11 @@ with tempfile.TemporaryDirectory() as tmp:
         (base + ["--tp", "2", "--tp-rank", "1"], "--tp-rank needs --tp-leader"),
         (base + ["--tp", "2", "--tp-rank", "2", "--tp-leader", "127.0.0.1:1"], "--tp-rank must be"),
         (base + ["--tp-leader", "127.0.0.1:1"], "need --tensor-parallel-size > 1"),
+        (base + ["--tp", "2", "--tp-rank", "1", "--tp-leader", "127.0.0.1:1", "--tp-name", "g"],
+         "give one of --tp-leader and --tp-name"),
+        (base + ["--tp", "2", "--tp-name", "g"], "--tp-name needs --tp-rank"),
+        (base + ["--tp", "2", "--tp-rank", "0", "--tp-name", "a/b"], "--tp-name"),
+        (base + ["--tp", "2", "--tp-rank", "0", "--tp-name", "g"], "--tp-name needs --etcd"),
         (["generate", "--model", qmodel, "--prompt", "x", "--threads", "1", "--tp", "2"],
          "does not shard act-order (desc_act) checkpoints yet"),
         (["serve", "--model", model, "--port", "0", "--tp", "2"],
@@ -118,6 +131,47 @@ with tempfile.TemporaryDirectory() as tmp:
         check(r.returncode != 0, f"{args} fails")
         check(len(lines) == 1 and needle in r.stderr, f"{args}: one line naming {needle!r}: "
               f"{r.stderr!r}")
+
+    # A decode group whose two ranks are started by hand (as on two nodes) and meet on etcd
+    # (--tp-name): the follower first, then rank 0, which joins, registers and serves; SIGINT
+    # to rank 0 ends both, exit 0.
+    etcd_port, peer_port = free_port(), free_port()
+    etcd_url = f"http://127.0.0.1:{etcd_port}"
+    etcd = subprocess.Popen(
+        ["/usr/bin/etcd", "--name", "tp", "--data-dir", os.path.join(tmp, "etcd"),
+         "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+         "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+         "--initial-cluster", f"tp=http://127.0.0.1:{peer_port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        ranks = []
+        for rank in (1, 0):
+            ranks.append(subprocess.Popen(
+                [TANDEM, "decode", "--model", model, "--listen", "127.0.0.1:0", "--threads", "1",
+                 "--tp", "2", "--tp-rank", str(rank), "--tp-name", "decode-g0", "--etcd",
+                 etcd_url, "--worker-id", "decode-g0"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        follower, leader = ranks
+        lines = []
+        for line in leader.stdout:
+            lines.append(line)
+            if "registered in etcd" in line:
+                break
+        check(any("registered in etcd" in l for l in lines),
+              f"rank 0 of a --tp-name group joins and registers: {lines}")
+        leader.send_signal(signal.SIGINT)
+        for name, proc in (("rank 0", leader), ("rank 1", follower)):
+            try:
+                code = proc.wait(timeout=HANG_GUARD_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                code = None
+            check(code == 0, f"--tp-name group {name} exits 0 after SIGINT to rank 0: {code}, "
+                  f"{proc.stderr.read()[-500:]!r}")
+    finally:
+        etcd.kill()
+        etcd.wait()
 
     # serve --colocated --tp 2 answers, then a follower killed with SIGKILL ends the group with
     # a one-line reason and a non-zero exit.

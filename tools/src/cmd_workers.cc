@@ -207,6 +207,7 @@ absl::Status RunWorker(const std::string& command, int default_port, int argc, c
   TensorParallelGroup tp;
   TANDEM_RETURN_IF_ERROR(tp.Configure(args, argc, argv));
   TANDEM_ASSIGN_OR_RETURN(WorkerFlags flags, ParseWorkerFlags(args, default_port));
+  tp.UseEtcd(flags.etcd, flags.tls);
   if (tp.follower()) {
     // Ranks 1..N-1 hold their shards and KV heads; rank 0 serves, registers and schedules.
     const worker::KvEndpoint::Options kv{

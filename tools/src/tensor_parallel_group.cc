@@ -11,6 +11,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/cluster/etcd_client.h"
+#include "tandem/cluster/etcd_rendezvous_store.h"
+#include "tandem/cluster/worker_info.h"
 #include "tandem/engine/tensor_parallel.h"
 
 namespace tandem::tools {
@@ -36,6 +39,9 @@ void DeclareTensorParallelFlags(Args& args) {
                "the LeaderWorkerSet); needs --tp-leader");
   args.Declare("tp-leader", "HOST:PORT",
                "where rank 0 serves the group's rendezvous store (rank 0 binds it)");
+  args.Declare("tp-name", "NAME",
+               "instead of --tp-leader on `prefill`/`decode`: the group's ranks meet on the "
+               "worker's --etcd under /tandem/tp/NAME/ (one NAME per group)");
   args.Declare("tp-host", "HOST",
                "the address the other ranks reach this rank's collectives at (default 127.0.0.1 "
                "on one node, else this machine's host name)");
@@ -95,12 +101,29 @@ absl::Status TensorParallelGroup::Configure(const Args& args, int argc, char** a
   size_ = static_cast<int>(size);
   TANDEM_ASSIGN_OR_RETURN(int64_t rank, args.Int("tp-rank", 0));
   leader_ = args.GetOr("tp-leader", "");
-  if (args.Has("tp-rank") && leader_.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(prefix, "--tp-rank needs --tp-leader"));
-  }
-  if ((args.Has("tp-rank") || !leader_.empty()) && size_ == 1) {
+  etcd_name_ = args.GetOr("tp-name", "");
+  if (!leader_.empty() && !etcd_name_.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(prefix, "--tp-rank and --tp-leader need --tensor-parallel-size > 1"));
+        absl::StrCat(prefix, "give one of --tp-leader and --tp-name, not both"));
+  }
+  if (!etcd_name_.empty()) {
+    if (auto valid = cluster::ValidateKeySegment("--tp-name", etcd_name_); !valid.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(prefix, valid.message()));
+    }
+    if (!args.Has("tp-rank")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, "--tp-name needs --tp-rank (every rank of a multi-node group "
+                               "is started with its rank)"));
+    }
+  }
+  const bool multi_node = !leader_.empty() || !etcd_name_.empty();
+  if (args.Has("tp-rank") && !multi_node) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "--tp-rank needs --tp-leader or --tp-name"));
+  }
+  if ((args.Has("tp-rank") || multi_node) && size_ == 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, "--tp-rank, --tp-leader and --tp-name need --tensor-parallel-size > 1"));
   }
   if (rank < 0 || rank >= size_) {
     return absl::InvalidArgumentError(
@@ -116,7 +139,7 @@ absl::Status TensorParallelGroup::Configure(const Args& args, int argc, char** a
   host_given_ = args.Has("tp-host");
   if (host_given_) {
     host_ = *args.Get("tp-host");
-  } else if (leader_.empty()) {
+  } else if (!multi_node) {
     host_ = "127.0.0.1";
   } else {
     char name[256] = {};
@@ -130,10 +153,29 @@ collective::GlooOptions TensorParallelGroup::GroupOptions() const {
   return {.rank = rank_, .size = size_, .leader_address = leader_, .hostname = host_};
 }
 
+absl::StatusOr<std::unique_ptr<collective::Communicator>> TensorParallelGroup::JoinGroup()
+    const {
+  if (etcd_name_.empty()) return collective::CreateGlooCommunicator(GroupOptions());
+  if (etcd_endpoints_.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(command_, ": --tp-name needs --etcd (the group meets on etcd)"));
+  }
+  TANDEM_ASSIGN_OR_RETURN(auto etcd, cluster::EtcdClient::Create(
+                                         {.endpoints = etcd_endpoints_, .tls = etcd_tls_}));
+  collective::GlooOptions options = GroupOptions();
+  TANDEM_ASSIGN_OR_RETURN(auto store, cluster::EtcdRendezvousStore::Create(
+                                          *etcd, absl::StrCat("/tandem/tp/", etcd_name_, "/"),
+                                          rank_, options.connect_timeout));
+  options.leader_address.clear();
+  options.store = store.get();
+  // The store's keys (and lease) go once every rank has joined.
+  return collective::CreateGlooCommunicator(options);
+}
+
 absl::Status TensorParallelGroup::RunFollower(
     engine::EngineOptions options,
     const std::function<absl::Status(const engine::EngineOptions&)>& run) {
-  auto comm = collective::CreateGlooCommunicator(GroupOptions());
+  auto comm = JoinGroup();
   if (!comm.ok()) {
     return absl::Status(comm.status().code(), absl::StrCat("tensor-parallel rank ", rank_, ": ",
                                                            comm.status().message()));
@@ -162,9 +204,10 @@ absl::Status TensorParallelGroup::CheckModel(const engine::EngineOptions& option
 
 absl::Status TensorParallelGroup::Start() {
   if (size_ == 1) return absl::OkStatus();
-  if (!leader_.empty()) {
-    // Rank 0 of a multi-node group: serves the store at --tp-leader, starts nobody.
-    auto comm = collective::CreateGlooCommunicator(GroupOptions());
+  if (!leader_.empty() || !etcd_name_.empty()) {
+    // Rank 0 of a multi-node group: serves the store at --tp-leader (or meets the others on
+    // etcd), starts nobody.
+    auto comm = JoinGroup();
     if (!comm.ok()) return comm.status();
     comm_ = std::move(comm).value();
     return absl::OkStatus();

@@ -7,7 +7,10 @@
 // `--tp-rank R --tp-leader ADDR` appended. Those followers die with it (PR_SET_PDEATHSIG), and a
 // follower that exits while the group runs takes rank 0 down at once with a one-line reason
 // (a watcher thread per child). Across nodes every rank is started with `--tp-rank R
-// --tp-leader ADDR` (ADDR: where rank 0 serves the store; rank 0 binds it).
+// --tp-leader ADDR` (ADDR: where rank 0 serves the store; rank 0 binds it), or, on the worker
+// commands, with `--tp-rank R --tp-name NAME` and the `--etcd` endpoints the worker registers
+// with: the ranks then meet on etcd under /tandem/tp/NAME/ (cluster::EtcdRendezvousStore) and
+// nobody serves a store.
 //
 //   TensorParallelGroup tp;
 //   TANDEM_RETURN_IF_ERROR(tp.Configure(args, argc, argv));  // after args.Parse
@@ -30,6 +33,7 @@
 #include "absl/status/status.h"
 #include "tandem/collective/communicator.h"
 #include "tandem/collective/gloo_communicator.h"
+#include "tandem/proto/tls.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/tools/args.h"
 
@@ -57,6 +61,12 @@ class TensorParallelGroup {
   int size() const { return size_; }
   int rank() const { return rank_; }
   bool follower() const { return rank_ > 0; }
+  // The etcd a `--tp-name` group meets on (the worker's --etcd and its TLS files); without it
+  // such a group fails to join, saying so.
+  void UseEtcd(std::string endpoints, proto::TlsFiles tls) {
+    etcd_endpoints_ = std::move(endpoints);
+    etcd_tls_ = std::move(tls);
+  }
 
   // Rank > 0: joins the group and runs the leader's steps until it stops (OK) or fails; `run`
   // runs them (a worker's followers also move their KV: worker::RunKvFollower).
@@ -81,6 +91,8 @@ class TensorParallelGroup {
 
  private:
   collective::GlooOptions GroupOptions() const;
+  // Joins a multi-node group (--tp-leader or --tp-name) as this rank.
+  absl::StatusOr<std::unique_ptr<collective::Communicator>> JoinGroup() const;
   void KillFollowers();
 
   std::string command_;
@@ -89,6 +101,9 @@ class TensorParallelGroup {
   int size_ = 1;
   int rank_ = 0;
   std::string leader_;  // --tp-leader, empty on one node
+  std::string etcd_name_;  // --tp-name, empty unless the group meets on etcd
+  std::string etcd_endpoints_;
+  proto::TlsFiles etcd_tls_;
   std::string host_;
   bool host_given_ = false;  // --tp-host on the command line (the followers get it from argv)
   std::unique_ptr<collective::TcpStoreServer> store_;

@@ -1,8 +1,9 @@
 // The CPU communicator: Gloo's collectives over its TCP transport.
 //
 // The ranks find each other through a rendezvous store: a directory on a file system every rank
-// sees (one node), or a small TCP key-value store that rank 0 serves at `leader_address`
-// (any number of nodes; rank 0 must be able to bind it, the others to reach it). Each rank
+// sees (one node), a small TCP key-value store that rank 0 serves at `leader_address`
+// (any number of nodes; rank 0 must be able to bind it, the others to reach it), or a store of
+// the caller's (`store`: etcd, through tandem::cluster::EtcdRendezvousStore). Each rank
 // publishes its transport address there and connects to every other rank (a full mesh).
 //
 //   TANDEM_ASSIGN_OR_RETURN(auto comm, CreateGlooCommunicator({
@@ -16,17 +17,19 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "tandem/collective/communicator.h"
+#include "tandem/collective/rendezvous_store.h"
 
 namespace tandem::collective {
 
 struct GlooOptions {
   int rank = 0;
   int size = 1;
-  // Rendezvous: exactly one of these. The directory must be empty of a previous group's keys
-  // (use a fresh one per group). The leader address is host:port; port 0 lets rank 0 pick one
+  // Rendezvous: exactly one of these. The directory (or the store's key space) must be empty
+  // of a previous group's keys (use a fresh one per group). The leader address is host:port; port 0 lets rank 0 pick one
   // (see TcpStoreServer for starting it before the other ranks know the port).
   std::string file_store_dir;
   std::string leader_address;
+  RendezvousStore* store = nullptr;  // not owned; used only while joining
   // Prefixes every rendezvous key, so several groups can share one store.
   std::string group = "tp";
   // The address this rank's transport binds and the others connect to.
