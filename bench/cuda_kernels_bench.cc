@@ -4,7 +4,8 @@
 //   tandem_bench_cuda_kernels [OUT_JSON]
 //
 //   Linear        bf16 weights, fp32 x and y: the five projections of the 8B shape at m = 1, 2,
-//                 4, 8, 16, 64 and 256; GB/s counts weight, x and y bytes once, TFLOP/s 2 m n k.
+//                 4, 8, 16, 64 and 256, and gpu_baselines.py's torch.matmul shapes (n 14336,
+//                 k 4096; 8192^3); GB/s counts weight, x and y bytes once, TFLOP/s 2 m n k.
 //   PagedAttention decode (one query row per sequence), 32 query heads over 8 KV heads (GQA
 //                 4:1), head_dim 128, bf16 KV in 16-token blocks scattered over the cache;
 //                 GB/s counts the K and V bytes read. And one causal 4096-token prefill in one
@@ -137,20 +138,26 @@ int main(int argc, char** argv) {
 
   // Linear: the 8B projections (n, k) as the runner fuses them.
   const int hidden = 4096, inter = 14336, q_dim = 4096, kv_dim = 1024, vocab = 128256;
+  const std::vector<int> decode_ms = {1, 2, 4, 8, 16, 64, 256};
   const struct {
     const char* name;
     int n, k;
-  } projections[] = {{"qkv", q_dim + 2 * kv_dim, hidden},
-                     {"o", hidden, q_dim},
-                     {"gate_up", 2 * inter, hidden},
-                     {"down", hidden, inter},
-                     {"lm_head", vocab, hidden}};
-  const int max_m = 256;
-  auto x = b.Allocate(sizeof(float) * max_m * inter);
-  auto y = b.Allocate(sizeof(float) * max_m * vocab);
+    std::vector<int> ms;
+  } projections[] = {{"qkv", q_dim + 2 * kv_dim, hidden, decode_ms},
+                     {"o", hidden, q_dim, decode_ms},
+                     {"gate_up", 2 * inter, hidden, decode_ms},
+                     {"down", hidden, inter, decode_ms},
+                     {"lm_head", vocab, hidden, decode_ms},
+                     // scripts/gpu_baselines.py's torch.matmul shapes, for a ratio in one run.
+                     {"torch_shape", 14336, 4096, {1, 8, 64, 256, 2048}},
+                     {"torch_square", 8192, 8192, {8192}}};
+  const int64_t x_floats = std::max<int64_t>(int64_t{256} * inter, int64_t{8192} * 8192);
+  const int64_t y_floats = std::max<int64_t>(int64_t{256} * vocab, int64_t{8192} * 8192);
+  auto x = b.Allocate(sizeof(float) * x_floats);
+  auto y = b.Allocate(sizeof(float) * y_floats);
   if (!x.ok() || !y.ok()) Die("activation buffers");
   {
-    const std::vector<float> xs = RandomF32(int64_t{max_m} * inter, 1);
+    const std::vector<float> xs = RandomF32(x_floats, 1);
     b.CopyToDevice(x->data(), xs.data(), xs.size() * sizeof(float));
   }
   for (const auto& proj : projections) {
@@ -163,8 +170,8 @@ int main(int argc, char** argv) {
       weights.push_back(b.PackWeight(w.data(), DType::kBF16, proj.n, proj.k));
     }
     Check(b.Synchronize(), "PackWeight");
-    for (int m : {1, 2, 4, 8, 16, 64, 256}) {
-      const int calls = m <= 16 ? 50 : 10;
+    for (int m : proj.ms) {
+      const int calls = m <= 16 ? 50 : m <= 256 ? 10 : 5;
       const double s = TimeCalls(b, calls, [&](int i) {
         b.Linear(x->as<float>(), m, *weights[i % copies], nullptr, y->as<float>());
       });

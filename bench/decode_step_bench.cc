@@ -7,6 +7,7 @@
 //   tandem_bench_decode [--preset=small] [--context=256] [--dtypes=float32,bfloat16,int8,int4]
 //                       [--batches=1,4,16] [--bandwidth-mib=256] [--device=cpu|cuda]
 //                       [--num-layers=N (the preset's shape with N layers)]
+//                       [--prefill=2048,... (also time one prefill of each length)]
 //                       [google benchmark flags]
 //
 // The bandwidth kernels stream --bandwidth-mib MiB: more than the last-level cache to measure
@@ -25,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "bench/bandwidth.h"
 #include "benchmark/benchmark.h"
+#include "tandem/base/status_macros.h"
 #include "tandem/engine/block_manager.h"
 #include "tandem/engine/checkpoint.h"
 #include "tandem/engine/model_runner.h"
@@ -133,6 +135,87 @@ double BytesPerStep(const text::ModelConfig& c, int batch, int context, const We
          DTypeSize(kv_dtype) * kv + 4.0 * batch * hidden;
 }
 
+// The backend a run uses: GPU 0 with room for `max_seqs` sequences of up to `context` tokens
+// and `tokens` query rows per call, or the CPU with two threads.
+absl::StatusOr<std::unique_ptr<kernels::Backend>> MakeBackend(const text::ModelConfig& c,
+                                                               int max_seqs, int tokens,
+                                                               int context, int block_size) {
+  if (!g_cuda) {
+    TANDEM_ASSIGN_OR_RETURN(auto cpu, kernels::CreateCpuBackend({.num_threads = 2}));
+    return std::unique_ptr<kernels::Backend>(std::move(cpu));
+  }
+  TANDEM_ASSIGN_OR_RETURN(
+      auto gpu, kernels::CreateCudaBackend(
+                    {.max_seqs = std::max(max_seqs, 1),
+                     .max_blocks_per_seq = (context + block_size - 1) / block_size,
+                     .attention_workspace_bytes = kernels::CudaAttentionWorkspaceBytes(
+                         tokens, c.num_heads, c.head_dim, context)}));
+  return std::unique_ptr<kernels::Backend>(std::move(gpu));
+}
+
+// One prefill of `tokens` prompt tokens (state.range(0)) into an empty cache: the time to the
+// first token's logits without HTTP, tokenizer or queueing, and its rate in TFLOP/s counting
+// 2 x the layers' projection parameters per token, causal attention (2 T^2 head_dim per query
+// head per layer) and the LM head of the one sampled row.
+void BM_Prefill(benchmark::State& state, const WeightFormat& format) {
+  const int tokens = static_cast<int>(state.range(0));
+  auto checkpoint = engine::Checkpoint::Open(ModelDir(format.quant));
+  if (!checkpoint.ok()) {
+    state.SkipWithError(std::string(checkpoint.status().message()).c_str());
+    return;
+  }
+  const text::ModelConfig& c = (*checkpoint)->config();
+  const int block_size = 16;
+  const int blocks = (tokens + block_size - 1) / block_size;
+  auto backend = MakeBackend(c, 1, tokens, tokens, block_size);
+  if (!backend.ok()) {
+    state.SkipWithError(std::string(backend.status().message()).c_str());
+    return;
+  }
+  auto runner = engine::ModelRunner::Create(**checkpoint, backend->get(),
+                                            {.max_num_batched_tokens = tokens,
+                                             .max_num_seqs = 1,
+                                             .num_kv_blocks = blocks,
+                                             .block_size = block_size,
+                                             .weight_dtype = format.dtype});
+  if (!runner.ok()) {
+    state.SkipWithError(std::string(runner.status().message()).c_str());
+    return;
+  }
+  engine::BlockManager block_manager(blocks, block_size);
+  engine::Sequence seq;
+  for (int i = 0; i < tokens; ++i) seq.tokens.push_back((i * 31 + 7) % c.vocab_size);
+  seq.num_prompt_tokens = tokens;
+  (void)block_manager.Append(seq.block_table, 0, tokens);
+  engine::SchedulerStep step;
+  step.seqs.push_back({&seq, tokens, true});
+  step.num_tokens = tokens;
+  double seconds = 0;
+  for (auto _ : state) {
+    auto start = std::chrono::steady_clock::now();
+    auto logits = (*runner)->Execute(step);
+    if (!logits.ok()) {
+      state.SkipWithError(std::string(logits.status().message()).c_str());
+      return;
+    }
+    benchmark::DoNotOptimize(logits);
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  const double step_s = seconds / static_cast<double>(state.iterations());
+  const double hidden = c.hidden_size, q_dim = double{c.num_heads} * c.head_dim,
+               kv_dim = double{c.num_kv_heads} * c.head_dim;
+  const double layer_params =
+      hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * c.intermediate_size;
+  const double t = tokens;
+  const double flops = c.num_layers * (2 * layer_params * t + 2 * t * t * c.head_dim * c.num_heads) +
+                       2 * hidden * c.vocab_size;
+  state.counters["ttft_ms"] = step_s * 1e3;
+  state.counters["TFLOP_per_s"] = flops / step_s / 1e12;
+  state.counters["TFLOP"] = flops / 1e12;
+  state.SetLabel(absl::StrCat(g_preset, " ", c.NumParameters() / 1000000, "M params, ",
+                              format.name, " weights, prefill of ", tokens, " tokens"));
+}
+
 void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
   const int batch = static_cast<int>(state.range(0));
   const int context = g_context;
@@ -144,20 +227,10 @@ void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
   const text::ModelConfig& c = (*checkpoint)->config();
   const int block_size = 16;
   const int blocks_per_seq = (context + 1 + block_size - 1) / block_size;
-  absl::StatusOr<std::unique_ptr<kernels::Backend>> backend;
-  if (g_cuda) {
-    auto gpu = kernels::CreateCudaBackend(
-        {.max_seqs = std::max(batch, 1),
-         .max_blocks_per_seq = blocks_per_seq,
-         .attention_workspace_bytes = kernels::CudaAttentionWorkspaceBytes(
-             std::max(batch, context), c.num_heads, c.head_dim, context + 1)});
-    if (!gpu.ok()) {
-      state.SkipWithError(std::string(gpu.status().message()).c_str());
-      return;
-    }
-    backend = std::unique_ptr<kernels::Backend>(std::move(*gpu));
-  } else {
-    backend = kernels::CreateCpuBackend({.num_threads = 2});
+  auto backend = MakeBackend(c, batch, std::max(batch, context), context + 1, block_size);
+  if (!backend.ok()) {
+    state.SkipWithError(std::string(backend.status().message()).c_str());
+    return;
   }
   engine::BlockManager blocks(batch * blocks_per_seq, block_size);
   auto runner = engine::ModelRunner::Create(**checkpoint, backend->get(),
@@ -220,6 +293,7 @@ int main(int argc, char** argv) {
                                        {"int8", std::nullopt, "int8"},
                                        {"int4", std::nullopt, "awq"}};
   std::vector<int64_t> batches = {1, 4, 16};
+  std::vector<int64_t> prefills;  // --prefill: prompt lengths to time a prefill of
   size_t bandwidth_bytes = size_t{256} << 20;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -248,6 +322,10 @@ int main(int argc, char** argv) {
       }
     } else if (a.rfind("--bandwidth-mib=", 0) == 0) {
       bandwidth_bytes = static_cast<size_t>(std::atol(a.c_str() + 16)) << 20;
+    } else if (a.rfind("--prefill=", 0) == 0) {
+      for (absl::string_view t : absl::StrSplit(a.substr(10), ',')) {
+        prefills.push_back(std::atoi(std::string(t).c_str()));
+      }
     } else if (a.rfind("--num-layers=", 0) == 0) {
       tandem::g_num_layers = std::atoi(a.c_str() + 13);
     } else if (a == "--device=cuda") {
@@ -291,6 +369,12 @@ int main(int argc, char** argv) {
         [format](benchmark::State& state) { tandem::BM_DecodeStep(state, format); });
     for (int64_t batch : batches) b->Arg(batch);
     b->Unit(benchmark::kMillisecond)->UseRealTime();
+    if (prefills.empty()) continue;
+    auto* p = benchmark::RegisterBenchmark(
+        absl::StrCat("BM_Prefill/", format.name).c_str(),
+        [format](benchmark::State& state) { tandem::BM_Prefill(state, format); });
+    for (int64_t tokens : prefills) p->Arg(tokens);
+    p->Unit(benchmark::kMillisecond)->UseRealTime();
   }
   benchmark::RunSpecifiedBenchmarks();
   return 0;
