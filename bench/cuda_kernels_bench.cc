@@ -15,7 +15,6 @@
 // queued back to back and then synchronised (launch gaps included, as a decode step has them).
 // Weights smaller than 256 MiB are cycled over several copies so the 50 MB L2 does not serve
 // them; every input is random (an xorshift stream), never zeros.
-#include <cuda_runtime.h>
 
 #include <algorithm>
 #include <chrono>
@@ -27,6 +26,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "bench/cuda_bandwidth.h"
 #include "tandem/base/half.h"
 #include "tandem/kernels/backend.h"
 #include "tandem/kernels/cuda_backend.h"
@@ -87,35 +87,6 @@ double TimeCalls(Backend& b, int calls, Op op) {
   return trials[1];
 }
 
-double CopyBandwidthGBs() {
-  const size_t bytes = size_t{1} << 30;
-  void* a = nullptr;
-  void* b = nullptr;
-  if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) {
-    Die("cudaMalloc for the copy bandwidth");
-  }
-  cudaMemset(a, 0x5a, bytes);
-  cudaEvent_t start, end;
-  cudaEventCreate(&start);
-  cudaEventCreate(&end);
-  std::vector<float> ms;
-  for (int i = 0; i < 23; ++i) {
-    cudaEventRecord(start);
-    cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice);
-    cudaEventRecord(end);
-    cudaEventSynchronize(end);
-    float t = 0;
-    cudaEventElapsedTime(&t, start, end);
-    if (i >= 3) ms.push_back(t);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(end);
-  cudaFree(a);
-  cudaFree(b);
-  std::sort(ms.begin(), ms.end());
-  return 2.0 * static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e-3) / 1e9;
-}
-
 struct Row {
   std::string op, shape;
   double us, gbs, tflops, of_copy;
@@ -133,7 +104,8 @@ int main(int argc, char** argv) {
        .attention_workspace_bytes = kernels::CudaAttentionWorkspaceBytes(4096, 32, 128, 4096)});
   if (!created.ok()) Die(std::string(created.status().message()));
   Backend& b = **created;
-  const double copy_gbs = CopyBandwidthGBs();
+  const double copy_gbs = bench::MeasureCudaCopyGBs();
+  if (copy_gbs <= 0) Die("cannot measure the device copy bandwidth");
   std::vector<Row> rows;
 
   // Linear: the 8B projections (n, k) as the runner fuses them.

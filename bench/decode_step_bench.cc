@@ -35,7 +35,7 @@
 #include "tandem/tools/synth_model.h"
 
 #if TANDEM_BENCH_CUDA
-#include <cuda_runtime.h>
+#include "bench/cuda_bandwidth.h"
 #endif
 
 namespace tandem {
@@ -48,35 +48,6 @@ double g_read_gbs = 0;
 bool g_cuda = false;
 int g_num_layers = 0;  // 0: the preset's
 
-#if TANDEM_BENCH_CUDA
-// Device-to-device copy of `bytes` (far over the L2), median of 20 event-timed copies after a
-// warm-up; bytes read plus bytes written per second, in GB/s. 0 when it cannot run.
-double MeasureCudaCopyGBs(size_t bytes) {
-  void* a = nullptr;
-  void* b = nullptr;
-  if (cudaMalloc(&a, bytes) != cudaSuccess || cudaMalloc(&b, bytes) != cudaSuccess) return 0;
-  cudaMemset(a, 0x5a, bytes);
-  cudaEvent_t start, end;
-  cudaEventCreate(&start);
-  cudaEventCreate(&end);
-  std::vector<float> ms;
-  for (int i = 0; i < 23; ++i) {
-    cudaEventRecord(start);
-    cudaMemcpy(b, a, bytes, cudaMemcpyDeviceToDevice);
-    cudaEventRecord(end);
-    cudaEventSynchronize(end);
-    float t = 0;
-    cudaEventElapsedTime(&t, start, end);
-    if (i >= 3) ms.push_back(t);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(end);
-  cudaFree(a);
-  cudaFree(b);
-  std::sort(ms.begin(), ms.end());
-  return 2.0 * static_cast<double>(bytes) / (ms[ms.size() / 2] * 1e-3) / 1e9;
-}
-#endif
 
 // How a run holds its weights: converted to a float dtype at load, or a quantised checkpoint
 // ("int8": compressed-tensors, "int4": AWQ group 128) whose other tensors stay bf16.
@@ -153,26 +124,39 @@ absl::StatusOr<std::unique_ptr<kernels::Backend>> MakeBackend(const text::ModelC
   return std::unique_ptr<kernels::Backend>(std::move(gpu));
 }
 
+// A run's checkpoint and backend; checkpoint null when either failed (the benchmark is then
+// skipped with the reason).
+struct Setup {
+  std::unique_ptr<engine::Checkpoint> checkpoint;
+  std::unique_ptr<kernels::Backend> backend;
+};
+Setup OpenModel(benchmark::State& state, const WeightFormat& format, int max_seqs, int tokens,
+                int context, int block_size) {
+  auto checkpoint = engine::Checkpoint::Open(ModelDir(format.quant));
+  if (!checkpoint.ok()) {
+    state.SkipWithError(std::string(checkpoint.status().message()).c_str());
+    return {};
+  }
+  auto backend = MakeBackend((*checkpoint)->config(), max_seqs, tokens, context, block_size);
+  if (!backend.ok()) {
+    state.SkipWithError(std::string(backend.status().message()).c_str());
+    return {};
+  }
+  return {std::move(checkpoint).value(), std::move(backend).value()};
+}
+
 // One prefill of `tokens` prompt tokens (state.range(0)) into an empty cache: the time to the
 // first token's logits without HTTP, tokenizer or queueing, and its rate in TFLOP/s counting
 // 2 x the layers' projection parameters per token, causal attention (2 T^2 head_dim per query
 // head per layer) and the LM head of the one sampled row.
 void BM_Prefill(benchmark::State& state, const WeightFormat& format) {
   const int tokens = static_cast<int>(state.range(0));
-  auto checkpoint = engine::Checkpoint::Open(ModelDir(format.quant));
-  if (!checkpoint.ok()) {
-    state.SkipWithError(std::string(checkpoint.status().message()).c_str());
-    return;
-  }
-  const text::ModelConfig& c = (*checkpoint)->config();
   const int block_size = 16;
   const int blocks = (tokens + block_size - 1) / block_size;
-  auto backend = MakeBackend(c, 1, tokens, tokens, block_size);
-  if (!backend.ok()) {
-    state.SkipWithError(std::string(backend.status().message()).c_str());
-    return;
-  }
-  auto runner = engine::ModelRunner::Create(**checkpoint, backend->get(),
+  Setup setup = OpenModel(state, format, 1, tokens, tokens, block_size);
+  if (setup.checkpoint == nullptr) return;
+  const text::ModelConfig& c = setup.checkpoint->config();
+  auto runner = engine::ModelRunner::Create(*setup.checkpoint, setup.backend.get(),
                                             {.max_num_batched_tokens = tokens,
                                              .max_num_seqs = 1,
                                              .num_kv_blocks = blocks,
@@ -202,8 +186,9 @@ void BM_Prefill(benchmark::State& state, const WeightFormat& format) {
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
   const double step_s = seconds / static_cast<double>(state.iterations());
-  const double hidden = c.hidden_size, q_dim = double{c.num_heads} * c.head_dim,
-               kv_dim = double{c.num_kv_heads} * c.head_dim;
+  const double hidden = c.hidden_size;
+  const double q_dim = static_cast<double>(c.num_heads) * c.head_dim;
+  const double kv_dim = static_cast<double>(c.num_kv_heads) * c.head_dim;
   const double layer_params =
       hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * c.intermediate_size;
   const double t = tokens;
@@ -219,21 +204,13 @@ void BM_Prefill(benchmark::State& state, const WeightFormat& format) {
 void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
   const int batch = static_cast<int>(state.range(0));
   const int context = g_context;
-  auto checkpoint = engine::Checkpoint::Open(ModelDir(format.quant));
-  if (!checkpoint.ok()) {
-    state.SkipWithError(std::string(checkpoint.status().message()).c_str());
-    return;
-  }
-  const text::ModelConfig& c = (*checkpoint)->config();
   const int block_size = 16;
   const int blocks_per_seq = (context + 1 + block_size - 1) / block_size;
-  auto backend = MakeBackend(c, batch, std::max(batch, context), context + 1, block_size);
-  if (!backend.ok()) {
-    state.SkipWithError(std::string(backend.status().message()).c_str());
-    return;
-  }
+  Setup setup = OpenModel(state, format, batch, std::max(batch, context), context + 1, block_size);
+  if (setup.checkpoint == nullptr) return;
+  const text::ModelConfig& c = setup.checkpoint->config();
   engine::BlockManager blocks(batch * blocks_per_seq, block_size);
-  auto runner = engine::ModelRunner::Create(**checkpoint, backend->get(),
+  auto runner = engine::ModelRunner::Create(*setup.checkpoint, setup.backend.get(),
                                             {.max_num_batched_tokens = std::max(batch, context),
                                              .max_num_seqs = batch,
                                              .num_kv_blocks = batch * blocks_per_seq,
@@ -344,7 +321,7 @@ int main(int argc, char** argv) {
   }
   if (tandem::g_cuda) {
 #if TANDEM_BENCH_CUDA
-    tandem::g_copy_gbs = tandem::MeasureCudaCopyGBs(size_t{1} << 30);
+    tandem::g_copy_gbs = tandem::bench::MeasureCudaCopyGBs();
 #endif
     if (tandem::g_copy_gbs <= 0) {
       std::fprintf(stderr, "tandem_bench_decode: --device=cuda: no usable CUDA device\n");

@@ -41,21 +41,71 @@ __device__ __forceinline__ int64_t KvOffset(const PagedAttentionParams& p, const
   return (slot * p.num_kv_heads + kv_head) * head_dim;
 }
 
+// What a partition block of grid (max_partitions, num_kv_heads, num_tokens) covers: keys
+// [begin, begin + n) of its row's visible prefix (n <= 0: the row is shorter, nothing to do),
+// for the `group` query heads of KV head kv_head; its logit rows are `stride` floats apart.
+struct PartitionSpan {
+  int partition, kv_head, token;
+  RowInfo row;
+  int stride, begin, n, group;
+};
+__device__ __forceinline__ PartitionSpan ThisPartition(const PagedAttentionParams& p) {
+  PartitionSpan s;
+  s.partition = blockIdx.x;
+  s.kv_head = blockIdx.y;
+  s.token = blockIdx.z;
+  s.row = FindRow(p, s.token);
+  s.stride = PagedAttentionLogitStride(p.partition_tokens);
+  s.begin = s.partition * p.partition_tokens;
+  s.n = min(s.row.visible - s.begin, p.partition_tokens);
+  s.group = p.num_heads / p.num_kv_heads;
+  return s;
+}
+
+// The `group` query rows of (token, kv_head) into shared q_s [group][head_dim], then a barrier.
+__device__ __forceinline__ void LoadGroupQueries(const PagedAttentionParams& p, int token,
+                                                 int kv_head, int group, int head_dim,
+                                                 float* q_s) {
+  const float* q_row =
+      p.q + (static_cast<int64_t>(token) * p.num_heads + kv_head * group) * head_dim;
+  for (int i = threadIdx.x; i < group * head_dim; i += kThreads) q_s[i] = q_row[i];
+  __syncthreads();
+}
+
+// Softmax numerators within a partition, per query head: each of the `group` rows of `logits`
+// (`stride` apart, n scores each) becomes exp(score - its max); the max and the sum go to
+// group_max[g] and group_sum[g]. Called by all kThreads threads; ends with a barrier.
+__device__ __forceinline__ void PartitionSoftmax(float* logits, int stride, int n, int group,
+                                                 float* scratch, float* group_max,
+                                                 float* group_sum) {
+  for (int g = 0; g < group; ++g) {
+    float* lg = logits + g * stride;
+    float m = -INFINITY;
+    for (int j = threadIdx.x; j < n; j += kThreads) m = fmaxf(m, lg[j]);
+    m = BlockReduce<true>(m, scratch);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n; j += kThreads) {
+      const float e = expf(lg[j] - m);
+      lg[j] = e;
+      sum += e;
+    }
+    sum = BlockReduce<false>(sum, scratch);
+    if (threadIdx.x == 0) {
+      group_max[g] = m;
+      group_sum[g] = sum;
+    }
+  }
+  __syncthreads();
+}
+
 // grid (max_partitions, num_kv_heads, num_tokens), kThreads threads.
 // Dynamic shared memory: group * (kHeadDim + PagedAttentionLogitStride(p)) floats. Cache: the KV
 // element type.
 template <int kHeadDim, typename Cache>
 __global__ void __launch_bounds__(kThreads)
     PagedAttentionPartitionKernel(const PagedAttentionParams p) {
-  const int partition = blockIdx.x;
-  const int kv_head = blockIdx.y;
-  const int token = blockIdx.z;
-  const RowInfo row = FindRow(p, token);
-  const int stride = PagedAttentionLogitStride(p.partition_tokens);
-  const int begin = partition * p.partition_tokens;
-  if (begin >= row.visible) return;
-  const int n = min(row.visible - begin, p.partition_tokens);
-  const int group = p.num_heads / p.num_kv_heads;
+  const auto [partition, kv_head, token, row, stride, begin, n, group] = ThisPartition(p);
+  if (n <= 0) return;
 
   extern __shared__ float shared[];
   float* q_s = shared;                     // [group][kHeadDim]
@@ -64,11 +114,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float group_max[kAttentionMaxGroup];
   __shared__ float group_sum[kAttentionMaxGroup];
 
-  const float* q_row =
-      p.q + (static_cast<int64_t>(token) * p.num_heads + kv_head * group) * kHeadDim;
-  for (int i = threadIdx.x; i < group * kHeadDim; i += kThreads) q_s[i] = q_row[i];
-  __syncthreads();
-
+  LoadGroupQueries(p, token, kv_head, group, kHeadDim, q_s);
   const int32_t* table = p.block_table + static_cast<int64_t>(row.seq) * p.max_blocks_per_seq;
   // Scores: each warp takes whole keys, its lanes split head_dim; the key is loaded once and
   // dotted with every query head of the group.
@@ -91,25 +137,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  // Softmax numerators within the partition, per query head.
-  for (int g = 0; g < group; ++g) {
-    float* lg = logits + g * stride;
-    float m = -INFINITY;
-    for (int j = threadIdx.x; j < n; j += kThreads) m = fmaxf(m, lg[j]);
-    m = BlockReduce<true>(m, scratch);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < n; j += kThreads) {
-      const float e = expf(lg[j] - m);
-      lg[j] = e;
-      sum += e;
-    }
-    sum = BlockReduce<false>(sum, scratch);
-    if (threadIdx.x == 0) {
-      group_max[g] = m;
-      group_sum[g] = sum;
-    }
-  }
-  __syncthreads();
+  PartitionSoftmax(logits, stride, n, group, scratch, group_max, group_sum);
 
   // Weighted values: threads split head_dim (kDims each) and, when head_dim is narrower than
   // the block, the keys (kSubsets interleaved subsets merged below).
@@ -214,15 +242,8 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kKeysPerPass = kWarps * kKeysPerWarp;
   static_assert(kLanesPerKey <= 32 && 32 % kLanesPerKey == 0);
   using Vec = CacheVec<Cache>;
-  const int partition = blockIdx.x;
-  const int kv_head = blockIdx.y;
-  const int token = blockIdx.z;
-  const RowInfo row = FindRow(p, token);
-  const int stride = PagedAttentionLogitStride(p.partition_tokens);
-  const int begin = partition * p.partition_tokens;
-  if (begin >= row.visible) return;
-  const int n = min(row.visible - begin, p.partition_tokens);
-  const int group = p.num_heads / p.num_kv_heads;
+  const auto [partition, kv_head, token, row, stride, begin, n, group] = ThisPartition(p);
+  if (n <= 0) return;
 
   extern __shared__ float shared[];
   float* q_s = shared;                     // [group][kHeadDim]
@@ -232,11 +253,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float group_max[kVecMaxGroup];
   __shared__ float group_sum[kVecMaxGroup];
 
-  const float* q_row =
-      p.q + (static_cast<int64_t>(token) * p.num_heads + kv_head * group) * kHeadDim;
-  for (int i = threadIdx.x; i < group * kHeadDim; i += kThreads) q_s[i] = q_row[i];
-  __syncthreads();
-
+  LoadGroupQueries(p, token, kv_head, group, kHeadDim, q_s);
   const int32_t* table = p.block_table + static_cast<int64_t>(row.seq) * p.max_blocks_per_seq;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -244,7 +261,7 @@ __global__ void __launch_bounds__(kThreads)
   const int sub = lane % kLanesPerKey;       // which kVecElems elements of it
   const auto* k_cache = static_cast<const Cache*>(p.k_cache);
   const auto* v_cache = static_cast<const Cache*>(p.v_cache);
-  auto load = [&](const Cache* cache, int j) {
+  auto load = [&, begin = begin, kv_head = kv_head](const Cache* cache, int j) {
     return *reinterpret_cast<const Vec*>(cache + KvOffset(p, table, begin + j, kv_head, kHeadDim) +
                                          sub * kVecElems);
   };
@@ -282,25 +299,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  // Softmax numerators within the partition, per query head.
-  for (int g = 0; g < group; ++g) {
-    float* lg = logits + g * stride;
-    float m = -INFINITY;
-    for (int j = threadIdx.x; j < n; j += kThreads) m = fmaxf(m, lg[j]);
-    m = BlockReduce<true>(m, scratch);
-    float sum = 0.0f;
-    for (int j = threadIdx.x; j < n; j += kThreads) {
-      const float e = expf(lg[j] - m);
-      lg[j] = e;
-      sum += e;
-    }
-    sum = BlockReduce<false>(sum, scratch);
-    if (threadIdx.x == 0) {
-      group_max[g] = m;
-      group_sum[g] = sum;
-    }
-  }
-  __syncthreads();
+  PartitionSoftmax(logits, stride, n, group, scratch, group_max, group_sum);
 
   // Weighted values: each lane accumulates its kVecElems dims over the keys it reads.
   float acc[kVecMaxGroup][kVecElems] = {};
