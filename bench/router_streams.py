@@ -22,6 +22,8 @@ Measured per run (one router process, fresh):
 
 usage: router_streams.py TANDEM [--standin BIN] [--backend standin|tiny] --streams N
          [--tokens T] [--interval-ms X] [--ramp-seconds R] [--json FILE]
+         [--router-cpus LIST]   (the router's threads on these cores, e.g. 0-3, and the clients
+                                 and back end on the others, so neither waits for the other)
 """
 import argparse
 import asyncio
@@ -243,6 +245,8 @@ def main():
                         help="tiny backend: more flags for `tandem decode` only (e.g. "
                              "--step-delay-ms 200 to keep streams open longer)")
     parser.add_argument("--json")
+    parser.add_argument("--router-cpus",
+                        help="cores for the router (taskset list); everything else runs on the rest")
     args = parser.parse_args()
     if args.engine_flags is None:
         # Below --streams, --max-num-seqs or --max-num-batched-tokens (the per-step token budget,
@@ -255,6 +259,17 @@ def main():
     if fd_limit < args.streams + 1000:
         sys.exit(f"router_streams: the open-file limit ({fd_limit}) is too low for "
                  f"{args.streams} streams")
+    router_cpus = None
+    if args.router_cpus:
+        router_cpus = set()
+        for part in args.router_cpus.split(","):
+            lo, _, hi = part.partition("-")
+            router_cpus.update(range(int(lo), int(hi or lo) + 1))
+        rest = os.sched_getaffinity(0) - router_cpus
+        if not rest or not router_cpus <= os.sched_getaffinity(0):
+            sys.exit(f"router_streams: --router-cpus {args.router_cpus} must leave cores for the "
+                     f"rest among {sorted(os.sched_getaffinity(0))}")
+        os.sched_setaffinity(0, rest)  # the clients and the back end inherit it
     cluster.TANDEM = args.tandem
     processes = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -281,6 +296,10 @@ def main():
                        "--http-threads", str(args.http_threads)])
             processes.append(router.proc)
             pid = router.proc.pid
+            if router_cpus:
+                # Every thread the router has, and so every one it starts later.
+                subprocess.run(["taskset", "-a", "-cp", args.router_cpus, str(pid)], check=True,
+                               stdout=subprocess.DEVNULL)
             threads_idle = threads(pid)
             cpu_before = cpu_seconds(pid)
             sampler = ThreadSampler(pid)
@@ -325,6 +344,7 @@ def main():
         "completed": stats.completed, "failed": stats.failed, "errors": stats.errors,
         "max_concurrent_streams": max_overlap(stats.spans), "wall_seconds": round(wall, 2),
         "client_processes": args.clients, "client_cpu_seconds": round(client_cpu, 2),
+        "router_cpus": args.router_cpus,
         "router_threads_idle": threads_idle, "router_threads_max": max_threads,
         "thread_budget": 4 * cores + 16, "cores": cores,
         "decode_worker_threads_max": decode_threads,
