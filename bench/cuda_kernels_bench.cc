@@ -134,7 +134,8 @@ int main(int argc, char** argv) {
   }
   for (const auto& proj : projections) {
     const int64_t weight_bytes = int64_t{proj.n} * proj.k * 2;
-    const int copies = static_cast<int>(std::clamp<int64_t>((256ll << 20) / weight_bytes + 1, 1, 8));
+    const int copies =
+        static_cast<int>(std::clamp<int64_t>((256ll << 20) / weight_bytes + 1, 1, 8));
     std::vector<std::unique_ptr<kernels::PackedWeight>> weights;
     for (int c = 0; c < copies; ++c) {
       const std::vector<uint16_t> w =

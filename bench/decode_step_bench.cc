@@ -192,8 +192,9 @@ void BM_Prefill(benchmark::State& state, const WeightFormat& format) {
   const double layer_params =
       hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * c.intermediate_size;
   const double t = tokens;
-  const double flops = c.num_layers * (2 * layer_params * t + 2 * t * t * c.head_dim * c.num_heads) +
-                       2 * hidden * c.vocab_size;
+  const double flops =
+      c.num_layers * (2 * layer_params * t + 2 * t * t * c.head_dim * c.num_heads) +
+      2 * hidden * c.vocab_size;
   state.counters["ttft_ms"] = step_s * 1e3;
   state.counters["TFLOP_per_s"] = flops / step_s / 1e12;
   state.counters["TFLOP"] = flops / 1e12;

@@ -9,8 +9,9 @@ The checkpoint is written with Llama 3's own tokenizer (--tokenizer: the tokeniz
 text, so the random model's tokens reach the client (with the small synthetic BPE most ids
 decode to nothing and `tandem bench` counts such a stream as failed).
 
-MODEL_DIR is the Llama-3-8B shape with 4 of its 32 layers (written here when missing). For the colocated engine and for disaggregated
-prefill + decode in one process (KV over cuda_ipc), it measures:
+MODEL_DIR is the Llama-3-8B shape with 4 of its 32 layers (written here when missing). For the
+colocated engine and for disaggregated prefill + decode in one process (KV over cuda_ipc), it
+measures:
   ttft   8 prompts of 2048 tokens, one at a time, 1 output token: time to first token
   load   256 requests of 512 prompt + 128 output tokens, 64 in flight: throughput, TTFT, TPOT
 Writes OUT_DIR/serve-<mode>.log and OUT_DIR/{ttft,load}-<mode>.json and prints one line per run.

@@ -213,8 +213,8 @@ __global__ void NarrowKernel(const float* __restrict__ x, int64_t count, W* __re
   }
 }
 
-// More rows, when cuBLAS cannot take them: kTile x kTile output tiles through shared memory. grid (ceil(n / kTile),
-// ceil(m / kTile)), kTile x kTile threads.
+// More rows, when cuBLAS cannot take them: kTile x kTile output tiles through shared memory.
+// grid (ceil(n / kTile), ceil(m / kTile)), kTile x kTile threads.
 template <typename W>
 __global__ void GemmTileKernel(const float* __restrict__ x, int m, const W* __restrict__ w, int n,
                                int k, const float* __restrict__ bias, float* __restrict__ y) {
