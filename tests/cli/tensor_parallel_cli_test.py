@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "disagg"))
@@ -145,6 +146,14 @@ with tempfile.TemporaryDirectory() as tmp:
          "--initial-cluster", f"tp=http://127.0.0.1:{peer_port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        # etcd accepts connections before the ranks start (a worker gives up on an etcd it
+        # cannot reach).
+        for _ in range(HANG_GUARD_S * 10):
+            try:
+                with socket.create_connection(("127.0.0.1", etcd_port), timeout=1):
+                    break
+            except OSError:
+                time.sleep(0.1)
         ranks = []
         for rank in (1, 0):
             ranks.append(subprocess.Popen(
