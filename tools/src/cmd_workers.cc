@@ -18,6 +18,7 @@
 #include "tandem/cluster/registration.h"
 #include "tandem/decode_worker/decode_worker.h"
 #include "tandem/prefill_worker/prefill_worker.h"
+#include "tandem/worker/status_server.h"
 #include "tandem/worker/tensor_parallel_kv.h"
 #include "tensor_parallel_group.h"
 
@@ -215,6 +216,18 @@ absl::Status RunWorker(const std::string& command, int default_port, int argc, c
         .name = absl::StrCat(flags.worker_id, "/rank", tp.rank()),
         .role = command,
         .listen_host = flags.kv_host};
+    // A rank of a group that meets on etcd runs in a pod of its own (a LeaderWorkerSet worker):
+    // it answers the pod's probes at --metrics-listen. (On one node the launcher's followers
+    // share rank 0's flags, so they must not bind its port.)
+    std::unique_ptr<worker::StatusServer> status;
+    if (tp.meets_on_etcd() && !flags.metrics_listen.empty()) {
+      TANDEM_ASSIGN_OR_RETURN(
+          status, worker::StatusServer::Create(
+                      flags.metrics_listen, [] { return false; }, [] { return std::string(); }));
+      std::printf("tandem: %s tensor-parallel rank %d: health on port %d\n", command.c_str(),
+                  tp.rank(), status->port());
+      std::fflush(stdout);
+    }
     return tp.RunFollower(flags.engine, [&kv](const engine::EngineOptions& engine) {
       return worker::RunKvFollower(engine, kv);
     });

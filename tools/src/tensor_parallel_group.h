@@ -61,6 +61,9 @@ class TensorParallelGroup {
   int size() const { return size_; }
   int rank() const { return rank_; }
   bool follower() const { return rank_ > 0; }
+  // Whether the group meets on etcd (--tp-name): each rank was started on its own, typically in
+  // a pod of its own.
+  bool meets_on_etcd() const { return !etcd_name_.empty(); }
   // The etcd a `--tp-name` group meets on (the worker's --etcd and its TLS files); without it
   // such a group fails to join, saying so.
   void UseEtcd(std::string endpoints, proto::TlsFiles tls) {
