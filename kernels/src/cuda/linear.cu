@@ -6,6 +6,7 @@
 #include "kernels/src/cuda/dispatch.cuh"
 #include "kernels/src/cuda/element_types.cuh"
 #include "kernels/src/cuda/linear.cuh"
+#include "kernels/src/cuda/reduce.cuh"
 #include "tandem/base/status_macros.h"
 
 namespace tandem::kernels::cuda {
@@ -28,13 +29,20 @@ __global__ void AddBiasKernel(float* __restrict__ y,           // [m, n]
   }
 }
 
-// Rows of x the scalar GEMV serves at once (when the vectorised one cannot take a call).
-constexpr int kGemvScalarMaxRows = 4;
-constexpr int kGemvWarps = 8;
-constexpr int kTile = 16;
+// y[m, n] += bias[n] after a cuBLAS product (which has no bias); nothing when bias is null.
+absl::Status AddBias(float* y, const float* bias, int m, int n, cudaStream_t stream) {
+  if (bias == nullptr) return absl::OkStatus();
+  const int64_t total = static_cast<int64_t>(m) * n;
+  const int blocks = static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, 65535));
+  AddBiasKernel<<<blocks, kThreads, 0, stream>>>(y, bias, total, n);
+  return CudaStatus(cudaGetLastError(), "AddBiasKernel");
+}
 
-// Few rows (decode): one warp per output column, its lanes striding over k, so W is read once,
-// coalesced. grid ceil(n / kGemvWarps), kGemvWarps * 32 threads.
+constexpr int kGemvWarps = 8;
+
+// Decode rows that GemvVecKernel cannot take (k not a multiple of 8, or unaligned): one warp per
+// output column, its lanes striding over k, so W is read once, coalesced. m <= kGemvMaxRows.
+// grid ceil(n / kGemvWarps), kGemvWarps * 32 threads.
 template <typename W>
 __global__ void GemvKernel(const float* __restrict__ x,                   // [m, k]
                            int m, const W* __restrict__ w,                // [n, k]
@@ -43,25 +51,28 @@ __global__ void GemvKernel(const float* __restrict__ x,                   // [m,
   const int col = blockIdx.x * kGemvWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (col >= n) return;
-  float acc[kGemvScalarMaxRows] = {};
+  float acc[kGemvMaxRows] = {};
   const W* wc = w + static_cast<int64_t>(col) * k;
   for (int i = lane; i < k; i += 32) {
     const float wi = ToFloat(wc[i]);
 #pragma unroll
-    for (int r = 0; r < kGemvScalarMaxRows; ++r) {
+    for (int r = 0; r < kGemvMaxRows; ++r) {
       if (r < m) acc[r] += x[static_cast<int64_t>(r) * k + i] * wi;
     }
   }
 #pragma unroll
-  for (int r = 0; r < kGemvScalarMaxRows; ++r) {
+  for (int r = 0; r < kGemvMaxRows; ++r) {
     float v = acc[r];
-    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
+    v = WarpSum(v);
     if (lane == 0 && r < m) y[static_cast<int64_t>(r) * n + col] = v + (bias ? bias[col] : 0.0f);
   }
 }
 
-// Eight weights of one 16-byte load, widened.
-__device__ __forceinline__ void Widen8(const uint4& raw, const __nv_bfloat16*, float (&out)[8]) {
+// Eight weights of one 16-byte load, widened (pairwise, as the 16-bit types convert).
+template <typename W>
+__device__ void Widen8(const uint4& raw, float (&out)[8]);
+template <>
+__device__ __forceinline__ void Widen8<__nv_bfloat16>(const uint4& raw, float (&out)[8]) {
   const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -70,7 +81,8 @@ __device__ __forceinline__ void Widen8(const uint4& raw, const __nv_bfloat16*, f
     out[2 * i + 1] = f.y;
   }
 }
-__device__ __forceinline__ void Widen8(const uint4& raw, const __half*, float (&out)[8]) {
+template <>
+__device__ __forceinline__ void Widen8<__half>(const uint4& raw, float (&out)[8]) {
   const auto* h = reinterpret_cast<const __half2*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -130,7 +142,7 @@ __global__ void __launch_bounds__(kVecWarps * 32)
       if (chunk >= chunks) break;
       float wf[kVecCols][8];
 #pragma unroll
-      for (int c = 0; c < kVecCols; ++c) Widen8(raw[u][c], static_cast<const W*>(nullptr), wf[c]);
+      for (int c = 0; c < kVecCols; ++c) Widen8<W>(raw[u][c], wf[c]);
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
         if (r < m) {
@@ -160,9 +172,7 @@ __global__ void __launch_bounds__(kVecWarps * 32)
     if (r >= m) break;
 #pragma unroll
     for (int c = 0; c < kVecCols; ++c) {
-      float v = acc[r][c];
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+      const float v = WarpSum(acc[r][c]);
       const int col = col0 + c;
       if (lane == 0 && col < n) {
         y[static_cast<int64_t>(r) * n + col] = v + (bias ? bias[col] : 0.0f);
@@ -185,23 +195,28 @@ void LaunchGemvVec(const float* x, int m, const W* w, int n, int k, const float*
 template <typename W>
 bool TryGemvVec(const float* x, int m, const W* w, int n, int k, const float* bias, float* y,
                 cudaStream_t stream) {
-  if constexpr (sizeof(W) != 2) {
+  if (m > kGemvMaxRows || k % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(w) % 16 != 0) {
     return false;
-  } else {
-    if (m > kGemvMaxRows || k % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
-        reinterpret_cast<uintptr_t>(w) % 16 != 0) {
-      return false;
-    }
-    static_assert(kGemvMaxRows == 4);
-    if (m == 1) {
-      LaunchGemvVec<W, 1>(x, m, w, n, k, bias, y, stream);
-    } else if (m == 2) {
-      LaunchGemvVec<W, 2>(x, m, w, n, k, bias, y, stream);
-    } else {
-      LaunchGemvVec<W, 4>(x, m, w, n, k, bias, y, stream);
-    }
-    return true;
   }
+  static_assert(kGemvMaxRows == 4);
+  if (m == 1) {
+    LaunchGemvVec<W, 1>(x, m, w, n, k, bias, y, stream);
+  } else if (m == 2) {
+    LaunchGemvVec<W, 2>(x, m, w, n, k, bias, y, stream);
+  } else {
+    LaunchGemvVec<W, 4>(x, m, w, n, k, bias, y, stream);
+  }
+  return true;
+}
+
+// Decode rows (m <= kGemvMaxRows) of 16-bit weights W.
+template <typename W>
+void LaunchDecodeRows(const float* x, int m, const W* w, int n, int k, const float* bias,
+                      float* y, cudaStream_t stream) {
+  if (TryGemvVec(x, m, w, n, k, bias, y, stream)) return;
+  GemvKernel<W><<<(n + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, 0, stream>>>(x, m, w, n, k,
+                                                                                   bias, y);
 }
 
 // x rounded to the weights' 16-bit type for the tensor cores. Grid-stride over `count`.
@@ -213,85 +228,45 @@ __global__ void NarrowKernel(const float* __restrict__ x, int64_t count, W* __re
   }
 }
 
-// More rows, when cuBLAS cannot take them: kTile x kTile output tiles through shared memory.
-// grid (ceil(n / kTile), ceil(m / kTile)), kTile x kTile threads.
-template <typename W>
-__global__ void GemmTileKernel(const float* __restrict__ x, int m, const W* __restrict__ w, int n,
-                               int k, const float* __restrict__ bias, float* __restrict__ y) {
-  __shared__ float xs[kTile][kTile + 1];
-  __shared__ float ws[kTile][kTile + 1];
-  const int tx = threadIdx.x;
-  const int ty = threadIdx.y;
-  const int row = blockIdx.y * kTile + ty;
-  const int col = blockIdx.x * kTile + tx;
-  const int w_row = blockIdx.x * kTile + ty;
-  float acc = 0.0f;
-  for (int k0 = 0; k0 < k; k0 += kTile) {
-    xs[ty][tx] = row < m && k0 + tx < k ? x[static_cast<int64_t>(row) * k + k0 + tx] : 0.0f;
-    ws[ty][tx] =
-        w_row < n && k0 + tx < k ? ToFloat(w[static_cast<int64_t>(w_row) * k + k0 + tx]) : 0.0f;
-    __syncthreads();
-#pragma unroll
-    for (int i = 0; i < kTile; ++i) acc += xs[ty][i] * ws[tx][i];
-    __syncthreads();
-  }
-  if (row < m && col < n) y[static_cast<int64_t>(row) * n + col] = acc + (bias ? bias[col] : 0.0f);
-}
-
 }  // namespace
 
 absl::Status LaunchLinearLowPrecision(cublasHandle_t handle, const float* x, int m, const void* w,
                                       DType w_dtype, int n, int k, const float* bias, float* y,
                                       void* x16, cudaStream_t stream) {
   if (m <= 0 || n <= 0) return absl::OkStatus();
-  if (n > 65535 * kTile || m > 65535 * kTile) {
-    return absl::InvalidArgumentError("Linear: grid too large");
+  const bool bf16 = w_dtype == DType::kBF16;
+  if (!bf16 && w_dtype != DType::kF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no 16-bit CUDA Linear for weights of ", DTypeName(w_dtype)));
   }
-  if (m > kGemvMaxRows && w_dtype != DType::kF32) {
-    // Prefill: the tensor cores, on x rounded to the weights' type.
-    const bool bf16 = w_dtype == DType::kBF16;
-    if (!bf16 && w_dtype != DType::kF16) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("no CUDA kernel for weights of ", DTypeName(w_dtype)));
-    }
-    const int64_t count = static_cast<int64_t>(m) * k;
-    const int blocks = static_cast<int>(std::min<int64_t>((count + kThreads - 1) / kThreads, 4096));
+  if (m <= kGemvMaxRows) {
     if (bf16) {
-      NarrowKernel<<<blocks, kThreads, 0, stream>>>(x, count, static_cast<__nv_bfloat16*>(x16));
+      LaunchDecodeRows(x, m, static_cast<const __nv_bfloat16*>(w), n, k, bias, y, stream);
     } else {
-      NarrowKernel<<<blocks, kThreads, 0, stream>>>(x, count, static_cast<__half*>(x16));
+      LaunchDecodeRows(x, m, static_cast<const __half*>(w), n, k, bias, y, stream);
     }
-    TANDEM_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "Linear: narrowing x"));
-    TANDEM_ASSIGN_OR_RETURN(const CublasApi* api, LoadCublas());
-    const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
-    const float one = 1.0f;
-    const float zero = 0.0f;
-    // Row-major y[m, n] = x W^T is column-major y^T[n, m] = W[n, k] (W^T stored) * x^T[k, m].
-    TANDEM_RETURN_IF_ERROR(CublasStatus(
-        *api,
-        api->gemm_ex(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, type, k, x16, type, k,
-                     &zero, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
-        "cublasGemmEx"));
-    if (bias == nullptr) return absl::OkStatus();
-    const int64_t total = static_cast<int64_t>(m) * n;
-    const int bias_blocks =
-        static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, 65535));
-    AddBiasKernel<<<bias_blocks, kThreads, 0, stream>>>(y, bias, total, n);
-    return CudaStatus(cudaGetLastError(), "AddBiasKernel");
+    return CudaStatus(cudaGetLastError(), "Linear (16-bit weights)");
   }
-  TANDEM_DISPATCH_WEIGHT_DTYPE(w_dtype, W, {
-    const auto* wt = static_cast<const W*>(w);
-    if (TryGemvVec(x, m, wt, n, k, bias, y, stream)) {
-      // Decode rows at the bandwidth limit.
-    } else if (m <= kGemvScalarMaxRows) {
-      GemvKernel<W><<<(n + kGemvWarps - 1) / kGemvWarps, kGemvWarps * 32, 0, stream>>>(x, m, wt, n,
-                                                                                       k, bias, y);
-    } else {
-      const dim3 grid((n + kTile - 1) / kTile, (m + kTile - 1) / kTile);
-      GemmTileKernel<W><<<grid, dim3(kTile, kTile), 0, stream>>>(x, m, wt, n, k, bias, y);
-    }
-  });
-  return CudaStatus(cudaGetLastError(), "Linear (low-precision weights)");
+  // Prefill: the tensor cores, on x rounded to the weights' type.
+  const int64_t count = static_cast<int64_t>(m) * k;
+  const int blocks = static_cast<int>(std::min<int64_t>((count + kThreads - 1) / kThreads, 4096));
+  if (bf16) {
+    NarrowKernel<<<blocks, kThreads, 0, stream>>>(x, count, static_cast<__nv_bfloat16*>(x16));
+  } else {
+    NarrowKernel<<<blocks, kThreads, 0, stream>>>(x, count, static_cast<__half*>(x16));
+  }
+  TANDEM_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "Linear: narrowing x"));
+  TANDEM_ASSIGN_OR_RETURN(const CublasApi* api, LoadCublas());
+  const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+  const float one = 1.0f;
+  const float zero = 0.0f;
+  // Row-major y[m, n] = x W^T is column-major y^T[n, m] = W[n, k] (W^T stored) * x^T[k, m].
+  TANDEM_RETURN_IF_ERROR(CublasStatus(
+      *api,
+      api->gemm_ex(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, type, k, x16, type, k,
+                   &zero, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "cublasGemmEx"));
+  return AddBias(y, bias, m, n, stream);
 }
 
 void CublasHandleDeleter::operator()(cublasContext* handle) const {
@@ -321,11 +296,8 @@ absl::Status LaunchLinear(cublasHandle_t handle, const float* x, int m, const fl
   absl::Status status = CublasStatus(
       *api, api->sgemm(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, k, x, k, &zero, y, n),
       "cublasSgemm");
-  if (!status.ok() || bias == nullptr) return status;
-  const int64_t total = static_cast<int64_t>(m) * n;
-  const int blocks = static_cast<int>(std::min<int64_t>((total + kThreads - 1) / kThreads, 65535));
-  AddBiasKernel<<<blocks, kThreads, 0, stream>>>(y, bias, total, n);
-  return CudaStatus(cudaGetLastError(), "AddBiasKernel");
+  if (!status.ok()) return status;
+  return AddBias(y, bias, m, n, stream);
 }
 
 }  // namespace tandem::kernels::cuda

@@ -211,17 +211,17 @@ class Backend {
   // (value - zero) * scale, and multiplies by exactly DequantizeWeight's element.
   virtual std::unique_ptr<PackedWeight> PackQuantizedWeight(const QuantizedWeightView& w) = 0;
 
+  // Whether Linear of m rows with W of `w_dtype` rounds x to w_dtype (round to nearest even)
+  // before multiplying: the CUDA backend does for 16-bit W past decode sizes, to run prefill on
+  // the tensor cores. The products and fp32 accumulation are then exact on the rounded x.
+  virtual bool LinearRoundsX(int m, DType w_dtype) const { return false; }
+
   // y[m, n] = x[m, k] * W^T (+ bias[n] when bias is not null). Whatever W's dtype, each product
   // is of W's exact value (quantised: of DequantizeWeight's value) and accumulates in fp32; x
   // is read exactly too, except where LinearRoundsX says it is first rounded to W's dtype.
   // Batch invariant on the CPU: row i of y is bitwise the same whatever m is and whatever the
   // other rows hold (the CUDA backend's kernels change with m). y must not overlap x (other
   // operators say where theirs may alias).
-  // Whether Linear of m rows with W of `w_dtype` rounds x to w_dtype (round to nearest even)
-  // before multiplying: the CUDA backend does for 16-bit W past decode sizes, to run prefill on
-  // the tensor cores. The products and fp32 accumulation are then exact on the rounded x.
-  virtual bool LinearRoundsX(int m, DType w_dtype) const { return false; }
-
   virtual void Linear(const float* x, int m, const PackedWeight& w, const float* bias,
                       float* y) = 0;
 
