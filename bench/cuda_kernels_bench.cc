@@ -87,6 +87,42 @@ double TimeCalls(Backend& b, int calls, Op op) {
   return trials[1];
 }
 
+// Attention at the 8B shape: 32 query heads over 8 KV heads of 128, bf16 KV in 16-token blocks.
+constexpr int kHeads = 32, kKvHeads = 8, kHeadDim = 128, kBlock = 16;
+
+// One layer's KV cache of `num_blocks` blocks and `q_rows` query rows, random (seeds seed and
+// seed + 1), and their output.
+struct AttentionBuffers {
+  kernels::KvLayout layout;
+  DeviceBuffer cache, q, out;
+};
+AttentionBuffers MakeAttentionBuffers(Backend& b, int num_blocks, int q_rows, uint64_t seed) {
+  const kernels::KvLayout layout{.num_blocks = num_blocks,
+                                 .block_size = kBlock,
+                                 .num_kv_heads = kKvHeads,
+                                 .head_dim = kHeadDim,
+                                 .dtype = DType::kBF16};
+  const size_t q_bytes = sizeof(float) * q_rows * kHeads * kHeadDim;
+  auto cache = b.Allocate(static_cast<size_t>(layout.LayerBytes()));
+  auto q = b.Allocate(q_bytes);
+  auto out = b.Allocate(q_bytes);
+  if (!cache.ok() || !q.ok() || !out.ok()) Die("attention buffers");
+  const std::vector<uint16_t> kv = RandomBf16(layout.LayerElements(), seed, 1.0f);
+  b.CopyToDevice(cache->data(), kv.data(), kv.size() * 2);
+  const std::vector<float> qs = RandomF32(int64_t{q_rows} * kHeads * kHeadDim, seed + 1);
+  b.CopyToDevice(q->data(), qs.data(), q_bytes);
+  return {layout, std::move(cache).value(), std::move(q).value(), std::move(out).value()};
+}
+
+// Seconds per PagedAttention call over `a` (TimeCalls).
+double TimeAttention(Backend& b, AttentionBuffers& a, const kernels::PagedAttentionBatch& batch,
+                     int calls) {
+  return TimeCalls(b, calls, [&](int) {
+    b.PagedAttention(a.q.as<float>(), a.cache.data(), a.layout, batch, kHeads,
+                     1.0f / std::sqrt(static_cast<float>(kHeadDim)), a.out.as<float>());
+  });
+}
+
 struct Row {
   std::string op, shape;
   double us, gbs, tflops, of_copy;
@@ -156,29 +192,13 @@ int main(int argc, char** argv) {
   }
 
   // PagedAttention, decode: batch x context.
-  const int heads = 32, kv_heads = 8, head_dim = 128, block = 16;
   const struct {
     int batch, context;
   } decodes[] = {{1, 4096}, {1, 32768}, {8, 8192}, {16, 4096}, {64, 1024}, {64, 4096},
                  {256, 512}};
   for (const auto& d : decodes) {
-    const int blocks_per_seq = (d.context + block - 1) / block;
-    const int num_blocks = d.batch * blocks_per_seq;
-    const kernels::KvLayout layout{.num_blocks = num_blocks,
-                                   .block_size = block,
-                                   .num_kv_heads = kv_heads,
-                                   .head_dim = head_dim,
-                                   .dtype = DType::kBF16};
-    auto cache = b.Allocate(static_cast<size_t>(layout.LayerBytes()));
-    auto q = b.Allocate(sizeof(float) * d.batch * heads * head_dim);
-    auto out = b.Allocate(sizeof(float) * d.batch * heads * head_dim);
-    if (!cache.ok() || !q.ok() || !out.ok()) Die("attention buffers");
-    {
-      const std::vector<uint16_t> kv = RandomBf16(layout.LayerElements(), 7, 1.0f);
-      b.CopyToDevice(cache->data(), kv.data(), kv.size() * 2);
-      const std::vector<float> qs = RandomF32(int64_t{d.batch} * heads * head_dim, 8);
-      b.CopyToDevice(q->data(), qs.data(), qs.size() * sizeof(float));
-    }
+    const int blocks_per_seq = (d.context + kBlock - 1) / kBlock;
+    AttentionBuffers a = MakeAttentionBuffers(b, d.batch * blocks_per_seq, d.batch, 7);
     // Blocks scattered: sequence s takes every batch-th block starting at s, reversed.
     std::vector<int32_t> query_start(d.batch + 1), context_len(d.batch, d.context),
         table(static_cast<size_t>(d.batch) * blocks_per_seq);
@@ -189,45 +209,25 @@ int main(int argc, char** argv) {
             (blocks_per_seq - 1 - i) * d.batch + s;
       }
     }
-    const kernels::PagedAttentionBatch batch{d.batch, query_start.data(), context_len.data(),
-                                             table.data(), blocks_per_seq};
-    const double s = TimeCalls(b, 20, [&](int) {
-      b.PagedAttention(q->as<float>(), cache->data(), layout, batch, heads,
-                       1.0f / std::sqrt(128.0f), out->as<float>());
-    });
-    const double bytes = 2.0 * d.batch * d.context * kv_heads * head_dim * 2;
+    const double s = TimeAttention(
+        b, a, {d.batch, query_start.data(), context_len.data(), table.data(), blocks_per_seq}, 20);
+    const double bytes = 2.0 * d.batch * d.context * kKvHeads * kHeadDim * 2;
     const double gbs = bytes / s / 1e9;
     rows.push_back({"PagedAttention decode bf16 KV",
                     absl::StrCat("batch ", d.batch, " x context ", d.context), s * 1e6, gbs,
-                    4.0 * d.batch * d.context * heads * head_dim / s / 1e12, gbs / copy_gbs});
+                    4.0 * d.batch * d.context * kHeads * kHeadDim / s / 1e12, gbs / copy_gbs});
   }
 
   // Prefill attention: one causal 4096-token prompt in one call.
   {
     const int tokens = 4096;
-    const int blocks_per_seq = tokens / block;
-    const kernels::KvLayout layout{.num_blocks = blocks_per_seq,
-                                   .block_size = block,
-                                   .num_kv_heads = kv_heads,
-                                   .head_dim = head_dim,
-                                   .dtype = DType::kBF16};
-    auto cache = b.Allocate(static_cast<size_t>(layout.LayerBytes()));
-    auto q = b.Allocate(sizeof(float) * tokens * heads * head_dim);
-    auto out = b.Allocate(sizeof(float) * tokens * heads * head_dim);
-    if (!cache.ok() || !q.ok() || !out.ok()) Die("prefill attention buffers");
-    const std::vector<uint16_t> kv = RandomBf16(layout.LayerElements(), 9, 1.0f);
-    b.CopyToDevice(cache->data(), kv.data(), kv.size() * 2);
-    const std::vector<float> qs = RandomF32(int64_t{tokens} * heads * head_dim, 10);
-    b.CopyToDevice(q->data(), qs.data(), qs.size() * sizeof(float));
+    const int blocks_per_seq = tokens / kBlock;
+    AttentionBuffers a = MakeAttentionBuffers(b, blocks_per_seq, tokens, 9);
     std::vector<int32_t> query_start = {0, tokens}, context_len = {tokens}, table(blocks_per_seq);
     for (int i = 0; i < blocks_per_seq; ++i) table[i] = i;
-    const kernels::PagedAttentionBatch batch{1, query_start.data(), context_len.data(),
-                                             table.data(), blocks_per_seq};
-    const double s = TimeCalls(b, 3, [&](int) {
-      b.PagedAttention(q->as<float>(), cache->data(), layout, batch, heads,
-                       1.0f / std::sqrt(128.0f), out->as<float>());
-    });
-    const double flops = 4.0 * tokens * tokens * head_dim * heads / 2;
+    const double s = TimeAttention(
+        b, a, {1, query_start.data(), context_len.data(), table.data(), blocks_per_seq}, 3);
+    const double flops = 4.0 * tokens * tokens * kHeadDim * kHeads / 2;
     rows.push_back({"PagedAttention prefill causal", "4096 tokens, 32/8 heads, hd 128",
                     s * 1e6, 0, flops / s / 1e12, 0});
   }
