@@ -7,8 +7,6 @@
 #include "tandem/engine/speculative.h"
 
 #include <cmath>
-#include <cstdlib>
-#include <filesystem>
 #include <map>
 #include <random>
 
@@ -461,18 +459,10 @@ TEST(SpeculativeTest, SampledDraftsFromTheTargetItselfAreAllAccepted) {
 // with nothing accepted, no draft length yields more than one token per step.)
 TEST(SpeculativeTest, AnOffDraftModelProbesRarelyOverRecentTokensWithOutputsUnchanged) {
   const std::string model = testing::TinyModel("llama", DType::kBF16);
-  const std::string dir = absl::StrCat(std::getenv("TANDEM_BINARY_DIR") != nullptr
-                                           ? std::getenv("TANDEM_BINARY_DIR")
-                                           : std::filesystem::temp_directory_path().string(),
-                                       "/test-models/tiny-llama-bf16-draft1-seed99");
-  if (!std::filesystem::exists(dir + "/config.json")) {
-    tools::SynthModelOptions draft;
-    draft.out_dir = dir;
-    draft.seed = 99;
-    draft.num_layers = 1;
-    draft.dtype = DType::kBF16;
-    ASSERT_TRUE(tools::WriteSyntheticModel(draft).ok());
-  }
+  tools::SynthModelOptions draft;
+  draft.num_layers = 1;
+  draft.dtype = DType::kBF16;
+  const std::string dir = testing::SynthOnce("tiny-llama-bf16-draft1-seed99", draft, 99);
   SpeculativeOptions options = DraftModel(4);
   options.draft_model = dir;
   options.adaptive = true;

@@ -1,6 +1,7 @@
 // Synthetic checkpoints shared by the integration tests, written once per build directory.
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -11,16 +12,17 @@
 
 namespace tandem::testing {
 
-// Writes `options` (seed 7, so that every helper's weights are the same model's) under
-// $TANDEM_BINARY_DIR/test-models/`name` (the temporary directory without it) unless a
-// checkpoint is there already, and returns its path.
-inline std::string SynthOnce(const std::string& name, tools::SynthModelOptions options) {
+// Writes `options` (seed 7, so that every helper's weights are the same model's; another
+// `seed` for a different model) under $TANDEM_BINARY_DIR/test-models/`name` (the temporary
+// directory without it) unless a checkpoint is there already, and returns its path.
+inline std::string SynthOnce(const std::string& name, tools::SynthModelOptions options,
+                             uint64_t seed = 7) {
   const char* bin = std::getenv("TANDEM_BINARY_DIR");
   std::string root = bin != nullptr ? bin : std::filesystem::temp_directory_path().string();
   std::string dir = absl::StrCat(root, "/test-models/", name);
   if (!std::filesystem::exists(dir + "/config.json")) {
     options.out_dir = dir;
-    options.seed = 7;
+    options.seed = seed;
     absl::Status status = tools::WriteSyntheticModel(options);
     EXPECT_TRUE(status.ok()) << status;
   }

@@ -166,7 +166,6 @@ absl::StatusOr<std::unique_ptr<collective::Communicator>> TensorParallelGroup::J
   TANDEM_ASSIGN_OR_RETURN(auto store, cluster::EtcdRendezvousStore::Create(
                                           *etcd, absl::StrCat("/tandem/tp/", etcd_name_, "/"),
                                           rank_, options.connect_timeout));
-  options.leader_address.clear();
   options.store = store.get();
   // The store's keys (and lease) go once every rank has joined.
   return collective::CreateGlooCommunicator(options);
