@@ -173,7 +173,6 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoin
           "tensor parallelism runs on the CPU backend (Gloo) for now; the CUDA backend's "
           "NCCL wiring is not built yet");
     }
-    TANDEM_RETURN_IF_ERROR(TensorParallelWeightsSupported(checkpoint, comm->size()));
     const text::ModelConfig& c = checkpoint.config();
     std::vector<int32_t> settings(kSettingsFields);
     settings[kMaxBatchedTokens] = options.max_num_batched_tokens;

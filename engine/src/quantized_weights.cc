@@ -37,7 +37,9 @@ kernels::QuantizedWeightView QuantizedMatrix::view() const {
           .values = values.data(),
           .scales = scales.data(),
           .zeros = zeros.empty() ? nullptr : zeros.data(),
-          .k_order = k_order.empty() ? nullptr : k_order.data()};
+          .k_order = k_order.empty() ? nullptr : k_order.data(),
+          .group_starts = group_starts.empty() ? nullptr : group_starts.data(),
+          .num_groups = group_starts.empty() ? 0 : static_cast<int>(group_starts.size()) - 1};
 }
 
 absl::StatusOr<QuantizedMatrix> ReadQuantizedMatrix(const Checkpoint& checkpoint,
@@ -188,7 +190,7 @@ absl::StatusOr<QuantizedMatrix> StackRows(std::vector<QuantizedMatrix> parts) {
   for (size_t i = 1; i < parts.size(); ++i) {
     QuantizedMatrix& p = parts[i];
     if (p.quant != out.quant || p.k != out.k || p.group_size != out.group_size ||
-        p.k_order != out.k_order) {
+        p.k_order != out.k_order || p.group_starts != out.group_starts) {
       return absl::InvalidArgumentError(
           "layers fused into one projection differ in quantisation, group size or act order");
     }
@@ -207,7 +209,8 @@ QuantizedMatrix SliceQuantizedRows(const QuantizedMatrix& m, int begin, int coun
   out.k = m.k;
   out.group_size = m.group_size;
   out.k_order = m.k_order;
-  const size_t groups = m.group_size > 0 ? static_cast<size_t>(m.k / m.group_size) : 0;
+  out.group_starts = m.group_starts;
+  const size_t groups = static_cast<size_t>(m.view().groups());
   auto rows = [&](const auto& v, size_t width, auto& to) {
     if (v.empty()) return;
     to.assign(v.begin() + static_cast<ptrdiff_t>(begin * width),
@@ -221,38 +224,69 @@ QuantizedMatrix SliceQuantizedRows(const QuantizedMatrix& m, int begin, int coun
 
 absl::StatusOr<QuantizedMatrix> SliceQuantizedCols(const QuantizedMatrix& m, int begin,
                                                    int count) {
-  if (!m.k_order.empty()) {
-    return absl::UnimplementedError(
-        "tensor parallelism does not split the inputs of an act-order (desc_act) GPTQ layer: "
-        "its groups are scattered over the inputs");
+  if (begin < 0 || count <= 0 || begin + count > m.k) {
+    return absl::InvalidArgumentError(absl::StrCat("inputs [", begin, ", ", begin + count,
+                                                   ") of a layer of ", m.k, " inputs"));
   }
-  const int g = m.group_size;
-  // Int8 has one scale per row (group_size k): a slice keeps the row's scale.
-  const bool per_row = m.quant == kernels::WeightQuant::kInt8 && g == m.k;
-  if (!per_row && (begin % g != 0 || count % g != 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "a tensor-parallel rank's inputs [", begin, ", ", begin + count,
-        ") of a layer quantised in groups of ", g, " inputs are not whole groups"));
+  // The stored columns holding the slice's inputs, in stored order (which keeps each group's
+  // columns together, act order or not).
+  std::vector<int> columns;
+  columns.reserve(count);
+  for (int j = 0; j < m.k; ++j) {
+    const int feature = m.k_order.empty() ? j : m.k_order[j];
+    if (feature >= begin && feature < begin + count) columns.push_back(j);
   }
   QuantizedMatrix out;
   out.quant = m.quant;
   out.n = m.n;
   out.k = count;
-  out.group_size = per_row ? count : g;
-  const int groups = m.k / g;
-  const int group_begin = per_row ? 0 : begin / g;
-  const int out_groups = per_row ? 1 : count / g;
+  bool in_order = true;
+  out.k_order.resize(count);
+  for (int j = 0; j < count; ++j) {
+    out.k_order[j] = (m.k_order.empty() ? columns[j] : m.k_order[columns[j]]) - begin;
+    in_order = in_order && out.k_order[j] == j;
+  }
+  if (in_order) out.k_order.clear();
   out.values.resize(static_cast<size_t>(m.n) * count);
-  out.scales.resize(static_cast<size_t>(m.n) * out_groups);
-  if (!m.zeros.empty()) out.zeros.resize(static_cast<size_t>(m.n) * out_groups);
   for (int r = 0; r < m.n; ++r) {
-    std::copy_n(m.values.begin() + static_cast<ptrdiff_t>(r) * m.k + begin, count,
-                out.values.begin() + static_cast<ptrdiff_t>(r) * count);
-    std::copy_n(m.scales.begin() + static_cast<ptrdiff_t>(r) * groups + group_begin, out_groups,
-                out.scales.begin() + static_cast<ptrdiff_t>(r) * out_groups);
-    if (!m.zeros.empty()) {
-      std::copy_n(m.zeros.begin() + static_cast<ptrdiff_t>(r) * groups + group_begin, out_groups,
-                  out.zeros.begin() + static_cast<ptrdiff_t>(r) * out_groups);
+    const int8_t* row = m.values.data() + static_cast<ptrdiff_t>(r) * m.k;
+    int8_t* to = out.values.data() + static_cast<ptrdiff_t>(r) * count;
+    for (int j = 0; j < count; ++j) to[j] = row[columns[j]];
+  }
+  const int groups = m.view().groups();
+  if (m.quant == kernels::WeightQuant::kInt8) {
+    // One scale per row: a slice keeps the row's scale.
+    out.group_size = count;
+    out.scales = m.scales;
+    return out;
+  }
+  // The slice's part of each group it touches becomes a group of its own (of any size), with
+  // that group's scales and zero points.
+  const std::vector<int32_t> starts = kernels::GroupStarts(m.view());
+  std::vector<int> kept;  // the source group of each of the slice's groups
+  std::vector<int32_t> out_starts;
+  bool whole_groups = m.group_starts.empty();
+  for (int j = 0, g = 0; j < count; ++j) {
+    while (starts[g + 1] <= columns[j]) ++g;
+    if (kept.empty() || kept.back() != g) {
+      kept.push_back(g);
+      out_starts.push_back(j);
+    }
+  }
+  out_starts.push_back(count);
+  for (size_t i = 0; i < kept.size(); ++i) {
+    whole_groups = whole_groups && out_starts[i + 1] - out_starts[i] == m.group_size;
+  }
+  out.group_size = m.group_size;
+  if (!whole_groups) out.group_starts = std::move(out_starts);
+  const size_t out_groups = kept.size();
+  out.scales.resize(static_cast<size_t>(m.n) * out_groups);
+  out.zeros.resize(static_cast<size_t>(m.n) * out_groups);
+  for (int r = 0; r < m.n; ++r) {
+    for (size_t i = 0; i < out_groups; ++i) {
+      const size_t from = static_cast<size_t>(r) * groups + kept[i];
+      out.scales[r * out_groups + i] = m.scales[from];
+      out.zeros[r * out_groups + i] = m.zeros[from];
     }
   }
   return out;

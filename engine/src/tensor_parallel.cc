@@ -55,33 +55,7 @@ absl::StatusOr<TensorParallelShard> TensorParallelShard::For(const text::ModelCo
 absl::Status CheckTensorParallelModel(const std::string& model_dir, int size) {
   if (size <= 1) return absl::OkStatus();
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> checkpoint, Checkpoint::Open(model_dir));
-  TANDEM_RETURN_IF_ERROR(TensorParallelShard::For(checkpoint->config(), 0, size).status());
-  return TensorParallelWeightsSupported(*checkpoint, size);
-}
-
-absl::Status TensorParallelWeightsSupported(const Checkpoint& checkpoint, int size) {
-  const QuantizationConfig& q = checkpoint.quantization();
-  if (q.method == QuantMethod::kNone || size <= 1) return absl::OkStatus();
-  if (q.desc_act) {
-    return absl::UnimplementedError(absl::StrCat(
-        "tensor parallelism does not shard act-order (desc_act) checkpoints yet (", q.Describe(),
-        "): their groups are scattered over each layer's inputs; run it with "
-        "--tensor-parallel-size 1"));
-  }
-  // o_proj and down_proj are split along their inputs: each rank's must be whole groups.
-  const text::ModelConfig& c = checkpoint.config();
-  if (q.group_size > 0) {
-    for (auto [name, inputs] : {std::pair{"o_proj", c.num_heads * c.head_dim},
-                                {"down_proj", c.intermediate_size}}) {
-      if ((inputs / size) % q.group_size != 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--tensor-parallel-size ", size, " splits the ", inputs, " inputs of ", name,
-            " into parts of ", inputs / size, ", not whole quantisation groups of ",
-            q.group_size));
-      }
-    }
-  }
-  return absl::OkStatus();
+  return TensorParallelShard::For(checkpoint->config(), 0, size).status();
 }
 
 }  // namespace tandem::engine

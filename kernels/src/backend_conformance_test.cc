@@ -337,17 +337,20 @@ class LinearCase : public OpCase {
 };
 
 // Weight-only quantised W (int8 per row; int4 per group with zero points, optionally in a
-// shuffled k order as GPTQ act-order checkpoints store it): the reference multiplies by
+// shuffled k order as GPTQ act-order checkpoints store it, and optionally in groups of unequal
+// size, as a tensor-parallel rank holds its part of each group): the reference multiplies by
 // DequantizeWeight's values, which the backend must use exactly, so the tolerance is that of
 // fp32 accumulation.
 class QuantizedLinearCase : public OpCase {
  public:
+  // uneven: int4 groups of 1 to 2 x group_size columns, drawn at random.
   QuantizedLinearCase(WeightQuant quant, int m, int n, int k, int group_size, bool shuffled,
-                      bool bias, double tolerance)
+                      bool bias, double tolerance, bool uneven = false)
       : OpCase(std::string("Linear_") + (quant == WeightQuant::kInt8 ? "int8" : "int4") + "_m" +
                    Str(m) + "_n" + Str(n) + "_k" + Str(k) +
                    (quant == WeightQuant::kInt4 ? "_g" + Str(group_size) : "") +
-                   (shuffled ? "_korder" : "") + (bias ? "_bias" : ""),
+                   (uneven ? "_uneven" : "") + (shuffled ? "_korder" : "") +
+                   (bias ? "_bias" : ""),
                tolerance),
         quant_(quant),
         m_(m),
@@ -355,14 +358,19 @@ class QuantizedLinearCase : public OpCase {
         k_(k),
         group_size_(group_size),
         shuffled_(shuffled),
-        bias_(bias) {}
+        bias_(bias),
+        uneven_(uneven) {}
 
   void Check(Harness& h) const override {
     const std::vector<float> x = Random(int64_t{m_} * k_, seed());
     const bool int4 = quant_ == WeightQuant::kInt4;
     const int group = int4 ? group_size_ : k_;
-    const int groups = k_ / group;
     std::mt19937 rng(seed() + 1);
+    std::vector<int32_t> starts = {0};
+    while (uneven_ && starts.back() < k_) {
+      starts.push_back(std::min<int32_t>(k_, starts.back() + 1 + rng() % (2 * group)));
+    }
+    const int groups = uneven_ ? static_cast<int>(starts.size()) - 1 : k_ / group;
     std::vector<int8_t> values(int64_t{n_} * k_);
     for (int8_t& v : values) {
       v = static_cast<int8_t>(int4 ? rng() % 16 : static_cast<int>(rng() % 256) - 128);
@@ -382,7 +390,9 @@ class QuantizedLinearCase : public OpCase {
                                    .values = values.data(),
                                    .scales = scales.data(),
                                    .zeros = int4 ? zeros.data() : nullptr,
-                                   .k_order = shuffled_ ? order.data() : nullptr};
+                                   .k_order = shuffled_ ? order.data() : nullptr,
+                                   .group_starts = uneven_ ? starts.data() : nullptr,
+                                   .num_groups = uneven_ ? groups : 0};
     ASSERT_TRUE(ValidateQuantizedWeight(view).ok()) << ValidateQuantizedWeight(view);
     const std::vector<float> bias = Random(n_, seed() + 3);
     const float* d_x = h.Input("x", x);
@@ -415,7 +425,7 @@ class QuantizedLinearCase : public OpCase {
  private:
   WeightQuant quant_;
   int m_, n_, k_, group_size_;
-  bool shuffled_, bias_;
+  bool shuffled_, bias_, uneven_;
 };
 
 class RmsNormCase : public OpCase {
@@ -907,6 +917,17 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
            {13, 40, 5120, 128, true, false},
        }) {
     add(QuantizedLinearCase(WeightQuant::kInt4, m, n, k, group, shuffled, bias, kLinearTolerance));
+  }
+  // Groups of unequal size (a tensor-parallel rank's part of each group): decode rows, panel
+  // pairs and prefill tiles, k blocks that end inside a group, act-order k.
+  for (auto [m, n, k, group, shuffled] : std::vector<std::tuple<int, int, int, int, bool>>{
+           {1, 45, 300, 16, false},
+           {2, 100, 640, 64, true},
+           {7, 257, 1000, 128, false},
+           {130, 129, 700, 32, true},
+       }) {
+    add(QuantizedLinearCase(WeightQuant::kInt4, m, n, k, group, shuffled, true, kLinearTolerance,
+                            /*uneven=*/true));
   }
 
   // RmsNorm and AddRmsNorm: dims below, at and past vector widths and block sizes.

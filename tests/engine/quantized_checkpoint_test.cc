@@ -1,6 +1,8 @@
 // Weight-only quantised checkpoints (compressed-tensors int8, AWQ, GPTQ) as synth-model writes
 // them: Tandem's dequantised weights against the independent NumPy dequantiser
 // (tests/reference/dequantize.py), and the one-line refusals of configs Tandem cannot serve.
+#include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -72,6 +74,63 @@ INSTANTIATE_TEST_SUITE_P(
                       QuantCase{"gptq_act_order_asym", "llama", "gptq", DType::kF16, true, false},
                       QuantCase{"gptq_asym_mistral", "mistral", "gptq", DType::kF16, false, false}),
     [](const ::testing::TestParamInfo<QuantCase>& info) { return info.param.name; });
+
+// What a tensor-parallel rank multiplies by is the layer's own: every layer split along its
+// inputs into 2, 3 or 4 parts (groups cut, act-order groups scattered over the parts) dequantises
+// to exactly the matching columns of the whole layer, and along its outputs to its rows.
+TEST_P(QuantizedCheckpointTest, SlicesDequantiseToTheLayersOwnColumnsAndRows) {
+  const QuantCase& c = GetParam();
+  auto checkpoint = Checkpoint::Open(c.Model());
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  const text::ModelConfig& config = (*checkpoint)->config();
+  int uneven = 0;
+  for (const auto& [name, shape] : text::ExpectedTensors(config)) {
+    const std::string module = name.substr(0, name.size() - std::string(".weight").size());
+    if (shape.size() != 2 || !IsQuantizedLinear((*checkpoint)->quantization(), module)) continue;
+    const int out = static_cast<int>(shape[0]);
+    const int in = static_cast<int>(shape[1]);
+    auto matrix = ReadQuantizedMatrix(**checkpoint, module, out, in);
+    ASSERT_TRUE(matrix.ok()) << matrix.status();
+    const std::vector<float> whole = kernels::DequantizeWeight(matrix->view());
+    for (int parts : {2, 3, 4}) {
+      for (int p = 0; p < parts; ++p) {
+        const int begin = in * p / parts;
+        const int count = in * (p + 1) / parts - begin;
+        auto slice = SliceQuantizedCols(*matrix, begin, count);
+        ASSERT_TRUE(slice.ok()) << module << ": " << slice.status();
+        ASSERT_TRUE(kernels::ValidateQuantizedWeight(slice->view()).ok())
+            << module << " " << begin << "+" << count << ": "
+            << kernels::ValidateQuantizedWeight(slice->view());
+        uneven += slice->group_starts.empty() ? 0 : 1;
+        const std::vector<float> part = kernels::DequantizeWeight(slice->view());
+        for (int r = 0; r < out; ++r) {
+          for (int j = 0; j < count; ++j) {
+            ASSERT_EQ(part[int64_t{r} * count + j], whole[int64_t{r} * in + begin + j])
+                << module << " inputs [" << begin << ", " << begin + count << "), row " << r
+                << ", input " << begin + j;
+          }
+        }
+        const int row_begin = out * p / parts;
+        const int rows = out * (p + 1) / parts - row_begin;
+        const std::vector<float> row_part =
+            kernels::DequantizeWeight(SliceQuantizedRows(*matrix, row_begin, rows).view());
+        ASSERT_TRUE(std::equal(row_part.begin(), row_part.end(),
+                               whole.begin() + int64_t{row_begin} * in))
+            << module << " rows [" << row_begin << ", " << row_begin + rows << ")";
+      }
+    }
+  }
+  // Groups of 32 or 128 over the tiny preset's 64 and 160 inputs: thirds always cut groups.
+  if (c.quant != "int8") {
+    EXPECT_GT(uneven, 0);
+  }
+  EXPECT_FALSE(SliceQuantizedCols(*ReadQuantizedMatrix(**checkpoint,
+                                                        "model.layers.0.mlp.down_proj",
+                                                        config.hidden_size,
+                                                        config.intermediate_size),
+                                  config.intermediate_size - 1, 2)
+                   .ok());
+}
 
 // A quantised checkpoint whose config.json's quantization_config is replaced by `edit` applied
 // to it; returns the error Checkpoint::Open and LlmEngine::Create give.

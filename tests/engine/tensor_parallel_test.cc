@@ -252,40 +252,38 @@ TEST(TensorParallelStepSideChannelTest, AttachmentsReachFollowersAndReportsComeB
 }
 
 // Weight-only quantised checkpoints split unpacked: a rank's output rows with their scales,
-// or its inputs as whole groups; tp=2 and tp=4 give the tokens of one engine on the same
-// checkpoint. Groups of 8 inputs, so that 4 ranks' parts of down_proj's 160 inputs are whole
-// groups.
+// or its inputs with their groups' scales; tp=2 and tp=4 give the tokens of one engine on the
+// same checkpoint. Groups of 8 inputs keep 4 ranks' parts of down_proj's 160 inputs whole
+// groups; groups of 32 are cut by both degrees (80 or 40 inputs a rank), and act order scatters
+// each group over every rank's inputs.
+struct QuantizedTpCase {
+  std::string name;
+  std::string quant;
+  int group_size = 8;
+  bool desc_act = false;
+};
+
 class QuantizedTensorParallelTest
-    : public ::testing::TestWithParam<std::tuple<std::string /*quant*/, int /*tp*/>> {};
+    : public ::testing::TestWithParam<std::tuple<QuantizedTpCase, int /*tp*/>> {};
 
 TEST_P(QuantizedTensorParallelTest, GivesTheTokensOfOneEngine) {
-  const auto& [quant, tp] = GetParam();
-  ExpectGroupMatchesOneEngine(
-      testing::TinyQuantModel("llama", quant, DType::kF32, false, true, /*group_size=*/8), tp);
+  const auto& [c, tp] = GetParam();
+  ExpectGroupMatchesOneEngine(testing::TinyQuantModel("llama", c.quant, DType::kF32, c.desc_act,
+                                                      true, c.group_size),
+                              tp);
 }
 
-INSTANTIATE_TEST_SUITE_P(QuantsAndDegrees, QuantizedTensorParallelTest,
-                         ::testing::Combine(::testing::Values("int8", "awq", "gptq"),
-                                            ::testing::Values(2, 4)),
-                         CaseName);
-
-TEST(QuantizedTensorParallelTest, RefusesActOrderAndCutGroups) {
-  auto act_order = Checkpoint::Open(testing::TinyQuantModel("llama", "gptq", DType::kF16, true));
-  ASSERT_TRUE(act_order.ok()) << act_order.status();
-  absl::Status status = TensorParallelWeightsSupported(**act_order, 2);
-  EXPECT_EQ(status.code(), absl::StatusCode::kUnimplemented) << status;
-  EXPECT_NE(status.message().find("act-order"), std::string::npos) << status;
-  EXPECT_TRUE(TensorParallelWeightsSupported(**act_order, 1).ok());
-  // Groups of 32 inputs: 2 ranks would give each 80 of down_proj's 160 inputs.
-  auto awq = Checkpoint::Open(testing::TinyQuantModel("llama", "awq", DType::kF32));
-  ASSERT_TRUE(awq.ok()) << awq.status();
-  status = TensorParallelWeightsSupported(**awq, 2);
-  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << status;
-  EXPECT_NE(status.message().find("down_proj into parts of 80, not whole quantisation groups "
-                                  "of 32"),
-            std::string::npos)
-      << status;
-}
+INSTANTIATE_TEST_SUITE_P(
+    QuantsAndDegrees, QuantizedTensorParallelTest,
+    ::testing::Combine(::testing::Values(QuantizedTpCase{"int8", "int8"},
+                                         QuantizedTpCase{"awq", "awq"},
+                                         QuantizedTpCase{"gptq", "gptq"},
+                                         QuantizedTpCase{"awq_cut_groups", "awq", 32},
+                                         QuantizedTpCase{"gptq_act_order", "gptq", 32, true}),
+                       ::testing::Values(2, 4)),
+    [](const auto& info) {
+      return absl::StrCat(std::get<0>(info.param).name, "_tp", std::get<1>(info.param));
+    });
 
 TEST(TensorParallelShardTest, SplitsOrReplicatesKvHeads) {
   text::ModelConfig c;

@@ -65,7 +65,7 @@ class CpuPackedWeight final : public PackedWeight {
         data_(std::move(data)),
         scales_(std::move(scales)),
         zeros_(std::move(zeros)),
-        group_size_(w.group_size) {
+        group_starts_(GroupStarts(w)) {
     if (w.k_order != nullptr) k_order_.assign(w.k_order, w.k_order + w.k);
   }
 
@@ -76,7 +76,10 @@ class CpuPackedWeight final : public PackedWeight {
   const float* scales() const { return scales_.get(); }
   const float* zeros() const { return zeros_.get(); }
   const int32_t* k_order() const { return k_order_.empty() ? nullptr : k_order_.data(); }
-  int group_size() const { return group_size_; }
+  const int32_t* group_starts() const { return group_starts_.data(); }
+  int groups() const {
+    return group_starts_.empty() ? 0 : static_cast<int>(group_starts_.size()) - 1;
+  }
 
  private:
   const CpuKernelTable* table_;  // static storage
@@ -84,7 +87,7 @@ class CpuPackedWeight final : public PackedWeight {
   AlignedFloats scales_;  // quantised only
   AlignedFloats zeros_;   // int4 only
   std::vector<int32_t> k_order_;
-  int group_size_ = 0;
+  std::vector<int32_t> group_starts_;  // quantised only
 };
 
 // Copies W[n, k] of T into panels [ceil(n / width)][k][width], zero past n.
@@ -210,7 +213,8 @@ class CpuBackend final : public Backend {
                              .scales = packed.scales(),
                              .zeros = packed.zeros(),
                              .k_order = packed.k_order(),
-                             .group_size = packed.group_size(),
+                             .group_starts = packed.group_starts(),
+                             .groups = packed.groups(),
                              .bias = bias,
                              .y = y,
                              .m = m,

@@ -262,6 +262,39 @@ TEST_P(CpuBackendTest, RopeMatchesReference) {
   }
 }
 
+// Groups of unequal size must cover k in order, each non-empty, and only int4 has them.
+TEST(QuantizedWeightViewTest, GroupBoundsAreChecked) {
+  const std::vector<int8_t> values(2 * 10, 3);
+  const std::vector<float> scales(2 * 3, 0.5f);
+  const std::vector<int8_t> zeros(2 * 3, 8);
+  auto view = [&](const std::vector<int32_t>& starts) {
+    return QuantizedWeightView{.quant = WeightQuant::kInt4,
+                               .n = 2,
+                               .k = 10,
+                               .group_size = 4,
+                               .values = values.data(),
+                               .scales = scales.data(),
+                               .zeros = zeros.data(),
+                               .group_starts = starts.data(),
+                               .num_groups = static_cast<int>(starts.size()) - 1};
+  };
+  const std::vector<int32_t> good = {0, 3, 4, 10};
+  EXPECT_TRUE(ValidateQuantizedWeight(view(good)).ok()) << ValidateQuantizedWeight(view(good));
+  EXPECT_EQ(GroupStarts(view(good)), good);
+  // (q - zero) * scale, each column by its own group's entry.
+  const std::vector<float> w = DequantizeWeight(view(good));
+  for (float v : w) EXPECT_EQ(v, (3 - 8) * 0.5f);
+  for (const std::vector<int32_t>& bad :
+       std::vector<std::vector<int32_t>>{{0, 3, 3, 10}, {1, 3, 4, 10}, {0, 3, 4, 9}, {0, 5, 4, 10}}) {
+    const absl::Status status = ValidateQuantizedWeight(view(bad));
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad[1] << " " << bad[2];
+  }
+  QuantizedWeightView int8 = view(good);
+  int8.quant = WeightQuant::kInt8;
+  int8.zeros = nullptr;
+  EXPECT_FALSE(ValidateQuantizedWeight(int8).ok());
+}
+
 TEST(RopeInverseFrequenciesTest, MatchesThetaFormula) {
   const std::vector<float> inv = RopeInverseFrequencies({.head_dim = 64, .theta = 10000.0f});
   ASSERT_EQ(inv.size(), 32u);

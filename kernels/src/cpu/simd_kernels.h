@@ -24,17 +24,19 @@ namespace tandem::kernels::cpu {
 // Quantised W (quant != kNone) keeps its integers in the panels, widened and scaled in
 // registers: kInt8 as int8 [panels][k][panel_width]; kInt4 as bytes [panels][k][panel_width / 2]
 // whose byte c holds column c in its low nibble and column c + panel_width / 2 in its high one.
-// Per panel, `scales` and (kInt4) `zeros` hold [k / group_size][panel_width] floats, and column
-// kk of the panels is input feature k_order[kk] of x (k_order null: kk).
+// Per panel, `scales` and (kInt4) `zeros` hold [groups][panel_width] floats, group g covering
+// columns [group_starts[g], group_starts[g + 1]), and column kk of the panels is input feature
+// k_order[kk] of x (k_order null: kk).
 struct GemmArgs {
   const float* x = nullptr;     // [m, k]
   const void* w = nullptr;      // [ceil(n / panel_width), k, panel_width] of w_dtype
   DType w_dtype = DType::kF32;
   WeightQuant quant = WeightQuant::kNone;
-  const float* scales = nullptr;     // [ceil(n / panel_width), k / group_size, panel_width]
+  const float* scales = nullptr;     // [ceil(n / panel_width), groups, panel_width]
   const float* zeros = nullptr;      // kInt4: as scales; else null
   const int32_t* k_order = nullptr;  // [k] or null
-  int group_size = 0;
+  const int32_t* group_starts = nullptr;  // quantised: [groups + 1], from 0 to k
+  int groups = 0;
 
   const float* bias = nullptr;  // [n] or null
   float* y = nullptr;           // [m, n]

@@ -50,33 +50,44 @@ class CudaPackedWeight final : public PackedWeight {
   CudaPackedWeight(int n, int k, DType dtype, DeviceArray<unsigned char> data)
       : PackedWeight(n, k, dtype), data_(std::move(data)) {}
   // A quantised weight: `data` holds the values, `scales` the scales then (int4) the zeros,
-  // `k_order` the column order (or nothing); see cuda::DeviceQuantizedWeight.
+  // `columns` the column order then (groups of unequal size) each column's group, or either or
+  // nothing; see cuda::DeviceQuantizedWeight.
   CudaPackedWeight(const QuantizedWeightView& w, DeviceArray<unsigned char> data,
-                   DeviceArray<float> scales, DeviceArray<int32_t> k_order)
+                   DeviceArray<float> scales, DeviceArray<int32_t> columns)
       : PackedWeight(w.n, w.k, DType::kI8, w.quant),
         data_(std::move(data)),
         scales_(std::move(scales)),
-        k_order_(std::move(k_order)),
-        group_size_(w.group_size) {}
+        columns_(std::move(columns)),
+        group_size_(w.group_size),
+        groups_(w.groups()),
+        has_k_order_(w.k_order != nullptr),
+        has_column_group_(w.group_starts != nullptr) {}
   const void* data() const { return data_.get(); }  // [n, k] of dtype(), device, row-major
 
   cuda::DeviceQuantizedWeight quantized() const {
-    const int64_t group_entries = int64_t{n()} * (k() / group_size_);
+    const int64_t group_entries = int64_t{n()} * groups_;
+    const int32_t* column_group =
+        has_column_group_ ? columns_.get() + (has_k_order_ ? k() : 0) : nullptr;
     return {.quant = quant(),
             .n = n(),
             .k = k(),
             .group_size = group_size_,
+            .groups = groups_,
             .values = data_.get(),
             .scales = scales_.get(),
             .zeros = quant() == WeightQuant::kInt4 ? scales_.get() + group_entries : nullptr,
-            .k_order = k_order_.get()};
+            .k_order = has_k_order_ ? columns_.get() : nullptr,
+            .column_group = column_group};
   }
 
  private:
   DeviceArray<unsigned char> data_;
   DeviceArray<float> scales_;
-  DeviceArray<int32_t> k_order_;
+  DeviceArray<int32_t> columns_;
   int group_size_ = 0;
+  int groups_ = 0;
+  bool has_k_order_ = false;
+  bool has_column_group_ = false;
 };
 
 class CudaBackendImpl final : public CudaBackend {
@@ -166,29 +177,39 @@ class CudaBackendImpl final : public CudaBackend {
     if (int4) {
       for (int64_t i = 0; i < group_entries; ++i) scales.push_back(w.zeros[i]);
     }
+    // The column order, then each column's group when the groups are of unequal size.
+    std::vector<int32_t> columns;
+    if (w.k_order != nullptr) columns.assign(w.k_order, w.k_order + w.k);
+    if (w.group_starts != nullptr) {
+      for (int g = 0; g < w.num_groups; ++g) {
+        columns.insert(columns.end(), w.group_starts[g + 1] - w.group_starts[g], g);
+      }
+    }
     auto d_values = DeviceAlloc<unsigned char>(static_cast<int64_t>(values.size()));
     auto d_scales = DeviceAlloc<float>(static_cast<int64_t>(scales.size()));
-    auto d_order = DeviceAlloc<int32_t>(w.k_order != nullptr ? w.k : 0);
+    auto d_columns = DeviceAlloc<int32_t>(static_cast<int64_t>(columns.size()));
     if (!d_values.ok()) return failed(d_values.status());
     if (!d_scales.ok()) return failed(d_scales.status());
-    if (!d_order.ok()) return failed(d_order.status());
+    if (!d_columns.ok()) return failed(d_columns.status());
     Keep(CudaStatus(cudaMemcpyAsync(d_values->get(), values.data(), values.size(),
                                     cudaMemcpyHostToDevice, stream_.get()),
                     "PackQuantizedWeight upload"));
     Keep(CudaStatus(cudaMemcpyAsync(d_scales->get(), scales.data(), scales.size() * sizeof(float),
                                     cudaMemcpyHostToDevice, stream_.get()),
                     "PackQuantizedWeight upload"));
-    DeviceArray<int32_t> order;
-    if (w.k_order != nullptr) {
-      Keep(CudaStatus(cudaMemcpyAsync(d_order->get(), w.k_order, sizeof(int32_t) * w.k,
-                                      cudaMemcpyHostToDevice, stream_.get()),
+    DeviceArray<int32_t> column_data;
+    if (!columns.empty()) {
+      Keep(CudaStatus(cudaMemcpyAsync(d_columns->get(), columns.data(),
+                                      sizeof(int32_t) * columns.size(), cudaMemcpyHostToDevice,
+                                      stream_.get()),
                       "PackQuantizedWeight upload"));
-      order = std::move(d_order).value();
+      column_data = std::move(d_columns).value();
     }
     // The staging vectors (and the caller's arrays) may go once this returns.
     Keep(CudaStatus(cudaStreamSynchronize(stream_.get()), "PackQuantizedWeight upload"));
     return std::make_unique<CudaPackedWeight>(w, std::move(d_values).value(),
-                                              std::move(d_scales).value(), std::move(order));
+                                              std::move(d_scales).value(),
+                                              std::move(column_data));
   }
 
   bool LinearRoundsX(int m, DType w_dtype) const override {

@@ -10,8 +10,8 @@ constexpr int kRows = 4;   // rows of x per block
 // The dequantised element (row, column j of the stored order) of W.
 template <WeightQuant kQuant>
 __device__ __forceinline__ float Dequantize(const DeviceQuantizedWeight& w, int64_t row, int j) {
-  const int groups = w.k / w.group_size;
-  const int g = j / w.group_size;
+  const int groups = w.groups;
+  const int g = w.column_group != nullptr ? w.column_group[j] : j / w.group_size;
   const float scale = w.scales[row * groups + g];
   if constexpr (kQuant == WeightQuant::kInt8) {
     return static_cast<float>(static_cast<int8_t>(w.values[row * w.k + j])) * scale;

@@ -16,13 +16,17 @@ struct DeviceQuantizedWeight {
   WeightQuant quant = WeightQuant::kInt8;
   int n = 0;
   int k = 0;
-  int group_size = 0;
+  int group_size = 0;  // ignored when column_group is set
+  int groups = 0;
   // kInt8: int8 [n, k]. kInt4: bytes [n, k / 2], byte j holding column 2j in its low nibble and
-  // column 2j + 1 in its high one (k is even: groups of an even size divide it).
+  // column 2j + 1 in its high one (k is even).
   const uint8_t* values = nullptr;
-  const float* scales = nullptr;     // [n, k / group_size]
-  const float* zeros = nullptr;      // kInt4: [n, k / group_size]; kInt8: null
+  const float* scales = nullptr;     // [n, groups]
+  const float* zeros = nullptr;      // kInt4: [n, groups]; kInt8: null
   const int32_t* k_order = nullptr;  // [k] or null
+  // [k]: the group of each column, for groups of unequal size (QuantizedWeightView's
+  // group_starts); null: column j is in group j / group_size.
+  const int32_t* column_group = nullptr;
 };
 
 // y[m, n] = x[m, k] * dequantised(W)^T (+ bias[n] when not null), each product of

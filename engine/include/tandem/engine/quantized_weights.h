@@ -27,6 +27,7 @@ struct QuantizedMatrix {
   std::vector<float> scales;     // [n, k / group_size]
   std::vector<int8_t> zeros;     // int4: [n, k / group_size]; int8: empty
   std::vector<int32_t> k_order;  // empty, or [k]
+  std::vector<int32_t> group_starts;  // empty (groups of group_size), or [groups + 1]
 
   kernels::QuantizedWeightView view() const;
 };
@@ -44,9 +45,11 @@ absl::StatusOr<QuantizedMatrix> StackRows(std::vector<QuantizedMatrix> parts);
 // A tensor-parallel rank's part of a layer: its output rows [begin, begin + count) (a
 // column-parallel projection), with their scales and zero points.
 QuantizedMatrix SliceQuantizedRows(const QuantizedMatrix& m, int begin, int count);
-// Its inputs [begin, begin + count) (a row-parallel projection): whole groups of the layer's
-// scales (int8's one scale per row is kept). InvalidArgument when the inputs cut a group;
-// Unimplemented for an act-order layer (its groups are scattered over the inputs).
+// Its inputs [begin, begin + count) (a row-parallel projection), in the layer's stored column
+// order: each group's part in the slice keeps that group's scales and zero points, so a slice
+// that cuts groups (or takes the scattered inputs of act-order groups) has groups of unequal
+// size (group_starts); int8's one scale per row is kept. InvalidArgument for inputs outside the
+// layer.
 absl::StatusOr<QuantizedMatrix> SliceQuantizedCols(const QuantizedMatrix& m, int begin,
                                                    int count);
 

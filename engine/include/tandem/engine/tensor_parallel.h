@@ -47,17 +47,12 @@ struct TensorParallelShard {
                                                  int size);
 };
 
-// Whether the checkpoint in `model_dir` can be split over `size` ranks: the shapes divide
-// (TensorParallelShard::For) and its quantised weights split (TensorParallelWeightsSupported).
-// A launcher checks this before it starts any rank, so a refusal is said once.
+// Whether the checkpoint in `model_dir` can be split over `size` ranks: its shapes divide
+// (TensorParallelShard::For). Quantised weights always split, as unpacked: a rank's output rows
+// with their scales (column-parallel), or its inputs with their groups' scales, groups cut by
+// the split or scattered by act order included (row-parallel; see SliceQuantizedCols). A
+// launcher checks this before it starts any rank, so a refusal is said once.
 absl::Status CheckTensorParallelModel(const std::string& model_dir, int size);
-
-class Checkpoint;
-// Quantised weights are split as unpacked: a rank's output rows with their scales
-// (column-parallel), or its inputs as whole groups (row-parallel; int8 keeps its per-row scale).
-// Unimplemented for act-order (desc_act) checkpoints; InvalidArgument when a rank's inputs of
-// o_proj or down_proj are not whole groups.
-absl::Status TensorParallelWeightsSupported(const Checkpoint& checkpoint, int size);
 
 // The KV heads each rank of a group of `size` holds (the model's own count when size is 1).
 int KvHeadsPerRank(const text::ModelConfig& config, int size);

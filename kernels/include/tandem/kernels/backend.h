@@ -92,7 +92,10 @@ enum class WeightQuant {
 // the caller); the engine converts each checkpoint layout (compressed-tensors int8, AWQ, GPTQ)
 // to it. Column j of `values` holds input feature k_order[j] (k_order null: feature j), so a
 // GPTQ act-order matrix, whose groups are scattered over the inputs, has each group's columns
-// side by side: group g is columns [g * group_size, (g + 1) * group_size).
+// side by side: group g is columns [g * group_size, (g + 1) * group_size). A tensor-parallel
+// rank's share of the inputs of such a layer holds its part of each group, of any size: then
+// `group_starts` gives the groups' bounds instead, group g being columns
+// [group_starts[g], group_starts[g + 1]).
 struct QuantizedWeightView {
   WeightQuant quant = WeightQuant::kInt8;
   int n = 0;
@@ -102,9 +105,20 @@ struct QuantizedWeightView {
   const float* scales = nullptr;     // [n, k / group_size]
   const int8_t* zeros = nullptr;     // kInt4: [n, k / group_size], 0..16; kInt8: null
   const int32_t* k_order = nullptr;  // [k], a permutation of 0..k-1, or null
+  // kInt4 only: [num_groups + 1], 0 = group_starts[0] < ... < group_starts[num_groups] = k, or
+  // null (groups of group_size, which is then ignored).
+  const int32_t* group_starts = nullptr;
+  int num_groups = 0;
 
-  int groups() const { return group_size > 0 ? k / group_size : 0; }
+  int groups() const {
+    if (group_starts != nullptr) return num_groups;
+    return group_size > 0 ? k / group_size : 0;
+  }
 };
+
+// The first column of each group of `w` and then k: [groups() + 1] (w.group_starts' values, or
+// multiples of w.group_size).
+std::vector<int32_t> GroupStarts(const QuantizedWeightView& w);
 
 // Checks a QuantizedWeightView's shape, group size, value ranges and k_order.
 absl::Status ValidateQuantizedWeight(const QuantizedWeightView& w);
