@@ -61,6 +61,15 @@ struct PagedAttentionParams {
   // ceil(longest context / partition_tokens).
   int max_partitions = 0;
   float scale = 1.0f;
+  // Rows for the tensor-core prefill kernel (flash_attention.cuh): flash_tiles tiles of up to
+  // kFlashTileRows rows of one sequence, sequence s's starting at flash_tile_start[s]
+  // ([num_seqs + 1], a prefix sum; 0 tiles for sequences it does not serve). 0: none.
+  const int32_t* flash_tile_start = nullptr;
+  int flash_tiles = 0;
+  // Rows for the split-KV kernels: split_rows of them, the i-th being token split_row_ids[i]
+  // (split_row_ids null: token i); split_rows < 0 means all num_tokens rows.
+  const int32_t* split_row_ids = nullptr;
+  int split_rows = -1;
 };
 
 // Floats of merge workspace a call with these sizes needs (0 when max_partitions == 1).
