@@ -9,7 +9,8 @@
 //   PagedAttention decode (one query row per sequence), 32 query heads over 8 KV heads (GQA
 //                 4:1), head_dim 128, bf16 KV in 16-token blocks scattered over the cache;
 //                 GB/s counts the K and V bytes read. And one causal 4096-token prefill in one
-//                 call (TFLOP/s of the causal half of 4 T^2 d heads).
+//                 call on the tensor-core prefill kernel (TFLOP/s of the causal half of
+//                 4 T^2 d heads).
 //
 // Each figure is the median of three trials, a trial being the mean over a burst of calls
 // queued back to back and then synchronised (launch gaps included, as a decode step has them).

@@ -746,10 +746,63 @@ class PagedAttentionCase : public OpCase {
     ASSERT_TRUE(h.ok());
     h.backend().PagedAttention(d_q, d_cache, layout, batch, num_heads, scale, d_out);
     if (!h.Finish()) return;
+
+    // Sequences whose q (and softmax weights) the backend rounds to the cache's type (the CUDA
+    // backend's tensor-core prefill): the reference reads the same rounded q, and the
+    // weights' rounding is what RoundedAttentionTolerance allows for.
+    const int64_t row_floats = int64_t{num_heads} * head_dim_;
+    std::vector<float> q_read = q;
+    std::vector<bool> rounded(query_start.back(), false);
+    for (size_t s = 0; s < seqs_.size(); ++s) {
+      if (!h.backend().PagedAttentionRoundsQ(dtype_, head_dim_, seqs_[s].q_len)) continue;
+      for (int r = query_start[s]; r < query_start[s + 1]; ++r) {
+        rounded[r] = true;
+        const std::vector<float> row(q.begin() + r * row_floats, q.begin() + (r + 1) * row_floats);
+        const std::vector<unsigned char> bytes = Encode(row, dtype_);
+        for (int64_t i = 0; i < row_floats; ++i) {
+          q_read[r * row_floats + i] = LoadAsFloat(bytes.data(), dtype_, i);
+        }
+      }
+    }
     std::vector<float> expected(q.size());
-    reference::PagedAttention(q.data(), stored.data(), layout, batch, num_heads, scale,
+    reference::PagedAttention(q_read.data(), stored.data(), layout, batch, num_heads, scale,
                               expected.data());
-    ExpectClose("out", h.Result(d_out), expected, tolerance(), 0.05);
+    const std::vector<float> actual = h.Result(d_out);
+    // Rows computed exactly: relative to |expected| + 0.05, as every other backend. Rounded
+    // rows: relative to the largest |V| (the scale of the weights' rounding error).
+    std::vector<float> exact_got, exact_want, rounded_got, rounded_want;
+    for (int r = 0; r < query_start.back(); ++r) {
+      auto& got = rounded[r] ? rounded_got : exact_got;
+      auto& want = rounded[r] ? rounded_want : exact_want;
+      got.insert(got.end(), actual.begin() + r * row_floats, actual.begin() + (r + 1) * row_floats);
+      want.insert(want.end(), expected.begin() + r * row_floats,
+                  expected.begin() + (r + 1) * row_floats);
+    }
+    if (!exact_got.empty()) ExpectClose("out", exact_got, exact_want, tolerance(), 0.05);
+    if (!rounded_got.empty()) {
+      double max_v = 0.0;
+      for (int64_t i = layout.HalfElements(); i < layout.LayerElements(); ++i) {
+        const double v = std::abs(LoadAsFloat(stored.data(), dtype_, i) * layout.v_scale);
+        if (std::isfinite(v)) max_v = std::max(max_v, v);
+      }
+      ExpectMatches("out (q and weights rounded)", rounded_got, rounded_want,
+                    std::vector<double>(rounded_got.size(), max_v), RoundedAttentionTolerance());
+    }
+  }
+
+  // The error bound of an attention row whose softmax weights p_k are rounded to the cache's
+  // 16-bit type (relative error at most u: 2^-8 for bf16, 2^-11 for fp16) in both the weighted
+  // sum and the denominator: with p~_k = p_k (1 + d_k), the output sum_k p~_k v_k / sum_k p~_k
+  // differs from the exact one by sum_k w_k v_k (d_k - d) / (1 + d), w_k = p_k / sum p and
+  // d = sum_k w_k d_k, so by at most 2 u / (1 - u) max |V|. fp16 weights below 2^-14 are
+  // subnormal (absolute error up to 2^-25 each; sum p >= 1 as the largest weight is exp(0)),
+  // adding at most 2 n 2^-25 max |V| over n keys: under 7e-5 for the 1100 keys of these cases.
+  // fp32 arithmetic (scores, exp2, sums) adds ~1e-6. Allowed: 2.5 u, i.e. 0.0098 (bf16) and
+  // 0.0012 (fp16) of max |V|; a key masked wrongly on a short row, or a misplaced element,
+  // moves an output by a sizeable fraction of |V| (the prompts include rows of 1 and 2 keys).
+  double RoundedAttentionTolerance() const {
+    const double u = dtype_ == DType::kBF16 ? 1.0 / 256 : 1.0 / 2048;
+    return 2.5 * u;
   }
 
  private:
@@ -1011,6 +1064,35 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
     add(PagedAttentionCase(64, 1, 4, 64, decode_batches[3], kAttentionTolerance, dtype));
     add(PagedAttentionCase(128, 2, 2, 16, prefill_batches[1], kAttentionTolerance, dtype));
     add(PagedAttentionCase(80, 1, 3, 8, prefill_batches[2], kAttentionTolerance, dtype));
+  }
+
+  // The CUDA backend's tensor-core prefill (sequences of 16 or more rows over bf16 and fp16
+  // caches at head_dim 64 and 128; PagedAttentionRoundsQ): whole prompts of 1 (decode kernels),
+  // 63, 64 and 65 rows (its 64-row query tiles and 64-key tiles), 200; a chunk of 100 rows
+  // after 200 tokens of earlier context; and one call mixing both kernels: prompts around a
+  // tile, a decode row, 15 rows (split-KV) next to 16 (tensor cores), a chunk with context past
+  // 1024 keys. GQA 1:1 and 4:1, pages of 16 and 32 keys.
+  const std::vector<std::vector<AttentionSeq>> tensor_core_batches = {
+      {{1, 1}},
+      {{63, 63}},
+      {{64, 64}},
+      {{65, 65}},
+      {{200, 200}},
+      {{100, 300}},
+      {{65, 65}, {1, 90}, {100, 300}, {15, 40}, {16, 16}, {200, 200}, {64, 1100}},
+  };
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    for (const AttentionShape& s : std::vector<AttentionShape>{
+             {64, 2, 1, 16},
+             {128, 2, 4, 32},
+             {128, 1, 1, 16},
+             {64, 1, 4, 32},
+         }) {
+      for (const std::vector<AttentionSeq>& seqs : tensor_core_batches) {
+        add(PagedAttentionCase(s.head_dim, s.kv_heads, s.group, s.block_size, seqs,
+                               kAttentionTolerance, dtype));
+      }
+    }
   }
 
   add(GatherAddCase(40, 33, 5));

@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/src/cuda/dispatch.cuh"
 #include "kernels/src/cuda/embedding.cuh"
+#include "kernels/src/cuda/flash_attention.cuh"
 #include "kernels/src/cuda/gather_add.cuh"
 #include "kernels/src/cuda/kv_write.cuh"
 #include "kernels/src/cuda/linear.cuh"
@@ -25,6 +26,17 @@ namespace tandem::kernels {
 namespace {
 
 using cuda::CudaStatus;
+
+// Ints of PagedAttention metadata a backend with these bounds uploads at most: query_start
+// (max_seqs + 1), context_len (max_seqs), block_table (max_seqs x max_blocks_per_seq), the
+// tensor-core kernel's tile starts (max_seqs + 1) and the split-KV kernels' row list, which is
+// uploaded only when a call mixes both kernels and then holds rows of sequences shorter than
+// kFlashMinRows (at most kFlashMinRows - 1 per sequence).
+int64_t MetadataInts(const CudaBackendOptions& options) {
+  const int64_t seqs = options.max_seqs;
+  return (seqs + 1) + seqs + seqs * options.max_blocks_per_seq + (seqs + 1) +
+         seqs * (cuda::kFlashMinRows - 1);
+}
 
 struct DeviceFree {
   void operator()(void* p) const { cudaFree(p); }
@@ -212,6 +224,10 @@ class CudaBackendImpl final : public CudaBackend {
                                               std::move(column_data));
   }
 
+  bool PagedAttentionRoundsQ(DType cache_dtype, int head_dim, int q_len) const override {
+    return q_len >= cuda::kFlashMinRows && cuda::FlashPrefillHasKernel(cache_dtype, head_dim);
+  }
+
   bool LinearRoundsX(int m, DType w_dtype) const override {
     return m > cuda::kGemvMaxRows && (w_dtype == DType::kBF16 || w_dtype == DType::kF16);
   }
@@ -303,10 +319,7 @@ class CudaBackendImpl final : public CudaBackend {
   void FreeBytes(void* data) override { cudaFree(data); }
 
  private:
-  int64_t MetadataInts() const {
-    return 2 * int64_t{options_.max_seqs} + 1 +
-           int64_t{options_.max_seqs} * options_.max_blocks_per_seq;
-  }
+  int64_t MetadataInts() const { return kernels::MetadataInts(options_); }
 
   void Keep(absl::Status status) {
     if (status_.ok()) status_ = std::move(status);
@@ -323,14 +336,61 @@ class CudaBackendImpl final : public CudaBackend {
                        " blocks exceeds CudaBackendOptions (", options_.max_seqs, " x ",
                        options_.max_blocks_per_seq, ")"));
     }
+    cuda::PagedAttentionParams p;
+    p.q = q;
+    const bool fp8 = DTypeSize(layout.dtype) == 1;
+    p.k_cache = layer_cache;
+    p.v_cache = static_cast<const unsigned char*>(layer_cache) + layout.HalfBytes();
+    p.cache_dtype = layout.dtype;
+    p.k_scale = fp8 ? layout.k_scale : 1.0f;
+    p.v_scale = fp8 ? layout.v_scale : 1.0f;
+    p.out = out;
+    p.num_seqs = n;
+    p.num_tokens = batch.query_start[n];
+    p.num_heads = num_heads;
+    p.num_kv_heads = layout.num_kv_heads;
+    p.head_dim = layout.head_dim;
+    p.block_size = layout.block_size;
+    p.max_blocks_per_seq = batch.max_blocks_per_seq;
+    p.scale = scale;
+
+    // Which kernel takes which sequence: those of at least kFlashMinRows query rows the
+    // tensor-core prefill kernel when it has one for this cache (PagedAttentionRoundsQ says so
+    // to callers), the rest (decode rows) the split-KV kernels.
+    const bool flash = cuda::FlashPrefillSupports(p);
+    tile_start_.assign(1, 0);
+    split_row_ids_.clear();
+    int split_max_context = 1;
+    bool any_split = false;
+    for (int s = 0; s < n; ++s) {
+      const int q_len = batch.query_start[s + 1] - batch.query_start[s];
+      int tiles = 0;
+      if (flash && q_len >= cuda::kFlashMinRows) {
+        tiles = (q_len + cuda::kFlashTileRows - 1) / cuda::kFlashTileRows;
+      } else if (q_len > 0) {
+        any_split = true;
+        split_max_context = std::max(split_max_context, batch.context_len[s]);
+        for (int r = batch.query_start[s]; r < batch.query_start[s + 1]; ++r) {
+          split_row_ids_.push_back(r);
+        }
+      }
+      tile_start_.push_back(tile_start_.back() + tiles);
+    }
+    p.flash_tiles = tile_start_.back();
+    // All rows split-KV: no row list (the kernels take every row); a mix: the list.
+    const bool mixed = p.flash_tiles > 0 && any_split;
+    p.split_rows = p.flash_tiles == 0 ? -1 : static_cast<int>(split_row_ids_.size());
+    const int split_count = p.split_rows < 0 ? p.num_tokens : p.split_rows;
+
     // Plan on the host: the metadata goes up in one copy, laid out
-    // [query_start (n + 1)][context_len (n)][block_table (n x max_blocks_per_seq)].
+    // [query_start (n + 1)][context_len (n)][block_table (n x max_blocks_per_seq)]
+    // [flash tile starts (n + 1)][split rows, only when mixed].
     const int64_t table_ints = int64_t{n} * batch.max_blocks_per_seq;
     staging_.assign(batch.query_start, batch.query_start + n + 1);
     staging_.insert(staging_.end(), batch.context_len, batch.context_len + n);
     staging_.insert(staging_.end(), batch.block_table, batch.block_table + table_ints);
-    int max_context = 1;
-    for (int s = 0; s < n; ++s) max_context = std::max(max_context, batch.context_len[s]);
+    staging_.insert(staging_.end(), tile_start_.begin(), tile_start_.end());
+    if (mixed) staging_.insert(staging_.end(), split_row_ids_.begin(), split_row_ids_.end());
     // Every layer of a step plans the same batch: upload it only when it changed. An upload
     // from pageable memory waits for the stream, so one per layer would stall the host there.
     if (staging_ != uploaded_) {
@@ -342,30 +402,17 @@ class CudaBackendImpl final : public CudaBackend {
           "PagedAttention metadata upload"));
       uploaded_ = staging_;
     }
-
-    cuda::PagedAttentionParams p;
-    p.q = q;
-    const bool fp8 = DTypeSize(layout.dtype) == 1;
-    p.k_cache = layer_cache;
-    p.v_cache = static_cast<const unsigned char*>(layer_cache) + layout.HalfBytes();
-    p.cache_dtype = layout.dtype;
-    p.k_scale = fp8 ? layout.k_scale : 1.0f;
-    p.v_scale = fp8 ? layout.v_scale : 1.0f;
     p.query_start = metadata_.get();
     p.context_len = metadata_.get() + n + 1;
     p.block_table = metadata_.get() + 2 * n + 1;
-    p.out = out;
-    p.num_seqs = n;
-    p.num_tokens = batch.query_start[n];
-    p.num_heads = num_heads;
-    p.num_kv_heads = layout.num_kv_heads;
-    p.head_dim = layout.head_dim;
-    p.block_size = layout.block_size;
-    p.max_blocks_per_seq = batch.max_blocks_per_seq;
-    // Partitions of up to kAttentionPartitionTokens keys; halved (down to the minimum) while
-    // the grid has fewer than two blocks per multiprocessor and the merge workspace allows,
-    // so that decode of a few sequences still spreads over the whole GPU.
-    auto partitions_of = [&](int tokens) { return (max_context + tokens - 1) / tokens; };
+    p.flash_tile_start = p.block_table + table_ints;
+    p.split_row_ids = mixed ? p.flash_tile_start + n + 1 : nullptr;
+
+    // Partitions of up to kAttentionPartitionTokens keys for the split-KV rows; halved (down to
+    // the minimum) while the grid has fewer than two blocks per multiprocessor and the merge
+    // workspace allows, so that decode of a few sequences still spreads over the whole GPU.
+    // The workspace is indexed by token, so it is sized for all num_tokens rows.
+    auto partitions_of = [&](int tokens) { return (split_max_context + tokens - 1) / tokens; };
     auto workspace_fits = [&](int tokens) {
       return cuda::PagedAttentionWorkspaceFloats(p.num_tokens, num_heads, layout.head_dim,
                                                  partitions_of(tokens)) *
@@ -374,7 +421,7 @@ class CudaBackendImpl final : public CudaBackend {
     };
     int partition = cuda::kAttentionPartitionTokens;
     while (partition > cuda::kAttentionMinPartitionTokens &&
-           int64_t{layout.num_kv_heads} * p.num_tokens * partitions_of(partition) <
+           int64_t{layout.num_kv_heads} * split_count * partitions_of(partition) <
                2 * int64_t{multiprocessors_} &&
            partitions_of(partition / 2) > partitions_of(partition) &&
            workspace_fits(partition / 2)) {
@@ -382,8 +429,9 @@ class CudaBackendImpl final : public CudaBackend {
     }
     p.partition_tokens = partition;
     p.max_partitions = partitions_of(partition);
-    p.scale = scale;
-    const int64_t needed = cuda::PagedAttentionWorkspaceFloats(p.num_tokens, num_heads,
+    const int64_t needed =
+        split_count == 0 ? 0
+                         : cuda::PagedAttentionWorkspaceFloats(p.num_tokens, num_heads,
                                                                layout.head_dim, p.max_partitions);
     if (needed > 0) {
       if (needed * int64_t{sizeof(float)} > options_.attention_workspace_bytes) {
@@ -406,6 +454,8 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceArray<float> workspace_;   // [attention_workspace_bytes / 4]
   std::vector<int32_t> staging_;   // host copy of the metadata, capacity MetadataInts()
   std::vector<int32_t> uploaded_;  // what metadata_ holds now
+  std::vector<int32_t> tile_start_;     // host plan: tensor-core tiles per sequence (prefix)
+  std::vector<int32_t> split_row_ids_;  // host plan: rows of the split-KV kernels
   DeviceArray<unsigned char> x16_;  // [x16_bytes_]: Linear's x rounded to 16 bits (prefill)
   int64_t x16_bytes_ = 0;
   int multiprocessors_ = 1;
@@ -458,8 +508,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackend
   TANDEM_ASSIGN_OR_RETURN(cuda::CublasHandle cublas, cuda::CreateCublasHandle(raw_stream));
   TANDEM_ASSIGN_OR_RETURN(
       DeviceArray<int32_t> metadata,
-      DeviceAlloc<int32_t>(2 * int64_t{options.max_seqs} + 1 +
-                           int64_t{options.max_seqs} * options.max_blocks_per_seq));
+      DeviceAlloc<int32_t>(MetadataInts(options)));
   TANDEM_ASSIGN_OR_RETURN(DeviceArray<float> workspace,
                           DeviceAlloc<float>(options.attention_workspace_bytes / 4));
   return std::make_unique<CudaBackendImpl>(options, multiprocessors, std::move(stream),

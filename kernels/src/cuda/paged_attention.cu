@@ -1,5 +1,6 @@
 #include "kernels/src/cuda/dispatch.cuh"
 #include "kernels/src/cuda/element_types.cuh"
+#include "kernels/src/cuda/flash_attention.cuh"
 #include "kernels/src/cuda/paged_attention.cuh"
 #include "kernels/src/cuda/reduce.cuh"
 
@@ -41,7 +42,12 @@ __device__ __forceinline__ int64_t KvOffset(const PagedAttentionParams& p, const
   return (slot * p.num_kv_heads + kv_head) * head_dim;
 }
 
-// What a partition block of grid (max_partitions, num_kv_heads, num_tokens) covers: keys
+// The query row (token) of the i-th split-KV row of the call.
+__device__ __forceinline__ int SplitRow(const PagedAttentionParams& p, int i) {
+  return p.split_row_ids != nullptr ? p.split_row_ids[i] : i;
+}
+
+// What a partition block of grid (max_partitions, num_kv_heads, split rows) covers: keys
 // [begin, begin + n) of its row's visible prefix (n <= 0: the row is shorter, nothing to do),
 // for the `group` query heads of KV head kv_head; its logit rows are `stride` floats apart.
 struct PartitionSpan {
@@ -53,7 +59,7 @@ __device__ __forceinline__ PartitionSpan ThisPartition(const PagedAttentionParam
   PartitionSpan s;
   s.partition = blockIdx.x;
   s.kv_head = blockIdx.y;
-  s.token = blockIdx.z;
+  s.token = SplitRow(p, blockIdx.z);
   s.row = FindRow(p, s.token);
   s.stride = PagedAttentionLogitStride(p.partition_tokens);
   s.begin = s.partition * p.partition_tokens;
@@ -98,7 +104,7 @@ __device__ __forceinline__ void PartitionSoftmax(float* logits, int stride, int 
   __syncthreads();
 }
 
-// grid (max_partitions, num_kv_heads, num_tokens), kThreads threads.
+// grid (max_partitions, num_kv_heads, split rows), kThreads threads.
 // Dynamic shared memory: group * (kHeadDim + PagedAttentionLogitStride(p)) floats. Cache: the KV
 // element type.
 template <int kHeadDim, typename Cache>
@@ -364,13 +370,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// grid (num_heads, num_tokens), kHeadDim threads: merges a row's partitions, rescaling each
+// grid (num_heads, split rows), kHeadDim threads: merges a row's partitions, rescaling each
 // by exp(its max - the overall max).
 template <int kHeadDim>
 __global__ void __launch_bounds__(kHeadDim)
     PagedAttentionMergeKernel(const PagedAttentionParams p) {
   const int h = blockIdx.x;
-  const int token = blockIdx.y;
+  const int token = SplitRow(p, blockIdx.y);
   const RowInfo row = FindRow(p, token);
   const int partitions = (row.visible + p.partition_tokens - 1) / p.partition_tokens;
   const int64_t head_row = static_cast<int64_t>(token) * p.num_heads + h;
@@ -403,8 +409,16 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
                                                    "holds at most ",
                                                    kAttentionMaxGroup));
   }
-  if (p.block_size <= 0 || p.max_partitions <= 0) {
-    return absl::InvalidArgumentError("PagedAttention: bad block_size or partition count");
+  if (p.block_size <= 0) return absl::InvalidArgumentError("PagedAttention: bad block_size");
+  // Sequences of prefill length may go to the tensor-core kernel, the rest (or everything)
+  // to the split-KV kernels below.
+  if (p.flash_tiles > 0) {
+    if (const absl::Status status = LaunchFlashPrefill(p, stream); !status.ok()) return status;
+  }
+  const int split_rows = p.split_rows < 0 ? p.num_tokens : p.split_rows;
+  if (split_rows == 0) return absl::OkStatus();
+  if (p.max_partitions <= 0) {
+    return absl::InvalidArgumentError("PagedAttention: bad partition count");
   }
   if (p.partition_tokens < kAttentionMinPartitionTokens ||
       p.partition_tokens > kAttentionPartitionTokens) {
@@ -415,7 +429,7 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
       (p.partial_out == nullptr || p.partial_max == nullptr || p.partial_sum == nullptr)) {
     return absl::InvalidArgumentError("PagedAttention: split over partitions needs workspace");
   }
-  if (p.max_partitions > 65535 || p.num_tokens > 65535 || p.num_kv_heads > 65535) {
+  if (p.max_partitions > 65535 || split_rows > 65535 || p.num_kv_heads > 65535) {
     return absl::InvalidArgumentError("PagedAttention: grid too large");
   }
   TANDEM_DISPATCH_HEAD_DIM(p.head_dim, kHeadDim, {
@@ -434,14 +448,14 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
           partition_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
       if (error != cudaSuccess) return CudaStatus(error, "PagedAttention shared memory");
     }
-    const dim3 grid(p.max_partitions, p.num_kv_heads, p.num_tokens);
+    const dim3 grid(p.max_partitions, p.num_kv_heads, split_rows);
     partition_kernel<<<grid, kThreads, shared_bytes, stream>>>(p);
     if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) {
       return CudaStatus(error, vec ? "PagedAttentionVecKernel" : "PagedAttentionPartitionKernel");
     }
     if (p.max_partitions > 1) {
       PagedAttentionMergeKernel<kHeadDim>
-          <<<dim3(p.num_heads, p.num_tokens), kHeadDim, 0, stream>>>(p);
+          <<<dim3(p.num_heads, split_rows), kHeadDim, 0, stream>>>(p);
     }
   });
   return CudaStatus(cudaGetLastError(), "PagedAttentionMergeKernel");

@@ -1,5 +1,16 @@
-// Paged attention for decode and chunked prefill, split over the KV sequence.
+// Paged attention for decode and chunked prefill.
 //
+// Which kernel serves which rows of a call (the backend plans it on the host, from the batch's
+// query lengths, with no device synchronisation):
+// - sequences of at least kFlashMinRows (16) query rows over a bf16 or fp16 cache with
+//   head_dim 64 or 128 (and 16-byte aligned q and cache): the tensor-core prefill kernel of
+//   flash_attention.cuh, which rounds q and the softmax weights to the cache's type
+//   (Backend::PagedAttentionRoundsQ);
+// - every other row (decode rows, short chunks, fp32 and fp8 caches, other head dims): the
+//   split-KV kernels below, exact on q in fp32. When a call mixes both, the split-KV kernels
+//   take a list of their rows (split_row_ids) and each kernel writes only its own rows.
+//
+// The split-KV kernels:
 // Every query row (token) attends to its visible prefix in partitions of partition_tokens keys
 // (at most kAttentionPartitionTokens; the launcher's caller picks fewer when a call has too few
 // rows x KV heads to fill the GPU): one block per (partition, KV head, row) computes a partial
@@ -61,6 +72,15 @@ struct PagedAttentionParams {
   // ceil(longest context / partition_tokens).
   int max_partitions = 0;
   float scale = 1.0f;
+  // Rows for the tensor-core prefill kernel (flash_attention.cuh): flash_tiles tiles of up to
+  // kFlashTileRows rows of one sequence, sequence s's starting at flash_tile_start[s]
+  // ([num_seqs + 1], a prefix sum; 0 tiles for sequences it does not serve). 0: none.
+  const int32_t* flash_tile_start = nullptr;
+  int flash_tiles = 0;
+  // Rows for the split-KV kernels: split_rows of them, the i-th being token split_row_ids[i]
+  // (split_row_ids null: token i); split_rows < 0 means all num_tokens rows.
+  const int32_t* split_row_ids = nullptr;
+  int split_rows = -1;
 };
 
 // Floats of merge workspace a call with these sizes needs (0 when max_partitions == 1).

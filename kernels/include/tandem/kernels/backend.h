@@ -268,9 +268,21 @@ class Backend {
   virtual void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
                        const KvLayout& layout, void* layer_cache) = 0;
 
+  // Whether PagedAttention rounds the query rows of a sequence of q_len rows, over a cache of
+  // `cache_dtype` with `head_dim`, to cache_dtype (round to nearest even) before the scores, and
+  // their softmax weights to cache_dtype before weighting V: the CUDA backend does for bf16 and
+  // fp16 caches past decode lengths, to run prefill on the tensor cores (for q, out and the
+  // cache at least 16-byte aligned, as Allocate gives them). The scores are then exact dot
+  // products of the rounded q in fp32; the weights' rounding moves each output by at most about
+  // 2 u max |V| (u = 2^-8 for bf16, 2^-11 for fp16) instead of fp32's few ulp.
+  virtual bool PagedAttentionRoundsQ(DType cache_dtype, int head_dim, int q_len) const {
+    return false;
+  }
+
   // Causal attention of q [tokens, num_heads, head_dim] over the paged cache (of layout.dtype,
   // read as fp32); grouped-query: head h reads KV head h / (num_heads / num_kv_heads).
-  // out: [tokens, num_heads, head_dim].
+  // out: [tokens, num_heads, head_dim]. Exact on q in fp32 arithmetic, except for the
+  // sequences where PagedAttentionRoundsQ says otherwise.
   virtual void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                               const PagedAttentionBatch& batch, int num_heads, float scale,
                               float* out) = 0;
