@@ -8,6 +8,7 @@
 #include "kernels/src/cuda/dispatch.cuh"
 #include "kernels/src/cuda/flash_attention.cuh"
 #include "kernels/src/cuda/mma_layout.h"
+#include "kernels/src/cuda/search.cuh"
 
 namespace tandem::kernels::cuda {
 namespace {
@@ -133,18 +134,7 @@ __global__ void __launch_bounds__(kFlashThreads) FlashPrefillKernel(const PagedA
   // not serve have no tiles, so they share their start with the next and are passed over).
   const int head = blockIdx.x;
   const int tile = p.flash_tiles - 1 - static_cast<int>(blockIdx.y);
-  int seq = 0;
-  {
-    int hi = p.num_seqs - 1;
-    while (seq < hi) {
-      const int mid = (seq + hi + 1) / 2;
-      if (p.flash_tile_start[mid] <= tile) {
-        seq = mid;
-      } else {
-        hi = mid - 1;
-      }
-    }
-  }
+  const int seq = LastAtMost(p.flash_tile_start, p.num_seqs, tile);
   const int q_begin = p.query_start[seq];
   const int q_len = p.query_start[seq + 1] - q_begin;
   const int row0 = (tile - p.flash_tile_start[seq]) * kFlashTileRows;  // within the sequence

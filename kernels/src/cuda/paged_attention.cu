@@ -3,6 +3,7 @@
 #include "kernels/src/cuda/flash_attention.cuh"
 #include "kernels/src/cuda/paged_attention.cuh"
 #include "kernels/src/cuda/reduce.cuh"
+#include "kernels/src/cuda/search.cuh"
 
 namespace tandem::kernels::cuda {
 namespace {
@@ -17,17 +18,7 @@ struct RowInfo {
 };
 
 __device__ RowInfo FindRow(const PagedAttentionParams& p, int token) {
-  // Largest s with query_start[s] <= token.
-  int lo = 0;
-  int hi = p.num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (p.query_start[mid] <= token) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
+  const int lo = LastAtMost(p.query_start, p.num_seqs, token);
   const int q_len = p.query_start[lo + 1] - p.query_start[lo];
   const int row = token - p.query_start[lo];
   return {lo, p.context_len[lo] - q_len + row + 1};
