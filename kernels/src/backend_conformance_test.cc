@@ -1048,6 +1048,8 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
            {128, 2, 4, 16},
            {128, 1, 8, 32},
            {64, 1, 16, 16},  // past the CUDA backend's wide-load kernel (groups of up to 8)
+           {64, 2, 3, 16},   // groups the CUDA wide-load kernel rounds up to 4 and 8 heads
+           {128, 1, 6, 16},
            {80, 1, 3, 8},    // not a power of two: the CPU backend only
        }) {
     for (const auto* batches : {&decode_batches, &prefill_batches}) {

@@ -231,9 +231,11 @@ struct alignas(sizeof(Cache) * kVecElems) CacheVec {
 // are issued before the first is used. Scores reduce over the lanes of a key with shuffles;
 // the weighted sum of V accumulates per lane in registers and is reduced over the block once.
 // Dynamic shared memory: group * (kHeadDim + stride) + kWarps * group * kHeadDim floats.
-template <int kHeadDim, typename Cache>
+// kGroup: the group rounded up to a power of two (the registers its accumulators take).
+template <int kHeadDim, typename Cache, int kGroup>
 __global__ void __launch_bounds__(kThreads)
     PagedAttentionVecKernel(const PagedAttentionParams p) {
+  static_assert(kGroup <= kVecMaxGroup);
   constexpr int kLanesPerKey = kHeadDim / kVecElems;
   constexpr int kKeysPerWarp = 32 / kLanesPerKey;
   constexpr int kKeysPerPass = kWarps * kKeysPerWarp;
@@ -279,7 +281,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int e = 0; e < kVecElems; ++e) kf[e] = ToFloat(raw[u].e[e]);
 #pragma unroll
-      for (int g = 0; g < kVecMaxGroup; ++g) {
+      for (int g = 0; g < kGroup; ++g) {
         if (g < group) {
           const float* qg = q_s + g * kHeadDim + sub * kVecElems;
           float dot = 0.0f;
@@ -299,7 +301,7 @@ __global__ void __launch_bounds__(kThreads)
   PartitionSoftmax(logits, stride, n, group, scratch, group_max, group_sum);
 
   // Weighted values: each lane accumulates its kVecElems dims over the keys it reads.
-  float acc[kVecMaxGroup][kVecElems] = {};
+  float acc[kGroup][kVecElems] = {};
   for (int base = warp * kKeysPerWarp; base < n; base += kKeysPerPass * kVecKeysInFlight) {
     Vec raw[kVecKeysInFlight];
 #pragma unroll
@@ -315,7 +317,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int e = 0; e < kVecElems; ++e) vf[e] = ToFloat(raw[u].e[e]);
 #pragma unroll
-        for (int g = 0; g < kVecMaxGroup; ++g) {
+        for (int g = 0; g < kGroup; ++g) {
           if (g < group) {
             const float w = logits[g * stride + j];
 #pragma unroll
@@ -327,7 +329,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   // Over the warp's key slots (lanes kLanesPerKey apart), then over the warps.
 #pragma unroll
-  for (int g = 0; g < kVecMaxGroup; ++g) {
+  for (int g = 0; g < kGroup; ++g) {
     if (g < group) {
 #pragma unroll
       for (int e = 0; e < kVecElems; ++e) {
@@ -431,8 +433,17 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
         (kHeadDim + PagedAttentionLogitStride(p.partition_tokens) + (vec ? kWarps * kHeadDim : 0));
     void (*partition_kernel)(const PagedAttentionParams) = nullptr;
     TANDEM_DISPATCH_KV_DTYPE(p.cache_dtype, Cache, {
-      partition_kernel = vec ? &PagedAttentionVecKernel<kHeadDim, Cache>
-                             : &PagedAttentionPartitionKernel<kHeadDim, Cache>;
+      if (!vec) {
+        partition_kernel = &PagedAttentionPartitionKernel<kHeadDim, Cache>;
+      } else if (group == 1) {
+        partition_kernel = &PagedAttentionVecKernel<kHeadDim, Cache, 1>;
+      } else if (group == 2) {
+        partition_kernel = &PagedAttentionVecKernel<kHeadDim, Cache, 2>;
+      } else if (group <= 4) {
+        partition_kernel = &PagedAttentionVecKernel<kHeadDim, Cache, 4>;
+      } else {
+        partition_kernel = &PagedAttentionVecKernel<kHeadDim, Cache, kVecMaxGroup>;
+      }
     });
     if (shared_bytes > 48 * 1024) {
       const cudaError_t error = cudaFuncSetAttribute(
