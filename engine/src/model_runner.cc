@@ -264,7 +264,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoin
   } else {
     runner->host_step_ints_.resize(3 * t + s);
     runner->planned_ints_ = runner->host_step_ints_.data();
-    runner->host_logits_.resize(s * c.vocab_size);
+    TANDEM_ASSIGN_OR_RETURN(runner->host_logits_,
+                            backend->AllocateHostStaging(s * c.vocab_size * sizeof(float)));
   }
   runner->query_start_.resize(options.max_num_seqs + 1);
   runner->context_len_.resize(options.max_num_seqs);
@@ -878,7 +879,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
   const float* logits = logits_.as<float>();
   if (!b.host_memory()) {
     b.CopyToHost(host_logits_.data(), logits, logit_count * sizeof(float));
-    logits = host_logits_.data();
+    logits = host_logits_.as<float>();
   }
   TANDEM_RETURN_IF_ERROR(b.Synchronize());
   return std::span<const float>(logits, logit_count);

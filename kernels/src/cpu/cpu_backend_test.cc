@@ -1,5 +1,6 @@
 // The CPU backend against the scalar reference, for every instruction set this CPU supports:
 // odd shapes, poisoned outputs, batch invariance and chunked prefill.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -260,6 +261,26 @@ TEST_P(CpuBackendTest, RopeMatchesReference) {
       EXPECT_LT(MaxRelativeError(actual, expected, 0.1), 1e-6);
     }
   }
+}
+
+// Host staging memory is host memory of the size asked for, kept across moves.
+TEST(CpuBackendMemoryTest, HostStagingIsWritableHostMemory) {
+  auto backend = CreateCpuBackend({.num_threads = 1});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  auto staging = (*backend)->AllocateHostStaging(1000 * sizeof(float));
+  ASSERT_TRUE(staging.ok()) << staging.status();
+  EXPECT_EQ(staging->bytes(), 1000 * sizeof(float));
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(staging->data()) % 64, 0u);
+  std::vector<float> values(1000);
+  std::iota(values.begin(), values.end(), 0.0f);
+  auto device = (*backend)->Allocate(1000 * sizeof(float));
+  ASSERT_TRUE(device.ok()) << device.status();
+  (*backend)->CopyToDevice(device->data(), values.data(), device->bytes());
+  (*backend)->CopyToHost(staging->data(), device->data(), device->bytes());
+  ASSERT_TRUE((*backend)->Synchronize().ok());
+  DeviceBuffer moved = std::move(*staging);
+  EXPECT_EQ(staging->data(), nullptr);
+  EXPECT_TRUE(std::equal(values.begin(), values.end(), moved.as<float>()));
 }
 
 // Groups of unequal size must cover k in order, each non-empty, and only int4 has them.

@@ -152,8 +152,9 @@ class PackedWeight {
 
 class Backend;
 
-// Bytes of a backend's operator memory (see Backend::Allocate), freed on destruction. Move-only;
-// the backend that allocated it must outlive it.
+// Bytes of a backend's operator memory (see Backend::Allocate), or of host memory for its copies
+// (Backend::AllocateHostStaging), freed on destruction. Move-only; the backend that allocated it
+// must outlive it.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
@@ -172,12 +173,14 @@ class DeviceBuffer {
 
  private:
   friend class Backend;
-  DeviceBuffer(Backend* owner, void* data, size_t bytes)
-      : owner_(owner), data_(data), bytes_(bytes) {}
+  DeviceBuffer(Backend* owner, void* data, size_t bytes, bool host)
+      : owner_(owner), data_(data), bytes_(bytes), host_(host) {}
+  void Free();
 
   Backend* owner_ = nullptr;  // not owned
   void* data_ = nullptr;
   size_t bytes_ = 0;
+  bool host_ = false;  // from AllocateHostStaging
 };
 
 class Backend {
@@ -193,6 +196,11 @@ class Backend {
 
   // `bytes` of operator memory, uninitialised. For start-up: never called on the forward path.
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes);
+
+  // `bytes` of host memory (data() is a host pointer), uninitialised, that CopyToHost fills
+  // fastest: page-locked for the CUDA backend, whose copies into it then run at the link's full
+  // speed without a staging copy; plain memory for the CPU backend. For start-up.
+  absl::StatusOr<DeviceBuffer> AllocateHostStaging(size_t bytes);
 
   // Host -> operator memory, ordered before every operator queued after it. `src` (host) may be
   // reused as soon as this returns.
@@ -296,6 +304,9 @@ class Backend {
   // Allocate and DeviceBuffer's destructor go through these.
   virtual absl::StatusOr<void*> AllocateBytes(size_t bytes) = 0;
   virtual void FreeBytes(void* data) = 0;
+  // AllocateHostStaging's: plain 64-byte aligned host memory unless a backend has better.
+  virtual absl::StatusOr<void*> AllocateHostBytes(size_t bytes);
+  virtual void FreeHostBytes(void* data);
 
  private:
   friend class DeviceBuffer;
