@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -56,6 +57,15 @@ struct StreamDestroy {
   void operator()(CUstream_st* stream) const { cudaStreamDestroy(stream); }
 };
 using Stream = std::unique_ptr<CUstream_st, StreamDestroy>;
+
+struct EventDestroy {
+  void operator()(CUevent_st* event) const { cudaEventDestroy(event); }
+};
+using Event = std::unique_ptr<CUevent_st, EventDestroy>;
+
+struct HostFree {
+  void operator()(void* p) const { cudaFreeHost(p); }
+};
 
 class CudaPackedWeight final : public PackedWeight {
  public:
@@ -402,15 +412,9 @@ class CudaBackendImpl final : public CudaBackend {
     staging_.insert(staging_.end(), batch.block_table, batch.block_table + table_ints);
     staging_.insert(staging_.end(), tile_start_.begin(), tile_start_.end());
     if (mixed) staging_.insert(staging_.end(), split_row_ids_.begin(), split_row_ids_.end());
-    // Every layer of a step plans the same batch: upload it only when it changed. An upload
-    // from pageable memory waits for the stream, so one per layer would stall the host there.
+    // Every layer of a step plans the same batch: upload it only when it changed.
     if (staging_ != uploaded_) {
-      // From pageable memory the copy returns once staging_ has been read, so reusing it next
-      // call is safe.
-      TANDEM_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpyAsync(metadata_.get(), staging_.data(), sizeof(int32_t) * staging_.size(),
-                          cudaMemcpyHostToDevice, stream_.get()),
-          "PagedAttention metadata upload"));
+      TANDEM_RETURN_IF_ERROR(UploadMetadata());
       uploaded_ = staging_;
     }
     p.query_start = metadata_.get();
@@ -458,6 +462,34 @@ class CudaBackendImpl final : public CudaBackend {
     return cuda::LaunchPagedAttention(p, stream_.get());
   }
 
+  // staging_ into metadata_, queued on the stream. Through page-locked memory, so that the
+  // host goes on queueing the step's kernels: an upload from pageable memory waits for the
+  // stream (here, for the layers' kernels queued before the first attention). The page-locked
+  // copy is rewritten only after the previous upload has read it (metadata_read_, recorded a
+  // step earlier, so in practice no wait).
+  absl::Status UploadMetadata() {
+    const size_t bytes = sizeof(int32_t) * staging_.size();
+    if (pinned_metadata_ == nullptr) {
+      void* p = nullptr;
+      TANDEM_RETURN_IF_ERROR(CudaStatus(
+          cudaMallocHost(&p, sizeof(int32_t) * MetadataInts()), "cudaMallocHost (metadata)"));
+      pinned_metadata_.reset(p);
+      cudaEvent_t event = nullptr;
+      TANDEM_RETURN_IF_ERROR(CudaStatus(
+          cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate"));
+      metadata_read_.reset(event);
+    }
+    TANDEM_RETURN_IF_ERROR(
+        CudaStatus(cudaEventSynchronize(metadata_read_.get()), "PagedAttention metadata upload"));
+    std::memcpy(pinned_metadata_.get(), staging_.data(), bytes);
+    TANDEM_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(metadata_.get(), pinned_metadata_.get(), bytes,
+                                   cudaMemcpyHostToDevice, stream_.get()),
+                   "PagedAttention metadata upload"));
+    return CudaStatus(cudaEventRecord(metadata_read_.get(), stream_.get()),
+                      "PagedAttention metadata upload");
+  }
+
   CudaBackendOptions options_;
   Stream stream_;
   cuda::CublasHandle cublas_;
@@ -465,6 +497,8 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceArray<float> workspace_;   // [attention_workspace_bytes / 4]
   std::vector<int32_t> staging_;   // host copy of the metadata, capacity MetadataInts()
   std::vector<int32_t> uploaded_;  // what metadata_ holds now
+  std::unique_ptr<void, HostFree> pinned_metadata_;  // [MetadataInts()], page-locked
+  Event metadata_read_;  // recorded after the last upload from pinned_metadata_
   std::vector<int32_t> tile_start_;     // host plan: tensor-core tiles per sequence (prefix)
   std::vector<int32_t> split_row_ids_;  // host plan: rows of the split-KV kernels
   DeviceArray<unsigned char> x16_;  // [x16_bytes_]: Linear's x rounded to 16 bits (prefill)
