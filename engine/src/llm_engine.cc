@@ -80,6 +80,13 @@ absl::StatusOr<std::unique_ptr<collective::Communicator>> CreateDeviceCollective
         "tensor parallelism on the CUDA backend needs NCCL, and this build has none (configure "
         "with CUDA where nccl.h and libnccl are found)");
   }
+  // NCCL's start waits for every rank without a deadline: first make sure every rank has its
+  // backend, so that a rank that failed before here fails the others' barrier (at once when its
+  // process is gone, else after the group's timeout) instead of leaving them waiting.
+  if (absl::Status ready = comm->Barrier(); !ready.ok()) {
+    return absl::Status(ready.code(), absl::StrCat("before starting NCCL, another rank failed: ",
+                                                   ready.message()));
+  }
   auto* cuda = static_cast<kernels::CudaBackend*>(backend);
   absl::StatusOr<std::unique_ptr<collective::Communicator>> nccl =
       collective::CreateNcclCommunicator(
