@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/collective/nccl_communicator.h"
 #include "tandem/kernels/cuda_backend.h"
 #include "disagg_role.h"
 #include "grammar_mask_prefetch.h"
@@ -49,8 +50,14 @@ absl::StatusOr<std::unique_ptr<kernels::Backend>> CreateBackend(const EngineOpti
   }
   const int blocks_per_seq =
       std::min(num_blocks, (max_model_len + options.block_size - 1) / options.block_size);
+  // Rank r of a tensor-parallel group on GPU r % (the devices this process sees).
+  int device = 0;
+  if (options.tensor_parallel != nullptr && options.tensor_parallel->size() > 1) {
+    const int devices = kernels::CudaDeviceCount();
+    if (devices > 0) device = options.tensor_parallel->rank() % devices;
+  }
   kernels::CudaBackendOptions cuda{
-      .device = 0,
+      .device = device,
       .max_seqs = options.max_num_seqs,
       .max_blocks_per_seq = std::max(blocks_per_seq, 1),
       .attention_workspace_bytes = kernels::CudaAttentionWorkspaceBytes(
@@ -58,6 +65,38 @@ absl::StatusOr<std::unique_ptr<kernels::Backend>> CreateBackend(const EngineOpti
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<kernels::CudaBackend> backend,
                           kernels::CreateCudaBackend(cuda));
   return std::unique_ptr<kernels::Backend>(std::move(backend));
+}
+
+// Tensor parallelism on the CUDA backend: the NCCL group that carries the activations, joined
+// over the tensor-parallel (host) group on the backend's GPU and stream, so that collectives
+// follow the kernels that produce their input. Null on the CPU backend (the host group carries
+// the activations) and without a group. Every rank calls it at the same point of its start.
+absl::StatusOr<std::unique_ptr<collective::Communicator>> CreateDeviceCollective(
+    const EngineOptions& options, kernels::Backend* backend) {
+  collective::Communicator* comm = options.tensor_parallel;
+  if (comm == nullptr || comm->size() == 1 || options.device == Device::kCpu) return nullptr;
+  if (!collective::NcclBuilt()) {
+    return absl::FailedPreconditionError(
+        "tensor parallelism on the CUDA backend needs NCCL, and this build has none (configure "
+        "with CUDA where nccl.h and libnccl are found)");
+  }
+  // NCCL's start waits for every rank without a deadline: first make sure every rank has its
+  // backend, so that a rank that failed before here fails the others' barrier (at once when its
+  // process is gone, else after the group's timeout) instead of leaving them waiting.
+  if (absl::Status ready = comm->Barrier(); !ready.ok()) {
+    return absl::Status(ready.code(), absl::StrCat("before starting NCCL, another rank failed: ",
+                                                   ready.message()));
+  }
+  auto* cuda = static_cast<kernels::CudaBackend*>(backend);
+  absl::StatusOr<std::unique_ptr<collective::Communicator>> nccl =
+      collective::CreateNcclCommunicator(
+          *comm, {.device = cuda->device(), .stream = cuda->stream(), .timeout = absl::Seconds(60)});
+  if (!nccl.ok()) {
+    return absl::Status(nccl.status().code(),
+                        absl::StrCat("NCCL on GPU ", cuda->device(), " failed to start: ",
+                                     nccl.status().message()));
+  }
+  return nccl;
 }
 
 }  // namespace
@@ -166,6 +205,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
       engine->blocks_.get());
   TANDEM_ASSIGN_OR_RETURN(engine->backend_, CreateBackend(options, config, engine->max_model_len_,
                                                          engine->blocks_->num_blocks()));
+  TANDEM_ASSIGN_OR_RETURN(engine->device_collective_,
+                          CreateDeviceCollective(options, engine->backend_.get()));
   TANDEM_ASSIGN_OR_RETURN(
       engine->runner_,
       ModelRunner::Create(*engine->checkpoint_, engine->backend_.get(),
@@ -176,7 +217,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                            .weight_dtype = dtypes.weights,
                            .kv_cache_dtype = dtypes.kv_cache,
                            .max_logit_rows_per_seq = 1 + num_spec,
-                           .tensor_parallel = options.tensor_parallel}));
+                           .tensor_parallel = options.tensor_parallel,
+                           .device_collective = engine->device_collective_.get()}));
   if (engine->draft_checkpoint_ != nullptr) {
     // The CPU backend serves any model; a device backend's attention workspace is sized for one.
     kernels::Backend* draft_backend = engine->backend_.get();
@@ -1032,6 +1074,11 @@ EngineStats LlmEngine::stats() const {
     stats.collective_seconds = c.seconds;
     stats.collective_bytes = static_cast<int64_t>(c.bytes);
   }
+  if (device_collective_ != nullptr) {
+    const collective::CollectiveStats& c = device_collective_->stats();
+    stats.collective_seconds += c.seconds;
+    stats.collective_bytes += static_cast<int64_t>(c.bytes);
+  }
   return stats;
 }
 
@@ -1071,14 +1118,23 @@ absl::StatusOr<std::unique_ptr<TensorParallelFollower>> TensorParallelFollower::
   std::unique_ptr<TensorParallelFollower> follower(new TensorParallelFollower());
   TANDEM_ASSIGN_OR_RETURN(follower->checkpoint_, Checkpoint::Open(options.model_dir));
   const text::ModelConfig& config = follower->checkpoint_->config();
+  // A device backend's attention workspace is sized as the leader's (the ranks run with the
+  // same flags), for as many blocks per sequence as the context length takes: the follower
+  // learns the leader's block count only once its runner is created.
+  int max_model_len = config.max_position_embeddings;
+  if (options.max_model_len > 0) max_model_len = std::min(max_model_len, options.max_model_len);
+  const int max_blocks = (max_model_len + options.block_size - 1) / std::max(options.block_size, 1);
   TANDEM_ASSIGN_OR_RETURN(follower->backend_,
-                          CreateBackend(options, config, config.max_position_embeddings, 1));
+                          CreateBackend(options, config, max_model_len, max_blocks));
+  TANDEM_ASSIGN_OR_RETURN(follower->device_collective_,
+                          CreateDeviceCollective(options, follower->backend_.get()));
   TANDEM_ASSIGN_OR_RETURN(
       follower->runner_,
       ModelRunner::Create(*follower->checkpoint_, follower->backend_.get(),
                           {.weight_dtype = std::nullopt,
                            .kv_cache_dtype = std::nullopt,
-                           .tensor_parallel = comm}));
+                           .tensor_parallel = comm,
+                           .device_collective = follower->device_collective_.get()}));
   follower->checkpoint_->DropAllPages();
   return follower;
 }

@@ -167,11 +167,19 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoin
                                                                  const ModelRunnerOptions& input) {
   ModelRunnerOptions options = input;
   collective::Communicator* comm = options.tensor_parallel;
+  collective::Communicator* device_comm = options.device_collective;
   if (comm != nullptr && comm->size() > 1) {
-    if (!backend->host_memory()) {
-      return absl::UnimplementedError(
-          "tensor parallelism runs on the CPU backend (Gloo) for now; the CUDA backend's "
-          "NCCL wiring is not built yet");
+    if (!backend->host_memory() && device_comm == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "tensor parallelism on the ", std::string(backend->name()),
+          " backend needs a device communicator (NCCL) for the activations in device memory; "
+          "the host communicator (", comm->kind(), ") carries only the step plans"));
+    }
+    if (device_comm != nullptr &&
+        (device_comm->rank() != comm->rank() || device_comm->size() != comm->size())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the device communicator is rank ", device_comm->rank(), " of ", device_comm->size(),
+          ", the tensor-parallel group's rank ", comm->rank(), " of ", comm->size()));
     }
     const text::ModelConfig& c = checkpoint.config();
     std::vector<int32_t> settings(kSettingsFields);
@@ -222,7 +230,10 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoin
   runner->options_ = options;
   runner->backend_ = backend;
   const text::ModelConfig& c = runner->config_;
-  if (comm != nullptr && comm->size() > 1) runner->comm_ = comm;
+  if (comm != nullptr && comm->size() > 1) {
+    runner->comm_ = comm;
+    runner->device_comm_ = device_comm;
+  }
   TANDEM_ASSIGN_OR_RETURN(runner->shard_, TensorParallelShard::For(c, comm ? comm->rank() : 0,
                                                                    comm ? comm->size() : 1));
   const TensorParallelShard& shard = runner->shard_;
@@ -286,7 +297,13 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoin
   if (runner->tensor_parallel()) {
     TANDEM_ASSIGN_OR_RETURN(runner->local_logits_,
                             backend->Allocate(s * shard.vocab_stride * sizeof(float)));
-    runner->gathered_logits_.resize(s * shard.vocab_stride * shard.size);
+    const size_t gathered = s * shard.vocab_stride * shard.size;
+    if (runner->device_comm_ != nullptr) {
+      TANDEM_ASSIGN_OR_RETURN(runner->device_gathered_logits_,
+                              backend->Allocate(gathered * sizeof(float)));
+    } else {
+      runner->gathered_logits_.resize(gathered);
+    }
   }
   // A device backend reports failed weight uploads here rather than on the first step.
   TANDEM_RETURN_IF_ERROR(backend->Synchronize());
@@ -797,10 +814,12 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
   float* gate_up = gate_up_.as<float>();
   float* act = act_.as<float>();
   const float* inv_freq = inv_freq_.as<float>();
-  // Sums a row-parallel output (or the vocabulary-parallel embedding) over the group.
+  // Sums a row-parallel output (or the vocabulary-parallel embedding) over the group, in
+  // backend memory: over the device communicator when there is one (queued on the backend's
+  // stream after the kernels that wrote `x`), else over the host one.
   auto all_reduce = [&](float* x) -> absl::Status {
     if (!tensor_parallel()) return absl::OkStatus();
-    return comm_->AllReduceSum(x, static_cast<size_t>(tokens) * hidden);
+    return activations_comm().AllReduceSum(x, static_cast<size_t>(tokens) * hidden);
   };
 
   b.Embedding(embed_.data(), weight_dtype_, d_token_ids, tokens, hidden, residual);
@@ -854,9 +873,34 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
   b.GatherAdd(residual, proj, d_sample_rows, num_sampled, hidden, sampled);
   b.RmsNorm(sampled, final_norm_.as<float>(), c.rms_norm_eps, num_sampled, hidden, sampled);
   const size_t logit_count = static_cast<size_t>(num_sampled) * c.vocab_size;
+  if (tensor_parallel() && device_comm_ != nullptr) {
+    // Each rank's [sampled, stride] slice, gathered in backend memory over the device
+    // communicator, laid out as [sampled, vocab] there by strided copies, then copied back.
+    const int stride = shard.vocab_stride;
+    b.Linear(sampled, num_sampled, *lm_head_, nullptr, local_logits_.as<float>());
+    const size_t part = static_cast<size_t>(num_sampled) * stride;
+    TANDEM_RETURN_IF_ERROR(device_comm_->AllGather(
+        local_logits_.data(), device_gathered_logits_.data(), part * sizeof(float)));
+    float* logits = logits_.as<float>();
+    const float* gathered = device_gathered_logits_.as<float>();
+    for (int r = 0; r < shard.size; ++r) {
+      const int begin = std::min(c.vocab_size, r * stride);
+      const int rows = std::min(c.vocab_size, begin + stride) - begin;
+      b.CopyRows(logits + begin, static_cast<size_t>(c.vocab_size) * sizeof(float),
+                 gathered + r * part, static_cast<size_t>(stride) * sizeof(float),
+                 static_cast<size_t>(rows) * sizeof(float), num_sampled);
+    }
+    const float* out = logits;
+    if (!b.host_memory()) {
+      b.CopyToHost(host_logits_.data(), logits, logit_count * sizeof(float));
+      out = host_logits_.data();
+    }
+    TANDEM_RETURN_IF_ERROR(b.Synchronize());
+    return std::span<const float>(out, logit_count);
+  }
   if (tensor_parallel()) {
     // Each rank's [sampled, stride] slice, gathered, then laid out as [sampled, vocab] (host
-    // memory: tensor parallelism runs on the CPU backend).
+    // memory: the CPU backend over the host communicator).
     const int stride = shard.vocab_stride;
     b.Linear(sampled, num_sampled, *lm_head_, nullptr, local_logits_.as<float>());
     TANDEM_RETURN_IF_ERROR(b.Synchronize());

@@ -55,6 +55,9 @@ with tempfile.TemporaryDirectory() as tmp:
     elif not has_gpu():
         ok, err = refused(run(*gen, "--device", "cuda"), "--device cuda: no CUDA device")
         check(ok, f"--device cuda without a GPU: {err}")
+        # Tensor parallelism on CUDA is not refused as such: only the missing device is named.
+        ok, err = refused(run(*gen, "--device", "cuda", "--tp", "2"), "--device cuda: no CUDA device")
+        check(ok, f"--device cuda --tp 2 without a GPU: {err}")
     else:
         print("skipped: --device cuda can run here")
 

@@ -14,6 +14,7 @@
 #include "tandem/cluster/etcd_client.h"
 #include "tandem/cluster/etcd_rendezvous_store.h"
 #include "tandem/cluster/worker_info.h"
+#include "tandem/collective/nccl_communicator.h"
 #include "tandem/engine/tensor_parallel.h"
 
 namespace tandem::tools {
@@ -32,7 +33,8 @@ std::string DescribeExit(int status) {
 void DeclareTensorParallelFlags(Args& args) {
   args.Declare("tensor-parallel-size", "N",
                "ranks (processes) the model is split across; on one node the command starts "
-               "ranks 1..N-1 itself (default 1)");
+               "ranks 1..N-1 itself (default 1). With --device cuda rank R runs on GPU "
+               "R % (the GPUs its process sees), the activations going over NCCL");
   args.Declare("tp", "N", "alias of --tensor-parallel-size");
   args.Declare("tp-rank", "R",
                "this process's rank, for groups spanning nodes (each rank started by hand or by "
@@ -190,9 +192,10 @@ absl::Status TensorParallelGroup::RunFollower(
 
 absl::Status TensorParallelGroup::CheckModel(const engine::EngineOptions& options) const {
   if (size_ == 1) return absl::OkStatus();
-  if (options.device != engine::Device::kCpu) {
-    return absl::UnimplementedError(
-        "tensor parallelism runs on the CPU backend (--device cpu) for now");
+  if (options.device == engine::Device::kCuda && !collective::NcclBuilt()) {
+    return absl::FailedPreconditionError(
+        "--device cuda with --tensor-parallel-size > 1 needs NCCL, and this build has none "
+        "(configure with CUDA where nccl.h and libnccl are found)");
   }
   if (options.speculative.method != engine::SpeculativeMethod::kNone) {
     return absl::UnimplementedError(

@@ -77,8 +77,9 @@ class TensorParallelGroup {
       engine::EngineOptions options,
       const std::function<absl::Status(const engine::EngineOptions&)>& run =
           engine::RunTensorParallelFollower);
-  // Rank 0, before Start: refuses what no rank could run (shapes that do not divide, quantised
-  // weights, the CUDA backend), so that the reason is said once, before any rank starts.
+  // Rank 0, before Start: refuses what no rank could run (shapes that do not divide,
+  // speculation, the CUDA backend in a build without NCCL), so that the reason is said once,
+  // before any rank starts.
   absl::Status CheckModel(const engine::EngineOptions& options) const;
   // Rank 0: starts the followers (one node), joins the group. Nothing for a group of one.
   absl::Status Start();

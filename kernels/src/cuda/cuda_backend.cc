@@ -130,6 +130,9 @@ class CudaBackendImpl final : public CudaBackend {
 
   bool host_memory() const override { return false; }
 
+  void* stream() const override { return stream_.get(); }
+  int device() const override { return options_.device; }
+
   // From pageable host memory the copy returns once `src` has been read.
   void CopyToDevice(void* dst, const void* src, size_t bytes) override {
     if (bytes == 0) return;

@@ -50,7 +50,8 @@ struct KvWritten {
 };
 
 // Where an engine runs its model: the CPU backend, or the CUDA backend on GPU 0 (fp32 weights,
-// activations and KV cache in device memory; docs/architecture.md).
+// activations and KV cache in device memory; docs/architecture.md). Rank r of a tensor-parallel
+// group of N > 1 runs on GPU r % D, D the CUDA devices its process sees.
 enum class Device { kCpu, kCuda };
 
 struct EngineOptions {
@@ -106,8 +107,11 @@ struct EngineOptions {
   // `--tensor-parallel-size`: the group this engine is rank 0 (the leader) of, not owned, which
   // must outlive the engine; null: the whole model here. The engine schedules and samples; its
   // runner sends each step's plan to the other ranks, whose runners (ModelRunner::RunFollower)
-  // hold the other shards. CPU backend only, for now. A prefill or decode worker's followers
-  // also move their KV heads' pages (worker/tensor_parallel_kv.h).
+  // hold the other shards. A prefill or decode worker's followers also move their KV heads'
+  // pages (worker/tensor_parallel_kv.h). It carries the step plans (host memory); on the CPU
+  // backend the activations too. With Device::kCuda every rank's engine or follower joins an
+  // NCCL group over it, on its backend's stream and GPU (rank % devices), which carries the
+  // activations (ModelRunnerOptions::device_collective).
   collective::Communicator* tensor_parallel = nullptr;
   // With tensor_parallel, the side channel of each step (ModelRunner::set_step_attachment):
   // called on the engine thread once a step is scheduled, before it runs, with what it will
@@ -275,6 +279,9 @@ class LlmEngine {
   std::unique_ptr<text::Tokenizer> tokenizer_;
   std::unique_ptr<text::ChatFormatter> chat_formatter_;
   std::unique_ptr<kernels::Backend> backend_;
+  // Tensor parallelism on a device backend: the activations' NCCL group, on backend_'s stream
+  // (destroyed after runner_, before backend_).
+  std::unique_ptr<collective::Communicator> device_collective_;
   std::unique_ptr<BlockManager> blocks_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<ModelRunner> runner_;
@@ -343,6 +350,7 @@ class TensorParallelFollower {
   TensorParallelFollower() = default;
   std::unique_ptr<Checkpoint> checkpoint_;
   std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<collective::Communicator> device_collective_;  // as LlmEngine's
   std::unique_ptr<ModelRunner> runner_;
 };
 

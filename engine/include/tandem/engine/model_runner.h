@@ -38,6 +38,13 @@ struct ModelRunnerOptions {
   // each step's plan to the others, which run RunFollower. A follower takes every other field
   // of these options from the leader, so the shards agree on blocks, sizes and dtypes.
   collective::Communicator* tensor_parallel = nullptr;
+  // The communicator that carries the activations of a tensor-parallel step (the row-parallel
+  // all-reduces and the all-gather of the vocabulary-parallel logits) in backend memory: the
+  // same ranks as `tensor_parallel`, not owned, must outlive the runner. A backend whose memory
+  // is not host memory needs one (NCCL on the CUDA backend's stream); `tensor_parallel` then
+  // carries only the step plans, attachments and reports, which are host memory. Null: the
+  // activations go over `tensor_parallel` too (the CPU backend over Gloo).
+  collective::Communicator* device_collective = nullptr;
 };
 
 // The dtypes a runner of `options` over a checkpoint of `config` holds its weights and KV cache
@@ -198,6 +205,10 @@ class ModelRunner {
   absl::Status FollowerReceiveAttachment(int32_t bytes);
   absl::Status FollowerReport();
   bool tensor_parallel() const { return comm_ != nullptr && comm_->size() > 1; }
+  // The communicator of the activations: the device one, else the host one.
+  collective::Communicator& activations_comm() const {
+    return device_comm_ != nullptr ? *device_comm_ : *comm_;
+  }
   // Backend memory holding `values` (an empty buffer for an empty vector).
   absl::StatusOr<kernels::DeviceBuffer> Upload(const std::vector<float>& values);
   void CopyBlock(int32_t src, int32_t dst);
@@ -216,6 +227,8 @@ class ModelRunner {
   FollowerStepHooks follower_hooks_;
   kernels::Backend* backend_ = nullptr;  // not owned
   collective::Communicator* comm_ = nullptr;  // not owned; null without tensor parallelism
+  // Not owned; null unless tensor parallel with ModelRunnerOptions::device_collective.
+  collective::Communicator* device_comm_ = nullptr;
   TensorParallelShard shard_;
   std::vector<int32_t> plan_;  // a step plan as sent between ranks
   KvCacheLayout cache_layout_;
@@ -260,9 +273,11 @@ class ModelRunner {
   int last_sampled_rows_ = 0;
   std::vector<float> host_hidden_;
   // Tensor parallelism: this rank's vocabulary slice of the logits [sampled, vocab_stride], and
-  // every rank's, all-gathered [ranks][sampled][vocab_stride].
+  // every rank's, all-gathered [ranks][sampled][vocab_stride]: in host memory over the host
+  // communicator, in backend memory (device_gathered_logits_) over a device communicator.
   kernels::DeviceBuffer local_logits_;
   std::vector<float> gathered_logits_;
+  kernels::DeviceBuffer device_gathered_logits_;
 };
 
 }  // namespace tandem::engine

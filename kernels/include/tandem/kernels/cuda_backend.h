@@ -37,7 +37,14 @@ struct CudaBackendOptions {
 };
 
 // Backend::Synchronize waits for the stream and returns the first error since the previous call.
-class CudaBackend : public Backend {};
+class CudaBackend : public Backend {
+ public:
+  // The cudaStream_t every operator and copy is queued on, for work that must follow them in
+  // order (a tensor-parallel group's NCCL collectives on the activations).
+  virtual void* stream() const = 0;
+  // The CUDA device the backend runs on (CudaBackendOptions::device).
+  virtual int device() const = 0;
+};
 
 // Fails (FailedPrecondition) when no CUDA device is present, or when this build has no CUDA.
 absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackendOptions& options);
