@@ -893,7 +893,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
     const float* out = logits;
     if (!b.host_memory()) {
       b.CopyToHost(host_logits_.data(), logits, logit_count * sizeof(float));
-      out = host_logits_.data();
+      out = host_logits_.as<float>();
     }
     TANDEM_RETURN_IF_ERROR(b.Synchronize());
     return std::span<const float>(out, logit_count);
