@@ -12,6 +12,7 @@
 // - an output differs from the reference by more than the tolerance,
 // - Synchronize reports an error.
 #include "kernels/src/backend_conformance.h"
+#include "kernels/src/forwarding_backend.h"
 
 #include <algorithm>
 #include <cmath>
@@ -1156,39 +1157,18 @@ INSTANTIATE_TEST_SUITE_P(Ops, BackendConformanceTest, ::testing::ValuesIn(AllPar
 // writes an input must fail the case.
 
 // The CPU backend with one fault injected into chosen operators. Its memory is host memory.
-class FaultyBackend : public Backend {
+class FaultyBackend : public test_support::ForwardingBackend {
  public:
   enum class Fault { kOverrunAfter, kOverrunBefore, kSkipLastElement, kWriteInput };
 
   FaultyBackend(std::unique_ptr<Backend> inner, Fault fault)
-      : inner_(std::move(inner)), fault_(fault) {}
+      : ForwardingBackend(std::move(inner)), fault_(fault) {}
 
   std::string_view name() const override { return "faulty"; }
-  bool host_memory() const override { return true; }
-  void CopyToDevice(void* dst, const void* src, size_t bytes) override {
-    if (bytes > 0) std::memcpy(dst, src, bytes);
-  }
-  void CopyToHost(void* dst, const void* src, size_t bytes) override {
-    if (bytes > 0) std::memcpy(dst, src, bytes);
-  }
-  void CopyRows(void* dst, size_t dst_stride, const void* src, size_t src_stride, size_t row_bytes,
-                int rows) override {
-    inner_->CopyRows(dst, dst_stride, src, src_stride, row_bytes, rows);
-  }
-  absl::Status Synchronize() override { return absl::OkStatus(); }
-  std::unique_ptr<PackedWeight> PackWeight(const void* w, DType dtype, int n, int k) override {
-    return inner_->PackWeight(w, dtype, n, k);
-  }
-  std::unique_ptr<PackedWeight> PackQuantizedWeight(const QuantizedWeightView& w) override {
-    return inner_->PackQuantizedWeight(w);
-  }
-  void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
-    inner_->Linear(x, m, w, bias, y);
-  }
   void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim,
                float* y) override {
     const float last = y[int64_t{rows} * dim - 1];
-    inner_->RmsNorm(x, weight, eps, rows, dim, y);
+    inner().RmsNorm(x, weight, eps, rows, dim, y);
     switch (fault_) {
       case Fault::kOverrunAfter:
         y[int64_t{rows} * dim + 3] = 0.0f;
@@ -1204,43 +1184,8 @@ class FaultyBackend : public Backend {
         break;
     }
   }
-  void AddRmsNorm(float* residual, const float* x, const float* weight, float eps, int rows,
-                  int dim, float* y) override {
-    inner_->AddRmsNorm(residual, x, weight, eps, rows, dim, y);
-  }
-  void Rope(float* x, const int32_t* positions, int tokens, int heads, int head_dim,
-            const float* inv_freq) override {
-    inner_->Rope(x, positions, tokens, heads, head_dim, inv_freq);
-  }
-  void SiluMul(const float* gate_up, int rows, int inter, float* out) override {
-    inner_->SiluMul(gate_up, rows, inter, out);
-  }
-  void Embedding(const void* table, DType table_dtype, const int32_t* ids, int tokens, int dim,
-                 float* out) override {
-    inner_->Embedding(table, table_dtype, ids, tokens, dim, out);
-  }
-  void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
-               const KvLayout& layout, void* layer_cache) override {
-    inner_->WriteKv(k, v, slot_mapping, tokens, layout, layer_cache);
-  }
-  void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
-                      const PagedAttentionBatch& batch, int num_heads, float scale,
-                      float* out) override {
-    inner_->PagedAttention(q, layer_cache, layout, batch, num_heads, scale, out);
-  }
-  void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
-                 float* out) override {
-    inner_->GatherAdd(a, b, rows, num_rows, dim, out);
-  }
-
- protected:
-  absl::StatusOr<void*> AllocateBytes(size_t bytes) override {
-    return ::operator new (std::max<size_t>(bytes, 1), std::align_val_t{64});
-  }
-  void FreeBytes(void* data) override { ::operator delete (data, std::align_val_t{64}); }
 
  private:
-  std::unique_ptr<Backend> inner_;
   Fault fault_;
 };
 

@@ -22,6 +22,7 @@
 #include "tandem/engine/block_manager.h"
 #include "tandem/engine/checkpoint.h"
 #include "tandem/engine/model_runner.h"
+#include "kernels/src/forwarding_backend.h"
 #include "tandem/kernels/backend.h"
 #include "test_models.h"
 
@@ -30,81 +31,11 @@ namespace {
 
 // The CPU backend, claiming its memory is not host memory. Every call goes to the CPU backend,
 // whose memory the wrapper hands out; the runner then takes the device paths.
-class DeviceLikeBackend : public kernels::Backend {
+class DeviceLikeBackend : public kernels::test_support::ForwardingBackend {
  public:
-  explicit DeviceLikeBackend(std::unique_ptr<kernels::Backend> cpu) : cpu_(std::move(cpu)) {}
-  ~DeviceLikeBackend() override = default;
+  using ForwardingBackend::ForwardingBackend;
   std::string_view name() const override { return "device-like"; }
   bool host_memory() const override { return false; }
-  void CopyToDevice(void* dst, const void* src, size_t bytes) override {
-    cpu_->CopyToDevice(dst, src, bytes);
-  }
-  void CopyToHost(void* dst, const void* src, size_t bytes) override {
-    cpu_->CopyToHost(dst, src, bytes);
-  }
-  void CopyRows(void* dst, size_t dst_stride, const void* src, size_t src_stride,
-                size_t row_bytes, int rows) override {
-    cpu_->CopyRows(dst, dst_stride, src, src_stride, row_bytes, rows);
-  }
-  absl::Status Synchronize() override { return cpu_->Synchronize(); }
-  std::unique_ptr<kernels::PackedWeight> PackWeight(const void* w, DType dtype, int n,
-                                                    int k) override {
-    return cpu_->PackWeight(w, dtype, n, k);
-  }
-  std::unique_ptr<kernels::PackedWeight> PackQuantizedWeight(
-      const kernels::QuantizedWeightView& w) override {
-    return cpu_->PackQuantizedWeight(w);
-  }
-  void Linear(const float* x, int m, const kernels::PackedWeight& w, const float* bias,
-              float* y) override {
-    cpu_->Linear(x, m, w, bias, y);
-  }
-  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim,
-               float* y) override {
-    cpu_->RmsNorm(x, weight, eps, rows, dim, y);
-  }
-  void AddRmsNorm(float* residual, const float* x, const float* weight, float eps, int rows,
-                  int dim, float* y) override {
-    cpu_->AddRmsNorm(residual, x, weight, eps, rows, dim, y);
-  }
-  void Rope(float* x, const int32_t* positions, int tokens, int heads, int head_dim,
-            const float* inv_freq) override {
-    cpu_->Rope(x, positions, tokens, heads, head_dim, inv_freq);
-  }
-  void SiluMul(const float* gate_up, int rows, int inter, float* out) override {
-    cpu_->SiluMul(gate_up, rows, inter, out);
-  }
-  void Embedding(const void* table, DType table_dtype, const int32_t* ids, int tokens, int dim,
-                 float* out) override {
-    cpu_->Embedding(table, table_dtype, ids, tokens, dim, out);
-  }
-  void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
-               const kernels::KvLayout& layout, void* layer_cache) override {
-    cpu_->WriteKv(k, v, slot_mapping, tokens, layout, layer_cache);
-  }
-  void PagedAttention(const float* q, const void* layer_cache, const kernels::KvLayout& layout,
-                      const kernels::PagedAttentionBatch& batch, int num_heads, float scale,
-                      float* out) override {
-    cpu_->PagedAttention(q, layer_cache, layout, batch, num_heads, scale, out);
-  }
-  void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
-                 float* out) override {
-    cpu_->GatherAdd(a, b, rows, num_rows, dim, out);
-  }
-
- protected:
-  absl::StatusOr<void*> AllocateBytes(size_t bytes) override {
-    absl::StatusOr<kernels::DeviceBuffer> buffer = cpu_->Allocate(bytes);
-    if (!buffer.ok()) return buffer.status();
-    void* data = buffer->data();
-    buffers_.emplace(data, std::move(buffer).value());
-    return data;
-  }
-  void FreeBytes(void* data) override { buffers_.erase(data); }
-
- private:
-  std::unique_ptr<kernels::Backend> cpu_;
-  std::map<void*, kernels::DeviceBuffer> buffers_;  // declared after cpu_: freed before it
 };
 
 std::unique_ptr<kernels::Backend> DeviceLike() {
