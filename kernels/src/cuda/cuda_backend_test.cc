@@ -72,6 +72,7 @@ std::string ShapeName(const ::testing::TestParamInfo<Shape>& info) {
 class CudaBackendTest : public ::testing::TestWithParam<Shape> {
  protected:
   void SetUp() override {
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
     auto backend = CreateCudaBackend({});
     ASSERT_TRUE(backend.ok()) << backend.status();
     backend_ = std::move(backend).value();
