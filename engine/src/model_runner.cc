@@ -297,13 +297,9 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoin
   if (runner->tensor_parallel()) {
     TANDEM_ASSIGN_OR_RETURN(runner->local_logits_,
                             backend->Allocate(s * shard.vocab_stride * sizeof(float)));
-    const size_t gathered = s * shard.vocab_stride * shard.size;
-    if (runner->device_comm_ != nullptr) {
-      TANDEM_ASSIGN_OR_RETURN(runner->device_gathered_logits_,
-                              backend->Allocate(gathered * sizeof(float)));
-    } else {
-      runner->gathered_logits_.resize(gathered);
-    }
+    TANDEM_ASSIGN_OR_RETURN(
+        runner->gathered_logits_,
+        backend->Allocate(s * shard.vocab_stride * shard.size * sizeof(float)));
   }
   // A device backend reports failed weight uploads here rather than on the first step.
   TANDEM_RETURN_IF_ERROR(backend->Synchronize());
@@ -873,53 +869,26 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
   b.GatherAdd(residual, proj, d_sample_rows, num_sampled, hidden, sampled);
   b.RmsNorm(sampled, final_norm_.as<float>(), c.rms_norm_eps, num_sampled, hidden, sampled);
   const size_t logit_count = static_cast<size_t>(num_sampled) * c.vocab_size;
-  if (tensor_parallel() && device_comm_ != nullptr) {
-    // Each rank's [sampled, stride] slice, gathered in backend memory over the device
-    // communicator, laid out as [sampled, vocab] there by strided copies, then copied back.
+  if (tensor_parallel()) {
+    // Each rank's [sampled, stride] slice, all-gathered in backend memory (over the device
+    // communicator, queued after the kernels; the host one only with the CPU backend, whose
+    // operators are done when they return), then laid out as [sampled, vocab] by strided copies.
     const int stride = shard.vocab_stride;
     b.Linear(sampled, num_sampled, *lm_head_, nullptr, local_logits_.as<float>());
     const size_t part = static_cast<size_t>(num_sampled) * stride;
-    TANDEM_RETURN_IF_ERROR(device_comm_->AllGather(
-        local_logits_.data(), device_gathered_logits_.data(), part * sizeof(float)));
-    float* logits = logits_.as<float>();
-    const float* gathered = device_gathered_logits_.as<float>();
+    TANDEM_RETURN_IF_ERROR(activations_comm().AllGather(
+        local_logits_.data(), gathered_logits_.data(), part * sizeof(float)));
+    const float* gathered = gathered_logits_.as<float>();
     for (int r = 0; r < shard.size; ++r) {
       const int begin = std::min(c.vocab_size, r * stride);
       const int rows = std::min(c.vocab_size, begin + stride) - begin;
-      b.CopyRows(logits + begin, static_cast<size_t>(c.vocab_size) * sizeof(float),
+      b.CopyRows(logits_.as<float>() + begin, static_cast<size_t>(c.vocab_size) * sizeof(float),
                  gathered + r * part, static_cast<size_t>(stride) * sizeof(float),
                  static_cast<size_t>(rows) * sizeof(float), num_sampled);
     }
-    const float* out = logits;
-    if (!b.host_memory()) {
-      b.CopyToHost(host_logits_.data(), logits, logit_count * sizeof(float));
-      out = host_logits_.as<float>();
-    }
-    TANDEM_RETURN_IF_ERROR(b.Synchronize());
-    return std::span<const float>(out, logit_count);
+  } else {
+    b.Linear(sampled, num_sampled, *lm_head_, nullptr, logits_.as<float>());
   }
-  if (tensor_parallel()) {
-    // Each rank's [sampled, stride] slice, gathered, then laid out as [sampled, vocab] (host
-    // memory: the CPU backend over the host communicator).
-    const int stride = shard.vocab_stride;
-    b.Linear(sampled, num_sampled, *lm_head_, nullptr, local_logits_.as<float>());
-    TANDEM_RETURN_IF_ERROR(b.Synchronize());
-    const size_t part = static_cast<size_t>(num_sampled) * stride;
-    TANDEM_RETURN_IF_ERROR(
-        comm_->AllGather(local_logits_.data(), gathered_logits_.data(), part * sizeof(float)));
-    float* logits = logits_.as<float>();
-    for (int r = 0; r < shard.size; ++r) {
-      const int begin = std::min(c.vocab_size, r * stride);
-      const int rows = std::min(c.vocab_size, begin + stride) - begin;
-      for (int row = 0; row < num_sampled; ++row) {
-        std::memcpy(logits + static_cast<size_t>(row) * c.vocab_size + begin,
-                    gathered_logits_.data() + r * part + static_cast<size_t>(row) * stride,
-                    static_cast<size_t>(rows) * sizeof(float));
-      }
-    }
-    return std::span<const float>(logits, logit_count);
-  }
-  b.Linear(sampled, num_sampled, *lm_head_, nullptr, logits_.as<float>());
   const float* logits = logits_.as<float>();
   if (!b.host_memory()) {
     b.CopyToHost(host_logits_.data(), logits, logit_count * sizeof(float));

@@ -273,11 +273,9 @@ class ModelRunner {
   int last_sampled_rows_ = 0;
   std::vector<float> host_hidden_;
   // Tensor parallelism: this rank's vocabulary slice of the logits [sampled, vocab_stride], and
-  // every rank's, all-gathered [ranks][sampled][vocab_stride]: in host memory over the host
-  // communicator, in backend memory (device_gathered_logits_) over a device communicator.
-  kernels::DeviceBuffer local_logits_;
-  std::vector<float> gathered_logits_;
-  kernels::DeviceBuffer device_gathered_logits_;
+  // every rank's, all-gathered over activations_comm() [ranks][sampled][vocab_stride], both in
+  // backend memory.
+  kernels::DeviceBuffer local_logits_, gathered_logits_;
 };
 
 }  // namespace tandem::engine
