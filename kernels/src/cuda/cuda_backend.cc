@@ -64,32 +64,31 @@ struct EventDestroy {
 using Event = std::unique_ptr<CUevent_st, EventDestroy>;
 
 struct HostFree {
-  void operator()(void* p) const { cudaFreeHost(p); }
+  void operator()(int32_t* p) const { cudaFreeHost(p); }
 };
+using PinnedInts = std::unique_ptr<int32_t[], HostFree>;
 
 class CudaPackedWeight final : public PackedWeight {
  public:
   CudaPackedWeight(int n, int k, DType dtype, DeviceArray<unsigned char> data)
       : PackedWeight(n, k, dtype), data_(std::move(data)) {}
   // A quantised weight: `data` holds the values, `scales` the scales then (int4) the zeros,
-  // `columns` the column order then (groups of unequal size) each column's group, or either or
-  // nothing; see cuda::DeviceQuantizedWeight.
+  // `k_order` the column order and `column_group` each column's group (groups of unequal
+  // size), each or both empty; see cuda::DeviceQuantizedWeight.
   CudaPackedWeight(const QuantizedWeightView& w, DeviceArray<unsigned char> data,
-                   DeviceArray<float> scales, DeviceArray<int32_t> columns)
+                   DeviceArray<float> scales, DeviceArray<int32_t> k_order,
+                   DeviceArray<int32_t> column_group)
       : PackedWeight(w.n, w.k, DType::kI8, w.quant),
         data_(std::move(data)),
         scales_(std::move(scales)),
-        columns_(std::move(columns)),
+        k_order_(std::move(k_order)),
+        column_group_(std::move(column_group)),
         group_size_(w.group_size),
-        groups_(w.groups()),
-        has_k_order_(w.k_order != nullptr),
-        has_column_group_(w.group_starts != nullptr) {}
+        groups_(w.groups()) {}
   const void* data() const { return data_.get(); }  // [n, k] of dtype(), device, row-major
 
   cuda::DeviceQuantizedWeight quantized() const {
     const int64_t group_entries = int64_t{n()} * groups_;
-    const int32_t* column_group =
-        has_column_group_ ? columns_.get() + (has_k_order_ ? k() : 0) : nullptr;
     return {.quant = quant(),
             .n = n(),
             .k = k(),
@@ -98,29 +97,30 @@ class CudaPackedWeight final : public PackedWeight {
             .values = data_.get(),
             .scales = scales_.get(),
             .zeros = quant() == WeightQuant::kInt4 ? scales_.get() + group_entries : nullptr,
-            .k_order = has_k_order_ ? columns_.get() : nullptr,
-            .column_group = column_group};
+            .k_order = k_order_.get(),
+            .column_group = column_group_.get()};
   }
 
  private:
   DeviceArray<unsigned char> data_;
   DeviceArray<float> scales_;
-  DeviceArray<int32_t> columns_;
+  DeviceArray<int32_t> k_order_;
+  DeviceArray<int32_t> column_group_;
   int group_size_ = 0;
   int groups_ = 0;
-  bool has_k_order_ = false;
-  bool has_column_group_ = false;
 };
 
 class CudaBackendImpl final : public CudaBackend {
  public:
   CudaBackendImpl(const CudaBackendOptions& options, int multiprocessors, Stream stream,
                   cuda::CublasHandle cublas, DeviceArray<int32_t> metadata,
-                  DeviceArray<float> workspace)
+                  PinnedInts pinned_metadata, Event metadata_read, DeviceArray<float> workspace)
       : options_(options),
         stream_(std::move(stream)),
         cublas_(std::move(cublas)),
         metadata_(std::move(metadata)),
+        pinned_metadata_(std::move(pinned_metadata)),
+        metadata_read_(std::move(metadata_read)),
         workspace_(std::move(workspace)),
         multiprocessors_(std::max(multiprocessors, 1)) {
     staging_.reserve(MetadataInts());
@@ -181,7 +181,7 @@ class CudaBackendImpl final : public CudaBackend {
   std::unique_ptr<PackedWeight> PackQuantizedWeight(const QuantizedWeightView& w) override {
     auto failed = [&](absl::Status status) {
       Keep(std::move(status));
-      return std::make_unique<CudaPackedWeight>(w, nullptr, nullptr, nullptr);
+      return std::make_unique<CudaPackedWeight>(w, nullptr, nullptr, nullptr, nullptr);
     };
     if (absl::Status valid = ValidateQuantizedWeight(w); !valid.ok()) return failed(valid);
     const bool int4 = w.quant == WeightQuant::kInt4;
@@ -202,39 +202,43 @@ class CudaBackendImpl final : public CudaBackend {
     if (int4) {
       for (int64_t i = 0; i < group_entries; ++i) scales.push_back(w.zeros[i]);
     }
-    // The column order, then each column's group when the groups are of unequal size.
-    std::vector<int32_t> columns;
-    if (w.k_order != nullptr) columns.assign(w.k_order, w.k_order + w.k);
+    // Each column's group when the groups are of unequal size.
+    std::vector<int32_t> column_group;
     if (w.group_starts != nullptr) {
       for (int g = 0; g < w.num_groups; ++g) {
-        columns.insert(columns.end(), w.group_starts[g + 1] - w.group_starts[g], g);
+        column_group.insert(column_group.end(), w.group_starts[g + 1] - w.group_starts[g], g);
       }
     }
     auto d_values = DeviceAlloc<unsigned char>(static_cast<int64_t>(values.size()));
     auto d_scales = DeviceAlloc<float>(static_cast<int64_t>(scales.size()));
-    auto d_columns = DeviceAlloc<int32_t>(static_cast<int64_t>(columns.size()));
     if (!d_values.ok()) return failed(d_values.status());
     if (!d_scales.ok()) return failed(d_scales.status());
-    if (!d_columns.ok()) return failed(d_columns.status());
     Keep(CudaStatus(cudaMemcpyAsync(d_values->get(), values.data(), values.size(),
                                     cudaMemcpyHostToDevice, stream_.get()),
                     "PackQuantizedWeight upload"));
     Keep(CudaStatus(cudaMemcpyAsync(d_scales->get(), scales.data(), scales.size() * sizeof(float),
                                     cudaMemcpyHostToDevice, stream_.get()),
                     "PackQuantizedWeight upload"));
-    DeviceArray<int32_t> column_data;
-    if (!columns.empty()) {
-      Keep(CudaStatus(cudaMemcpyAsync(d_columns->get(), columns.data(),
-                                      sizeof(int32_t) * columns.size(), cudaMemcpyHostToDevice,
-                                      stream_.get()),
+    // A device copy of an optional int array (an empty one for null).
+    auto upload_ints = [&](const int32_t* ints,
+                           int64_t count) -> absl::StatusOr<DeviceArray<int32_t>> {
+      if (ints == nullptr) return DeviceArray<int32_t>();
+      TANDEM_ASSIGN_OR_RETURN(DeviceArray<int32_t> d, DeviceAlloc<int32_t>(count));
+      Keep(CudaStatus(cudaMemcpyAsync(d.get(), ints, sizeof(int32_t) * count,
+                                      cudaMemcpyHostToDevice, stream_.get()),
                       "PackQuantizedWeight upload"));
-      column_data = std::move(d_columns).value();
-    }
+      return d;
+    };
+    auto k_order = upload_ints(w.k_order, w.k);
+    if (!k_order.ok()) return failed(k_order.status());
+    auto groups = upload_ints(column_group.empty() ? nullptr : column_group.data(), w.k);
+    if (!groups.ok()) return failed(groups.status());
     // The staging vectors (and the caller's arrays) may go once this returns.
     Keep(CudaStatus(cudaStreamSynchronize(stream_.get()), "PackQuantizedWeight upload"));
     return std::make_unique<CudaPackedWeight>(w, std::move(d_values).value(),
                                               std::move(d_scales).value(),
-                                              std::move(column_data));
+                                              std::move(k_order).value(),
+                                              std::move(groups).value());
   }
 
   bool PagedAttentionRoundsQ(DType cache_dtype, int head_dim, int q_len) const override {
@@ -472,16 +476,6 @@ class CudaBackendImpl final : public CudaBackend {
   // step earlier, so in practice no wait).
   absl::Status UploadMetadata() {
     const size_t bytes = sizeof(int32_t) * staging_.size();
-    if (pinned_metadata_ == nullptr) {
-      void* p = nullptr;
-      TANDEM_RETURN_IF_ERROR(CudaStatus(
-          cudaMallocHost(&p, sizeof(int32_t) * MetadataInts()), "cudaMallocHost (metadata)"));
-      pinned_metadata_.reset(p);
-      cudaEvent_t event = nullptr;
-      TANDEM_RETURN_IF_ERROR(CudaStatus(
-          cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate"));
-      metadata_read_.reset(event);
-    }
     TANDEM_RETURN_IF_ERROR(
         CudaStatus(cudaEventSynchronize(metadata_read_.get()), "PagedAttention metadata upload"));
     std::memcpy(pinned_metadata_.get(), staging_.data(), bytes);
@@ -497,11 +491,11 @@ class CudaBackendImpl final : public CudaBackend {
   Stream stream_;
   cuda::CublasHandle cublas_;
   DeviceArray<int32_t> metadata_;  // [MetadataInts()]
+  PinnedInts pinned_metadata_;  // [MetadataInts()], page-locked: what the uploads read
+  Event metadata_read_;         // recorded after the last upload from pinned_metadata_
   DeviceArray<float> workspace_;   // [attention_workspace_bytes / 4]
   std::vector<int32_t> staging_;   // host copy of the metadata, capacity MetadataInts()
   std::vector<int32_t> uploaded_;  // what metadata_ holds now
-  std::unique_ptr<void, HostFree> pinned_metadata_;  // [MetadataInts()], page-locked
-  Event metadata_read_;  // recorded after the last upload from pinned_metadata_
   std::vector<int32_t> tile_start_;     // host plan: tensor-core tiles per sequence (prefix)
   std::vector<int32_t> split_row_ids_;  // host plan: rows of the split-KV kernels
   DeviceArray<unsigned char> x16_;  // [x16_bytes_]: Linear's x rounded to 16 bits (prefill)
@@ -557,11 +551,19 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackend
   TANDEM_ASSIGN_OR_RETURN(
       DeviceArray<int32_t> metadata,
       DeviceAlloc<int32_t>(MetadataInts(options)));
+  void* pinned = nullptr;
+  TANDEM_RETURN_IF_ERROR(CudaStatus(
+      cudaMallocHost(&pinned, sizeof(int32_t) * MetadataInts(options)), "cudaMallocHost"));
+  PinnedInts pinned_metadata(static_cast<int32_t*>(pinned));
+  cudaEvent_t event = nullptr;
+  TANDEM_RETURN_IF_ERROR(
+      CudaStatus(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate"));
+  Event metadata_read(event);
   TANDEM_ASSIGN_OR_RETURN(DeviceArray<float> workspace,
                           DeviceAlloc<float>(options.attention_workspace_bytes / 4));
-  return std::make_unique<CudaBackendImpl>(options, multiprocessors, std::move(stream),
-                                           std::move(cublas),
-                                           std::move(metadata), std::move(workspace));
+  return std::make_unique<CudaBackendImpl>(
+      options, multiprocessors, std::move(stream), std::move(cublas), std::move(metadata),
+      std::move(pinned_metadata), std::move(metadata_read), std::move(workspace));
 }
 
 }  // namespace tandem::kernels
