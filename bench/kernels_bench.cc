@@ -20,6 +20,7 @@
 #include "bench/bandwidth.h"
 #include "benchmark/benchmark.h"
 #include "kernels/src/cpu/thread_pool.h"
+#include "tandem/base/half.h"
 #include "tandem/kernels/backend.h"
 
 #if TANDEM_BENCH_OPENBLAS
@@ -97,15 +98,77 @@ void BM_Linear(benchmark::State& state) {
   ReportGemm(state, m, n, k);
 }
 
-// Args: m, n, k. Each iteration multiplies by the next of enough weights to miss the caches.
+// The weight formats BM_LinearColdWeights streams, with their bytes per weight.
+enum class ColdFormat : int64_t { kF32 = 0, kBf16 = 1, kInt8 = 2, kInt4 = 3 };
+
+const char* ColdFormatName(ColdFormat format) {
+  switch (format) {
+    case ColdFormat::kF32:
+      return "float32";
+    case ColdFormat::kBf16:
+      return "bfloat16";
+    case ColdFormat::kInt8:
+      return "int8";
+    case ColdFormat::kInt4:
+      return "int4 g128";
+  }
+  return "?";
+}
+
+// Bytes the Linear reads per weight, scales and zero points included.
+double ColdBytesPerWeight(ColdFormat format) {
+  switch (format) {
+    case ColdFormat::kF32:
+      return 4.0;
+    case ColdFormat::kBf16:
+      return 2.0;
+    case ColdFormat::kInt8:
+      return 1.0;
+    case ColdFormat::kInt4:
+      return 0.5 + 8.0 / 128;  // a float scale and a float zero point per 128 weights
+  }
+  return 4.0;
+}
+
+std::unique_ptr<kernels::PackedWeight> PackCold(ColdFormat format, const std::vector<float>& w,
+                                               int n, int k) {
+  if (format == ColdFormat::kF32) return Cpu().PackWeight(w.data(), DType::kF32, n, k);
+  if (format == ColdFormat::kBf16) {
+    std::vector<uint16_t> bf16(w.size());
+    for (size_t i = 0; i < w.size(); ++i) bf16[i] = FloatToBf16(w[i]);
+    return Cpu().PackWeight(bf16.data(), DType::kBF16, n, k);
+  }
+  const bool int4 = format == ColdFormat::kInt4;
+  const int group = int4 ? 128 : k;
+  std::vector<int8_t> values(w.size());
+  for (size_t i = 0; i < w.size(); ++i) {
+    values[i] = static_cast<int8_t>(int4 ? (i * 7) % 16 : (static_cast<int>(i * 37) % 255) - 127);
+  }
+  std::vector<float> scales(int64_t{n} * (k / group), 0.01f);
+  std::vector<int8_t> zeros(int4 ? scales.size() : 0, 8);
+  kernels::QuantizedWeightView view{.quant = int4 ? kernels::WeightQuant::kInt4 : kernels::WeightQuant::kInt8,
+                                    .n = n,
+                                    .k = k,
+                                    .group_size = group,
+                                    .values = values.data(),
+                                    .scales = scales.data(),
+                                    .zeros = int4 ? zeros.data() : nullptr};
+  return Cpu().PackQuantizedWeight(view);
+}
+
+// Args: m, n, k, ColdFormat. Each iteration multiplies by the next of enough weights to miss
+// the caches; W_GB/s counts the bytes of the weight's own format.
 void BM_LinearColdWeights(benchmark::State& state) {
   const int m = state.range(0), n = state.range(1), k = state.range(2);
-  const int count = static_cast<int>(std::max<int64_t>(2, kColdBytes / (int64_t{4} * n * k)));
+  const auto format = static_cast<ColdFormat>(state.range(3));
+  const double bytes_per_weight = ColdBytesPerWeight(format);
+  const double weight_bytes = bytes_per_weight * n * k;
+  const int count =
+      static_cast<int>(std::max<double>(2, static_cast<double>(kColdBytes) / weight_bytes));
   std::vector<std::unique_ptr<kernels::PackedWeight>> weights;
   {
     const std::vector<float> w = Random(int64_t{n} * k, 1);
-    for (int i = 0; i < count; ++i)
-      weights.push_back(Cpu().PackWeight(w.data(), DType::kF32, n, k));
+    for (int i = 0; i < count; ++i) weights.push_back(PackCold(format, w, n, k));
   }
   const std::vector<float> x = Random(int64_t{m} * k, 2);
   std::vector<float> y(int64_t{m} * n);
@@ -117,8 +180,15 @@ void BM_LinearColdWeights(benchmark::State& state) {
     benchmark::DoNotOptimize(y.data());
     next = (next + 1) % count;
   }
-  ReportGemm(state, m, n, k);
-  ReportAgainstCopy(state, n, k, copy_gbs);
+  const double iterations = static_cast<double>(state.iterations());
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(2.0 * m * n * k * iterations / 1e9, benchmark::Counter::kIsRate);
+  state.counters["W_GB/s"] =
+      benchmark::Counter(weight_bytes * iterations / 1e9, benchmark::Counter::kIsRate);
+  state.counters["copy_GB/s"] = copy_gbs;
+  state.counters["W_of_copy"] = benchmark::Counter(weight_bytes * iterations / 1e9 / copy_gbs,
+                                                   benchmark::Counter::kIsRate);
+  state.SetLabel(ColdFormatName(format));
 }
 
 #if TANDEM_BENCH_OPENBLAS
@@ -246,10 +316,13 @@ void RegisterAll() {
 #endif
   }
   for (int64_t m : {1, 8, 16}) {
-    benchmark::RegisterBenchmark("BM_LinearColdWeights", BM_LinearColdWeights)
-        ->Args({m, 2048, 2048})
-        ->Unit(benchmark::kMicrosecond)
-        ->UseRealTime();
+    for (ColdFormat format :
+         {ColdFormat::kF32, ColdFormat::kBf16, ColdFormat::kInt8, ColdFormat::kInt4}) {
+      benchmark::RegisterBenchmark("BM_LinearColdWeights", BM_LinearColdWeights)
+          ->Args({m, 2048, 2048, static_cast<int64_t>(format)})
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
 #if TANDEM_BENCH_OPENBLAS
     benchmark::RegisterBenchmark("BM_SgemmColdWeights", BM_SgemmColdWeights)
         ->Args({m, 2048, 2048})

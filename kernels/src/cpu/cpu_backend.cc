@@ -228,8 +228,9 @@ class CpuBackend final : public Backend {
     int64_t grain = (panels + pool_->num_threads() * chunks_per_thread - 1) /
                     (pool_->num_threads() * chunks_per_thread);
     grain = std::max(grain, kMinParallelFlops / flops_per_panel);
-    // Quantised weights: chunks of whole panel pairs, which short row tiles take per call.
-    if (packed.quant() != WeightQuant::kNone) grain += grain % 2;
+    // Chunks of whole groups of the panels that short row tiles take per call.
+    const int64_t per_call = table_->panels_per_call(m, packed.quant());
+    grain = (grain + per_call - 1) / per_call * per_call;
     pool_->ParallelFor(panels, grain, [&](int64_t begin, int64_t end, int thread) {
       table_->gemm_panels(args, begin, end, scratch_[thread].get());
     });

@@ -53,7 +53,9 @@ struct Vec {
   static constexpr const char* kName = "cpu-portable";
   static constexpr int kLanes = 8;
   static constexpr int kRowsPerTile = 4;
-  static constexpr int kQuantPairRows = 0;  // quantised micro-kernels: one panel per call
+  // Quantised micro-kernels: one panel per call.
+  static constexpr int kQuantRowPanels = 1;
+  static constexpr int kQuantPairRows = 0;
 
   static T Zero() { return Set(0.0f); }
   static T Set(float a) {
@@ -169,6 +171,7 @@ struct Vec {
   // 6 rows x 2 vectors = 12 accumulators, 2 W vectors, 1 broadcast: 15 of 16 registers.
   static constexpr int kRowsPerTile = 6;
   // Two quantised panels' scales and zero points alone would take 8 of the 16 registers.
+  static constexpr int kQuantRowPanels = 1;
   static constexpr int kQuantPairRows = 0;
 
   static __m256i Mask(int n) {
@@ -250,6 +253,9 @@ struct Vec {
   // Tiles of up to 3 rows take two quantised panels per call: 3 x 4 accumulators, 4 scales,
   // 4 zero points, 4 W vectors, 1 broadcast and the nibble mask: 26 of 32 registers.
   static constexpr int kQuantPairRows = 3;
+  // A one-row tile takes four: 8 accumulators, 8 W vectors and 1 broadcast in registers, the
+  // scales and zero points beside them read from L1.
+  static constexpr int kQuantRowPanels = 2;
 
   static __mmask16 Mask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
   static T Zero() { return _mm512_setzero_ps(); }

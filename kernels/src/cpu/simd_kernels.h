@@ -75,6 +75,9 @@ struct CpuKernelTable {
 
   // y[:, columns of panels [panel_begin, panel_end)] of the GEMM. scratch: gemm_scratch_floats.
   void (*gemm_panels)(const GemmArgs& args, int64_t panel_begin, int64_t panel_end, float* scratch);
+  // Panels gemm_panels takes in one micro-kernel call for an x of m rows and weights of `quant`:
+  // a chunk of panels given to one thread should be a multiple of it.
+  int (*panels_per_call)(int m, WeightQuant quant);
   // RmsNorm / AddRmsNorm of `rows` rows of `dim`; row pointers already offset by the caller.
   void (*rms_norm_rows)(const float* x, const float* weight, float eps, int64_t rows, int dim,
                         float* y);
