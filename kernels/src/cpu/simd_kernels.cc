@@ -253,9 +253,9 @@ struct Vec {
   // Tiles of up to 3 rows take two quantised panels per call: 3 x 4 accumulators, 4 scales,
   // 4 zero points, 4 W vectors, 1 broadcast and the nibble mask: 26 of 32 registers.
   static constexpr int kQuantPairRows = 3;
-  // A one-row tile takes four: 8 accumulators, 8 W vectors and 1 broadcast in registers, the
-  // scales and zero points beside them read from L1.
-  static constexpr int kQuantRowPanels = 2;
+  // A one-row tile takes four: 8 accumulators, 8 scales, 8 zero points, the W vectors and
+  // the broadcast, a few of them reloaded from L1 at each step.
+  static constexpr int kQuantRowPanels = 4;
 
   static __mmask16 Mask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
   static T Zero() { return _mm512_setzero_ps(); }
