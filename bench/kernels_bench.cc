@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -98,8 +99,24 @@ void BM_Linear(benchmark::State& state) {
   ReportGemm(state, m, n, k);
 }
 
-// The weight formats BM_LinearColdWeights streams, with their bytes per weight.
-enum class ColdFormat : int64_t { kF32 = 0, kBf16 = 1, kInt8 = 2, kInt4 = 3 };
+// The weight formats BM_LinearColdWeights streams, with their bytes per weight. kBf16FloatX is
+// bf16 on the AVX-512 kernels that keep x in fp32, where the default (AVX-512 BF16) kernels
+// round x to bf16 for vdpbf16ps.
+enum class ColdFormat : int64_t { kF32 = 0, kBf16 = 1, kInt8 = 2, kInt4 = 3, kBf16FloatX = 4 };
+
+// The CPU backend without vdpbf16ps, or null where the CPU lacks AVX-512.
+kernels::Backend* CpuFloatX() {
+  static kernels::Backend* backend = []() -> kernels::Backend* {
+    auto created =
+        kernels::CreateCpuBackend({.num_threads = kThreads, .isa = kernels::CpuIsa::kAvx512});
+    return created.ok() ? created->release() : nullptr;
+  }();
+  return backend;
+}
+
+kernels::Backend& ColdBackend(ColdFormat format) {
+  return format == ColdFormat::kBf16FloatX && CpuFloatX() != nullptr ? *CpuFloatX() : Cpu();
+}
 
 const char* ColdFormatName(ColdFormat format) {
   switch (format) {
@@ -111,6 +128,8 @@ const char* ColdFormatName(ColdFormat format) {
       return "int8";
     case ColdFormat::kInt4:
       return "int4 g128";
+    case ColdFormat::kBf16FloatX:
+      return "bfloat16, fp32 x";
   }
   return "?";
 }
@@ -121,6 +140,7 @@ double ColdBytesPerWeight(ColdFormat format) {
     case ColdFormat::kF32:
       return 4.0;
     case ColdFormat::kBf16:
+    case ColdFormat::kBf16FloatX:
       return 2.0;
     case ColdFormat::kInt8:
       return 1.0;
@@ -133,10 +153,10 @@ double ColdBytesPerWeight(ColdFormat format) {
 std::unique_ptr<kernels::PackedWeight> PackCold(ColdFormat format, const std::vector<float>& w,
                                                int n, int k) {
   if (format == ColdFormat::kF32) return Cpu().PackWeight(w.data(), DType::kF32, n, k);
-  if (format == ColdFormat::kBf16) {
+  if (format == ColdFormat::kBf16 || format == ColdFormat::kBf16FloatX) {
     std::vector<uint16_t> bf16(w.size());
     for (size_t i = 0; i < w.size(); ++i) bf16[i] = FloatToBf16(w[i]);
-    return Cpu().PackWeight(bf16.data(), DType::kBF16, n, k);
+    return ColdBackend(format).PackWeight(bf16.data(), DType::kBF16, n, k);
   }
   const bool int4 = format == ColdFormat::kInt4;
   const int group = int4 ? 128 : k;
@@ -176,7 +196,7 @@ void BM_LinearColdWeights(benchmark::State& state) {
   LetOpenBlasPark();
   int next = 0;
   for (auto _ : state) {
-    Cpu().Linear(x.data(), m, *weights[next], nullptr, y.data());
+    ColdBackend(format).Linear(x.data(), m, *weights[next], nullptr, y.data());
     benchmark::DoNotOptimize(y.data());
     next = (next + 1) % count;
   }
@@ -188,7 +208,8 @@ void BM_LinearColdWeights(benchmark::State& state) {
   state.counters["copy_GB/s"] = copy_gbs;
   state.counters["W_of_copy"] = benchmark::Counter(weight_bytes * iterations / 1e9 / copy_gbs,
                                                    benchmark::Counter::kIsRate);
-  state.SetLabel(ColdFormatName(format));
+  state.SetLabel(std::string(ColdFormatName(format)) + ", " +
+                 std::string(ColdBackend(format).name()));
 }
 
 #if TANDEM_BENCH_OPENBLAS
@@ -315,9 +336,9 @@ void RegisterAll() {
         ->UseRealTime();
 #endif
   }
-  for (int64_t m : {1, 8, 16}) {
-    for (ColdFormat format :
-         {ColdFormat::kF32, ColdFormat::kBf16, ColdFormat::kInt8, ColdFormat::kInt4}) {
+  for (int64_t m : {1, 8, 16, 256}) {
+    for (ColdFormat format : {ColdFormat::kF32, ColdFormat::kBf16, ColdFormat::kBf16FloatX,
+                              ColdFormat::kInt8, ColdFormat::kInt4}) {
       benchmark::RegisterBenchmark("BM_LinearColdWeights", BM_LinearColdWeights)
           ->Args({m, 2048, 2048, static_cast<int64_t>(format)})
           ->Unit(benchmark::kMicrosecond)

@@ -46,7 +46,7 @@ absl::StatusOr<std::unique_ptr<kernels::Backend>> CreateBackend(const EngineOpti
                                                                 const text::ModelConfig& config,
                                                                 int max_model_len, int num_blocks) {
   if (options.device == Device::kCpu) {
-    return kernels::CreateCpuBackend({.num_threads = options.num_threads});
+    return kernels::CreateCpuBackend({.num_threads = options.num_threads, .isa = options.cpu_isa});
   }
   const int blocks_per_seq =
       std::min(num_blocks, (max_model_len + options.block_size - 1) / options.block_size);

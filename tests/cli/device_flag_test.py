@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""--device and --kv-backend refusals: a non-zero exit with one line saying why.
+"""--device, --cpu-isa and --kv-backend refusals: a non-zero exit with one line saying why.
 
 usage: device_flag_test.py TANDEM CUDA_BUILT(ON|OFF)
 `--device cuda` must fail only where it cannot run: in a build without CUDA, or on a machine
 with no GPU (then the reason names the missing device).
 """
+import json
 import os
 import shutil
 import subprocess
@@ -60,6 +61,44 @@ with tempfile.TemporaryDirectory() as tmp:
         check(ok, f"--device cuda --tp 2 without a GPU: {err}")
     else:
         print("skipped: --device cuda can run here")
+
+    # --cpu-isa: auto is the widest set that keeps activations in fp32 (never avx512-bf16);
+    # avx512-bf16 rounds the bf16 checkpoint's activations, visibly but slightly; a set this CPU
+    # lacks, or an unknown one, is refused in one line.
+    ok, err = refused(run(*gen, "--device", "cpu", "--cpu-isa", "sse9"),
+                      "--cpu-isa must be auto, portable, avx2, avx512 or avx512-bf16, got sse9")
+    check(ok, f"--cpu-isa sse9: {err}")
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    avx512 = {"avx512f", "avx512vl", "avx512dq", "avx512bw", "avx2", "fma", "f16c"} <= flags
+    greedy = ["generate", "--model", model, "--prompt", "Hi there", "--max-tokens", "4", "--json",
+              "--logprobs", "1", "--temperature", "0", "--device", "cpu"]
+
+    def logprobs(isa):
+        r = run(*greedy, "--cpu-isa", isa)
+        check(r.returncode == 0, f"--cpu-isa {isa} runs: {r.stderr}")
+        return json.loads(r.stdout.splitlines()[0])["logprobs"] if r.returncode == 0 else None
+
+    auto = logprobs("auto")
+    portable = logprobs("portable")
+    if auto and portable:
+        check(max(abs(a - b) for a, b in zip(auto, portable)) < 1e-4,
+              f"portable {portable} against auto {auto}")
+    if avx512:
+        check(logprobs("avx512") == auto, "auto is not avx512 on a CPU with AVX-512")
+        if "avx512_bf16" in flags:
+            rounded = logprobs("avx512-bf16")
+            if auto and rounded:
+                diff = max(abs(a - b) for a, b in zip(auto, rounded))
+                check(1e-6 < diff < 0.05, f"avx512-bf16 {rounded} against avx512 {auto}")
+    if not (avx512 and "avx512_bf16" in flags):
+        ok, err = refused(run(*gen, "--device", "cpu", "--cpu-isa", "avx512-bf16"),
+                          "--cpu-isa avx512-bf16: this CPU lacks it")
+        check(ok, f"--cpu-isa avx512-bf16 without AVX-512 BF16: {err}")
 
     # A host KV cache cannot go over cuda_ipc; an unknown backend is named.
     for role in ("prefill", "decode"):

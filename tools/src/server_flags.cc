@@ -110,6 +110,7 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
   TANDEM_ASSIGN_OR_RETURN(int64_t threads, IntFlag(args, "threads", 0, 0, 1024));
   options.num_threads = static_cast<int>(threads);
   TANDEM_ASSIGN_OR_RETURN(options.device, DeviceFlag(args));
+  TANDEM_ASSIGN_OR_RETURN(options.cpu_isa, CpuIsaFlag(args));
   TANDEM_ASSIGN_OR_RETURN(options.dtype,
                           DTypeFlag(args, "dtype", {DType::kBF16, DType::kF16, DType::kF32}));
   TANDEM_ASSIGN_OR_RETURN(options.kv_cache_dtype, DTypeFlag(args, "kv-cache-dtype",

@@ -106,6 +106,24 @@ void PackPanels(const T* w, int n, int k, int width, ThreadPool& pool, T* out) {
   });
 }
 
+// Copies bf16 W[n, k] into panels of k pairs [ceil(n / width)][ceil(k / 2)][width][2], zero past
+// n and past an odd k.
+void PackPairPanels(const uint16_t* w, int n, int k, int width, ThreadPool& pool, uint16_t* out) {
+  const int64_t panels = (n + width - 1) / width;
+  const int64_t k2 = (k + 1) / 2;
+  pool.ParallelFor(panels, 1, [&](int64_t begin, int64_t end, int) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint16_t* panel = out + p * k2 * width * 2;
+      for (int c = 0; c < width; ++c) {
+        const int64_t row = p * width + c;
+        for (int64_t kk = 0; kk < 2 * k2; ++kk) {
+          panel[(kk / 2 * width + c) * 2 + kk % 2] = row < n && kk < k ? w[row * k + kk] : 0;
+        }
+      }
+    }
+  });
+}
+
 class CpuBackend final : public Backend {
  public:
   CpuBackend(const CpuKernelTable* table, std::unique_ptr<ThreadPool> pool,
@@ -144,8 +162,13 @@ class CpuBackend final : public Backend {
         << "PackWeight of " << DTypeName(dtype) << " weights";
     const int width = table_->panel_width;
     const int64_t panels = (n + width - 1) / width;
-    AlignedBytes packed = AllocateAlignedBytes(panels * k * width * DTypeSize(dtype));
-    if (dtype == DType::kF32) {
+    const bool pairs = dtype == DType::kBF16 && table_->bf16_pairs;
+    AlignedBytes packed =
+        AllocateAlignedBytes(panels * (pairs ? (k + 1) / 2 * 2 : k) * width * DTypeSize(dtype));
+    if (pairs) {
+      PackPairPanels(static_cast<const uint16_t*>(w), n, k, width, *pool_,
+                     reinterpret_cast<uint16_t*>(packed.get()));
+    } else if (dtype == DType::kF32) {
       PackPanels(static_cast<const float*>(w), n, k, width, *pool_,
                  reinterpret_cast<float*>(packed.get()));
     } else {
@@ -194,6 +217,11 @@ class CpuBackend final : public Backend {
     });
     return std::make_unique<CpuPackedWeight>(w, table_, std::move(packed), std::move(scales),
                                              std::move(zeros));
+  }
+
+  // The AVX-512 BF16 kernels round x for bf16 W, whatever m (keeping Linear batch invariant).
+  bool LinearRoundsX(int m, DType w_dtype) const override {
+    return table_->bf16_pairs && w_dtype == DType::kBF16;
   }
 
   void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
@@ -415,6 +443,24 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
+bool CpuIsaSupported(CpuIsa isa) { return cpu::CpuSupports(isa); }
+
+std::string_view CpuIsaName(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAuto:
+      return "auto";
+    case CpuIsa::kPortable:
+      return "portable";
+    case CpuIsa::kAvx2:
+      return "avx2";
+    case CpuIsa::kAvx512:
+      return "avx512";
+    case CpuIsa::kAvx512Bf16:
+      return "avx512-bf16";
+  }
+  return "unknown";
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const CpuBackendOptions& options) {
   if (options.num_threads < 0) {
     return absl::InvalidArgumentError("CpuBackendOptions.num_threads must be >= 0");
@@ -422,7 +468,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const CpuBackendOption
   const CpuKernelTable* table = cpu::CpuKernelTableFor(options.isa);
   if (table == nullptr) {
     return absl::FailedPreconditionError(
-        "this CPU does not support the instruction set requested in CpuBackendOptions.isa");
+        absl::StrCat("this CPU does not support the ", std::string(CpuIsaName(options.isa)),
+                     " instruction set"));
   }
   const int threads = options.num_threads > 0
                           ? options.num_threads

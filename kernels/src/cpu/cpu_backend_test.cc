@@ -643,6 +643,7 @@ TEST(CpuBackendOptionsTest, RejectsNegativeThreadCount) {
 TEST(CpuBackendOptionsTest, AutoPicksTheWidestSupportedInstructionSet) {
   auto backend = CreateCpuBackend({.num_threads = 1});
   ASSERT_TRUE(backend.ok()) << backend.status();
+  // Never cpu-avx512-bf16, which rounds activations: only an explicit choice may.
   const std::string expected = cpu::CpuSupports(CpuIsa::kAvx512) ? "cpu-avx512"
                                : cpu::CpuSupports(CpuIsa::kAvx2) ? "cpu-avx2"
                                                                  : "cpu-portable";
@@ -650,7 +651,8 @@ TEST(CpuBackendOptionsTest, AutoPicksTheWidestSupportedInstructionSet) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Isa, CpuBackendTest,
-                         ::testing::Values(CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512),
+                         ::testing::Values(CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512,
+                                           CpuIsa::kAvx512Bf16),
                          [](const ::testing::TestParamInfo<CpuIsa>& info) -> std::string {
                            switch (info.param) {
                              case CpuIsa::kPortable:
@@ -659,6 +661,8 @@ INSTANTIATE_TEST_SUITE_P(Isa, CpuBackendTest,
                                return "Avx2";
                              case CpuIsa::kAvx512:
                                return "Avx512";
+                             case CpuIsa::kAvx512Bf16:
+                               return "Avx512Bf16";
                              default:
                                return "Auto";
                            }

@@ -57,6 +57,14 @@ struct Vec {
   static constexpr int kQuantRowPanels = 1;
   static constexpr int kQuantPairRows = 0;
 
+  // Products of bf16 pairs (vdpbf16ps): only the AVX-512 BF16 instruction set has them.
+  static constexpr bool kBf16Dot = false;
+  using Pairs = T;
+  static Pairs LoadPairs(const uint16_t* p);
+  static Pairs SetPair(uint32_t pair);
+  static T DotPairs(T acc, Pairs a, Pairs b);
+  static void RoundPairs(const float* x, uint32_t* pairs);
+
   static T Zero() { return Set(0.0f); }
   static T Set(float a) {
     T r;
@@ -174,6 +182,14 @@ struct Vec {
   static constexpr int kQuantRowPanels = 1;
   static constexpr int kQuantPairRows = 0;
 
+  // Products of bf16 pairs (vdpbf16ps): only the AVX-512 BF16 instruction set has them.
+  static constexpr bool kBf16Dot = false;
+  using Pairs = T;
+  static Pairs LoadPairs(const uint16_t* p);
+  static Pairs SetPair(uint32_t pair);
+  static T DotPairs(T acc, Pairs a, Pairs b);
+  static void RoundPairs(const float* x, uint32_t* pairs);
+
   static __m256i Mask(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
@@ -257,6 +273,14 @@ struct Vec {
   // the broadcast, a few of them reloaded from L1 at each step.
   static constexpr int kQuantRowPanels = 4;
 
+  // Products of bf16 pairs (vdpbf16ps): only the AVX-512 BF16 instruction set has them.
+  static constexpr bool kBf16Dot = false;
+  using Pairs = T;
+  static Pairs LoadPairs(const uint16_t* p);
+  static Pairs SetPair(uint32_t pair);
+  static T DotPairs(T acc, Pairs a, Pairs b);
+  static void RoundPairs(const float* x, uint32_t* pairs);
+
   static __mmask16 Mask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
   static T Zero() { return _mm512_setzero_ps(); }
   static T Set(float a) { return _mm512_set1_ps(a); }
@@ -326,6 +350,42 @@ struct Vec {
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma,f16c")
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// AVX-512 with BF16: the AVX-512 kernels, but bf16 weights multiply by vdpbf16ps on x rounded to
+// bf16 (see GemmPanelsDot).
+namespace avx512bf16 {
+
+struct Vec : avx512::Vec {
+  static constexpr const char* kName = "cpu-avx512-bf16";
+  static constexpr bool kBf16Dot = true;
+  using Pairs = __m512bh;
+  // 16 bf16 pairs: columns c .. c + 15 of a panel, two k steps each.
+  static Pairs LoadPairs(const uint16_t* p) {
+    return reinterpret_cast<Pairs>(_mm512_loadu_si512(reinterpret_cast<const void*>(p)));
+  }
+  static Pairs SetPair(uint32_t pair) {
+    return reinterpret_cast<Pairs>(_mm512_set1_epi32(static_cast<int>(pair)));
+  }
+  // acc + a.lo b.lo + a.hi b.hi per lane, in fp32.
+  static T DotPairs(T acc, Pairs a, Pairs b) { return _mm512_dpbf16_ps(acc, a, b); }
+  // x[0 .. 31] rounded to bf16 (to nearest even) as 16 pairs (x[2l] low, x[2l + 1] high).
+  static void RoundPairs(const float* x, uint32_t* pairs) {
+    const __m256bh lo = _mm512_cvtneps_pbh(_mm512_loadu_ps(x));
+    const __m256bh hi = _mm512_cvtneps_pbh(_mm512_loadu_ps(x + 16));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs), reinterpret_cast<__m256i>(lo));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 8), reinterpret_cast<__m256i>(hi));
+  }
+};
+
+#include "kernels/src/cpu/simd_kernels.inc"
+
+}  // namespace avx512bf16
+#pragma GCC diagnostic pop
+#pragma GCC pop_options
+
 #endif  // TANDEM_X86_KERNELS
 
 bool CpuSupports(CpuIsa isa) {
@@ -342,9 +402,12 @@ bool CpuSupports(CpuIsa isa) {
              __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("f16c");
+    case CpuIsa::kAvx512Bf16:
+      return CpuSupports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
 #else
     case CpuIsa::kAvx2:
     case CpuIsa::kAvx512:
+    case CpuIsa::kAvx512Bf16:
       return false;
 #endif
   }
@@ -353,6 +416,7 @@ bool CpuSupports(CpuIsa isa) {
 
 const CpuKernelTable* CpuKernelTableFor(CpuIsa isa) {
   if (isa == CpuIsa::kAuto) {
+    // Not kAvx512Bf16: it rounds x for bf16 weights, which only an explicit choice may do.
     for (CpuIsa widest : {CpuIsa::kAvx512, CpuIsa::kAvx2}) {
       if (CpuSupports(widest)) return CpuKernelTableFor(widest);
     }
@@ -361,6 +425,8 @@ const CpuKernelTable* CpuKernelTableFor(CpuIsa isa) {
   if (!CpuSupports(isa)) return nullptr;
   switch (isa) {
 #if TANDEM_X86_KERNELS
+    case CpuIsa::kAvx512Bf16:
+      return &avx512bf16::kTable;
     case CpuIsa::kAvx512:
       return &avx512::kTable;
     case CpuIsa::kAvx2:

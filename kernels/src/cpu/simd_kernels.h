@@ -70,6 +70,9 @@ struct CpuKernelTable {
   const char* name;
   // Columns per packed weight panel (two vector registers).
   int panel_width;
+  // Whether bf16 W is packed in k pairs, w[p][kk / 2][c][kk % 2], for vdpbf16ps (x then rounded
+  // to bf16); else as every dtype, w[p][kk][c].
+  bool bf16_pairs;
   // Floats of per-thread scratch that gemm_panels needs.
   int64_t gemm_scratch_floats;
 

@@ -58,6 +58,9 @@ struct EngineOptions {
   std::string model_dir;
   Device device = Device::kCpu;
   int num_threads = 0;                   // 0: one per core
+  // `--cpu-isa`: the CPU backend's instruction set (kAuto: the widest that keeps activations in
+  // fp32; kAvx512Bf16 must be asked for). Device::kCpu only.
+  kernels::CpuIsa cpu_isa = kernels::CpuIsa::kAuto;
   int64_t kv_cache_bytes = 512ll << 20;  // KV capacity is derived from this budget
   int block_size = 16;
   // `--dtype`: the element type projection weights are held in (kF32, kBF16, kF16); unset

@@ -314,11 +314,22 @@ class Backend {
 
 // Instruction sets the CPU backend carries code for. Results are bitwise reproducible for one
 // instruction set on one machine; different instruction sets may differ in the last bits.
-enum class CpuIsa { kAuto, kPortable, kAvx2, kAvx512 };
+// kAvx512Bf16: AVX-512 with vdpbf16ps, which multiplies bf16 weights by x rounded to bf16
+// (Backend::LinearRoundsX): about twice the prefill GEMM rate of kAvx512 on bf16 weights, with
+// activations no longer exact in fp32, so kAuto never picks it.
+enum class CpuIsa { kAuto, kPortable, kAvx2, kAvx512, kAvx512Bf16 };
+
+// "auto", "portable", "avx2", "avx512", "avx512-bf16".
+std::string_view CpuIsaName(CpuIsa isa);
+
+// Whether this CPU (and OS) can run the CPU backend's code for `isa`; kAuto always.
+bool CpuIsaSupported(CpuIsa isa);
 
 struct CpuBackendOptions {
-  int num_threads = 0;         // 0: one per available core
-  CpuIsa isa = CpuIsa::kAuto;  // kAuto: the widest this CPU supports; others fail if unsupported
+  int num_threads = 0;  // 0: one per available core
+  // kAuto: the widest this CPU supports of kAvx512, kAvx2 and kPortable; others fail if
+  // unsupported.
+  CpuIsa isa = CpuIsa::kAuto;
 };
 
 // The CPU backend: fp32 activations and accumulation, fp32/bf16/fp16 weights (converted in
