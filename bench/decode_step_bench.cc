@@ -5,6 +5,7 @@
 // measured in the same run.
 //
 //   tandem_bench_decode [--preset=small] [--context=256] [--dtypes=float32,bfloat16,int8,int4]
+//                       (TYPE@ISA: that CPU instruction set, e.g. bfloat16@avx512-bf16)
 //                       [--batches=1,4,16] [--bandwidth-mib=256] [--device=cpu|cuda]
 //                       [--num-layers=N (the preset's shape with N layers)]
 //                       [--prefill=2048,... (also time one prefill of each length)]
@@ -55,6 +56,7 @@ struct WeightFormat {
   std::string name;
   std::optional<DType> dtype;
   std::string quant;  // synth-model --quant, or empty
+  kernels::CpuIsa isa = kernels::CpuIsa::kAuto;  // "TYPE@ISA" in --dtypes
 };
 
 std::string ModelDir(const std::string& quant) {
@@ -110,9 +112,10 @@ double BytesPerStep(const text::ModelConfig& c, int batch, int context, const We
 // and `tokens` query rows per call, or the CPU with two threads.
 absl::StatusOr<std::unique_ptr<kernels::Backend>> MakeBackend(const text::ModelConfig& c,
                                                                int max_seqs, int tokens,
-                                                               int context, int block_size) {
+                                                               int context, int block_size,
+                                                               kernels::CpuIsa isa) {
   if (!g_cuda) {
-    TANDEM_ASSIGN_OR_RETURN(auto cpu, kernels::CreateCpuBackend({.num_threads = 2}));
+    TANDEM_ASSIGN_OR_RETURN(auto cpu, kernels::CreateCpuBackend({.num_threads = 2, .isa = isa}));
     return std::unique_ptr<kernels::Backend>(std::move(cpu));
   }
   TANDEM_ASSIGN_OR_RETURN(
@@ -137,7 +140,8 @@ Setup OpenModel(benchmark::State& state, const WeightFormat& format, int max_seq
     state.SkipWithError(std::string(checkpoint.status().message()).c_str());
     return {};
   }
-  auto backend = MakeBackend((*checkpoint)->config(), max_seqs, tokens, context, block_size);
+  auto backend = MakeBackend((*checkpoint)->config(), max_seqs, tokens, context, block_size,
+                             format.isa);
   if (!backend.ok()) {
     state.SkipWithError(std::string(backend.status().message()).c_str());
     return {};
@@ -281,7 +285,26 @@ int main(int argc, char** argv) {
       tandem::g_context = std::atoi(a.c_str() + 10);
     } else if (a.rfind("--dtypes=", 0) == 0) {
       formats.clear();
-      for (absl::string_view name : absl::StrSplit(a.substr(9), ',')) {
+      for (absl::string_view entry : absl::StrSplit(a.substr(9), ',')) {
+        const std::vector<std::string> parts = absl::StrSplit(entry, '@');
+        const absl::string_view name = parts[0];
+        tandem::kernels::CpuIsa isa = tandem::kernels::CpuIsa::kAuto;
+        if (parts.size() == 2) {
+          bool known = false;
+          for (auto candidate : {tandem::kernels::CpuIsa::kPortable, tandem::kernels::CpuIsa::kAvx2,
+                                 tandem::kernels::CpuIsa::kAvx512,
+                                 tandem::kernels::CpuIsa::kAvx512Bf16}) {
+            if (parts[1] == tandem::kernels::CpuIsaName(candidate)) {
+              isa = candidate;
+              known = true;
+            }
+          }
+          if (!known || parts[0] == "int8" || parts[0] == "int4") {
+            std::fprintf(stderr, "tandem_bench_decode: --dtypes: not TYPE@ISA: %s\n",
+                         std::string(entry).c_str());
+            return 2;
+          }
+        }
         if (name == "int8") {
           formats.push_back({"int8", std::nullopt, "int8"});
           continue;
@@ -296,7 +319,7 @@ int main(int argc, char** argv) {
                        std::string(name).c_str());
           return 2;
         }
-        formats.push_back({tandem::DTypeFlagName(*d), *d, ""});
+        formats.push_back({std::string(entry), *d, "", isa});
       }
     } else if (a.rfind("--bandwidth-mib=", 0) == 0) {
       bandwidth_bytes = static_cast<size_t>(std::atol(a.c_str() + 16)) << 20;
