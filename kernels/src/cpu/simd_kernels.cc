@@ -43,10 +43,23 @@ const float* Fp8Values(DType dtype) {
 constexpr float kNibbleBias = 8388608.0f;
 constexpr int kNibbleBiasBits = 0x4b000000;
 
+// What an instruction set without products of bf16 pairs (vdpbf16ps) says of them: declared so
+// that simd_kernels.inc compiles, never defined nor called (GemmPanelsDot is instantiated only
+// where kBf16Dot holds). The AVX-512 BF16 Vec defines them.
+struct WithoutBf16Dot {
+  static constexpr bool kBf16Dot = false;
+  using Pairs = int;
+  static Pairs LoadPairs(const uint16_t* p);
+  static Pairs SetPair(uint32_t pair);
+  template <typename T>
+  static T DotPairs(T acc, Pairs a, Pairs b);
+  static void RoundPairs(const float* x, uint32_t* pairs);
+};
+
 // Portable: eight lanes of plain C++, which the compiler maps onto SSE2.
 namespace portable {
 
-struct Vec {
+struct Vec : WithoutBf16Dot {
   struct T {
     float v[8];
   };
@@ -56,14 +69,6 @@ struct Vec {
   // Quantised micro-kernels: one panel per call.
   static constexpr int kQuantRowPanels = 1;
   static constexpr int kQuantPairRows = 0;
-
-  // Products of bf16 pairs (vdpbf16ps): only the AVX-512 BF16 instruction set has them.
-  static constexpr bool kBf16Dot = false;
-  using Pairs = T;
-  static Pairs LoadPairs(const uint16_t* p);
-  static Pairs SetPair(uint32_t pair);
-  static T DotPairs(T acc, Pairs a, Pairs b);
-  static void RoundPairs(const float* x, uint32_t* pairs);
 
   static T Zero() { return Set(0.0f); }
   static T Set(float a) {
@@ -172,7 +177,7 @@ struct Vec {
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 
-struct Vec {
+struct Vec : WithoutBf16Dot {
   using T = __m256;
   static constexpr const char* kName = "cpu-avx2";
   static constexpr int kLanes = 8;
@@ -181,14 +186,6 @@ struct Vec {
   // Two quantised panels' scales and zero points alone would take 8 of the 16 registers.
   static constexpr int kQuantRowPanels = 1;
   static constexpr int kQuantPairRows = 0;
-
-  // Products of bf16 pairs (vdpbf16ps): only the AVX-512 BF16 instruction set has them.
-  static constexpr bool kBf16Dot = false;
-  using Pairs = T;
-  static Pairs LoadPairs(const uint16_t* p);
-  static Pairs SetPair(uint32_t pair);
-  static T DotPairs(T acc, Pairs a, Pairs b);
-  static void RoundPairs(const float* x, uint32_t* pairs);
 
   static __m256i Mask(int n) {
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -260,7 +257,7 @@ struct Vec {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 namespace avx512 {
 
-struct Vec {
+struct Vec : WithoutBf16Dot {
   using T = __m512;
   static constexpr const char* kName = "cpu-avx512";
   static constexpr int kLanes = 16;
@@ -272,14 +269,6 @@ struct Vec {
   // A one-row tile takes four: 8 accumulators, 8 scales, 8 zero points, the W vectors and
   // the broadcast, a few of them reloaded from L1 at each step.
   static constexpr int kQuantRowPanels = 4;
-
-  // Products of bf16 pairs (vdpbf16ps): only the AVX-512 BF16 instruction set has them.
-  static constexpr bool kBf16Dot = false;
-  using Pairs = T;
-  static Pairs LoadPairs(const uint16_t* p);
-  static Pairs SetPair(uint32_t pair);
-  static T DotPairs(T acc, Pairs a, Pairs b);
-  static void RoundPairs(const float* x, uint32_t* pairs);
 
   static __mmask16 Mask(int n) { return static_cast<__mmask16>((1u << n) - 1u); }
   static T Zero() { return _mm512_setzero_ps(); }
