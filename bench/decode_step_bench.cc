@@ -46,6 +46,7 @@ std::string g_preset = "small";
 int g_context = 256;
 double g_copy_gbs = 0;
 double g_read_gbs = 0;
+size_t g_bandwidth_bytes = size_t{256} << 20;
 bool g_cuda = false;
 int g_num_layers = 0;  // 0: the preset's
 
@@ -256,8 +257,13 @@ void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
   state.counters["step_ms"] = step_s * 1e3;
   state.counters["MB_per_step"] = bytes / 1e6;
   state.counters["GB_per_s"] = gbs;
-  state.counters["read_GB_per_s"] = g_read_gbs;
-  state.counters["of_read"] = gbs / g_read_gbs;
+  // A shared machine's bandwidth can move by the minute: on the CPU the read kernel runs again
+  // right after the steps, and the ratio is to the better of that and the start-of-run figure.
+  const double read_gbs =
+      g_cuda ? g_read_gbs
+             : std::max(g_read_gbs, bench::MeasureReadBandwidthGBs(2, g_bandwidth_bytes, 3));
+  state.counters["read_GB_per_s"] = read_gbs;
+  state.counters["of_read"] = gbs / read_gbs;
   state.counters["of_copy"] = gbs / g_copy_gbs;
   state.counters["tokens_per_s"] = batch / step_s;
   state.SetLabel(absl::StrCat(g_preset, " ", c.NumParameters() / 1000000, "M params, ", format.name,
@@ -276,7 +282,6 @@ int main(int argc, char** argv) {
                                        {"int4", std::nullopt, "awq"}};
   std::vector<int64_t> batches = {1, 4, 16};
   std::vector<int64_t> prefills;  // --prefill: prompt lengths to time a prefill of
-  size_t bandwidth_bytes = size_t{256} << 20;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--preset=", 0) == 0) {
@@ -322,7 +327,7 @@ int main(int argc, char** argv) {
         formats.push_back({std::string(entry), *d, "", isa});
       }
     } else if (a.rfind("--bandwidth-mib=", 0) == 0) {
-      bandwidth_bytes = static_cast<size_t>(std::atol(a.c_str() + 16)) << 20;
+      tandem::g_bandwidth_bytes = static_cast<size_t>(std::atol(a.c_str() + 16)) << 20;
     } else if (a.rfind("--prefill=", 0) == 0) {
       for (absl::string_view t : absl::StrSplit(a.substr(10), ',')) {
         prefills.push_back(std::atoi(std::string(t).c_str()));
@@ -355,14 +360,14 @@ int main(int argc, char** argv) {
     std::printf("device copy bandwidth (cudaMemcpy 1 GiB, read + write, same run): %.1f GB/s\n",
                 tandem::g_copy_gbs);
   } else {
-    tandem::g_read_gbs = tandem::bench::MeasureReadBandwidthGBs(2, bandwidth_bytes);
-    tandem::g_copy_gbs = tandem::bench::MeasureCopyBandwidthGBs(2, bandwidth_bytes);
+    tandem::g_read_gbs = tandem::bench::MeasureReadBandwidthGBs(2, tandem::g_bandwidth_bytes);
+    tandem::g_copy_gbs = tandem::bench::MeasureCopyBandwidthGBs(2, tandem::g_bandwidth_bytes);
   }
   if (!tandem::g_cuda) std::printf("read bandwidth (2 threads, read-only sum of %zu MiB, same run): %.2f GB/s\n",
-              bandwidth_bytes >> 20, tandem::g_read_gbs);
+              tandem::g_bandwidth_bytes >> 20, tandem::g_read_gbs);
   if (!tandem::g_cuda) {
     std::printf("copy bandwidth (2 threads, %zu MiB, same run): %.2f GB/s\n",
-                bandwidth_bytes >> 20, tandem::g_copy_gbs);
+                tandem::g_bandwidth_bytes >> 20, tandem::g_copy_gbs);
   }
   for (const WeightFormat& format : formats) {
     auto* b = benchmark::RegisterBenchmark(
