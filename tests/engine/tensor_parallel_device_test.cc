@@ -24,6 +24,7 @@
 #include "tandem/engine/model_runner.h"
 #include "kernels/src/forwarding_backend.h"
 #include "tandem/kernels/backend.h"
+#include "tensor_parallel_support.h"
 #include "test_models.h"
 
 namespace tandem::engine {
@@ -43,20 +44,6 @@ std::unique_ptr<kernels::Backend> DeviceLike() {
   EXPECT_TRUE(cpu.ok()) << cpu.status();
   return std::make_unique<DeviceLikeBackend>(std::move(cpu).value());
 }
-
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern =
-        (std::filesystem::temp_directory_path() / "tp_device_test_XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 // max |a - b| / max |b|.
 double RelativeError(std::span<const float> a, std::span<const float> b) {
@@ -96,7 +83,7 @@ TEST(TensorParallelDeviceTest, DeviceCommunicatorGivesOneRunnersLogits) {
     auto single = ModelRunner::Create(**checkpoint, cpu->get(), kOptions);
     ASSERT_TRUE(single.ok()) << single.status();
 
-    TempDir host_dir, device_dir;
+    testing::TempDir host_dir("tp_device_test"), device_dir("tp_device_test");
     absl::Status follower_status;
     uint64_t follower_device_calls = 0;
     std::jthread follower([&] {
@@ -216,7 +203,7 @@ TEST(TensorParallelDeviceTest, DeviceCommunicatorGivesOneRunnersLogits) {
 // collective, saying what it needs.
 TEST(TensorParallelDeviceTest, DeviceBackendWithoutDeviceCommunicatorIsRefused) {
   const std::string model = testing::TinyModel("llama", DType::kF32);
-  TempDir dir;
+  testing::TempDir dir("tp_device_test");
   std::vector<absl::Status> status(kTp);
   {
     std::vector<std::jthread> ranks;
@@ -248,7 +235,7 @@ TEST(TensorParallelDeviceTest, DeviceBackendWithoutDeviceCommunicatorIsRefused) 
 // A device communicator whose ranks are not the group's is refused on every rank.
 TEST(TensorParallelDeviceTest, DeviceCommunicatorOfOtherRanksIsRefused) {
   const std::string model = testing::TinyModel("llama", DType::kF32);
-  TempDir dir, device_dir;
+  testing::TempDir dir("tp_device_test"), device_dir("tp_device_test");
   std::vector<absl::Status> status(kTp);
   {
     std::vector<std::jthread> ranks;

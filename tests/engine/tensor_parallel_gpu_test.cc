@@ -18,6 +18,7 @@
 #include "tandem/collective/nccl_communicator.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/kernels/cuda_backend.h"
+#include "tensor_parallel_support.h"
 #include "test_models.h"
 
 namespace tandem::engine {
@@ -27,20 +28,6 @@ constexpr int kSteps = 32;
 constexpr int kTp = 2;
 // Of fp32 on two devices against the CPU: summation order only.
 constexpr double kMaxLogprobError = 1e-3;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern =
-        (std::filesystem::temp_directory_path() / "tp_gpu_test_XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 std::vector<GenerateRequest> Requests() {
   std::vector<GenerateRequest> requests;
@@ -84,7 +71,7 @@ TEST_P(TensorParallelGpuTest, GivesTheTokensOfOneCpuEngine) {
     expected = std::move(out).value();
   }
 
-  TempDir dir;
+  testing::TempDir dir("tp_gpu_test");
   absl::Status follower_status;
   std::vector<RequestOutput> got;
   {
@@ -118,18 +105,7 @@ TEST_P(TensorParallelGpuTest, GivesTheTokensOfOneCpuEngine) {
   }
   EXPECT_TRUE(follower_status.ok()) << follower_status;
 
-  ASSERT_EQ(got.size(), expected.size());
-  for (size_t r = 0; r < got.size(); ++r) {
-    const ChoiceDelta& want = expected[r].choices[0];
-    const ChoiceDelta& have = got[r].choices[0];
-    ASSERT_EQ(want.token_ids.size(), static_cast<size_t>(kSteps));
-    EXPECT_EQ(have.token_ids, want.token_ids) << expected[r].request_id;
-    ASSERT_EQ(have.logprobs.size(), want.logprobs.size());
-    for (size_t i = 0; i < want.logprobs.size(); ++i) {
-      EXPECT_NEAR(have.logprobs[i], want.logprobs[i], kMaxLogprobError)
-          << expected[r].request_id << " token " << i;
-    }
-  }
+  testing::ExpectTokensOfOneEngine(expected, got, kSteps, kMaxLogprobError);
 }
 
 INSTANTIATE_TEST_SUITE_P(Archs, TensorParallelGpuTest,

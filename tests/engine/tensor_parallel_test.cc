@@ -18,26 +18,13 @@
 #include "tandem/collective/gloo_communicator.h"
 #include "tandem/engine/checkpoint.h"
 #include "tandem/engine/llm_engine.h"
+#include "tensor_parallel_support.h"
 #include "test_models.h"
 
 namespace tandem::engine {
 namespace {
 
 constexpr int kSteps = 64;
-
-// A fresh rendezvous directory per group.
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (std::filesystem::temp_directory_path() / "tp_test_XXXXXX").string();
-    path_ = ::mkdtemp(pattern.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 std::vector<GenerateRequest> Requests(int vocab) {
   std::mt19937 rng(11);
@@ -71,7 +58,7 @@ EngineOptions Options(const std::string& model) {
 // Runs `requests` on a group of `tp` ranks (the engine on rank 0, followers on threads).
 std::vector<RequestOutput> RunGroup(const std::string& model, int tp,
                                     std::vector<GenerateRequest> requests) {
-  TempDir dir;
+  testing::TempDir dir("tp_test");
   std::vector<absl::Status> follower_status(tp, absl::OkStatus());
   std::vector<RequestOutput> outputs;
   {
@@ -111,32 +98,6 @@ std::vector<RequestOutput> RunGroup(const std::string& model, int tp,
   return outputs;
 }
 
-// A group's outputs against one engine's: the same tokens, logprobs (and the top
-// alternatives) within 1e-4.
-void ExpectTokensOfOneEngine(const std::vector<RequestOutput>& expected,
-                             const std::vector<RequestOutput>& got) {
-  ASSERT_EQ(got.size(), expected.size());
-  for (size_t r = 0; r < got.size(); ++r) {
-    const ChoiceDelta& want = expected[r].choices[0];
-    const ChoiceDelta& have = got[r].choices[0];
-    ASSERT_EQ(want.token_ids.size(), static_cast<size_t>(kSteps));
-    EXPECT_EQ(have.token_ids, want.token_ids) << expected[r].request_id;
-    ASSERT_EQ(have.logprobs.size(), want.logprobs.size());
-    for (size_t i = 0; i < want.logprobs.size(); ++i) {
-      EXPECT_NEAR(have.logprobs[i], want.logprobs[i], 1e-4)
-          << expected[r].request_id << " token " << i;
-    }
-    ASSERT_EQ(have.top_logprobs.size(), want.top_logprobs.size());
-    for (size_t i = 0; i < want.top_logprobs.size(); ++i) {
-      ASSERT_EQ(have.top_logprobs[i].size(), want.top_logprobs[i].size());
-      for (size_t k = 0; k < want.top_logprobs[i].size(); ++k) {
-        EXPECT_EQ(have.top_logprobs[i][k].token, want.top_logprobs[i][k].token);
-        EXPECT_NEAR(have.top_logprobs[i][k].logprob, want.top_logprobs[i][k].logprob, 1e-4);
-      }
-    }
-  }
-}
-
 // Runs Requests on one engine and on a group of `tp` over `model`, and compares.
 void ExpectGroupMatchesOneEngine(const std::string& model, int tp) {
   auto single = LlmEngine::Create(Options(model));
@@ -145,7 +106,8 @@ void ExpectGroupMatchesOneEngine(const std::string& model, int tp) {
   auto expected = GenerateAll(**single, Requests(vocab));
   ASSERT_TRUE(expected.ok()) << expected.status();
   single->reset();
-  ExpectTokensOfOneEngine(*expected, RunGroup(model, tp, Requests(vocab)));
+  testing::ExpectTokensOfOneEngine(*expected, RunGroup(model, tp, Requests(vocab)), kSteps,
+                                   1e-4);
 }
 
 // "llamaTp2" for ("llama", 2).
@@ -173,7 +135,7 @@ INSTANTIATE_TEST_SUITE_P(ArchsAndDegrees, TensorParallelTest,
 TEST(TensorParallelStepSideChannelTest, AttachmentsReachFollowersAndReportsComeBack) {
   const std::string model = testing::TinyModel("llama", DType::kF32);
   constexpr int kTp = 2;
-  TempDir dir;
+  testing::TempDir dir("tp_test");
   std::vector<absl::Status> follower_status(kTp, absl::OkStatus());
   std::vector<std::vector<std::string>> reports;  // per step with bytes, in step order
   std::vector<std::string> sent;
