@@ -295,16 +295,9 @@ int main(int argc, char** argv) {
         const absl::string_view name = parts[0];
         tandem::kernels::CpuIsa isa = tandem::kernels::CpuIsa::kAuto;
         if (parts.size() == 2) {
-          bool known = false;
-          for (auto candidate : {tandem::kernels::CpuIsa::kPortable, tandem::kernels::CpuIsa::kAvx2,
-                                 tandem::kernels::CpuIsa::kAvx512,
-                                 tandem::kernels::CpuIsa::kAvx512Bf16}) {
-            if (parts[1] == tandem::kernels::CpuIsaName(candidate)) {
-              isa = candidate;
-              known = true;
-            }
-          }
-          if (!known || parts[0] == "int8" || parts[0] == "int4") {
+          const auto named = tandem::kernels::CpuIsaFromName(parts[1]);
+          if (named.has_value()) isa = *named;
+          if (!named.has_value() || parts[0] == "int8" || parts[0] == "int4") {
             std::fprintf(stderr, "tandem_bench_decode: --dtypes: not TYPE@ISA: %s\n",
                          std::string(entry).c_str());
             return 2;

@@ -67,21 +67,24 @@ double CopyGBs() {
   return gbs;
 }
 
-void ReportGemm(benchmark::State& state, int64_t m, int64_t n, int64_t k) {
+// bytes_per_weight: of the weight's format (4 for fp32), scales and zero points included.
+void ReportGemm(benchmark::State& state, int64_t m, int64_t n, int64_t k,
+                double bytes_per_weight = 4.0) {
   const double iterations = static_cast<double>(state.iterations());
   state.counters["GFLOP/s"] =
       benchmark::Counter(2.0 * m * n * k * iterations / 1e9, benchmark::Counter::kIsRate);
   // Weight bytes per second: what a few-row product is limited by.
-  state.counters["W_GB/s"] =
-      benchmark::Counter(4.0 * n * k * iterations / 1e9, benchmark::Counter::kIsRate);
+  state.counters["W_GB/s"] = benchmark::Counter(bytes_per_weight * n * k * iterations / 1e9,
+                                                benchmark::Counter::kIsRate);
 }
 
 // Weight streaming (reads only) as a fraction of copy bandwidth (reads + writes).
-void ReportAgainstCopy(benchmark::State& state, int64_t n, int64_t k, double copy_gbs) {
+void ReportAgainstCopy(benchmark::State& state, int64_t n, int64_t k, double copy_gbs,
+                       double bytes_per_weight = 4.0) {
   state.counters["copy_GB/s"] = copy_gbs;
-  state.counters["W_of_copy"] =
-      benchmark::Counter(4.0 * n * k * static_cast<double>(state.iterations()) / 1e9 / copy_gbs,
-                         benchmark::Counter::kIsRate);
+  state.counters["W_of_copy"] = benchmark::Counter(
+      bytes_per_weight * n * k * static_cast<double>(state.iterations()) / 1e9 / copy_gbs,
+      benchmark::Counter::kIsRate);
 }
 
 // Args: m, n, k.
@@ -166,13 +169,14 @@ std::unique_ptr<kernels::PackedWeight> PackCold(ColdFormat format, const std::ve
   }
   std::vector<float> scales(int64_t{n} * (k / group), 0.01f);
   std::vector<int8_t> zeros(int4 ? scales.size() : 0, 8);
-  kernels::QuantizedWeightView view{.quant = int4 ? kernels::WeightQuant::kInt4 : kernels::WeightQuant::kInt8,
-                                    .n = n,
-                                    .k = k,
-                                    .group_size = group,
-                                    .values = values.data(),
-                                    .scales = scales.data(),
-                                    .zeros = int4 ? zeros.data() : nullptr};
+  const kernels::QuantizedWeightView view{
+      .quant = int4 ? kernels::WeightQuant::kInt4 : kernels::WeightQuant::kInt8,
+      .n = n,
+      .k = k,
+      .group_size = group,
+      .values = values.data(),
+      .scales = scales.data(),
+      .zeros = int4 ? zeros.data() : nullptr};
   return Cpu().PackQuantizedWeight(view);
 }
 
@@ -200,14 +204,8 @@ void BM_LinearColdWeights(benchmark::State& state) {
     benchmark::DoNotOptimize(y.data());
     next = (next + 1) % count;
   }
-  const double iterations = static_cast<double>(state.iterations());
-  state.counters["GFLOP/s"] =
-      benchmark::Counter(2.0 * m * n * k * iterations / 1e9, benchmark::Counter::kIsRate);
-  state.counters["W_GB/s"] =
-      benchmark::Counter(weight_bytes * iterations / 1e9, benchmark::Counter::kIsRate);
-  state.counters["copy_GB/s"] = copy_gbs;
-  state.counters["W_of_copy"] = benchmark::Counter(weight_bytes * iterations / 1e9 / copy_gbs,
-                                                   benchmark::Counter::kIsRate);
+  ReportGemm(state, m, n, k, bytes_per_weight);
+  ReportAgainstCopy(state, n, k, copy_gbs, bytes_per_weight);
   state.SetLabel(std::string(ColdFormatName(format)) + ", " +
                  std::string(ColdBackend(format).name()));
 }

@@ -1,5 +1,7 @@
 #include "device_flag.h"
 
+#include <optional>
+
 #include "absl/strings/str_cat.h"
 #include "tandem/kernels/cuda_backend.h"
 
@@ -17,19 +19,17 @@ void DeclareDeviceFlag(Args& args) {
 
 absl::StatusOr<kernels::CpuIsa> CpuIsaFlag(const Args& args) {
   const std::string name = args.GetOr("cpu-isa", "auto");
-  for (kernels::CpuIsa isa : {kernels::CpuIsa::kAuto, kernels::CpuIsa::kPortable,
-                              kernels::CpuIsa::kAvx2, kernels::CpuIsa::kAvx512,
-                              kernels::CpuIsa::kAvx512Bf16}) {
-    if (name != kernels::CpuIsaName(isa)) continue;
-    if (!kernels::CpuIsaSupported(isa)) {
-      return absl::FailedPreconditionError(
-          absl::StrCat(args.command(), ": --cpu-isa ", name, ": this CPU lacks it"));
-    }
-    return isa;
+  const std::optional<kernels::CpuIsa> isa = kernels::CpuIsaFromName(name);
+  if (!isa.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        args.command(), ": --cpu-isa must be auto, portable, avx2, avx512 or avx512-bf16, got ",
+        name));
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat(args.command(),
-                   ": --cpu-isa must be auto, portable, avx2, avx512 or avx512-bf16, got ", name));
+  if (!kernels::CpuIsaSupported(*isa)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(args.command(), ": --cpu-isa ", name, ": this CPU lacks it"));
+  }
+  return *isa;
 }
 
 absl::StatusOr<engine::Device> DeviceFlag(const Args& args) {

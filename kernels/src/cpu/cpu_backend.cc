@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -459,6 +460,14 @@ std::string_view CpuIsaName(CpuIsa isa) {
       return "avx512-bf16";
   }
   return "unknown";
+}
+
+std::optional<CpuIsa> CpuIsaFromName(std::string_view name) {
+  for (CpuIsa isa : {CpuIsa::kAuto, CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512,
+                     CpuIsa::kAvx512Bf16}) {
+    if (name == CpuIsaName(isa)) return isa;
+  }
+  return std::nullopt;
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCpuBackend(const CpuBackendOptions& options) {

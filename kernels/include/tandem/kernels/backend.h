@@ -24,6 +24,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string_view>
 #include <vector>
 
@@ -321,6 +322,9 @@ enum class CpuIsa { kAuto, kPortable, kAvx2, kAvx512, kAvx512Bf16 };
 
 // "auto", "portable", "avx2", "avx512", "avx512-bf16".
 std::string_view CpuIsaName(CpuIsa isa);
+
+// The instruction set CpuIsaName calls `name`, or nullopt.
+std::optional<CpuIsa> CpuIsaFromName(std::string_view name);
 
 // Whether this CPU (and OS) can run the CPU backend's code for `isa`; kAuto always.
 bool CpuIsaSupported(CpuIsa isa);
