@@ -5,7 +5,7 @@
 // measured in the same run.
 //
 //   tandem_bench_decode [--preset=small] [--context=256] [--dtypes=float32,bfloat16,int8,int4]
-//                       (TYPE@ISA: that CPU instruction set, e.g. bfloat16@avx512-bf16)
+//                       (TYPE@ISA: that CPU instruction set, e.g. bfloat16@avx512-bf16-round or int4@avx512)
 //                       [--batches=1,4,16] [--bandwidth-mib=256] [--device=cpu|cuda]
 //                       [--num-layers=N (the preset's shape with N layers)]
 //                       [--prefill=2048,... (also time one prefill of each length)]
@@ -297,18 +297,14 @@ int main(int argc, char** argv) {
         if (parts.size() == 2) {
           const auto named = tandem::kernels::CpuIsaFromName(parts[1]);
           if (named.has_value()) isa = *named;
-          if (!named.has_value() || parts[0] == "int8" || parts[0] == "int4") {
+          if (!named.has_value()) {
             std::fprintf(stderr, "tandem_bench_decode: --dtypes: not TYPE@ISA: %s\n",
                          std::string(entry).c_str());
             return 2;
           }
         }
-        if (name == "int8") {
-          formats.push_back({"int8", std::nullopt, "int8"});
-          continue;
-        }
-        if (name == "int4") {
-          formats.push_back({"int4", std::nullopt, "awq"});
+        if (name == "int8" || name == "int4") {
+          formats.push_back({std::string(entry), std::nullopt, name == "int8" ? "int8" : "awq", isa});
           continue;
         }
         const std::optional<tandem::DType> d = tandem::ParseDTypeFlag(std::string(name));

@@ -344,13 +344,17 @@ class LinearCase : public OpCase {
 // fp32 accumulation.
 class QuantizedLinearCase : public OpCase {
  public:
-  // uneven: int4 groups of 1 to 2 x group_size columns, drawn at random.
+  // uneven: int4 groups of 1 to 2 x group_size columns, drawn at random; with unit_aligned,
+  // of multiples of 8 columns (but the last, which ends at k), as the AVX-512 BF16 kernels
+  // pack in units of 8 k steps.
   QuantizedLinearCase(WeightQuant quant, int m, int n, int k, int group_size, bool shuffled,
-                      bool bias, double tolerance, bool uneven = false)
+                      bool bias, double tolerance, bool uneven = false,
+                      bool unit_aligned = false)
       : OpCase(std::string("Linear_") + (quant == WeightQuant::kInt8 ? "int8" : "int4") + "_m" +
                    Str(m) + "_n" + Str(n) + "_k" + Str(k) +
                    (quant == WeightQuant::kInt4 ? "_g" + Str(group_size) : "") +
-                   (uneven ? "_uneven" : "") + (shuffled ? "_korder" : "") +
+                   (uneven ? (unit_aligned ? "_uneven8" : "_uneven") : "") +
+                   (shuffled ? "_korder" : "") +
                    (bias ? "_bias" : ""),
                tolerance),
         quant_(quant),
@@ -360,7 +364,8 @@ class QuantizedLinearCase : public OpCase {
         group_size_(group_size),
         shuffled_(shuffled),
         bias_(bias),
-        uneven_(uneven) {}
+        uneven_(uneven),
+        unit_aligned_(unit_aligned) {}
 
   void Check(Harness& h) const override {
     const std::vector<float> x = Random(int64_t{m_} * k_, seed());
@@ -369,7 +374,9 @@ class QuantizedLinearCase : public OpCase {
     std::mt19937 rng(seed() + 1);
     std::vector<int32_t> starts = {0};
     while (uneven_ && starts.back() < k_) {
-      starts.push_back(std::min<int32_t>(k_, starts.back() + 1 + rng() % (2 * group)));
+      const int32_t size = unit_aligned_ ? 8 * static_cast<int32_t>(1 + rng() % (group / 4))
+                                         : static_cast<int32_t>(1 + rng() % (2 * group));
+      starts.push_back(std::min<int32_t>(k_, starts.back() + size));
     }
     const int groups = uneven_ ? static_cast<int>(starts.size()) - 1 : k_ / group;
     std::vector<int8_t> values(int64_t{n_} * k_);
@@ -426,7 +433,7 @@ class QuantizedLinearCase : public OpCase {
  private:
   WeightQuant quant_;
   int m_, n_, k_, group_size_;
-  bool shuffled_, bias_, uneven_;
+  bool shuffled_, bias_, uneven_, unit_aligned_;
 };
 
 class RmsNormCase : public OpCase {
@@ -982,6 +989,18 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
        }) {
     add(QuantizedLinearCase(WeightQuant::kInt4, m, n, k, group, shuffled, true, kLinearTolerance,
                             /*uneven=*/true));
+  }
+  // Groups of multiples of 8 (units of the AVX-512 BF16 int4 kernel) of unequal size, k not a
+  // multiple of 8: spans that end inside and across 256-deep k blocks, a last unit past k,
+  // decode rows and tiles taller than one pass of 6 rows.
+  for (auto [m, n, k, group, shuffled] : std::vector<std::tuple<int, int, int, int, bool>>{
+           {1, 45, 1001, 64, false},
+           {2, 70, 777, 128, true},
+           {9, 33, 300, 32, false},
+           {130, 65, 517, 64, false},
+       }) {
+    add(QuantizedLinearCase(WeightQuant::kInt4, m, n, k, group, shuffled, false, kLinearTolerance,
+                            /*uneven=*/true, /*unit_aligned=*/true));
   }
 
   // RmsNorm and AddRmsNorm: dims below, at and past vector widths and block sizes.

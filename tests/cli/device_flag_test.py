@@ -62,11 +62,13 @@ with tempfile.TemporaryDirectory() as tmp:
     else:
         print("skipped: --device cuda can run here")
 
-    # --cpu-isa: auto is the widest set that keeps activations in fp32 (never avx512-bf16);
-    # avx512-bf16 rounds the bf16 checkpoint's activations, visibly but slightly; a set this CPU
-    # lacks, or an unknown one, is refused in one line.
+    # --cpu-isa: auto is the widest set that keeps activations exact to about fp32 (avx512-bf16
+    # where the CPU has it, never avx512-bf16-round); avx512-bf16 carries activations as two bf16
+    # halves, within 1e-4 of avx512; avx512-bf16-round rounds the bf16 checkpoint's activations,
+    # visibly but slightly; a set this CPU lacks, or an unknown one, is refused in one line.
     ok, err = refused(run(*gen, "--device", "cpu", "--cpu-isa", "sse9"),
-                      "--cpu-isa must be auto, portable, avx2, avx512 or avx512-bf16, got sse9")
+                      "--cpu-isa must be auto, portable, avx2, avx512, avx512-bf16 or "
+                      "avx512-bf16-round, got sse9")
     check(ok, f"--cpu-isa sse9: {err}")
     flags = set()
     with open("/proc/cpuinfo") as f:
@@ -75,6 +77,7 @@ with tempfile.TemporaryDirectory() as tmp:
                 flags = set(line.split(":", 1)[1].split())
                 break
     avx512 = {"avx512f", "avx512vl", "avx512dq", "avx512bw", "avx2", "fma", "f16c"} <= flags
+    bf16 = avx512 and "avx512_bf16" in flags
     greedy = ["generate", "--model", model, "--prompt", "Hi there", "--max-tokens", "4", "--json",
               "--logprobs", "1", "--temperature", "0", "--device", "cpu"]
 
@@ -83,22 +86,29 @@ with tempfile.TemporaryDirectory() as tmp:
         check(r.returncode == 0, f"--cpu-isa {isa} runs: {r.stderr}")
         return json.loads(r.stdout.splitlines()[0])["logprobs"] if r.returncode == 0 else None
 
+    def apart(a, b):
+        return max(abs(x - y) for x, y in zip(a, b))
+
     auto = logprobs("auto")
     portable = logprobs("portable")
     if auto and portable:
-        check(max(abs(a - b) for a, b in zip(auto, portable)) < 1e-4,
-              f"portable {portable} against auto {auto}")
+        check(apart(auto, portable) < 1e-4, f"portable {portable} against auto {auto}")
     if avx512:
-        check(logprobs("avx512") == auto, "auto is not avx512 on a CPU with AVX-512")
-        if "avx512_bf16" in flags:
-            rounded = logprobs("avx512-bf16")
-            if auto and rounded:
-                diff = max(abs(a - b) for a, b in zip(auto, rounded))
-                check(1e-6 < diff < 0.05, f"avx512-bf16 {rounded} against avx512 {auto}")
-    if not (avx512 and "avx512_bf16" in flags):
-        ok, err = refused(run(*gen, "--device", "cpu", "--cpu-isa", "avx512-bf16"),
-                          "--cpu-isa avx512-bf16: this CPU lacks it")
-        check(ok, f"--cpu-isa avx512-bf16 without AVX-512 BF16: {err}")
+        check(logprobs("avx512-bf16" if bf16 else "avx512") == auto,
+              f"auto is not {'avx512-bf16' if bf16 else 'avx512'} on this CPU")
+    if bf16:
+        exact = logprobs("avx512")
+        rounded = logprobs("avx512-bf16-round")
+        if auto and exact:
+            check(apart(auto, exact) < 1e-4, f"avx512-bf16 {auto} against avx512 {exact}")
+        if exact and rounded:
+            diff = apart(exact, rounded)
+            check(1e-6 < diff < 0.05, f"avx512-bf16-round {rounded} against avx512 {exact}")
+    else:
+        for isa in ("avx512-bf16", "avx512-bf16-round"):
+            ok, err = refused(run(*gen, "--device", "cpu", "--cpu-isa", isa),
+                              f"--cpu-isa {isa}: this CPU lacks it")
+            check(ok, f"--cpu-isa {isa} without AVX-512 BF16: {err}")
 
     # A host KV cache cannot go over cuda_ipc; an unknown backend is named.
     for role in ("prefill", "decode"):

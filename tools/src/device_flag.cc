@@ -11,10 +11,10 @@ void DeclareDeviceFlag(Args& args) {
   args.Declare("device", "cuda|cpu",
                "where the model runs (default: cuda when this build has CUDA and a GPU is "
                "present, else cpu)");
-  args.Declare("cpu-isa", "auto|portable|avx2|avx512|avx512-bf16",
+  args.Declare("cpu-isa", "auto|portable|avx2|avx512|avx512-bf16|avx512-bf16-round",
                "the CPU kernels' instruction set with --device cpu (default auto: the widest this "
-               "CPU has that keeps activations in fp32; avx512-bf16 multiplies bf16 weights by "
-               "activations rounded to bf16, about twice as fast in prefill)");
+               "CPU has that keeps activations exact to about fp32; avx512-bf16-round multiplies "
+               "bf16 weights by activations rounded to bf16, about twice as fast in prefill)");
 }
 
 absl::StatusOr<kernels::CpuIsa> CpuIsaFlag(const Args& args) {
@@ -22,7 +22,8 @@ absl::StatusOr<kernels::CpuIsa> CpuIsaFlag(const Args& args) {
   const std::optional<kernels::CpuIsa> isa = kernels::CpuIsaFromName(name);
   if (!isa.has_value()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        args.command(), ": --cpu-isa must be auto, portable, avx2, avx512 or avx512-bf16, got ",
+        args.command(), ": --cpu-isa must be auto, portable, avx2, avx512, avx512-bf16 or avx512-bf16-round, "
+        "got ",
         name));
   }
   if (!kernels::CpuIsaSupported(*isa)) {

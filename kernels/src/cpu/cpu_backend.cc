@@ -53,22 +53,27 @@ constexpr int64_t kMinParallelFlops = 1 << 17;
 // and one V block stay in L1.
 constexpr int kAttentionTileVectors = 32;
 
+// k steps per int4 unit (cpu::GemmArgs::int4_units).
+constexpr int kInt4UnitK = 8;
+
 class CpuPackedWeight final : public PackedWeight {
  public:
   CpuPackedWeight(int n, int k, DType dtype, const CpuKernelTable* table, AlignedBytes data)
       : PackedWeight(n, k, dtype), table_(table), data_(std::move(data)) {}
 
   // A quantised weight: integers in `data`, per-panel group scales and zeros (see GemmArgs).
+  // units_k: int4 in units (cpu::GemmArgs::int4_units) of that many packed k steps; else 0.
   CpuPackedWeight(const QuantizedWeightView& w, const CpuKernelTable* table, AlignedBytes data,
-                  AlignedFloats scales, AlignedFloats zeros)
+                  AlignedFloats scales, AlignedFloats zeros, std::vector<int32_t> group_starts,
+                  std::vector<int32_t> k_order, int units_k)
       : PackedWeight(w.n, w.k, DType::kI8, w.quant),
         table_(table),
         data_(std::move(data)),
         scales_(std::move(scales)),
         zeros_(std::move(zeros)),
-        group_starts_(GroupStarts(w)) {
-    if (w.k_order != nullptr) k_order_.assign(w.k_order, w.k_order + w.k);
-  }
+        k_order_(std::move(k_order)),
+        group_starts_(std::move(group_starts)),
+        units_k_(units_k) {}
 
   const CpuKernelTable* table() const { return table_; }
   // [ceil(n / panel_width), k, panel_width] elements of dtype(), zero past n; quantised: see
@@ -81,6 +86,7 @@ class CpuPackedWeight final : public PackedWeight {
   int groups() const {
     return group_starts_.empty() ? 0 : static_cast<int>(group_starts_.size()) - 1;
   }
+  int units_k() const { return units_k_; }
 
  private:
   const CpuKernelTable* table_;  // static storage
@@ -89,6 +95,7 @@ class CpuPackedWeight final : public PackedWeight {
   AlignedFloats zeros_;   // int4 only
   std::vector<int32_t> k_order_;
   std::vector<int32_t> group_starts_;  // quantised only
+  int units_k_ = 0;                    // see the constructor
 };
 
 // Copies W[n, k] of T into panels [ceil(n / width)][k][width], zero past n.
@@ -187,14 +194,46 @@ class CpuBackend final : public Backend {
     const int64_t panels = (w.n + width - 1) / width;
     const int groups = w.groups();
     const bool int4 = w.quant == WeightQuant::kInt4;
+    std::vector<int32_t> starts = GroupStarts(w);
+    std::vector<int32_t> order;
+    if (w.k_order != nullptr) order.assign(w.k_order, w.k_order + w.k);
+    // int4 in units of kInt4UnitK k steps (cpu::GemmArgs::int4_units). A group that does not
+    // start at a multiple of it is moved to the next one: the packed k steps between hold
+    // zeros, and `order` (the packed step's input, -1 for none) skips them.
+    const bool units = int4 && table_->int4_units && width == 32;
+    int packed_k = w.k;
+    std::vector<int32_t> packed_at;  // units: input kk's packed k step
+    if (units) {
+      std::vector<int32_t> unit_starts = {0};
+      for (int g = 0; g < groups; ++g) {
+        const int32_t size = starts[g + 1] - starts[g];
+        unit_starts.push_back(unit_starts.back() +
+                              (g + 1 < groups ? (size + kInt4UnitK - 1) / kInt4UnitK * kInt4UnitK
+                                              : size));
+      }
+      packed_k = unit_starts.back();
+      packed_at.resize(w.k);
+      std::vector<int32_t> unit_order(packed_k, -1);
+      for (int g = 0; g < groups; ++g) {
+        for (int32_t kk = starts[g]; kk < starts[g + 1]; ++kk) {
+          packed_at[kk] = unit_starts[g] + (kk - starts[g]);
+          unit_order[packed_at[kk]] = order.empty() ? kk : order[kk];
+        }
+      }
+      if (packed_k != w.k) order = std::move(unit_order);
+      starts = std::move(unit_starts);
+    }
     const int64_t step_bytes = int4 ? half : width;
-    AlignedBytes packed = AllocateAlignedBytes(panels * w.k * step_bytes);
+    const int64_t panel_bytes = units ? (packed_k + kInt4UnitK - 1) / kInt4UnitK * kInt4UnitK *
+                                            step_bytes
+                                      : w.k * step_bytes;
+    AlignedBytes packed = AllocateAlignedBytes(panels * panel_bytes);
     AlignedFloats scales = AllocateFloats(panels * groups * width);
     AlignedFloats zeros = int4 ? AllocateFloats(panels * groups * width) : nullptr;
     pool_->ParallelFor(panels, 1, [&](int64_t begin, int64_t end, int) {
       for (int64_t p = begin; p < end; ++p) {
-        unsigned char* panel = packed.get() + p * w.k * step_bytes;
-        std::memset(panel, 0, w.k * step_bytes);
+        unsigned char* panel = packed.get() + p * panel_bytes;
+        std::memset(panel, 0, panel_bytes);
         for (int c = 0; c < width; ++c) {
           const int64_t row = p * width + c;
           for (int g = 0; g < groups; ++g) {
@@ -206,7 +245,14 @@ class CpuBackend final : public Backend {
           if (row >= w.n) continue;
           const int8_t* values = w.values + row * w.k;
           for (int64_t kk = 0; kk < w.k; ++kk) {
-            if (int4) {
+            if (units) {
+              // Step pk: unit pk / 8, half c / 16, word 2 (c % 16) + pk % 2, nibble (pk % 8) / 2.
+              const int64_t pk = packed_at[kk];
+              const int64_t nibble = (pk % kInt4UnitK) / 2;
+              const int64_t byte = pk / kInt4UnitK * kInt4UnitK * half + c / 16 * (4 * half) +
+                                   (c % 16 * 2 + pk % 2) * 2 + nibble / 2;
+              panel[byte] |= static_cast<unsigned char>(values[kk] << (4 * (nibble % 2)));
+            } else if (int4) {
               const int shift = c < half ? 0 : 4;
               panel[kk * step_bytes + c % half] |= static_cast<unsigned char>(values[kk] << shift);
             } else {
@@ -217,12 +263,13 @@ class CpuBackend final : public Backend {
       }
     });
     return std::make_unique<CpuPackedWeight>(w, table_, std::move(packed), std::move(scales),
-                                             std::move(zeros));
+                                             std::move(zeros), std::move(starts),
+                                             std::move(order), units ? packed_k : 0);
   }
 
-  // The AVX-512 BF16 kernels round x for bf16 W, whatever m (keeping Linear batch invariant).
+  // cpu-avx512-bf16-round rounds x for bf16 W, whatever m (keeping Linear batch invariant).
   bool LinearRoundsX(int m, DType w_dtype) const override {
-    return table_->bf16_pairs && w_dtype == DType::kBF16;
+    return table_->rounds_x && w_dtype == DType::kBF16;
   }
 
   void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
@@ -244,6 +291,8 @@ class CpuBackend final : public Backend {
                              .k_order = packed.k_order(),
                              .group_starts = packed.group_starts(),
                              .groups = packed.groups(),
+                             .int4_units = packed.units_k() > 0,
+                             .units_k = packed.units_k(),
                              .bias = bias,
                              .y = y,
                              .m = m,
@@ -458,13 +507,15 @@ std::string_view CpuIsaName(CpuIsa isa) {
       return "avx512";
     case CpuIsa::kAvx512Bf16:
       return "avx512-bf16";
+    case CpuIsa::kAvx512Bf16Round:
+      return "avx512-bf16-round";
   }
   return "unknown";
 }
 
 std::optional<CpuIsa> CpuIsaFromName(std::string_view name) {
   for (CpuIsa isa : {CpuIsa::kAuto, CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512,
-                     CpuIsa::kAvx512Bf16}) {
+                     CpuIsa::kAvx512Bf16, CpuIsa::kAvx512Bf16Round}) {
     if (name == CpuIsaName(isa)) return isa;
   }
   return std::nullopt;

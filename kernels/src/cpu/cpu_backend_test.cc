@@ -15,6 +15,7 @@
 #include "kernels/src/cpu/reference.h"
 #include "kernels/src/cpu/simd_kernels.h"
 #include "kernels/src/kernel_test_support.h"
+#include "tandem/base/half.h"
 #include "tandem/kernels/backend.h"
 
 namespace tandem::kernels {
@@ -95,29 +96,37 @@ TEST_P(CpuBackendTest, LinearMatchesReference) {
   }
 }
 
+// fp32 and bf16 weights (the AVX-512 BF16 sets multiply bf16 ones by vdpbf16ps, in k blocks and
+// row passes of their own).
 TEST_P(CpuBackendTest, LinearRowsAreBatchInvariant) {
   const int n = 300, k = 517, m = 17;
   const std::vector<float> x = Random(int64_t{m} * k, 4);
   const std::vector<float> w = Random(int64_t{n} * k, 5);
+  std::vector<uint16_t> w_bf16(w.size());
+  for (size_t i = 0; i < w.size(); ++i) w_bf16[i] = FloatToBf16(w[i]);
   const std::vector<float> bias = Random(n, 6);
-  auto packed = backend_->PackWeight(w.data(), DType::kF32, n, k);
-  std::vector<float> batched(int64_t{m} * n, kNaN);
-  backend_->Linear(x.data(), m, *packed, bias.data(), batched.data());
-  for (int i = 0; i < m; ++i) {
-    std::vector<float> alone(n, kNaN);
-    backend_->Linear(x.data() + int64_t{i} * k, 1, *packed, bias.data(), alone.data());
-    EXPECT_TRUE(BitwiseEqual(alone.data(), batched.data() + int64_t{i} * n, n)) << "row " << i;
-  }
-  // The same rows at other offsets of a taller batch, and on pools of other sizes.
-  std::vector<float> tall_x = Random(int64_t{130} * k, 7);
-  std::copy(x.begin(), x.end(), tall_x.begin() + int64_t{101} * k);
-  for (int threads : {1, 3}) {
-    std::unique_ptr<Backend> other = Make(threads);
-    auto other_packed = other->PackWeight(w.data(), DType::kF32, n, k);
-    std::vector<float> tall(int64_t{130} * n, kNaN);
-    other->Linear(tall_x.data(), 130, *other_packed, bias.data(), tall.data());
-    EXPECT_TRUE(BitwiseEqual(tall.data() + int64_t{101} * n, batched.data(), int64_t{m} * n))
-        << threads << " threads";
+  for (DType dtype : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    const void* w_data = dtype == DType::kF32 ? static_cast<const void*>(w.data()) : w_bf16.data();
+    auto packed = backend_->PackWeight(w_data, dtype, n, k);
+    std::vector<float> batched(int64_t{m} * n, kNaN);
+    backend_->Linear(x.data(), m, *packed, bias.data(), batched.data());
+    for (int i = 0; i < m; ++i) {
+      std::vector<float> alone(n, kNaN);
+      backend_->Linear(x.data() + int64_t{i} * k, 1, *packed, bias.data(), alone.data());
+      EXPECT_TRUE(BitwiseEqual(alone.data(), batched.data() + int64_t{i} * n, n)) << "row " << i;
+    }
+    // The same rows at other offsets of a taller batch, and on pools of other sizes.
+    std::vector<float> tall_x = Random(int64_t{130} * k, 7);
+    std::copy(x.begin(), x.end(), tall_x.begin() + int64_t{101} * k);
+    for (int threads : {1, 3}) {
+      std::unique_ptr<Backend> other = Make(threads);
+      auto other_packed = other->PackWeight(w_data, dtype, n, k);
+      std::vector<float> tall(int64_t{130} * n, kNaN);
+      other->Linear(tall_x.data(), 130, *other_packed, bias.data(), tall.data());
+      EXPECT_TRUE(BitwiseEqual(tall.data() + int64_t{101} * n, batched.data(), int64_t{m} * n))
+          << threads << " threads";
+    }
   }
 }
 
@@ -643,16 +652,17 @@ TEST(CpuBackendOptionsTest, RejectsNegativeThreadCount) {
 TEST(CpuBackendOptionsTest, AutoPicksTheWidestSupportedInstructionSet) {
   auto backend = CreateCpuBackend({.num_threads = 1});
   ASSERT_TRUE(backend.ok()) << backend.status();
-  // Never cpu-avx512-bf16, which rounds activations: only an explicit choice may.
-  const std::string expected = cpu::CpuSupports(CpuIsa::kAvx512) ? "cpu-avx512"
-                               : cpu::CpuSupports(CpuIsa::kAvx2) ? "cpu-avx2"
-                                                                 : "cpu-portable";
+  // Never cpu-avx512-bf16-round, which rounds activations: only an explicit choice may.
+  const std::string expected = cpu::CpuSupports(CpuIsa::kAvx512Bf16) ? "cpu-avx512-bf16"
+                               : cpu::CpuSupports(CpuIsa::kAvx512)   ? "cpu-avx512"
+                               : cpu::CpuSupports(CpuIsa::kAvx2)     ? "cpu-avx2"
+                                                                     : "cpu-portable";
   EXPECT_EQ((*backend)->name(), expected);
 }
 
 INSTANTIATE_TEST_SUITE_P(Isa, CpuBackendTest,
                          ::testing::Values(CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512,
-                                           CpuIsa::kAvx512Bf16),
+                                           CpuIsa::kAvx512Bf16, CpuIsa::kAvx512Bf16Round),
                          [](const ::testing::TestParamInfo<CpuIsa>& info) -> std::string {
                            switch (info.param) {
                              case CpuIsa::kPortable:
@@ -663,6 +673,8 @@ INSTANTIATE_TEST_SUITE_P(Isa, CpuBackendTest,
                                return "Avx512";
                              case CpuIsa::kAvx512Bf16:
                                return "Avx512Bf16";
+                             case CpuIsa::kAvx512Bf16Round:
+                               return "Avx512Bf16Round";
                              default:
                                return "Auto";
                            }

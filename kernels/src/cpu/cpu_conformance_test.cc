@@ -13,7 +13,8 @@ std::vector<ConformanceBackend> ConformanceBackends() {
   std::vector<ConformanceBackend> backends;
   for (auto [isa, name] :
        {std::pair{CpuIsa::kPortable, "Portable"}, std::pair{CpuIsa::kAvx2, "Avx2"},
-        std::pair{CpuIsa::kAvx512, "Avx512"}, std::pair{CpuIsa::kAvx512Bf16, "Avx512Bf16"}}) {
+        std::pair{CpuIsa::kAvx512, "Avx512"}, std::pair{CpuIsa::kAvx512Bf16, "Avx512Bf16"},
+        std::pair{CpuIsa::kAvx512Bf16Round, "Avx512Bf16Round"}}) {
     backends.push_back({
         .name = name,
         .unavailable =

@@ -49,11 +49,16 @@ constexpr int kNibbleBiasBits = 0x4b000000;
 struct WithoutBf16Dot {
   static constexpr bool kBf16Dot = false;
   using Pairs = int;
+  using Block = int;
   static Pairs LoadPairs(const uint16_t* p);
   static Pairs SetPair(uint32_t pair);
   template <typename T>
   static T DotPairs(T acc, Pairs a, Pairs b);
   static void RoundPairs(const float* x, uint32_t* pairs);
+  static void SplitPairs(const float* x, uint32_t* hi, uint32_t* lo);
+  static void QuadSums(const uint32_t* hi, const uint32_t* lo, float* sums);
+  static Block LoadBlock(const uint8_t* p);
+  static Pairs NibblePairs(Block block, int shift);
 };
 
 // Portable: eight lanes of plain C++, which the compiler maps onto SSE2.
@@ -343,14 +348,17 @@ struct Vec : WithoutBf16Dot {
 #pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma,f16c")
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// AVX-512 with BF16: the AVX-512 kernels, but bf16 weights multiply by vdpbf16ps on x rounded to
-// bf16 (see GemmPanelsDot).
+// AVX-512 with BF16: the AVX-512 kernels, but bf16 and int4 weights multiply by vdpbf16ps, on x
+// carried as two bf16 halves (kTable) or, for bf16 weights, rounded to bf16 (kRoundXTable); see
+// GemmPanelsDot.
 namespace avx512bf16 {
 
 struct Vec : avx512::Vec {
   static constexpr const char* kName = "cpu-avx512-bf16";
+  static constexpr const char* kRoundXName = "cpu-avx512-bf16-round";
   static constexpr bool kBf16Dot = true;
   using Pairs = __m512bh;
+  using Block = __m512i;
   // 16 bf16 pairs: columns c .. c + 15 of a panel, two k steps each.
   static Pairs LoadPairs(const uint16_t* p) {
     return reinterpret_cast<Pairs>(_mm512_loadu_si512(reinterpret_cast<const void*>(p)));
@@ -367,9 +375,62 @@ struct Vec : avx512::Vec {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs), reinterpret_cast<__m256i>(lo));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 8), reinterpret_cast<__m256i>(hi));
   }
+  // x[0 .. 31] as two sets of 16 pairs: `hi` the bf16 of x (to nearest even), `lo` the bf16 of
+  // what that leaves (x - hi, exact in fp32), so hi + lo is x to about 2^-17 of it.
+  static void SplitPairs(const float* x, uint32_t* hi, uint32_t* lo) {
+    for (int half = 0; half < 2; ++half) {
+      const __m512 v = _mm512_loadu_ps(x + 16 * half);
+      const __m256bh h = _mm512_cvtneps_pbh(v);
+      const __m512 widened = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(h)), 16));
+      const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, widened));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + 8 * half), reinterpret_cast<__m256i>(h));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + 8 * half), reinterpret_cast<__m256i>(l));
+    }
+  }
+  // sums[q] (q < 4) = the sum of the eight values that pairs 4q .. 4q + 3 of hi and of lo hold,
+  // as hi + lo of each k step, in a fixed order: each pair's (hi + lo) of its two steps, then
+  // adjacent pairs, then the two halves of the quad.
+  static void QuadSums(const uint32_t* hi, const uint32_t* lo, float* sums) {
+    const __m512i h = _mm512_loadu_si512(hi);
+    const __m512i l = _mm512_loadu_si512(lo);
+    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    const __m512 even = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)),
+                                      _mm512_castsi512_ps(_mm512_slli_epi32(l, 16)));
+    const __m512 odd = _mm512_add_ps(_mm512_castsi512_ps(_mm512_and_si512(h, top)),
+                                     _mm512_castsi512_ps(_mm512_and_si512(l, top)));
+    __m512 t = _mm512_add_ps(even, odd);
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
+    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, t);
+    for (int q = 0; q < 4; ++q) sums[q] = lanes[4 * q];
+  }
+  // 64 bytes of an int4 unit (Int4DotMicroKernel): 32 words of four nibbles each.
+  static Block LoadBlock(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  // The nibble at bit `shift` (0, 4, 8 or 12; a constant once the caller's loop is unrolled) of
+  // every word, as the bf16 of (nibble - 8): exact, looked up by vpermw in a 32-entry table that
+  // repeats its 16 values, so the bit above the nibble is ignored.
+  static Pairs NibblePairs(Block block, int shift) {
+    const __m512i table = _mm512_set_epi16(
+        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, -16512, -16384, -16320, -16256,
+        -16224, -16192, -16160, -16128, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0,
+        -16512, -16384, -16320, -16256, -16224, -16192, -16160, -16128);
+    const __m512i index = shift == 0 ? block : _mm512_srli_epi16(block, shift);
+    return reinterpret_cast<Pairs>(_mm512_permutexvar_epi16(index, table));
+  }
 };
 
 #include "kernels/src/cpu/simd_kernels.inc"
+
+// As kTable, but bf16 W multiplies x rounded to bf16, once per pair (Backend::LinearRoundsX).
+const CpuKernelTable kRoundXTable = [] {
+  CpuKernelTable table = kTable;
+  table.name = Vec::kRoundXName;
+  table.rounds_x = true;
+  table.gemm_panels = &GemmPanels<true>;
+  return table;
+}();
 
 }  // namespace avx512bf16
 #pragma GCC diagnostic pop
@@ -392,11 +453,13 @@ bool CpuSupports(CpuIsa isa) {
              __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
              __builtin_cpu_supports("f16c");
     case CpuIsa::kAvx512Bf16:
+    case CpuIsa::kAvx512Bf16Round:
       return CpuSupports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
 #else
     case CpuIsa::kAvx2:
     case CpuIsa::kAvx512:
     case CpuIsa::kAvx512Bf16:
+    case CpuIsa::kAvx512Bf16Round:
       return false;
 #endif
   }
@@ -405,8 +468,8 @@ bool CpuSupports(CpuIsa isa) {
 
 const CpuKernelTable* CpuKernelTableFor(CpuIsa isa) {
   if (isa == CpuIsa::kAuto) {
-    // Not kAvx512Bf16: it rounds x for bf16 weights, which only an explicit choice may do.
-    for (CpuIsa widest : {CpuIsa::kAvx512, CpuIsa::kAvx2}) {
+    // Not kAvx512Bf16Round: it rounds x for bf16 weights, which only an explicit choice may do.
+    for (CpuIsa widest : {CpuIsa::kAvx512Bf16, CpuIsa::kAvx512, CpuIsa::kAvx2}) {
       if (CpuSupports(widest)) return CpuKernelTableFor(widest);
     }
     return &portable::kTable;
@@ -414,6 +477,8 @@ const CpuKernelTable* CpuKernelTableFor(CpuIsa isa) {
   if (!CpuSupports(isa)) return nullptr;
   switch (isa) {
 #if TANDEM_X86_KERNELS
+    case CpuIsa::kAvx512Bf16Round:
+      return &avx512bf16::kRoundXTable;
     case CpuIsa::kAvx512Bf16:
       return &avx512bf16::kTable;
     case CpuIsa::kAvx512:

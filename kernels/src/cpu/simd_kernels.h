@@ -1,14 +1,14 @@
 // The vectorised inner loops of the CPU backend, compiled once per instruction set.
 //
-// simd_kernels.cc compiles simd_kernels.inc three times (portable, AVX2+FMA, AVX-512) under
-// `#pragma GCC target`, so one binary carries all three and runs on a CPU with none of the
-// extensions; CpuKernelTableFor picks one at backend creation. Every function here is a
+// simd_kernels.cc compiles simd_kernels.inc four times (portable, AVX2+FMA, AVX-512, AVX-512 with
+// BF16) under `#pragma GCC target`, so one binary carries them all and runs on a CPU with none of
+// the extensions; CpuKernelTableFor picks a table at backend creation. Every function here is a
 // single-threaded piece of an operator; cpu_backend.cc splits operators into such pieces and
 // runs them on its thread pool.
 //
 // Results are bitwise reproducible on one machine: each output's floating-point reduction order
 // depends only on the operator's shape, never on the piece it falls in, the thread running it
-// or the other rows in the batch. The three instruction sets may differ in the last bits.
+// or the other rows in the batch. Different instruction sets may differ in the last bits.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +37,13 @@ struct GemmArgs {
   const int32_t* k_order = nullptr;  // [k] or null
   const int32_t* group_starts = nullptr;  // quantised: [groups + 1], from 0 to k
   int groups = 0;
+  // kInt4 packed in units of 8 k steps for vdpbf16ps (see Int4DotMicroKernel in
+  // simd_kernels.inc): [ceil(n / panel_width)][ceil(units_k / 8)][panel_width * 4] bytes over
+  // units_k packed k steps, each group starting at a multiple of 8 (group_starts counts packed
+  // steps); packed step kk is input k_order[kk] of x, -1 for a step of zeros between groups
+  // (k_order null: kk, and units_k == k).
+  bool int4_units = false;
+  int units_k = 0;
 
   const float* bias = nullptr;  // [n] or null
   float* y = nullptr;           // [m, n]
@@ -70,9 +77,13 @@ struct CpuKernelTable {
   const char* name;
   // Columns per packed weight panel (two vector registers).
   int panel_width;
-  // Whether bf16 W is packed in k pairs, w[p][kk / 2][c][kk % 2], for vdpbf16ps (x then rounded
-  // to bf16); else as every dtype, w[p][kk][c].
+  // Whether bf16 W is packed in k pairs, w[p][kk / 2][c][kk % 2], for vdpbf16ps; else as every
+  // dtype, w[p][kk][c].
   bool bf16_pairs;
+  // Whether Linear of bf16 W rounds x to bf16 first (Backend::LinearRoundsX).
+  bool rounds_x;
+  // Whether int4 W is packed in units (GemmArgs::int4_units).
+  bool int4_units;
   // Floats of per-thread scratch that gemm_panels needs.
   int64_t gemm_scratch_floats;
 

@@ -58,8 +58,8 @@ struct EngineOptions {
   std::string model_dir;
   Device device = Device::kCpu;
   int num_threads = 0;                   // 0: one per core
-  // `--cpu-isa`: the CPU backend's instruction set (kAuto: the widest that keeps activations in
-  // fp32; kAvx512Bf16 must be asked for). Device::kCpu only.
+  // `--cpu-isa`: the CPU backend's instruction set (kAuto: the widest that keeps activations
+  // exact to about fp32; kAvx512Bf16Round must be asked for). Device::kCpu only.
   kernels::CpuIsa cpu_isa = kernels::CpuIsa::kAuto;
   int64_t kv_cache_bytes = 512ll << 20;  // KV capacity is derived from this budget
   int block_size = 16;

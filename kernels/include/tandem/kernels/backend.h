@@ -315,12 +315,14 @@ class Backend {
 
 // Instruction sets the CPU backend carries code for. Results are bitwise reproducible for one
 // instruction set on one machine; different instruction sets may differ in the last bits.
-// kAvx512Bf16: AVX-512 with vdpbf16ps, which multiplies bf16 weights by x rounded to bf16
-// (Backend::LinearRoundsX): about twice the prefill GEMM rate of kAvx512 on bf16 weights, with
-// activations no longer exact in fp32, so kAuto never picks it.
-enum class CpuIsa { kAuto, kPortable, kAvx2, kAvx512, kAvx512Bf16 };
+// kAvx512Bf16: AVX-512 with vdpbf16ps for bf16 and int4 weights, x carried as two bf16 halves
+// (about 2^-17 of x apart from it), so about as exact as fp32 activations.
+// kAvx512Bf16Round: the same, but bf16 weights multiply x rounded to bf16 (Backend::LinearRoundsX):
+// about twice the prefill GEMM rate on bf16 weights, with activations no longer exact in fp32, so
+// kAuto never picks it.
+enum class CpuIsa { kAuto, kPortable, kAvx2, kAvx512, kAvx512Bf16, kAvx512Bf16Round };
 
-// "auto", "portable", "avx2", "avx512", "avx512-bf16".
+// "auto", "portable", "avx2", "avx512", "avx512-bf16", "avx512-bf16-round".
 std::string_view CpuIsaName(CpuIsa isa);
 
 // The instruction set CpuIsaName calls `name`, or nullopt.
@@ -331,8 +333,8 @@ bool CpuIsaSupported(CpuIsa isa);
 
 struct CpuBackendOptions {
   int num_threads = 0;  // 0: one per available core
-  // kAuto: the widest this CPU supports of kAvx512, kAvx2 and kPortable; others fail if
-  // unsupported.
+  // kAuto: the widest this CPU supports of kAvx512Bf16, kAvx512, kAvx2 and kPortable; others
+  // fail if unsupported.
   CpuIsa isa = CpuIsa::kAuto;
 };
 
