@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <iterator>
+#include <map>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -102,66 +104,62 @@ void BM_Linear(benchmark::State& state) {
   ReportGemm(state, m, n, k);
 }
 
-// The weight formats BM_LinearColdWeights streams, with their bytes per weight. kBf16FloatX is
-// bf16 on the AVX-512 kernels that keep x in fp32, where the default (AVX-512 BF16) kernels
-// round x to bf16 for vdpbf16ps.
-enum class ColdFormat : int64_t { kF32 = 0, kBf16 = 1, kInt8 = 2, kInt4 = 3, kBf16FloatX = 4 };
+// The weights BM_LinearColdWeights streams: a format, and the CPU instruction set whose kernels
+// multiply by it (kAuto: the backend's default).
+enum class ColdWeights { kF32, kBf16, kInt8, kInt4 };
+struct ColdFormat {
+  const char* name;
+  ColdWeights weights;
+  kernels::CpuIsa isa;
+};
+// bfloat16@avx512 and int4@avx512 are the kernels that widen each weight to fp32, against the
+// default's vdpbf16ps on CPUs with AVX-512 BF16; bfloat16@avx512-bf16-round rounds x to bf16.
+constexpr ColdFormat kColdFormats[] = {
+    {"float32", ColdWeights::kF32, kernels::CpuIsa::kAuto},
+    {"bfloat16", ColdWeights::kBf16, kernels::CpuIsa::kAuto},
+    {"bfloat16@avx512", ColdWeights::kBf16, kernels::CpuIsa::kAvx512},
+    {"bfloat16@avx512-bf16-round", ColdWeights::kBf16, kernels::CpuIsa::kAvx512Bf16Round},
+    {"int8", ColdWeights::kInt8, kernels::CpuIsa::kAuto},
+    {"int4 g128", ColdWeights::kInt4, kernels::CpuIsa::kAuto},
+    {"int4 g128@avx512", ColdWeights::kInt4, kernels::CpuIsa::kAvx512},
+};
 
-// The CPU backend without vdpbf16ps, or null where the CPU lacks AVX-512.
-kernels::Backend* CpuFloatX() {
-  static kernels::Backend* backend = []() -> kernels::Backend* {
-    auto created =
-        kernels::CreateCpuBackend({.num_threads = kThreads, .isa = kernels::CpuIsa::kAvx512});
-    return created.ok() ? created->release() : nullptr;
-  }();
-  return backend;
-}
-
-kernels::Backend& ColdBackend(ColdFormat format) {
-  return format == ColdFormat::kBf16FloatX && CpuFloatX() != nullptr ? *CpuFloatX() : Cpu();
-}
-
-const char* ColdFormatName(ColdFormat format) {
-  switch (format) {
-    case ColdFormat::kF32:
-      return "float32";
-    case ColdFormat::kBf16:
-      return "bfloat16";
-    case ColdFormat::kInt8:
-      return "int8";
-    case ColdFormat::kInt4:
-      return "int4 g128";
-    case ColdFormat::kBf16FloatX:
-      return "bfloat16, fp32 x";
+// The CPU backend of `isa`, or null where the CPU lacks it.
+kernels::Backend* CpuOf(kernels::CpuIsa isa) {
+  if (isa == kernels::CpuIsa::kAuto) return &Cpu();
+  static std::map<kernels::CpuIsa, kernels::Backend*> backends;
+  auto [it, added] = backends.try_emplace(isa, nullptr);
+  if (added) {
+    auto created = kernels::CreateCpuBackend({.num_threads = kThreads, .isa = isa});
+    if (created.ok()) it->second = created->release();
   }
-  return "?";
+  return it->second;
 }
 
 // Bytes the Linear reads per weight, scales and zero points included.
-double ColdBytesPerWeight(ColdFormat format) {
-  switch (format) {
-    case ColdFormat::kF32:
+double ColdBytesPerWeight(ColdWeights weights) {
+  switch (weights) {
+    case ColdWeights::kF32:
       return 4.0;
-    case ColdFormat::kBf16:
-    case ColdFormat::kBf16FloatX:
+    case ColdWeights::kBf16:
       return 2.0;
-    case ColdFormat::kInt8:
+    case ColdWeights::kInt8:
       return 1.0;
-    case ColdFormat::kInt4:
+    case ColdWeights::kInt4:
       return 0.5 + 8.0 / 128;  // a float scale and a float zero point per 128 weights
   }
   return 4.0;
 }
 
-std::unique_ptr<kernels::PackedWeight> PackCold(ColdFormat format, const std::vector<float>& w,
-                                               int n, int k) {
-  if (format == ColdFormat::kF32) return Cpu().PackWeight(w.data(), DType::kF32, n, k);
-  if (format == ColdFormat::kBf16 || format == ColdFormat::kBf16FloatX) {
+std::unique_ptr<kernels::PackedWeight> PackCold(kernels::Backend& backend, ColdWeights weights,
+                                               const std::vector<float>& w, int n, int k) {
+  if (weights == ColdWeights::kF32) return backend.PackWeight(w.data(), DType::kF32, n, k);
+  if (weights == ColdWeights::kBf16) {
     std::vector<uint16_t> bf16(w.size());
     for (size_t i = 0; i < w.size(); ++i) bf16[i] = FloatToBf16(w[i]);
-    return ColdBackend(format).PackWeight(bf16.data(), DType::kBF16, n, k);
+    return backend.PackWeight(bf16.data(), DType::kBF16, n, k);
   }
-  const bool int4 = format == ColdFormat::kInt4;
+  const bool int4 = weights == ColdWeights::kInt4;
   const int group = int4 ? 128 : k;
   std::vector<int8_t> values(w.size());
   for (size_t i = 0; i < w.size(); ++i) {
@@ -177,22 +175,27 @@ std::unique_ptr<kernels::PackedWeight> PackCold(ColdFormat format, const std::ve
       .values = values.data(),
       .scales = scales.data(),
       .zeros = int4 ? zeros.data() : nullptr};
-  return Cpu().PackQuantizedWeight(view);
+  return backend.PackQuantizedWeight(view);
 }
 
-// Args: m, n, k, ColdFormat. Each iteration multiplies by the next of enough weights to miss
-// the caches; W_GB/s counts the bytes of the weight's own format.
+// Args: m, n, k, index into kColdFormats. Each iteration multiplies by the next of enough
+// weights to miss the caches; W_GB/s counts the bytes of the weight's own format.
 void BM_LinearColdWeights(benchmark::State& state) {
   const int m = state.range(0), n = state.range(1), k = state.range(2);
-  const auto format = static_cast<ColdFormat>(state.range(3));
-  const double bytes_per_weight = ColdBytesPerWeight(format);
+  const ColdFormat& format = kColdFormats[state.range(3)];
+  kernels::Backend* backend = CpuOf(format.isa);
+  if (backend == nullptr) {
+    state.SkipWithError("this CPU lacks the instruction set");
+    return;
+  }
+  const double bytes_per_weight = ColdBytesPerWeight(format.weights);
   const double weight_bytes = bytes_per_weight * n * k;
   const int count =
       static_cast<int>(std::max<double>(2, static_cast<double>(kColdBytes) / weight_bytes));
   std::vector<std::unique_ptr<kernels::PackedWeight>> weights;
   {
     const std::vector<float> w = Random(int64_t{n} * k, 1);
-    for (int i = 0; i < count; ++i) weights.push_back(PackCold(format, w, n, k));
+    for (int i = 0; i < count; ++i) weights.push_back(PackCold(*backend, format.weights, w, n, k));
   }
   const std::vector<float> x = Random(int64_t{m} * k, 2);
   std::vector<float> y(int64_t{m} * n);
@@ -200,14 +203,13 @@ void BM_LinearColdWeights(benchmark::State& state) {
   LetOpenBlasPark();
   int next = 0;
   for (auto _ : state) {
-    ColdBackend(format).Linear(x.data(), m, *weights[next], nullptr, y.data());
+    backend->Linear(x.data(), m, *weights[next], nullptr, y.data());
     benchmark::DoNotOptimize(y.data());
     next = (next + 1) % count;
   }
   ReportGemm(state, m, n, k, bytes_per_weight);
   ReportAgainstCopy(state, n, k, copy_gbs, bytes_per_weight);
-  state.SetLabel(std::string(ColdFormatName(format)) + ", " +
-                 std::string(ColdBackend(format).name()));
+  state.SetLabel(std::string(format.name) + ", " + std::string(backend->name()));
 }
 
 #if TANDEM_BENCH_OPENBLAS
@@ -335,10 +337,9 @@ void RegisterAll() {
 #endif
   }
   for (int64_t m : {1, 8, 16, 256}) {
-    for (ColdFormat format : {ColdFormat::kF32, ColdFormat::kBf16, ColdFormat::kBf16FloatX,
-                              ColdFormat::kInt8, ColdFormat::kInt4}) {
+    for (int64_t format = 0; format < static_cast<int64_t>(std::size(kColdFormats)); ++format) {
       benchmark::RegisterBenchmark("BM_LinearColdWeights", BM_LinearColdWeights)
-          ->Args({m, 2048, 2048, static_cast<int64_t>(format)})
+          ->Args({m, 2048, 2048, format})
           ->Unit(benchmark::kMicrosecond)
           ->UseRealTime();
     }
