@@ -26,6 +26,7 @@ namespace tandem::kernels {
 namespace {
 
 using cpu::CpuKernelTable;
+using cpu::kInt4UnitK;
 using cpu::ThreadPool;
 
 // Cache-line aligned storage.
@@ -53,16 +54,13 @@ constexpr int64_t kMinParallelFlops = 1 << 17;
 // and one V block stay in L1.
 constexpr int kAttentionTileVectors = 32;
 
-// k steps per int4 unit (cpu::GemmArgs::int4_units).
-constexpr int kInt4UnitK = 8;
-
 class CpuPackedWeight final : public PackedWeight {
  public:
   CpuPackedWeight(int n, int k, DType dtype, const CpuKernelTable* table, AlignedBytes data)
       : PackedWeight(n, k, dtype), table_(table), data_(std::move(data)) {}
 
   // A quantised weight: integers in `data`, per-panel group scales and zeros (see GemmArgs).
-  // units_k: int4 in units (cpu::GemmArgs::int4_units) of that many packed k steps; else 0.
+  // units_k: int4 in units (cpu::GemmArgs::units_k) of that many packed k steps; else 0.
   CpuPackedWeight(const QuantizedWeightView& w, const CpuKernelTable* table, AlignedBytes data,
                   AlignedFloats scales, AlignedFloats zeros, std::vector<int32_t> group_starts,
                   std::vector<int32_t> k_order, int units_k)
@@ -197,7 +195,7 @@ class CpuBackend final : public Backend {
     std::vector<int32_t> starts = GroupStarts(w);
     std::vector<int32_t> order;
     if (w.k_order != nullptr) order.assign(w.k_order, w.k_order + w.k);
-    // int4 in units of kInt4UnitK k steps (cpu::GemmArgs::int4_units). A group that does not
+    // int4 in units of kInt4UnitK k steps (cpu::GemmArgs::units_k). A group that does not
     // start at a multiple of it is moved to the next one: the packed k steps between hold
     // zeros, and `order` (the packed step's input, -1 for none) skips them.
     const bool units = int4 && table_->int4_units && width == 32;
@@ -246,11 +244,12 @@ class CpuBackend final : public Backend {
           const int8_t* values = w.values + row * w.k;
           for (int64_t kk = 0; kk < w.k; ++kk) {
             if (units) {
-              // Step pk: unit pk / 8, half c / 16, word 2 (c % 16) + pk % 2, nibble (pk % 8) / 2.
+              // Step pk: unit pk / 8, half-unit c / half (of 4 x half bytes), word
+              // 2 (c % half) + pk % 2 of it, nibble (pk % 8) / 2 of that word.
               const int64_t pk = packed_at[kk];
               const int64_t nibble = (pk % kInt4UnitK) / 2;
-              const int64_t byte = pk / kInt4UnitK * kInt4UnitK * half + c / 16 * (4 * half) +
-                                   (c % 16 * 2 + pk % 2) * 2 + nibble / 2;
+              const int64_t byte = pk / kInt4UnitK * kInt4UnitK * half + c / half * (4 * half) +
+                                   (c % half * 2 + pk % 2) * 2 + nibble / 2;
               panel[byte] |= static_cast<unsigned char>(values[kk] << (4 * (nibble % 2)));
             } else if (int4) {
               const int shift = c < half ? 0 : 4;
@@ -291,7 +290,6 @@ class CpuBackend final : public Backend {
                              .k_order = packed.k_order(),
                              .group_starts = packed.group_starts(),
                              .groups = packed.groups(),
-                             .int4_units = packed.units_k() > 0,
                              .units_k = packed.units_k(),
                              .bias = bias,
                              .y = y,

@@ -37,12 +37,11 @@ struct GemmArgs {
   const int32_t* k_order = nullptr;  // [k] or null
   const int32_t* group_starts = nullptr;  // quantised: [groups + 1], from 0 to k
   int groups = 0;
-  // kInt4 packed in units of 8 k steps for vdpbf16ps (see Int4DotMicroKernel in
-  // simd_kernels.inc): [ceil(n / panel_width)][ceil(units_k / 8)][panel_width * 4] bytes over
+  // Non-zero: kInt4 packed in units of kInt4UnitK k steps for vdpbf16ps (see Int4DotMicroKernel
+  // in simd_kernels.inc), [ceil(n / panel_width)][ceil(units_k / 8)][panel_width * 4] bytes over
   // units_k packed k steps, each group starting at a multiple of 8 (group_starts counts packed
   // steps); packed step kk is input k_order[kk] of x, -1 for a step of zeros between groups
   // (k_order null: kk, and units_k == k).
-  bool int4_units = false;
   int units_k = 0;
 
   const float* bias = nullptr;  // [n] or null
@@ -82,7 +81,7 @@ struct CpuKernelTable {
   bool bf16_pairs;
   // Whether Linear of bf16 W rounds x to bf16 first (Backend::LinearRoundsX).
   bool rounds_x;
-  // Whether int4 W is packed in units (GemmArgs::int4_units).
+  // Whether int4 W is packed in units (GemmArgs::units_k).
   bool int4_units;
   // Floats of per-thread scratch that gemm_panels needs.
   int64_t gemm_scratch_floats;
@@ -106,6 +105,9 @@ struct CpuKernelTable {
   void (*attention_tile)(const AttentionSequence& seq, int kv_head, int row_begin, int row_end,
                          float* scratch);
 };
+
+// k steps per unit of int4 W packed for vdpbf16ps (GemmArgs::units_k).
+inline constexpr int kInt4UnitK = 8;
 
 inline constexpr int kMaxRopeHeadDim = 1024;
 inline constexpr int kMaxAttentionBlockSize = 1024;
