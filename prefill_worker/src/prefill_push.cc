@@ -5,6 +5,7 @@
 #include <set>
 #include <utility>
 
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "prefill_worker_impl.h"
 #include "tandem/base/status_macros.h"
@@ -22,7 +23,10 @@ absl::Duration PrefillWorkerImpl::Iterate() {
       Fail(*job, absl::UnavailableError(
                      absl::StrCat("request ", id, ": the prefill worker is shutting down")));
     }
-  } else if (engine_->has_unfinished()) {
+  } else {
+    ReachFollowers();
+  }
+  if (!loop.stopping() && engine_->has_unfinished()) {
     step_start_ = absl::Now();
     auto outputs = engine_->Step();
     if (!outputs.ok() && WaitForHeldBlocks()) {
@@ -55,7 +59,8 @@ absl::Duration PrefillWorkerImpl::Iterate() {
   }
   if (!answers.empty()) idle_.notify_all();
   if (engine_->has_unfinished() && !loop.stopping()) return absl::ZeroDuration();
-  return transfers ? kTransferPoll : absl::InfiniteDuration();
+  if (transfers) return kTransferPoll;
+  return awaiting_followers_.empty() ? absl::InfiniteDuration() : kFollowerConnectPoll;
 }
 
 void PrefillWorkerImpl::AddJob(std::unique_ptr<Job> job) {
@@ -71,11 +76,92 @@ void PrefillWorkerImpl::AddJob(std::unique_ptr<Job> job) {
     Fail(ref, absl::DeadlineExceededError(absl::StrCat("request ", ref.id, " passed its deadline (",
                                                        absl::FormatTime(ref.deadline), ")")));
   });
-  absl::Status added = engine_->AddRequest(ref.request);
+  if (ref.followers_push && !FollowersReach(ref)) {
+    // Its first step would wait for a follower's connect: the followers connect first, in the
+    // background, and the steps of other requests go on meanwhile.
+    awaiting_followers_.push_back(ref.id);
+    last_reach_ = absl::InfinitePast();
+    return;
+  }
+  AddToEngine(ref);
+}
+
+void PrefillWorkerImpl::AddToEngine(Job& job) {
+  absl::Status added = engine_->AddRequest(job.request);
   if (!added.ok()) {
-    Fail(ref, added);
+    Fail(job, added);
   } else {
-    ref.admitted = true;
+    job.admitted = true;
+  }
+}
+
+bool PrefillWorkerImpl::FollowersReach(const Job& job) const {
+  return std::all_of(job.follower_addresses.begin(), job.follower_addresses.end(),
+                     [this](const std::string& a) { return followers_reached_.count(a) > 0; });
+}
+
+void PrefillWorkerImpl::ReachFollowers() {
+  if (awaiting_followers_.empty()) return;
+  const absl::Time now = absl::Now();
+  if (now - last_reach_ < kFollowerConnectPoll) return;
+  last_reach_ = now;
+  // One destination per set of follower addresses, named by them.
+  const auto key = [](const Job& job) { return absl::StrJoin(job.follower_addresses, " "); };
+  std::vector<Job*> waiting;
+  tandem::v1::KvPushOrders orders;
+  orders.set_connect_only(true);
+  std::set<std::string> asked;
+  for (const std::string& id : awaiting_followers_) {
+    auto it = jobs_.find(id);
+    if (it == jobs_.end() || it->second->failing()) continue;
+    Job& job = *it->second;
+    waiting.push_back(&job);
+    if (FollowersReach(job) || !asked.insert(key(job)).second) continue;
+    tandem::v1::KvPushOrders::Destination* d = orders.add_destinations();
+    d->set_request_id(key(job));
+    *d->mutable_endpoint() = job.endpoint;
+    d->set_deadline_unix_ms(absl::ToUnixMillis(std::min(job.deadline, job.transfer_deadline)));
+  }
+  std::map<std::string, absl::Status> failed;
+  std::set<std::string> connecting;
+  if (orders.destinations_size() > 0) {
+    absl::StatusOr<std::vector<std::string>> reports =
+        engine_->TensorParallelSideChannel(orders.SerializeAsString());
+    for (const std::string& k : asked) {
+      if (!reports.ok()) failed[k] = reports.status();
+    }
+    for (size_t r = 0; reports.ok() && r < reports->size(); ++r) {
+      tandem::v1::KvPushReport report;
+      if (!report.ParseFromString((*reports)[r])) {
+        for (const std::string& k : asked) {
+          failed.emplace(k, absl::UnavailableError(absl::StrCat(
+                                "tensor-parallel rank ", r + 1, " sent an unreadable report")));
+        }
+        continue;
+      }
+      for (const tandem::v1::KvPushReport::Failure& f : report.failures()) {
+        failed.emplace(f.request_id(),
+                       absl::Status(static_cast<absl::StatusCode>(f.code()), f.message()));
+      }
+      connecting.insert(report.connecting().begin(), report.connecting().end());
+    }
+  }
+  awaiting_followers_.clear();
+  for (Job* job : waiting) {
+    const std::string k = key(*job);
+    if (auto f = failed.find(k); f != failed.end()) {
+      Fail(*job, absl::Status(f->second.code(),
+                              absl::StrCat("request ", job->id, ": cannot reach the decode worker: ",
+                                           f->second.message())));
+    } else if (asked.count(k) > 0 && connecting.count(k) == 0) {
+      followers_reached_.insert(job->follower_addresses.begin(), job->follower_addresses.end());
+    }
+    if (job->failing()) continue;
+    if (FollowersReach(*job)) {
+      AddToEngine(*job);
+    } else {
+      awaiting_followers_.push_back(job->id);
+    }
   }
 }
 
@@ -205,6 +291,7 @@ void PrefillWorkerImpl::FollowerReports(std::span<const std::string> reports) {
     tandem::v1::KvPushReport report;
     if (!report.ParseFromString(reports[r])) {
       // Cut short (too many failures to fit): every job of the step may have failed.
+      followers_reached_.clear();
       for (auto& [id, job] : jobs_) {
         if (!job->embed) {
           HandleFailed(*job, absl::UnavailableError(absl::StrCat(
@@ -216,6 +303,11 @@ void PrefillWorkerImpl::FollowerReports(std::span<const std::string> reports) {
     for (const tandem::v1::KvPushReport::Failure& f : report.failures()) {
       auto it = jobs_.find(f.request_id());
       if (it == jobs_.end()) continue;
+      // The follower may have dropped its connection: the next request going there has the
+      // followers reach it first.
+      for (const std::string& address : it->second->follower_addresses) {
+        followers_reached_.erase(address);
+      }
       HandleFailed(*it->second,
                    absl::Status(static_cast<absl::StatusCode>(f.code()), f.message()));
     }

@@ -1,6 +1,8 @@
 #include "tandem/prefill_worker/prefill_worker.h"
 
 #include <algorithm>
+#include <set>
+#include <string>
 #include <utility>
 
 #include "absl/time/clock.h"
@@ -175,8 +177,12 @@ absl::Status PrefillWorkerImpl::TakeReservation(const tandem::v1::KvReservation&
                      dst_layouts.size(), ": ", runs.status().message()));
   }
   job.runs = std::move(runs).value();
-  job.followers_push = std::any_of(job.runs.begin(), job.runs.end(),
-                                   [](const engine::KvHeadRun& run) { return run.src_rank != 0; });
+  std::set<std::string> follower_addresses;
+  for (const engine::KvHeadRun& run : job.runs) {
+    if (run.src_rank != 0) follower_addresses.insert(job.dsts[run.dst_rank].address);
+  }
+  job.followers_push = !follower_addresses.empty();
+  job.follower_addresses.assign(follower_addresses.begin(), follower_addresses.end());
   if (job.followers_push) job.endpoint = endpoint;
   // Blocks written must be distinct; the decode worker's cached blocks (never written) are
   // shared by every sample.

@@ -41,6 +41,9 @@ inline constexpr absl::Duration kMaxRequestTime = absl::Minutes(10);
 // Connecting to a decode worker's agent takes at most this (and never past the request's
 // deadline).
 inline constexpr absl::Duration kConnectTimeout = absl::Seconds(10);
+// How often the loop asks the followers of a tensor-parallel group how their connects go while
+// a request waits for them.
+inline constexpr absl::Duration kFollowerConnectPoll = absl::Milliseconds(1);
 // At shutdown, transfers of cancelled requests get this long to finish before their requests
 // are answered anyway; destroying the agent then cancels what is left.
 inline constexpr absl::Duration kShutdownDrain = absl::Seconds(5);
@@ -89,6 +92,9 @@ struct Job {
   std::vector<Destination> dsts;
   std::vector<engine::KvHeadRun> runs;
   bool followers_push = false;  // some run's source is a follower rank
+  // The addresses of the decode ranks the followers push to (sorted); the request enters the
+  // engine once the followers have reached them all.
+  std::vector<std::string> follower_addresses;
   // The reservation's endpoint, for the followers' orders (a group of this worker's only).
   tandem::v1::TransferEndpoint endpoint;
   std::vector<int32_t> dst_blocks;  // n x blocks_per_choice
@@ -239,6 +245,14 @@ class PrefillWorkerImpl final : public PrefillWorker {
   // tensor_parallel_step_attachment hook), and their reports of it.
   std::string FollowerOrders(std::span<const KvWritten> written);
   void FollowerReports(std::span<const std::string> reports);
+  // Whether the followers are connected to every decode rank they push the job's KV to.
+  bool FollowersReach(const Job& job) const;
+  // Between steps: asks the followers to connect to the decode ranks of the jobs waiting for
+  // that (connect-only orders), admits those whose ranks every follower has reached and fails
+  // those a follower could not reach.
+  void ReachFollowers();
+  // Hands the job's request to the engine.
+  void AddToEngine(Job& job);
   // Polls a job's handles oldest first, dropping the finished ones; a failure fails the job.
   // With `all`, polls past unfinished ones too (a failing job waits for every handle).
   void PollHandles(Job& job, bool all);
@@ -275,6 +289,12 @@ class PrefillWorkerImpl final : public PrefillWorker {
 
   // Loop thread only.
   std::map<std::string, std::unique_ptr<Job>, std::less<>> jobs_;
+  // Jobs waiting for the followers to reach their decode ranks (ReachFollowers), by id.
+  std::vector<std::string> awaiting_followers_;
+  // Decode ranks every follower that pushes to them has reached; an address leaves it when a
+  // follower's push of a job going there fails.
+  std::set<std::string> followers_reached_;
+  absl::Time last_reach_ = absl::InfinitePast();  // connect-only orders last sent
   absl::Time step_start_;                                               // of the step running
   std::vector<std::unique_ptr<kvtransfer::TransferHandle>> abandoned_;  // outlive the agent
 };

@@ -9,6 +9,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <functional>
 #include <map>
 #include <mutex>
@@ -24,11 +25,14 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "step_gate.h"
+#include "tandem/collective/gloo_communicator.h"
 #include "tandem/engine/llm_engine.h"
 #include "tandem/kvtransfer/agent.h"
 #include "tandem/proto/wire.h"
 #include "tandem/v1/prefill.grpc.pb.h"
+#include "tandem/worker/tensor_parallel_kv.h"
 #include "kv_events_stream.h"
+#include "tensor_parallel_support.h"
 #include "test_models.h"
 
 namespace tandem::prefill_worker {
@@ -1013,6 +1017,159 @@ TEST(PrefillWorkerPeerTest, DecodeAgentGoneFailsWithUnavailableAndLeaksNothing) 
     EXPECT_EQ(decode.blocks_used(), 0);
     ExpectDrained(*stub);
   }
+}
+
+
+// A prefill worker whose engine is a tensor-parallel group of 2 ranks over Gloo, its follower
+// (RunKvFollower, with a ucx agent of its own) on a thread as its own process would run it.
+// Each rank holds one of the tiny model's 2 KV heads, so the follower pushes head 1.
+class PrefillGroup {
+ public:
+  explicit PrefillGroup(const std::string& model) : dir_("prefill_group") {
+    follower_ = std::jthread([this, model] {
+      auto comm = collective::CreateGlooCommunicator(
+          {.rank = 1, .size = 2, .file_store_dir = dir_.path()});
+      if (!comm.ok()) {
+        follower_status_ = comm.status();
+        return;
+      }
+      engine::EngineOptions options =
+          EngineOptionsFor(model, kTinyKvBytes, engine::EngineRole::kColocated);
+      options.tensor_parallel = comm->get();
+      follower_status_ = worker::RunKvFollower(
+          options, {.backend = "ucx", .name = "prefill-test/rank1", .role = "prefill"});
+    });
+    auto comm =
+        collective::CreateGlooCommunicator({.rank = 0, .size = 2, .file_store_dir = dir_.path()});
+    EXPECT_TRUE(comm.ok()) << comm.status();
+    if (!comm.ok()) return;
+    comm_ = std::move(comm).value();
+    PrefillWorkerOptions options;
+    options.engine = EngineOptionsFor(model, kTinyKvBytes, engine::EngineRole::kColocated);
+    options.engine.tensor_parallel = comm_.get();
+    options.worker_id = "prefill-test";
+    options.kv_backend = "ucx";
+    auto worker = PrefillWorker::Create(options);
+    EXPECT_TRUE(worker.ok()) << worker.status();
+    if (worker.ok()) worker_ = std::move(worker).value();
+  }
+  ~PrefillGroup() {
+    worker_.reset();  // destroys the leader's engine, which stops the follower
+    comm_.reset();
+    follower_.join();
+    EXPECT_TRUE(follower_status_.ok()) << follower_status_;
+  }
+  PrefillWorker* worker() { return worker_.get(); }
+
+ private:
+  testing::TempDir dir_;
+  std::unique_ptr<collective::Communicator> comm_;
+  std::unique_ptr<PrefillWorker> worker_;
+  absl::Status follower_status_;
+  std::jthread follower_;
+};
+
+// A TCP listener that accepts nothing: a connect to it gets no answer until it closes.
+class SilentListener {
+ public:
+  SilentListener() {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&addr), len), 0);
+    EXPECT_EQ(listen(fd_, 16), 0);
+    EXPECT_EQ(getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+    port_ = ntohs(addr.sin_port);
+  }
+  ~SilentListener() { Close(); }
+  // A ucx agent address at this listener.
+  std::string address() const { return absl::StrCat("127.0.0.1:", port_, "#1"); }
+  void Close() {
+    if (fd_ >= 0) close(fd_);
+    fd_ = -1;
+  }
+
+ private:
+  int fd_ = -1;
+  int port_ = 0;
+};
+
+// A follower connects to a decode rank it has not reached before in the background, before the
+// request going there enters the engine: the steps of other requests go on meanwhile. Request
+// "stuck" goes to a decode group whose rank 1 (the follower's to reach) never answers; request
+// "moving", submitted after it, to a healthy decode worker, and is answered while "stuck" still
+// waits. When the silent rank's listener closes, "stuck" fails with a clear error and nothing
+// leaks.
+TEST(PrefillWorkerTensorParallelTest, AFollowersConnectHoldsUpNoStep) {
+  const std::string model = TinyQwen3();
+  DecodeSide decode("ucx", model, kTinyKvBytes);
+  SilentListener silent;
+  PrefillGroup group(model);
+  ASSERT_NE(group.worker(), nullptr);
+  auto stub = Connect(*group.worker());
+
+  engine::GenerateRequest stuck{"stuck", RandomPrompt(40, 500, 21), {}};
+  stuck.params.temperature = 0;
+  stuck.params.max_tokens = 4;
+  // A decode group of 2 ranks, one head each: rank 0 is `decode`'s agent (this group's rank 0
+  // reaches it when the Submit arrives), rank 1 the silent listener (the follower's).
+  tandem::v1::KvReservation to_group = decode.Reserve("stuck", 40, 1);
+  {
+    tandem::v1::TransferEndpoint whole = to_group.endpoint();
+    tandem::v1::TransferEndpoint* group_endpoint = to_group.mutable_endpoint();
+    group_endpoint->mutable_layout()->set_tp_size(2);
+    group_endpoint->mutable_layout()->set_num_kv_heads(1);
+    for (int r = 0; r < 2; ++r) {
+      tandem::v1::TransferEndpoint* rank = group_endpoint->add_tp_ranks();
+      *rank = whole;
+      rank->mutable_layout()->set_tp_size(2);
+      rank->mutable_layout()->set_tp_rank(r);
+      rank->mutable_layout()->set_kv_head_begin(r);
+      rank->mutable_layout()->set_num_kv_heads(1);
+    }
+    group_endpoint->mutable_tp_ranks(1)->set_address(silent.address());
+  }
+  SubmitResult stuck_result;
+  std::atomic<bool> stuck_answered{false};
+  std::jthread stuck_call([&] {
+    stuck_result = CallSubmit(*stub, MakeSubmit(stuck, to_group));
+    stuck_answered = true;
+  });
+  // Until the worker has taken it (its prompt counts as queued).
+  for (int i = 0; i < 1000 && CallStats(*stub).queued_prefill_tokens() < 40; ++i) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+
+  engine::GenerateRequest moving{"moving", RandomPrompt(70, 500, 22), {}};
+  moving.params.temperature = 0;
+  moving.params.max_tokens = 6;
+  moving.params.ignore_eos = true;
+  SubmitResult moved = CallSubmit(*stub, MakeSubmit(moving, decode.Reserve("moving", 70, 1)));
+  ASSERT_TRUE(moved.status.ok()) << moved.status.error_message();
+  EXPECT_FALSE(stuck_answered.load()) << "a step waited for the follower's connect to rank 1";
+  ASSERT_TRUE(decode.Continue(moving, moved.response).ok());
+  auto got = decode.RunAll();
+  auto colocated = engine::LlmEngine::Create(
+      EngineOptionsFor(model, kTinyKvBytes, engine::EngineRole::kColocated));
+  ASSERT_TRUE(colocated.ok()) << colocated.status();
+  auto expected = engine::GenerateAll(**colocated, {moving});
+  ASSERT_TRUE(expected.ok()) << expected.status();
+  EXPECT_EQ(got["moving"].choices.at(0).token_ids, (*expected)[0].choices[0].token_ids)
+      << "the follower's head reached the decode worker";
+
+  silent.Close();
+  stuck_call.join();
+  EXPECT_THAT(stuck_result.status.error_code(),
+              ::testing::AnyOf(grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::DEADLINE_EXCEEDED))
+      << stuck_result.status.error_message();
+  EXPECT_THAT(stuck_result.status.error_message(),
+              HasSubstr("request stuck: cannot reach the decode worker: tensor-parallel rank 1: "
+                        "decode rank 1"));
+  decode.Release("stuck");
+  EXPECT_EQ(decode.blocks_used(), 0);
+  ExpectDrained(*stub);
 }
 
 }  // namespace

@@ -103,6 +103,11 @@ absl::StatusOr<kvtransfer::PeerId> KvEndpoint::Peer(const std::string& address, 
   return it->second;
 }
 
+bool KvEndpoint::Connected(const std::string& address) const {
+  std::lock_guard<std::mutex> lock(peers_mu_);
+  return peers_.count(address) > 0;
+}
+
 void KvEndpoint::DropPeer(const std::string& address, kvtransfer::PeerId peer) {
   {
     std::lock_guard<std::mutex> lock(peers_mu_);

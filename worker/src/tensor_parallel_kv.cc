@@ -1,7 +1,9 @@
 #include "tandem/worker/tensor_parallel_kv.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <future>
 #include <map>
 #include <utility>
 
@@ -26,12 +28,21 @@ class KvPushFollower {
   KvPushFollower(KvEndpoint& kv, int rank, std::vector<engine::KvCacheLayout> group)
       : kv_(kv), rank_(rank), group_(std::move(group)) {}
 
+  // Waits for the connects still running in the background (each bounded by its deadline).
+  // Called before the endpoint closes.
+  void WaitForConnects() { connecting_.clear(); }
+
   void Begin(std::string_view attachment) {
     requests_.clear();
     writes_.clear();
+    reached_.clear();
     tandem::v1::KvPushOrders orders;
     if (!orders.ParseFromArray(attachment.data(), static_cast<int>(attachment.size()))) {
       failure_all_ = absl::InternalError("malformed KV push orders from rank 0");
+      return;
+    }
+    if (orders.connect_only()) {
+      for (const tandem::v1::KvPushOrders::Destination& d : orders.destinations()) Reach(d);
       return;
     }
     for (tandem::v1::KvPushOrders::Destination& d : *orders.mutable_destinations()) {
@@ -63,16 +74,21 @@ class KvPushFollower {
       request.handles.clear();
       absl::Status failure = !failure_all_.ok() ? failure_all_ : request.failure;
       if (failure.ok()) continue;
-      tandem::v1::KvPushReport::Failure* f = report.add_failures();
-      f->set_request_id(id);
-      f->set_code(static_cast<int>(failure.code()));
-      std::string message = absl::StrCat("tensor-parallel rank ", rank_, ": ", failure.message());
-      if (message.size() > kMaxFailureMessage) message.resize(kMaxFailureMessage);
-      f->set_message(std::move(message));
+      AddFailure(report, id, failure);
+    }
+    for (auto& [id, reach] : reached_) {
+      if (!failure_all_.ok()) {
+        AddFailure(report, id, failure_all_);
+      } else if (!reach.ok()) {
+        AddFailure(report, id, reach.status());
+      } else if (!*reach) {
+        report.add_connecting(id);
+      }
     }
     failure_all_ = absl::OkStatus();
     requests_.clear();
     writes_.clear();
+    reached_.clear();
     return report.SerializeAsString();
   }
 
@@ -122,7 +138,8 @@ class KvPushFollower {
     absl::Status failure;
   };
 
-  absl::Status Prepare(const tandem::v1::TransferEndpoint& endpoint, Request& request) {
+  // The receiver's ranks (request.dsts) and this rank's runs to them (request.runs).
+  absl::Status MapRanks(const tandem::v1::TransferEndpoint& endpoint, Request& request) const {
     const std::vector<const tandem::v1::TransferEndpoint*> ranks = RankEndpoints(endpoint);
     TANDEM_ASSIGN_OR_RETURN(std::vector<engine::KvCacheLayout> dst_layouts, RankLayouts(ranks));
     for (size_t r = 0; r < ranks.size(); ++r) {
@@ -135,17 +152,71 @@ class KvPushFollower {
     TANDEM_ASSIGN_OR_RETURN(std::vector<engine::KvHeadRun> runs,
                             engine::KvHeadRuns(group_, dst_layouts));
     for (const engine::KvHeadRun& run : runs) {
-      if (run.src_rank != rank_) continue;
-      Destination& dst = request.dsts[run.dst_rank];
-      if (dst.peer == 0) {
-        TANDEM_ASSIGN_OR_RETURN(
-            dst.peer,
-            kv_.Peer(dst.address,
-                     std::min(request.deadline, absl::Now() + kFollowerConnectTimeout)));
-      }
-      request.runs.push_back(run);
+      if (run.src_rank == rank_) request.runs.push_back(run);
     }
     return absl::OkStatus();
+  }
+
+  absl::Status Prepare(const tandem::v1::TransferEndpoint& endpoint, Request& request) {
+    TANDEM_RETURN_IF_ERROR(MapRanks(endpoint, request));
+    for (const engine::KvHeadRun& run : request.runs) {
+      Destination& dst = request.dsts[run.dst_rank];
+      if (dst.peer != 0) continue;
+      // Connected already when rank 0 admitted the request after connect-only orders (Reach);
+      // otherwise (the connection was dropped since) this step waits for the connect.
+      TANDEM_ASSIGN_OR_RETURN(
+          dst.peer,
+          kv_.Peer(dst.address, std::min(request.deadline, absl::Now() + kFollowerConnectTimeout)));
+    }
+    return absl::OkStatus();
+  }
+
+  // Connect-only orders: starts a background connect to each rank of `d` this rank sends to
+  // that is neither connected nor being connected to, and records in reached_ whether all are
+  // connected (or the first failure of a connect that has ended; the next orders try again).
+  void Reach(const tandem::v1::KvPushOrders::Destination& d) {
+    absl::StatusOr<bool>& reached = reached_[d.request_id()];
+    reached = true;
+    Request request;
+    if (absl::Status mapped = MapRanks(d.endpoint(), request); !mapped.ok()) {
+      reached = mapped;
+      return;
+    }
+    const absl::Time deadline =
+        std::min(FromUnixMillisOrInfinite(d.deadline_unix_ms()),
+                 absl::Now() + kFollowerConnectTimeout);
+    for (const engine::KvHeadRun& run : request.runs) {
+      const std::string& address = request.dsts[run.dst_rank].address;
+      if (kv_.Connected(address)) continue;
+      auto it = connecting_.find(address);
+      if (it == connecting_.end()) {
+        connecting_.emplace(address, std::async(std::launch::async, [this, address, deadline] {
+                              return kv_.Peer(address, deadline);
+                            }));
+        if (reached.ok()) reached = false;
+        continue;
+      }
+      if (it->second.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+        if (reached.ok()) reached = false;
+        continue;
+      }
+      absl::StatusOr<kvtransfer::PeerId> peer = it->second.get();
+      connecting_.erase(it);
+      if (!peer.ok() && reached.ok()) {
+        reached = absl::Status(peer.status().code(),
+                               absl::StrCat("decode rank ", run.dst_rank, ": ", peer.status().message()));
+      }
+    }
+  }
+
+  void AddFailure(tandem::v1::KvPushReport& report, const std::string& id,
+                  const absl::Status& failure) const {
+    tandem::v1::KvPushReport::Failure* f = report.add_failures();
+    f->set_request_id(id);
+    f->set_code(static_cast<int>(failure.code()));
+    std::string message = absl::StrCat("tensor-parallel rank ", rank_, ": ", failure.message());
+    if (message.size() > kMaxFailureMessage) message.resize(kMaxFailureMessage);
+    f->set_message(std::move(message));
   }
 
   void Failed(Request& request, Destination& dst, const absl::Status& status) {
@@ -162,6 +233,11 @@ class KvPushFollower {
   std::map<std::string, Request> requests_;
   std::vector<tandem::v1::KvPushOrders::Write> writes_;
   absl::Status failure_all_;
+  // Connect-only orders: each destination's state (true: every rank this one sends to is
+  // connected; false: still connecting), until End reports it.
+  std::map<std::string, absl::StatusOr<bool>> reached_;
+  // Background connects by address; a finished one stays until orders ask about it again.
+  std::map<std::string, std::future<absl::StatusOr<kvtransfer::PeerId>>> connecting_;
 };
 
 }  // namespace
@@ -297,6 +373,7 @@ absl::Status RunKvFollower(const engine::EngineOptions& options, const KvEndpoin
       {.begin = [&pushes](std::string_view attachment) { pushes.Begin(attachment); },
        .end = [&pushes] { return pushes.End(); }});
   absl::Status status = follower->Run();
+  pushes.WaitForConnects();
   endpoint->Close();  // waits until no transfer reads the cache, before the runner frees it
   return status;
 }

@@ -89,6 +89,9 @@ class KvEndpoint {
   // and connects again. Thread-safe; connecting does not hold up calls for other addresses.
   absl::StatusOr<kvtransfer::PeerId> Peer(const std::string& address, absl::Time deadline,
                                           bool fresh = false);
+  // Whether a connection to `address` is cached (Peer returns it without connecting).
+  // Thread-safe.
+  bool Connected(const std::string& address) const;
   // Forgets and closes the cached connection `peer` to `address` (a failed one), unless it was
   // replaced meanwhile. Thread-safe.
   void DropPeer(const std::string& address, kvtransfer::PeerId peer);
@@ -118,7 +121,7 @@ class KvEndpoint {
   std::vector<tandem::v1::TransferEndpoint> group_;
   std::vector<engine::KvCacheLayout> group_layouts_;
 
-  std::mutex peers_mu_;
+  mutable std::mutex peers_mu_;
   std::map<std::string, kvtransfer::PeerId> peers_;  // guarded by peers_mu_
 };
 

@@ -8,6 +8,9 @@
 //     a KvPushOrders (ModelRunner::set_step_attachment), and each follower pushes its heads of
 //     the step's writes as each layer is computed, waits for them when the step is done and
 //     reports failures back (KvPushReport).
+//   - Before a request goes to decode ranks its followers have not reached, rank 0 sends them
+//     connect-only orders between steps; they connect in the background and rank 0 admits the
+//     request once all have, so no step waits for a follower's connect.
 //
 // A follower process runs:
 //   return RunKvFollower(engine_options, {.backend = "ucx", .name = "prefill-0/rank1"});
