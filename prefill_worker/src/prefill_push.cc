@@ -111,10 +111,14 @@ void PrefillWorkerImpl::ReachFollowers() {
   tandem::v1::KvPushOrders orders;
   orders.set_connect_only(true);
   std::set<std::string> asked;
+  std::set<Job*> seen;
   for (const std::string& id : awaiting_followers_) {
+    // The id may have ended and come back since (a new Submit): its job is listed once, and
+    // one admitted already is not admitted again.
     auto it = jobs_.find(id);
-    if (it == jobs_.end() || it->second->failing()) continue;
+    if (it == jobs_.end() || it->second->failing() || it->second->admitted) continue;
     Job& job = *it->second;
+    if (!seen.insert(&job).second) continue;
     waiting.push_back(&job);
     if (FollowersReach(job) || !asked.insert(key(job)).second) continue;
     tandem::v1::KvPushOrders::Destination* d = orders.add_destinations();
