@@ -34,6 +34,7 @@
 #include "gtest/gtest.h"
 #include "kernels/src/cpu/reference.h"
 #include "kernels/src/kernel_test_support.h"
+#include "tandem/base/half.h"
 #include "tandem/kernels/backend.h"
 
 namespace tandem::kernels::conformance {
@@ -274,22 +275,43 @@ std::vector<unsigned char> Encode(const std::vector<float>& values, DType dtype,
   return bytes;
 }
 
+// x as a backend whose Linear splits it reads it (Backend::LinearSplitsX): hi = bf16(x) plus
+// lo = bf16(x - hi), both rounded to nearest even (the sum is exact in fp32).
+std::vector<float> SplitIntoBf16Halves(const std::vector<float>& x) {
+  std::vector<float> read(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float hi = Bf16ToFloat(FloatToBf16(x[i]));
+    read[i] = hi + Bf16ToFloat(FloatToBf16(x[i] - hi));
+  }
+  return read;
+}
+
+// One x in 61 made 1000 times larger, as the massive activations of some channels of real
+// models are: the error of a kernel that carries x less exactly than fp32 then lands on a few
+// products that dominate sum |x| |w|, where random x would average it out.
+void AddOutliers(std::vector<float>& x) {
+  for (size_t i = 3; i < x.size(); i += 61) x[i] *= 1000.0f;
+}
+
 // W of `w_dtype` (fp32, bf16, fp16): the reference reads the same encoded W, so the tolerance is
 // that of fp32 accumulation whatever the weight type.
 class LinearCase : public OpCase {
  public:
-  LinearCase(int m, int n, int k, bool bias, double tolerance, DType w_dtype = DType::kF32)
+  LinearCase(int m, int n, int k, bool bias, double tolerance, DType w_dtype = DType::kF32,
+             bool outliers = false)
       : OpCase("Linear_m" + Str(m) + "_n" + Str(n) + "_k" + Str(k) + (bias ? "_bias" : "") +
-                   DTypeSuffix(w_dtype),
+                   DTypeSuffix(w_dtype) + (outliers ? "_outliers" : ""),
                tolerance),
         m_(m),
         n_(n),
         k_(k),
         bias_(bias),
-        w_dtype_(w_dtype) {}
+        w_dtype_(w_dtype),
+        outliers_(outliers) {}
 
   void Check(Harness& h) const override {
-    const std::vector<float> x = Random(int64_t{m_} * k_, seed());
+    std::vector<float> x = Random(int64_t{m_} * k_, seed());
+    if (outliers_) AddOutliers(x);
     std::vector<float> w = Random(int64_t{n_} * k_, seed() + 1);
     // The weights as stored, and their exact values (for the error scale below).
     const std::vector<unsigned char> w_bytes = Encode(w, w_dtype_);
@@ -307,11 +329,13 @@ class LinearCase : public OpCase {
     if (!h.Finish()) return;
 
     // A backend that rounds x to W's type first (the CUDA backend's prefill path) is held to
-    // the same tolerance on the rounded x.
+    // the same tolerance on the rounded x, one that splits it on the two halves' sum.
     std::vector<float> x_read = x;
     if (h.backend().LinearRoundsX(m_, w_dtype_)) {
       const std::vector<unsigned char> x_bytes = Encode(x, w_dtype_);
       for (size_t i = 0; i < x.size(); ++i) x_read[i] = LoadAsFloat(x_bytes.data(), w_dtype_, i);
+    } else if (h.backend().LinearSplitsX(w_dtype_, WeightQuant::kNone)) {
+      x_read = SplitIntoBf16Halves(x);
     }
     std::vector<float> expected(int64_t{m_} * n_);
     reference::Linear(x_read.data(), m_, w_bytes.data(), w_dtype_, n_, k_,
@@ -335,6 +359,7 @@ class LinearCase : public OpCase {
   int m_, n_, k_;
   bool bias_;
   DType w_dtype_;
+  bool outliers_;
 };
 
 // Weight-only quantised W (int8 per row; int4 per group with zero points, optionally in a
@@ -346,16 +371,16 @@ class QuantizedLinearCase : public OpCase {
  public:
   // uneven: int4 groups of 1 to 2 x group_size columns, drawn at random; with unit_aligned,
   // of multiples of 8 columns (but the last, which ends at k), as the AVX-512 BF16 kernels
-  // pack in units of 8 k steps.
+  // pack in units of 8 k steps. outliers: AddOutliers.
   QuantizedLinearCase(WeightQuant quant, int m, int n, int k, int group_size, bool shuffled,
                       bool bias, double tolerance, bool uneven = false,
-                      bool unit_aligned = false)
+                      bool unit_aligned = false, bool outliers = false)
       : OpCase(std::string("Linear_") + (quant == WeightQuant::kInt8 ? "int8" : "int4") + "_m" +
                    Str(m) + "_n" + Str(n) + "_k" + Str(k) +
                    (quant == WeightQuant::kInt4 ? "_g" + Str(group_size) : "") +
                    (uneven ? (unit_aligned ? "_uneven8" : "_uneven") : "") +
-                   (shuffled ? "_korder" : "") +
-                   (bias ? "_bias" : ""),
+                   (shuffled ? "_korder" : "") + (bias ? "_bias" : "") +
+                   (outliers ? "_outliers" : ""),
                tolerance),
         quant_(quant),
         m_(m),
@@ -365,10 +390,12 @@ class QuantizedLinearCase : public OpCase {
         shuffled_(shuffled),
         bias_(bias),
         uneven_(uneven),
-        unit_aligned_(unit_aligned) {}
+        unit_aligned_(unit_aligned),
+        outliers_(outliers) {}
 
   void Check(Harness& h) const override {
-    const std::vector<float> x = Random(int64_t{m_} * k_, seed());
+    std::vector<float> x = Random(int64_t{m_} * k_, seed());
+    if (outliers_) AddOutliers(x);
     const bool int4 = quant_ == WeightQuant::kInt4;
     const int group = int4 ? group_size_ : k_;
     std::mt19937 rng(seed() + 1);
@@ -416,8 +443,10 @@ class QuantizedLinearCase : public OpCase {
 
     const std::vector<float> w = DequantizeWeight(view);
     std::vector<float> expected(int64_t{m_} * n_);
-    reference::Linear(x.data(), m_, w.data(), DType::kF32, n_, k_, bias_ ? bias.data() : nullptr,
-                      expected.data());
+    const std::vector<float> x_read =
+        h.backend().LinearSplitsX(DType::kF32, quant_) ? SplitIntoBf16Halves(x) : x;
+    reference::Linear(x_read.data(), m_, w.data(), DType::kF32, n_, k_,
+                      bias_ ? bias.data() : nullptr, expected.data());
     std::vector<float> abs_x(x.size()), abs_w(w.size()), abs_bias(bias.size());
     for (size_t i = 0; i < x.size(); ++i) abs_x[i] = std::abs(x[i]);
     for (size_t i = 0; i < w.size(); ++i) abs_w[i] = std::abs(w[i]);
@@ -433,7 +462,7 @@ class QuantizedLinearCase : public OpCase {
  private:
   WeightQuant quant_;
   int m_, n_, k_, group_size_;
-  bool shuffled_, bias_, uneven_, unit_aligned_;
+  bool shuffled_, bias_, uneven_, unit_aligned_, outliers_;
 };
 
 class RmsNormCase : public OpCase {
@@ -953,6 +982,11 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
       add(LinearCase(m, n, k, bias, kLinearTolerance, w_dtype));
     }
   }
+  // x with outliers (AddOutliers): a decode row and a prefill tile, fp32 and bf16 weights.
+  for (DType w_dtype : {DType::kF32, DType::kBF16}) {
+    add(LinearCase(1, 97, 640, false, kLinearTolerance, w_dtype, /*outliers=*/true));
+    add(LinearCase(7, 97, 512, true, kLinearTolerance, w_dtype, /*outliers=*/true));
+  }
 
   // Quantised weights: decode rows (1 to 3 take panel pairs on AVX-512) and prefill tiles, panel
   // remainders, k blocks that end inside a group (k 640 with groups of 128 and 32 past a
@@ -1002,6 +1036,13 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
     add(QuantizedLinearCase(WeightQuant::kInt4, m, n, k, group, shuffled, false, kLinearTolerance,
                             /*uneven=*/true, /*unit_aligned=*/true));
   }
+  // x with outliers (AddOutliers): decode rows and a prefill tile, groups of 128 and 32.
+  for (auto [m, k, group] : std::vector<std::tuple<int, int, int>>{{1, 640, 128}, {7, 512, 32}}) {
+    add(QuantizedLinearCase(WeightQuant::kInt4, m, 97, k, group, false, false, kLinearTolerance,
+                            /*uneven=*/false, /*unit_aligned=*/false, /*outliers=*/true));
+  }
+  add(QuantizedLinearCase(WeightQuant::kInt8, 3, 97, 640, 640, false, false, kLinearTolerance,
+                          false, false, /*outliers=*/true));
 
   // RmsNorm and AddRmsNorm: dims below, at and past vector widths and block sizes.
   for (int dim : {1, 7, 64, 100, 2048, 4099}) {

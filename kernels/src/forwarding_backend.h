@@ -39,6 +39,9 @@ class ForwardingBackend : public Backend {
   bool LinearRoundsX(int m, DType w_dtype) const override {
     return inner_->LinearRoundsX(m, w_dtype);
   }
+  bool LinearSplitsX(DType w_dtype, WeightQuant quant) const override {
+    return inner_->LinearSplitsX(w_dtype, quant);
+  }
   void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
     inner_->Linear(x, m, w, bias, y);
   }

@@ -270,6 +270,12 @@ class CpuBackend final : public Backend {
   bool LinearRoundsX(int m, DType w_dtype) const override {
     return table_->rounds_x && w_dtype == DType::kBF16;
   }
+  // The vdpbf16ps kernels: bf16 W in pairs (unless x is rounded), and int4 W in units.
+  bool LinearSplitsX(DType w_dtype, WeightQuant quant) const override {
+    if (quant == WeightQuant::kInt4) return table_->int4_units && table_->panel_width == 32;
+    return quant == WeightQuant::kNone && w_dtype == DType::kBF16 && table_->bf16_pairs &&
+           !table_->rounds_x;
+  }
 
   void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
     const auto& packed = static_cast<const CpuPackedWeight&>(w);

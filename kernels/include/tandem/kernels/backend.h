@@ -238,10 +238,16 @@ class Backend {
   // before multiplying: the CUDA backend does for 16-bit W past decode sizes, to run prefill on
   // the tensor cores. The products and fp32 accumulation are then exact on the rounded x.
   virtual bool LinearRoundsX(int m, DType w_dtype) const { return false; }
+  // Whether Linear with W of `w_dtype` and `quant` carries x as two bf16 halves, hi = bf16(x)
+  // and lo = bf16(x - hi) (round to nearest even), whose sum is within 2^-16 of x: the CPU
+  // backend's AVX-512 BF16 kernels do (CpuIsa::kAvx512Bf16), for vdpbf16ps. The products and
+  // fp32 accumulation are then exact on hi + lo.
+  virtual bool LinearSplitsX(DType w_dtype, WeightQuant quant) const { return false; }
 
   // y[m, n] = x[m, k] * W^T (+ bias[n] when bias is not null). Whatever W's dtype, each product
   // is of W's exact value (quantised: of DequantizeWeight's value) and accumulates in fp32; x
-  // is read exactly too, except where LinearRoundsX says it is first rounded to W's dtype.
+  // is read exactly too, except where LinearRoundsX says it is first rounded to W's dtype or
+  // LinearSplitsX that it is carried as two bf16 halves.
   // Batch invariant on the CPU: row i of y is bitwise the same whatever m is and whatever the
   // other rows hold (the CUDA backend's kernels change with m). y must not overlap x (other
   // operators say where theirs may alias).
@@ -316,7 +322,7 @@ class Backend {
 // Instruction sets the CPU backend carries code for. Results are bitwise reproducible for one
 // instruction set on one machine; different instruction sets may differ in the last bits.
 // kAvx512Bf16: AVX-512 with vdpbf16ps for bf16 and int4 weights, x carried as two bf16 halves
-// (about 2^-17 of x apart from it), so about as exact as fp32 activations.
+// (within 2^-16 of x, Backend::LinearSplitsX), so nearly as exact as fp32 activations.
 // kAvx512Bf16Round: the same, but bf16 weights multiply x rounded to bf16 (Backend::LinearRoundsX):
 // about twice the prefill GEMM rate on bf16 weights, with activations no longer exact in fp32, so
 // kAuto never picks it.
