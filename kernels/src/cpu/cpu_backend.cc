@@ -198,7 +198,7 @@ class CpuBackend final : public Backend {
     // int4 in units of kInt4UnitK k steps (cpu::GemmArgs::units_k). A group that does not
     // start at a multiple of it is moved to the next one: the packed k steps between hold
     // zeros, and `order` (the packed step's input, -1 for none) skips them.
-    const bool units = int4 && table_->int4_units && width == 32;
+    const bool units = int4 && PacksInt4InUnits();
     int packed_k = w.k;
     std::vector<int32_t> packed_at;  // units: input kk's packed k step
     if (units) {
@@ -266,13 +266,17 @@ class CpuBackend final : public Backend {
                                              std::move(order), units ? packed_k : 0);
   }
 
+  // Whether int4 W is packed in units of kInt4UnitK k steps (cpu::GemmArgs::units_k) for the
+  // vdpbf16ps kernel, which takes panels of 32 columns.
+  bool PacksInt4InUnits() const { return table_->int4_units && table_->panel_width == 32; }
+
   // cpu-avx512-bf16-round rounds x for bf16 W, whatever m (keeping Linear batch invariant).
   bool LinearRoundsX(int m, DType w_dtype) const override {
     return table_->rounds_x && w_dtype == DType::kBF16;
   }
   // The vdpbf16ps kernels: bf16 W in pairs (unless x is rounded), and int4 W in units.
   bool LinearSplitsX(DType w_dtype, WeightQuant quant) const override {
-    if (quant == WeightQuant::kInt4) return table_->int4_units && table_->panel_width == 32;
+    if (quant == WeightQuant::kInt4) return PacksInt4InUnits();
     return quant == WeightQuant::kNone && w_dtype == DType::kBF16 && table_->bf16_pairs &&
            !table_->rounds_x;
   }
