@@ -76,7 +76,7 @@ void PrefillWorkerImpl::AddJob(std::unique_ptr<Job> job) {
     Fail(ref, absl::DeadlineExceededError(absl::StrCat("request ", ref.id, " passed its deadline (",
                                                        absl::FormatTime(ref.deadline), ")")));
   });
-  if (ref.followers_push && !FollowersReach(ref)) {
+  if (ref.followers_push() && !FollowersReach(ref)) {
     // Its first step would wait for a follower's connect: the followers connect first, in the
     // background, and the steps of other requests go on meanwhile.
     awaiting_followers_.push_back(ref.id);
@@ -131,8 +131,8 @@ void PrefillWorkerImpl::ReachFollowers() {
   if (orders.destinations_size() > 0) {
     absl::StatusOr<std::vector<std::string>> reports =
         engine_->TensorParallelSideChannel(orders.SerializeAsString());
-    for (const std::string& k : asked) {
-      if (!reports.ok()) failed[k] = reports.status();
+    if (!reports.ok()) {
+      for (const std::string& k : asked) failed[k] = reports.status();
     }
     for (size_t r = 0; reports.ok() && r < reports->size(); ++r) {
       tandem::v1::KvPushReport report;
@@ -154,9 +154,9 @@ void PrefillWorkerImpl::ReachFollowers() {
   for (Job* job : waiting) {
     const std::string k = key(*job);
     if (auto f = failed.find(k); f != failed.end()) {
-      Fail(*job, absl::Status(f->second.code(),
-                              absl::StrCat("request ", job->id, ": cannot reach the decode worker: ",
-                                           f->second.message())));
+      Fail(*job, absl::Status(f->second.code(), absl::StrCat("request ", job->id,
+                                                             ": cannot reach the decode worker: ",
+                                                             f->second.message())));
     } else if (asked.count(k) > 0 && connecting.count(k) == 0) {
       followers_reached_.insert(job->follower_addresses.begin(), job->follower_addresses.end());
     }
@@ -265,7 +265,7 @@ std::string PrefillWorkerImpl::FollowerOrders(std::span<const KvWritten> written
     if (it == jobs_.end()) continue;
     Job& job = *it->second;
     if (job.failing() || job.embed || w.choice_index < 0 || w.choice_index >= job.n) continue;
-    if (!job.followers_push) continue;  // rank 0 sends every head this job needs
+    if (!job.followers_push()) continue;  // rank 0 sends every head this job needs
     const auto [begin, end] = PushRange(job, w);
     if (begin >= end) continue;
     if (described.insert(&job).second) {

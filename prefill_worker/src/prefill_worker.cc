@@ -181,9 +181,8 @@ absl::Status PrefillWorkerImpl::TakeReservation(const tandem::v1::KvReservation&
   for (const engine::KvHeadRun& run : job.runs) {
     if (run.src_rank != 0) follower_addresses.insert(job.dsts[run.dst_rank].address);
   }
-  job.followers_push = !follower_addresses.empty();
   job.follower_addresses.assign(follower_addresses.begin(), follower_addresses.end());
-  if (job.followers_push) job.endpoint = endpoint;
+  if (job.followers_push()) job.endpoint = endpoint;
   // Blocks written must be distinct; the decode worker's cached blocks (never written) are
   // shared by every sample.
   std::set<int32_t> seen;

@@ -91,9 +91,8 @@ struct Job {
   };
   std::vector<Destination> dsts;
   std::vector<engine::KvHeadRun> runs;
-  bool followers_push = false;  // some run's source is a follower rank
-  // The addresses of the decode ranks the followers push to (sorted); the request enters the
-  // engine once the followers have reached them all.
+  // The addresses of the decode ranks the followers push to (sorted; empty when rank 0 sends
+  // every head); the request enters the engine once the followers have reached them all.
   std::vector<std::string> follower_addresses;
   // The reservation's endpoint, for the followers' orders (a group of this worker's only).
   tandem::v1::TransferEndpoint endpoint;
@@ -125,6 +124,8 @@ struct Job {
   absl::Time last_done = absl::InfinitePast();
 
   bool failing() const { return !failure.ok(); }
+  // Some run's source is a follower rank.
+  bool followers_push() const { return !follower_addresses.empty(); }
   // Every sample has its first token (an embedding: its vector).
   bool all_sampled() const {
     return embed ? !embedding.empty() : static_cast<int>(handoffs.size()) == n;

@@ -203,8 +203,9 @@ class KvPushFollower {
       absl::StatusOr<kvtransfer::PeerId> peer = it->second.get();
       connecting_.erase(it);
       if (!peer.ok() && reached.ok()) {
-        reached = absl::Status(peer.status().code(),
-                               absl::StrCat("decode rank ", run.dst_rank, ": ", peer.status().message()));
+        reached = absl::Status(
+            peer.status().code(),
+            absl::StrCat("decode rank ", run.dst_rank, ": ", peer.status().message()));
       }
     }
   }
