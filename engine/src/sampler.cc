@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
+#include "tandem/kernels/sampling.h"
 
 namespace tandem::engine {
 
@@ -18,23 +19,8 @@ uint64_t SplitMix64(uint64_t& x) {
 }
 uint64_t Rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
 
-// A draw from ids[0..n) with weights probs (summing to `mass`). Should rounding put the draw past
-// the last sum: the last id with any weight.
 int32_t Draw(const int32_t* ids, const float* probs, int n, double mass, SamplerRng& rng) {
-  const double u = rng.Uniform() * mass;
-  int32_t chosen = ids[n - 1];
-  for (int i = n - 1; i >= 0; --i) {
-    if (probs[i] > 0) {
-      chosen = ids[i];
-      break;
-    }
-  }
-  double cum = 0;
-  for (int i = 0; i < n; ++i) {
-    cum += probs[i];
-    if (u < cum) return ids[i];
-  }
-  return chosen;
+  return kernels::DrawCandidate(ids, probs, n, mass, rng.Uniform());
 }
 
 }  // namespace
@@ -104,71 +90,10 @@ void Sampler::AdjustLogits(std::span<float> logits, const Sequence& seq) {
 }
 
 int Sampler::Truncate(std::span<const float> logits, const SamplingParams& p, bool constrained,
-                      double* mass_out) {
-  const int vocab = static_cast<int>(logits.size());
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  // Candidates sorted by logit (ties by id), truncated by top-k, then softmax.
-  if (!constrained) {
-    candidates_.resize(vocab);
-    for (int i = 0; i < vocab; ++i) candidates_[i] = i;
-  }
-  const int num = static_cast<int>(candidates_.size());
-  auto by_logit = [&](int32_t a, int32_t b) {
-    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-  };
-  int keep = num;
-  if (p.top_k > 0 && p.top_k < num) keep = p.top_k;
-  if (p.top_p < 1.0f || keep < num) {
-    std::partial_sort(candidates_.begin(), candidates_.begin() + keep, candidates_.end(),
-                      by_logit);
-  } else {
-    // Only the maximum is needed for a stable softmax; order does not matter for the draw
-    // as long as it is fixed, and id order is fixed.
-    keep = num;
-  }
-  candidates_.resize(keep);
-  float max = kNegInf;
-  for (int32_t c : candidates_) max = std::max(max, logits[c]);
-  probs_.resize(keep);
-  double sum = 0;
-  const double inv_t = 1.0 / p.temperature;
-  for (int i = 0; i < keep; ++i) {
-    double e = std::exp((static_cast<double>(logits[candidates_[i]]) - max) * inv_t);
-    probs_[i] = static_cast<float>(e);
-    sum += e;
-  }
-  for (int i = 0; i < keep; ++i) probs_[i] = static_cast<float>(probs_[i] / sum);
-  if (p.top_p < 1.0f) {
-    // Smallest prefix (by descending probability) whose mass reaches top_p.
-    double cum = 0;
-    int cut = keep;
-    for (int i = 0; i < keep; ++i) {
-      cum += probs_[i];
-      if (cum >= p.top_p) {
-        cut = i + 1;
-        break;
-      }
-    }
-    keep = cut;
-  }
-  if (p.min_p > 0.0f) {
-    float top = 0;
-    for (int i = 0; i < keep; ++i) top = std::max(top, probs_[i]);
-    float threshold = p.min_p * top;
-    int w = 0;
-    for (int i = 0; i < keep; ++i) {
-      if (probs_[i] >= threshold) {
-        candidates_[w] = candidates_[i];
-        probs_[w] = probs_[i];
-        ++w;
-      }
-    }
-    keep = w;
-  }
-  double mass = 0;
-  for (int i = 0; i < keep; ++i) mass += probs_[i];
-  *mass_out = mass;
-  return keep;
+                      double* mass) {
+  return kernels::TruncateCandidates(logits.data(), static_cast<int>(logits.size()), p.temperature,
+                                     p.top_k, p.top_p, p.min_p, constrained, candidates_, probs_,
+                                     mass);
 }
 
 int32_t Sampler::SampleDraft(std::span<float> logits, Sequence& seq, DraftDistribution* q) {

@@ -36,6 +36,7 @@
 #include "kernels/src/kernel_test_support.h"
 #include "tandem/base/half.h"
 #include "tandem/kernels/backend.h"
+#include "tandem/kernels/sampling.h"
 
 namespace tandem::kernels::conformance {
 namespace {
@@ -893,6 +894,110 @@ class GatherAddCase : public OpCase {
   int rows_, dim_, num_rows_;
 };
 
+// A token drawn from each row: greedy rows, and temperature, top-k, top-p and min-p in
+// combinations, with logit edits, ties at the top and log-probabilities, against the host
+// reference (the engine Sampler's arithmetic). Tokens must be identical; log-probabilities
+// within 2e-5 (a backend may sum in another order, and in float).
+class SampleRowsCase : public OpCase {
+ public:
+  SampleRowsCase(int rows, int vocab)
+      : OpCase("SampleRows_rows" + Str(rows) + "_vocab" + Str(vocab), 2e-5),
+        rows_(rows),
+        vocab_(vocab) {}
+
+  void Check(Harness& h) const override {
+    std::vector<float> logits = Random(int64_t{rows_} * vocab_, seed());
+    for (float& l : logits) l *= 4.0f;
+    std::mt19937 gen(seed() + 1);
+    std::uniform_real_distribution<double> uniform(0.0, 1.0);
+    std::vector<SampleRowParams> params(rows_);
+    std::vector<LogitEdit> edits;
+    int max_logprobs = 0;
+    for (int r = 0; r < rows_; ++r) {
+      float* row = logits.data() + int64_t{r} * vocab_;
+      SampleRowParams& p = params[r];
+      p.uniform = uniform(gen);
+      switch (r % 8) {
+        case 0: p.num_logprobs = 3; break;
+        case 1: p.temperature = 0.7f; break;
+        case 2: p.temperature = 1.0f, p.top_k = 5; break;
+        case 3: p.temperature = 0.8f, p.top_p = 0.9f; break;
+        case 4: p.temperature = 1.3f, p.min_p = 0.05f; break;
+        case 5:
+          p.temperature = 0.6f, p.top_k = 40, p.top_p = 0.95f, p.min_p = 0.02f;
+          p.num_logprobs = 20;
+          break;
+        case 6: p.num_logprobs = 0; break;
+        default: p.temperature = 1.0f, p.top_k = vocab_, p.num_logprobs = 1; break;
+      }
+      p.num_logprobs = std::min(p.num_logprobs, vocab_);
+      max_logprobs = std::max(max_logprobs, p.num_logprobs);
+      // Ties at the top on some rows: the lower id wins.
+      if (r % 2 == 0 && vocab_ > 17) {
+        const float top = *std::max_element(row, row + vocab_) + 1.0f;
+        row[17] = top;
+        row[5] = top;
+      }
+      // Every third row edits distinct tokens: masks (the argmax among them), repetition,
+      // penalties and biases.
+      p.edits_begin = static_cast<int32_t>(edits.size());
+      if (r % 3 == 0 && vocab_ >= 16) {
+        std::vector<int32_t> ids(vocab_);
+        std::iota(ids.begin(), ids.end(), 0);
+        std::shuffle(ids.begin(), ids.end(), gen);
+        ids[0] = static_cast<int32_t>(std::max_element(row, row + vocab_) - row);
+        ids.erase(std::remove(ids.begin() + 1, ids.end(), ids[0]), ids.end());
+        for (int i = 0; i < 12; ++i) {
+          LogitEdit e{.token = ids[i]};
+          if (i < 2) e.mask = 1;
+          if (i >= 2 && i < 7) e.repetition = 1.3f;
+          if (i >= 5 && i < 9) e.subtract = 0.5f * static_cast<float>(i - 4);
+          if (i >= 9) e.bias = i == 9 ? 5.0f : -3.0f;
+          edits.push_back(e);
+        }
+      }
+      p.edits_end = static_cast<int32_t>(edits.size());
+    }
+    float* d_logits = h.InOut("logits", logits);
+    const size_t scratch_bytes = h.backend().SampleRowsScratchBytes(
+        rows_, vocab_, static_cast<int>(edits.size()));
+    void* d_scratch = h.Output("scratch", static_cast<int64_t>((scratch_bytes + 3) / 4));
+    auto* d_sampled = reinterpret_cast<TokenLogprob*>(h.Output("sampled", int64_t{rows_} * 2));
+    auto* d_top = reinterpret_cast<TokenLogprob*>(
+        h.Output("top", int64_t{rows_} * std::max(max_logprobs, 1) * 2));
+    ASSERT_TRUE(h.ok());
+    h.backend().SampleRows(d_logits, rows_, vocab_, params.data(), edits.data(),
+                           static_cast<int>(edits.size()), max_logprobs, d_scratch, d_sampled,
+                           d_top);
+    if (!h.Finish()) return;
+    const std::vector<TokenLogprob> sampled = h.Result(d_sampled);
+    const std::vector<TokenLogprob> top = h.Result(d_top);
+    SampleRowScratch scratch;
+    std::vector<TokenLogprob> expected_top(std::max(max_logprobs, 1));
+    for (int r = 0; r < rows_; ++r) {
+      SCOPED_TRACE(testing::Message() << "row " << r);
+      std::vector<float> row(logits.begin() + int64_t{r} * vocab_,
+                             logits.begin() + int64_t{r + 1} * vocab_);
+      const TokenLogprob want = SampleRowReference(row.data(), vocab_, params[r], edits.data(),
+                                                   scratch, expected_top.data());
+      EXPECT_EQ(sampled[r].token, want.token);
+      if (params[r].num_logprobs >= 0) {
+        EXPECT_NEAR(sampled[r].logprob, want.logprob, tolerance() * (1 + std::abs(want.logprob)));
+      }
+      for (int i = 0; i < params[r].num_logprobs; ++i) {
+        const TokenLogprob& got = top[int64_t{r} * max_logprobs + i];
+        EXPECT_EQ(got.token, expected_top[i].token) << "top " << i;
+        EXPECT_NEAR(got.logprob, expected_top[i].logprob,
+                    tolerance() * (1 + std::abs(expected_top[i].logprob)))
+            << "top " << i;
+      }
+    }
+  }
+
+ private:
+  int rows_, vocab_;
+};
+
 // The columns [offset, offset + narrow) of every row of a [rows, wide] tensor into a dense
 // [rows, narrow] one, as the model runner splits a fused projection. No reference op: the
 // expected result is the definition itself.
@@ -1163,6 +1268,11 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
   add(GatherAddCase(130, 1000, 44));
   add(GatherAddCase(7, 2048, 7));
 
+  add(SampleRowsCase(8, 1000));
+  add(SampleRowsCase(24, 5003));
+  add(SampleRowsCase(3, 151936));
+  add(SampleRowsCase(2, 1));
+
   add(CopyRowsCase(9, 24, 10, 6));
   add(CopyRowsCase(1, 1, 1, 0));
   add(CopyRowsCase(130, 340, 333, 7));
@@ -1285,7 +1395,8 @@ TEST(ConformanceHarnessTest, CaseNamesAreUniqueAndEveryOperatorIsCovered) {
   EXPECT_EQ(std::adjacent_find(names.begin(), names.end()), names.end());
   for (const char* prefix :
        {"Linear_", "RmsNorm_", "AddRmsNorm_", "Rope_", "SiluMul_", "Embedding_", "WriteKv_",
-        "PagedAttention_decode_", "PagedAttention_prefill_", "GatherAdd_", "CopyRows_"}) {
+        "PagedAttention_decode_", "PagedAttention_prefill_", "GatherAdd_", "CopyRows_",
+        "SampleRows_"}) {
     EXPECT_TRUE(std::any_of(names.begin(), names.end(), [&](const std::string& n) {
       return n.rfind(prefix, 0) == 0;
     })) << prefix;

@@ -80,6 +80,15 @@ class ForwardingBackend : public Backend {
                  float* out) override {
     inner_->GatherAdd(a, b, rows, num_rows, dim, out);
   }
+  void SampleRows(float* logits, int rows, int vocab, const SampleRowParams* params,
+                  const LogitEdit* edits, int num_edits, int max_logprobs, void* scratch,
+                  TokenLogprob* sampled, TokenLogprob* top) override {
+    inner_->SampleRows(logits, rows, vocab, params, edits, num_edits, max_logprobs, scratch,
+                       sampled, top);
+  }
+  size_t SampleRowsScratchBytes(int rows, int vocab, int max_edits) const override {
+    return inner_->SampleRowsScratchBytes(rows, vocab, max_edits);
+  }
 
  protected:
   absl::StatusOr<void*> AllocateBytes(size_t bytes) override {

@@ -21,6 +21,7 @@
 #include "kernels/src/cpu/thread_pool.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/kernels/backend.h"
+#include "tandem/kernels/sampling.h"
 
 namespace tandem::kernels {
 namespace {
@@ -474,6 +475,21 @@ class CpuBackend final : public Backend {
     }
   }
 
+  // The rows one after another on the calling thread, as the engine's Sampler would.
+  void SampleRows(float* logits, int rows, int vocab, const SampleRowParams* params,
+                  const LogitEdit* edits, int num_edits, int max_logprobs, void* scratch,
+                  TokenLogprob* sampled, TokenLogprob* top) override {
+    for (int r = 0; r < rows; ++r) {
+      TANDEM_CHECK(params[r].num_logprobs <= max_logprobs)
+          << "SampleRows: row " << r << " asks for " << params[r].num_logprobs
+          << " log-probabilities, over max_logprobs " << max_logprobs;
+      sampled[r] = SampleRowReference(logits + int64_t{r} * vocab, vocab, params[r], edits,
+                                      sample_scratch_, top + int64_t{r} * max_logprobs);
+    }
+  }
+
+  size_t SampleRowsScratchBytes(int rows, int vocab, int max_edits) const override { return 0; }
+
  protected:
   // Cache-line aligned and left untouched, so pages of a large KV cache cost memory only once
   // written.
@@ -497,6 +513,7 @@ class CpuBackend final : public Backend {
   std::unique_ptr<ThreadPool> pool_;
   std::vector<AlignedFloats> scratch_;  // one per pool thread, scratch_floats_ each
   int64_t scratch_floats_;
+  SampleRowScratch sample_scratch_;  // SampleRows': grows to the vocabulary once
 };
 
 }  // namespace

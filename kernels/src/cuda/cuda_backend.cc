@@ -20,6 +20,7 @@
 #include "kernels/src/cuda/quantized_linear.cuh"
 #include "kernels/src/cuda/rmsnorm.cuh"
 #include "kernels/src/cuda/rope.cuh"
+#include "kernels/src/cuda/sample_rows.cuh"
 #include "kernels/src/cuda/silu_mul.cuh"
 #include "tandem/base/status_macros.h"
 
@@ -324,6 +325,26 @@ class CudaBackendImpl final : public CudaBackend {
     Keep(cuda::LaunchGatherAdd(a, b, rows, num_rows, dim, out, stream_.get()));
   }
 
+  void SampleRows(float* logits, int rows, int vocab, const SampleRowParams* params,
+                  const LogitEdit* edits, int num_edits, int max_logprobs, void* scratch,
+                  TokenLogprob* sampled, TokenLogprob* top) override {
+    Keep(cuda::LaunchSampleRows({.logits = logits,
+                                 .rows = rows,
+                                 .vocab = vocab,
+                                 .params = params,
+                                 .edits = edits,
+                                 .num_edits = num_edits,
+                                 .max_logprobs = max_logprobs,
+                                 .scratch = scratch,
+                                 .sampled = sampled,
+                                 .top = top},
+                                sample_staging_, stream_.get()));
+  }
+
+  size_t SampleRowsScratchBytes(int rows, int vocab, int max_edits) const override {
+    return cuda::SampleRowsScratchBytes(rows, vocab, max_edits);
+  }
+
  protected:
   absl::StatusOr<void*> AllocateBytes(size_t bytes) override {
     void* p = nullptr;
@@ -501,6 +522,7 @@ class CudaBackendImpl final : public CudaBackend {
   DeviceArray<unsigned char> x16_;  // [x16_bytes_]: Linear's x rounded to 16 bits (prefill)
   int64_t x16_bytes_ = 0;
   int multiprocessors_ = 1;
+  cuda::SampleRowsStaging sample_staging_;  // SampleRows' uploads
   absl::Status status_;
 };
 

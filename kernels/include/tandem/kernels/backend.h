@@ -78,6 +78,40 @@ using ::tandem::RopeConfig;
 // Inverse frequencies [head_dim / 2] for RopeConfig, with llama3 scaling applied.
 std::vector<float> RopeInverseFrequencies(const RopeConfig& config);
 
+// One row of Backend::SampleRows: a sequence's sampling settings, reduced to what one draw needs.
+// The layout is the same in host and device code (uploaded as bytes).
+struct SampleRowParams {
+  double uniform = 0;          // the row's draw, in [0, 1); greedy rows ignore it
+  float temperature = 0;       // 0: greedy (the argmax, ties to the lowest id)
+  float top_p = 1;             // in (0, 1]
+  float min_p = 0;             // in [0, 1]
+  int32_t top_k = 0;           // <= 0 or >= vocab: off
+  int32_t num_logprobs = -1;   // -1: none; 0: the chosen token's; k > 0: and the k most likely
+  int32_t edits_begin = 0;     // the row's logit edits: edits[edits_begin, edits_end)
+  int32_t edits_end = 0;
+};
+
+// A change to one token's logit before a draw, applied as: -inf when `mask` (min_tokens holding
+// back EOS and stop ids); then the repetition penalty when `repetition` != 1 (l / r for l > 0,
+// else l * r); then l -= subtract (frequency * count + presence); then l += bias (logit_bias).
+// A row's edits name each token at most once.
+struct LogitEdit {
+  int32_t token = 0;
+  int32_t mask = 0;
+  float repetition = 1;
+  float subtract = 0;
+  float bias = 0;
+};
+
+// The most log-probabilities besides the chosen token's SampleRows returns per row.
+inline constexpr int kMaxSampleLogprobs = 20;
+
+// A token and its log-probability under the model's own (unedited) distribution.
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0;
+};
+
 // How a weight matrix's elements are stored: as floats of its dtype, or as integers with scales
 // (weight-only quantisation; activations and sums stay fp32).
 enum class WeightQuant {
@@ -306,6 +340,28 @@ class Backend {
   // [num_rows], indices validated by the caller; out: [num_rows, dim].
   virtual void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows,
                          int dim, float* out) = 0;
+
+  // Draws one token from each of `rows` rows of logits [rows, vocab] (overwritten as scratch),
+  // so that only token ids and log-probabilities leave the backend. Per row, in this order:
+  // the log-probabilities of the raw logits (when num_logprobs >= 0); the row's edits; then
+  // the argmax (temperature 0), or temperature, top-k, top-p and min-p and a draw by the row's
+  // uniform: the candidates in the order of the sort by logit (descending, ties by id) when
+  // top-k or top-p truncates, else in id order, each with its softmax probability (exp in double
+  // of (logit - max) / temperature, normalised in double, rounded to float); top-p keeps the
+  // shortest prefix of that order whose mass reaches top_p; min-p those of at least min_p times
+  // the largest; the token is the first whose running mass passes uniform times the kept mass
+  // (past the end by rounding: the last kept with any mass). This is the engine's Sampler on a
+  // sequence with no grammar and no draft; the CPU backend gives bitwise its results, the CUDA
+  // backend the same up to the order of its sums.
+  // params: [rows] and edits: [num_edits], as params index them, are host memory (uploaded,
+  // as PagedAttentionBatch's arrays are); logits, scratch, sampled ([rows]) and top ([rows,
+  // max_logprobs], row r's first params[r].num_logprobs entries filled, by log-probability
+  // descending, ties to the lowest id) operator memory. scratch: SampleRowsScratchBytes of at
+  // least these rows, vocab and num_edits. max_logprobs is at most kMaxSampleLogprobs.
+  virtual void SampleRows(float* logits, int rows, int vocab, const SampleRowParams* params,
+                          const LogitEdit* edits, int num_edits, int max_logprobs, void* scratch,
+                          TokenLogprob* sampled, TokenLogprob* top) = 0;
+  virtual size_t SampleRowsScratchBytes(int rows, int vocab, int max_edits) const = 0;
 
  protected:
   // Allocate and DeviceBuffer's destructor go through these.
