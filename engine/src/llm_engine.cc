@@ -207,6 +207,9 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                                                          engine->blocks_->num_blocks()));
   TANDEM_ASSIGN_OR_RETURN(engine->device_collective_,
                           CreateDeviceCollective(options, engine->backend_.get()));
+  engine->backend_sampling_ =
+      options.sampling_device == SamplingDevice::kBackend ||
+      (options.sampling_device == SamplingDevice::kAuto && options.device == Device::kCuda);
   TANDEM_ASSIGN_OR_RETURN(
       engine->runner_,
       ModelRunner::Create(*engine->checkpoint_, engine->backend_.get(),
@@ -218,7 +221,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                            .kv_cache_dtype = dtypes.kv_cache,
                            .max_logit_rows_per_seq = 1 + num_spec,
                            .tensor_parallel = options.tensor_parallel,
-                           .device_collective = engine->device_collective_.get()}));
+                           .device_collective = engine->device_collective_.get(),
+                           .backend_sampling = engine->backend_sampling_}));
   if (engine->draft_checkpoint_ != nullptr) {
     // The CPU backend serves any model; a device backend's attention workspace is sized for one.
     kernels::Backend* draft_backend = engine->backend_.get();
@@ -522,6 +526,7 @@ absl::StatusOr<std::span<const float>> LlmEngine::ExecuteStep(const SchedulerSte
   if (attach) attachment = options_.tensor_parallel_step_attachment(step_writes_);
   const bool reports = !attachment.empty();
   if (reports) runner_->set_step_attachment(std::move(attachment));
+  step_sampled_in_backend_ = backend_sampling_ && PlanBackendSampling(step);
   TANDEM_ASSIGN_OR_RETURN(std::span<const float> logits, runner_->Execute(step));
   if (reports && options_.tensor_parallel_step_reports) {
     options_.tensor_parallel_step_reports(runner_->step_reports());
@@ -689,9 +694,43 @@ absl::StatusOr<std::span<const float>> LlmEngine::PooledHidden(const SchedulerSt
   return std::span<const float>();
 }
 
+bool LlmEngine::PlanBackendSampling(const SchedulerStep& step) {
+  // Every sampling sequence must qualify, and the edits fit, before any draw is taken.
+  size_t edits_bound = 0;
+  bool any = false;
+  for (const ScheduledSequence& s : step.seqs) {
+    if (!s.samples) continue;
+    if (s.num_draft_tokens > 0) return false;
+    const Sequence& seq = *s.seq;
+    if (requests_.at(seq.request_id)->task != RequestTask::kEmbed) {
+      if (!Sampler::SamplesInBackend(seq)) return false;
+      const SamplingParams& p = *seq.params;
+      edits_bound += seq.tokens.size() + p.logit_bias.size() + p.stop_token_ids.size() +
+                     checkpoint_->config().eos_token_ids.size();
+    }
+    any = true;
+  }
+  if (!any || edits_bound > static_cast<size_t>(runner_->max_sample_edits())) return false;
+  const int vocab = checkpoint_->config().vocab_size;
+  sample_rows_.clear();
+  sample_edits_.clear();
+  for (const ScheduledSequence& s : step.seqs) {
+    if (!s.samples) continue;
+    if (requests_.at(s.seq->request_id)->task == RequestTask::kEmbed) {
+      sample_rows_.emplace_back();  // a greedy row whose token nobody reads
+      continue;
+    }
+    sample_rows_.push_back(sampler_->BackendRow(*s.seq, vocab, &sample_edits_));
+  }
+  runner_->set_backend_sampling(sample_rows_, sample_edits_);
+  return true;
+}
+
 void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> logits,
                            std::span<const float> hidden, std::vector<RequestOutput>& outputs) {
   const size_t vocab = checkpoint_->config().vocab_size;
+  const ModelRunner::BackendSamples drawn =
+      step_sampled_in_backend_ ? runner_->backend_samples() : ModelRunner::BackendSamples{};
   const size_t hidden_size = checkpoint_->config().hidden_size;
   std::vector<float> row(vocab);
   std::map<std::string, size_t> output_index;
@@ -701,7 +740,8 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
     const ScheduledSequence& s = step.seqs[i];
     if (!s.samples) continue;
     const size_t num_rows = 1 + s.num_draft_tokens;
-    std::span<const float> rows = logits.subspan(r * vocab, num_rows * vocab);
+    std::span<const float> rows =
+        step_sampled_in_backend_ ? logits : logits.subspan(r * vocab, num_rows * vocab);
     const size_t first_row = r;
     r += num_rows;
     const Request& request = *requests_.at(s.seq->request_id);
@@ -716,8 +756,14 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
       continue;
     }
     const int mask = step_mask_index_[i];
+    std::optional<DrawnToken> token;
+    if (step_sampled_in_backend_) {
+      const int logprobs = std::max(0, s.seq->params->logprobs);
+      token = DrawnToken{drawn.tokens[first_row],
+                         drawn.top.subspan(first_row * kernels::kMaxSampleLogprobs, logprobs)};
+    }
     SampleSequence(s, rows, row, mask >= 0 ? &mask_prefetch_->mask(mask) : nullptr,
-                   outputs[it->second]);
+                   outputs[it->second], token ? &*token : nullptr);
   }
   // Draft tokens of sequences that did not run (past the batch cap) are proposed afresh.
   for (Sequence* seq : scheduler_->running()) {
@@ -751,7 +797,7 @@ void LlmEngine::FinishEmbedding(const ScheduledSequence& s, std::span<const floa
 
 void LlmEngine::SampleSequence(const ScheduledSequence& s, std::span<const float> rows,
                                std::vector<float>& row, const grammar::TokenMask* grammar_mask,
-                               RequestOutput& out) {
+                               RequestOutput& out, const DrawnToken* drawn) {
   const size_t vocab = row.size();
   Sequence& seq = *s.seq;
   Request& request = *requests_.at(seq.request_id);
@@ -772,14 +818,28 @@ void LlmEngine::SampleSequence(const ScheduledSequence& s, std::span<const float
   const int known = static_cast<int>(seq.tokens.size());
   int accepted = 0;
   for (int j = 0; j <= s.num_draft_tokens; ++j) {
-    const float* src = rows.data() + static_cast<size_t>(j) * vocab;
-    row.assign(src, src + vocab);
     const int32_t draft = j < s.num_draft_tokens ? drafts[j] : -1;
-    // The prefetched mask is of the state before this step's first token; later rows' masks
-    // follow the drafts accepted here.
-    const DraftDistribution* q =
-        j < static_cast<int>(seq.draft_dists.size()) ? &seq.draft_dists[j] : nullptr;
-    const int32_t token = sampler_->Sample(row, seq, draft, j == 0 ? grammar_mask : nullptr, q);
+    int32_t token = 0;
+    if (drawn != nullptr) {
+      // Drawn in the backend (no drafts, no grammar): what Sample would have given.
+      token = drawn->token.token;
+      ++backend_sampled_tokens_;
+      if (seq.params->logprobs >= 0) {
+        seq.last_logprob = drawn->token.logprob;
+        seq.last_top_logprobs.clear();
+        for (const kernels::TokenLogprob& t : drawn->top) {
+          seq.last_top_logprobs.push_back({t.token, t.logprob});
+        }
+      }
+    } else {
+      const float* src = rows.data() + static_cast<size_t>(j) * vocab;
+      row.assign(src, src + vocab);
+      // The prefetched mask is of the state before this step's first token; later rows' masks
+      // follow the drafts accepted here.
+      const DraftDistribution* q =
+          j < static_cast<int>(seq.draft_dists.size()) ? &seq.draft_dists[j] : nullptr;
+      token = sampler_->Sample(row, seq, draft, j == 0 ? grammar_mask : nullptr, q);
+    }
     // The sampler draws from the grammar's mask: a refusal here is a defect, not bad input.
     const bool allowed = seq.matcher == nullptr || token < 0 || seq.matcher->AcceptToken(token);
     TANDEM_CHECK(allowed) << "token " << token << " was sampled outside the grammar's mask";
@@ -1067,6 +1127,7 @@ EngineStats LlmEngine::stats() const {
   stats.spec_proposed_tokens = spec_proposed_;
   stats.spec_accepted_tokens = spec_accepted_;
   stats.spec_verify_steps = spec_verify_steps_;
+  stats.backend_sampled_tokens = backend_sampled_tokens_;
   stats.spec_proposed_by_position = spec_proposed_by_position_;
   stats.spec_accepted_by_position = spec_accepted_by_position_;
   if (options_.tensor_parallel != nullptr) {

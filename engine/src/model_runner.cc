@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -293,6 +294,19 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoin
                                 {&runner->sampled_hidden_, s * c.hidden_size},
                                 {&runner->logits_, s * c.vocab_size}}) {
     TANDEM_ASSIGN_OR_RETURN(*buffer, backend->Allocate(floats * sizeof(float)));
+  }
+  if (options.backend_sampling) {
+    const size_t sampled_bytes =
+        s * (1 + kernels::kMaxSampleLogprobs) * sizeof(kernels::TokenLogprob);
+    TANDEM_ASSIGN_OR_RETURN(runner->sampled_, backend->Allocate(sampled_bytes));
+    TANDEM_ASSIGN_OR_RETURN(
+        runner->sample_scratch_,
+        backend->Allocate(backend->SampleRowsScratchBytes(static_cast<int>(s), c.vocab_size,
+                                                          options.max_sample_edits)));
+    if (!backend->host_memory()) {
+      TANDEM_ASSIGN_OR_RETURN(runner->host_sampled_, backend->AllocateHostStaging(sampled_bytes));
+    }
+    runner->sample_edits_.reserve(options.max_sample_edits);
   }
   if (runner->tensor_parallel()) {
     TANDEM_ASSIGN_OR_RETURN(runner->local_logits_,
@@ -659,9 +673,14 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
         sample_rows[num_sampled++] = t - 1 - r;
     }
   }
+  const bool sample_in_backend = std::exchange(sample_pending_, false);
+  if (sample_in_backend && static_cast<int>(sample_rows_.size()) != num_sampled) {
+    return absl::InternalError(absl::StrCat("backend sampling of ", sample_rows_.size(),
+                                            " rows for a step of ", num_sampled, " logit rows"));
+  }
   if (!tensor_parallel()) {
     return Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
-                   /*layer_hook=*/true, step.block_copies);
+                   /*layer_hook=*/true, step.block_copies, sample_in_backend);
   }
   const std::string attachment = std::move(step_attachment_);
   step_attachment_.clear();
@@ -669,10 +688,28 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
       SendPlan(tokens, num_seqs, num_sampled, max_blocks, step.block_copies, attachment));
   absl::StatusOr<std::span<const float>> logits =
       Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
-              /*layer_hook=*/true, step.block_copies);
+              /*layer_hook=*/true, step.block_copies, sample_in_backend);
   if (!logits.ok() || attachment.empty()) return logits;
   TANDEM_RETURN_IF_ERROR(ExchangeStepReports(std::string()));
   return logits;
+}
+
+void ModelRunner::set_backend_sampling(std::span<const kernels::SampleRowParams> rows,
+                                       std::span<const kernels::LogitEdit> edits) {
+  TANDEM_CHECK(options_.backend_sampling) << "backend sampling on a runner not sized for it";
+  TANDEM_CHECK(static_cast<int>(edits.size()) <= options_.max_sample_edits)
+      << edits.size() << " logit edits, over max_sample_edits " << options_.max_sample_edits;
+  sample_rows_.assign(rows.begin(), rows.end());
+  sample_edits_.assign(edits.begin(), edits.end());
+  sample_pending_ = true;
+}
+
+ModelRunner::BackendSamples ModelRunner::backend_samples() const {
+  const auto* base = (backend_->host_memory() ? sampled_ : host_sampled_)
+                         .as<const kernels::TokenLogprob>();
+  const size_t rows = last_backend_rows_;
+  return {.tokens = {base, rows},
+          .top = {base + max_logit_rows_, rows * kernels::kMaxSampleLogprobs}};
 }
 
 absl::StatusOr<std::span<const float>> ModelRunner::FinalHidden() {
@@ -768,7 +805,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteRuns(
 
 absl::StatusOr<std::span<const float>> ModelRunner::Forward(
     int tokens, int num_seqs, int max_blocks, int num_sampled, int num_layers, bool layer_hook,
-    const std::vector<std::pair<int32_t, int32_t>>& block_copies) {
+    const std::vector<std::pair<int32_t, int32_t>>& block_copies, bool sample_in_backend) {
   const text::ModelConfig& c = config_;
   const TensorParallelShard& shard = shard_;
   kernels::Backend& b = *backend_;
@@ -888,6 +925,24 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
     }
   } else {
     b.Linear(sampled, num_sampled, *lm_head_, nullptr, logits_.as<float>());
+  }
+  if (sample_in_backend) {
+    // Only the tokens (and their log-probabilities) come back.
+    auto* sampled = sampled_.as<kernels::TokenLogprob>();
+    kernels::TokenLogprob* top = sampled + max_logit_rows_;
+    b.SampleRows(logits_.as<float>(), num_sampled, c.vocab_size, sample_rows_.data(),
+                 sample_edits_.data(), static_cast<int>(sample_edits_.size()),
+                 kernels::kMaxSampleLogprobs, sample_scratch_.data(), sampled, top);
+    if (!b.host_memory()) {
+      auto* host = host_sampled_.as<kernels::TokenLogprob>();
+      b.CopyToHost(host, sampled, num_sampled * sizeof(kernels::TokenLogprob));
+      b.CopyToHost(host + max_logit_rows_, top,
+                   static_cast<size_t>(num_sampled) * kernels::kMaxSampleLogprobs *
+                       sizeof(kernels::TokenLogprob));
+    }
+    TANDEM_RETURN_IF_ERROR(b.Synchronize());
+    last_backend_rows_ = num_sampled;
+    return std::span<const float>();
   }
   const float* logits = logits_.as<float>();
   if (!b.host_memory()) {

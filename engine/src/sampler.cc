@@ -96,6 +96,65 @@ int Sampler::Truncate(std::span<const float> logits, const SamplingParams& p, bo
                                      mass);
 }
 
+bool Sampler::SamplesInBackend(const Sequence& seq) {
+  if (seq.matcher != nullptr) return false;
+  const std::vector<TokenBias>& bias = seq.params->logit_bias;
+  for (size_t i = 0; i < bias.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (bias[i].token == bias[j].token) return false;
+    }
+  }
+  return true;
+}
+
+kernels::SampleRowParams Sampler::BackendRow(Sequence& seq, int vocab,
+                                             std::vector<kernels::LogitEdit>* edits) {
+  const SamplingParams& p = *seq.params;
+  kernels::SampleRowParams row;
+  row.temperature = p.temperature;
+  row.top_k = p.top_k;
+  row.top_p = p.top_p;
+  row.min_p = p.min_p;
+  row.num_logprobs = p.logprobs;
+  row.edits_begin = static_cast<int32_t>(edits->size());
+  // slot_[t]: t's edit in *edits, -1 between calls.
+  slot_.resize(vocab, -1);
+  auto edit = [&](int32_t token) -> kernels::LogitEdit& {
+    if (slot_[token] < 0) {
+      slot_[token] = static_cast<int32_t>(edits->size());
+      edits->push_back({.token = token});
+    }
+    return (*edits)[slot_[token]];
+  };
+  if (seq.num_output_tokens() < p.min_tokens) {
+    if (!p.ignore_eos) {
+      for (int32_t id : eos_token_ids_) {
+        if (id >= 0 && id < vocab) edit(id).mask = 1;
+      }
+    }
+    for (int32_t id : p.stop_token_ids) edit(id).mask = 1;
+  }
+  if (p.repetition_penalty != 1.0f) {
+    for (int32_t t : seq.tokens) edit(t).repetition = p.repetition_penalty;
+  }
+  if (p.presence_penalty != 0.0f || p.frequency_penalty != 0.0f) {
+    counts_.resize(vocab, 0);
+    for (size_t i = seq.num_prompt_tokens; i < seq.tokens.size(); ++i) ++counts_[seq.tokens[i]];
+    for (size_t i = seq.num_prompt_tokens; i < seq.tokens.size(); ++i) {
+      const int32_t t = seq.tokens[i];
+      if (counts_[t] > 0) {
+        edit(t).subtract = p.frequency_penalty * counts_[t] + p.presence_penalty;
+        counts_[t] = 0;
+      }
+    }
+  }
+  for (const TokenBias& b : p.logit_bias) edit(b.token).bias = b.bias;
+  row.edits_end = static_cast<int32_t>(edits->size());
+  for (int e = row.edits_begin; e < row.edits_end; ++e) slot_[(*edits)[e].token] = -1;
+  if (!p.greedy()) row.uniform = seq.rng.Uniform();
+  return row;
+}
+
 int32_t Sampler::SampleDraft(std::span<float> logits, Sequence& seq, DraftDistribution* q) {
   const SamplingParams& p = *seq.params;
   AdjustLogits(logits, seq);

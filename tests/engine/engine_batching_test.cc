@@ -73,6 +73,109 @@ TEST(EngineBatchingTest, TokensDoNotDependOnWhatElseIsBatched) {
   }
 }
 
+// Requests exercising every part of a draw: greedy and seeded sampling with each truncation,
+// penalties, min_tokens holding back EOS, logit_bias, stop ids, n > 1 and log-probabilities.
+std::vector<GenerateRequest> SamplingMix(const LlmEngine& engine) {
+  std::mt19937 rng(21);
+  const int vocab = engine.config().vocab_size;
+  std::vector<SamplingParams> params = {
+      {.temperature = 0, .max_tokens = 20, .logprobs = 5},
+      {.temperature = 0.8f, .top_p = 0.9f, .top_k = 40, .min_p = 0.05f, .seed = 3,
+       .max_tokens = 20, .ignore_eos = true, .logprobs = 3},
+      {.temperature = 1.0f, .seed = 4, .max_tokens = 20, .ignore_eos = true, .logprobs = 0},
+      {.temperature = 0.7f, .top_p = 0.5f, .seed = 5, .max_tokens = 20, .ignore_eos = true},
+      {.temperature = 1.2f, .min_p = 0.1f, .seed = 6, .max_tokens = 20, .ignore_eos = true},
+      {.temperature = 0.9f, .top_k = 3, .seed = 7, .max_tokens = 12, .ignore_eos = true, .n = 3,
+       .logprobs = 2},
+      {.temperature = 0, .repetition_penalty = 1.5f, .presence_penalty = 0.7f,
+       .frequency_penalty = 0.4f, .max_tokens = 20, .ignore_eos = true, .logprobs = 1},
+      {.temperature = 0.6f, .repetition_penalty = 0.8f, .frequency_penalty = -0.5f, .seed = 8,
+       .max_tokens = 20, .ignore_eos = true},
+      {.temperature = 0, .max_tokens = 20, .min_tokens = 12},
+      {.temperature = 1.0f, .presence_penalty = 1.5f, .seed = 10, .max_tokens = 24,
+       .ignore_eos = true},
+      {.temperature = 1.0f, .frequency_penalty = 1.2f, .seed = 11, .max_tokens = 24,
+       .ignore_eos = true},
+  };
+  SamplingParams biased{.temperature = 0.5f, .seed = 9, .max_tokens = 20, .logprobs = 4};
+  biased.logit_bias = {{7, 6.0f}, {11, -100.0f}, {static_cast<int32_t>(vocab - 1), 3.5f}};
+  biased.stop_token_ids = {19};
+  biased.min_tokens = 5;
+  params.push_back(biased);
+  std::vector<GenerateRequest> requests;
+  for (size_t i = 0; i < params.size(); ++i) {
+    requests.push_back(
+        {absl::StrCat("r", i), RandomPrompt(rng, 5 + static_cast<int>(i) * 7, vocab), params[i]});
+  }
+  return requests;
+}
+
+int64_t CountTokens(const std::vector<RequestOutput>& outputs) {
+  int64_t tokens = 0;
+  for (const RequestOutput& out : outputs) {
+    for (const ChoiceDelta& c : out.choices) tokens += static_cast<int64_t>(c.token_ids.size());
+  }
+  return tokens;
+}
+
+void ExpectSameOutputs(const std::vector<RequestOutput>& got,
+                       const std::vector<RequestOutput>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_EQ(got[i].choices.size(), want[i].choices.size()) << want[i].request_id;
+    for (size_t c = 0; c < want[i].choices.size(); ++c) {
+      const ChoiceDelta& a = got[i].choices[c];
+      const ChoiceDelta& b = want[i].choices[c];
+      SCOPED_TRACE(::testing::Message() << want[i].request_id << " choice " << c);
+      EXPECT_EQ(a.token_ids, b.token_ids);
+      EXPECT_EQ(a.logprobs, b.logprobs);
+      ASSERT_EQ(a.top_logprobs.size(), b.top_logprobs.size());
+      for (size_t t = 0; t < b.top_logprobs.size(); ++t) {
+        ASSERT_EQ(a.top_logprobs[t].size(), b.top_logprobs[t].size()) << "token " << t;
+        for (size_t k = 0; k < b.top_logprobs[t].size(); ++k) {
+          EXPECT_EQ(a.top_logprobs[t][k].token, b.top_logprobs[t][k].token);
+          EXPECT_EQ(a.top_logprobs[t][k].logprob, b.top_logprobs[t][k].logprob);
+        }
+      }
+      EXPECT_EQ(a.finish_reason, b.finish_reason);
+    }
+  }
+}
+
+// --sampling-device backend on the CPU: every token drawn by Backend::SampleRows, through the
+// same steps as on a GPU, and each the host Sampler's own (tokens, logprobs, top logprobs and
+// the seeded streams).
+TEST(EngineBatchingTest, SamplingInTheBackendGivesTheHostsTokens) {
+  auto host = MakeEngine({.sampling_device = SamplingDevice::kHost});
+  auto backend = MakeEngine({.sampling_device = SamplingDevice::kBackend});
+  const std::vector<GenerateRequest> requests = SamplingMix(*host);
+  auto want = GenerateAll(*host, requests);
+  ASSERT_TRUE(want.ok()) << want.status();
+  auto got = GenerateAll(*backend, requests);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectSameOutputs(*got, *want);
+  EXPECT_EQ(host->stats().backend_sampled_tokens, 0);
+  EXPECT_EQ(backend->stats().backend_sampled_tokens, CountTokens(*got));
+  EXPECT_GT(CountTokens(*got), 100);
+}
+
+// A step with a sequence the backend cannot draw for (a structured-output constraint) samples
+// every sequence of the step on the host; the others' tokens are the same.
+TEST(EngineBatchingTest, ConstrainedSamplesFallBackToTheHost) {
+  auto host = MakeEngine({.sampling_device = SamplingDevice::kHost});
+  auto backend = MakeEngine({.sampling_device = SamplingDevice::kBackend});
+  std::vector<GenerateRequest> requests = SamplingMix(*host);
+  SamplingParams json{.temperature = 0.7f, .seed = 2, .max_tokens = 12};
+  json.structured.kind = ConstraintKind::kJsonObject;
+  requests.push_back({"json", host->tokenizer().Encode("{", false), json});
+  auto want = GenerateAll(*host, requests);
+  ASSERT_TRUE(want.ok()) << want.status();
+  auto got = GenerateAll(*backend, requests);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectSameOutputs(*got, *want);
+  EXPECT_LT(backend->stats().backend_sampled_tokens, CountTokens(*got));
+}
+
 TEST(EngineBatchingTest, ChunkedPrefillEqualsUnchunked) {
   std::mt19937 rng(9);
   auto whole = MakeEngine({.max_num_batched_tokens = 512});

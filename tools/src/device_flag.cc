@@ -15,6 +15,20 @@ void DeclareDeviceFlag(Args& args) {
                "the CPU kernels' instruction set with --device cpu (default auto: the widest this "
                "CPU has that keeps activations exact to about fp32; avx512-bf16-round multiplies "
                "bf16 weights by activations rounded to bf16, about twice as fast in prefill)");
+  args.Declare("sampling-device", "auto|host|backend",
+               "where tokens are drawn: backend draws them on the device, so only token ids and "
+               "log-probabilities come back (steps with structured outputs or speculative drafts "
+               "still sample on the host); host copies every logit row back (default auto: "
+               "backend with --device cuda, host with --device cpu)");
+}
+
+absl::StatusOr<engine::SamplingDevice> SamplingDeviceFlag(const Args& args) {
+  const std::string name = args.GetOr("sampling-device", "auto");
+  if (name == "auto") return engine::SamplingDevice::kAuto;
+  if (name == "host") return engine::SamplingDevice::kHost;
+  if (name == "backend") return engine::SamplingDevice::kBackend;
+  return absl::InvalidArgumentError(absl::StrCat(
+      args.command(), ": --sampling-device must be auto, host or backend, got ", name));
 }
 
 absl::StatusOr<kernels::CpuIsa> CpuIsaFlag(const Args& args) {

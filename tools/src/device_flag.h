@@ -10,12 +10,15 @@
 
 namespace tandem::tools {
 
-// Declares --device cuda|cpu and --cpu-isa.
+// Declares --device cuda|cpu, --cpu-isa and --sampling-device.
 void DeclareDeviceFlag(Args& args);
 
 // The --cpu-isa value (default auto). An unknown name is an InvalidArgument, an instruction set
 // this CPU lacks a FailedPrecondition, each one line naming the flag.
 absl::StatusOr<kernels::CpuIsa> CpuIsaFlag(const Args& args);
+
+// The --sampling-device value (default auto); another name is an InvalidArgument.
+absl::StatusOr<engine::SamplingDevice> SamplingDeviceFlag(const Args& args);
 
 // The --device value; without the flag, cuda when this build has the CUDA backend and a GPU is
 // present, else cpu. `--device cuda` where it cannot run is a FailedPrecondition whose message

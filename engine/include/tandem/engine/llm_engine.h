@@ -49,10 +49,23 @@ struct KvWritten {
   const BlockTable* blocks = nullptr;
 };
 
+// A token drawn by the backend and what it returned with it (ModelRunner::backend_samples).
+struct DrawnToken {
+  kernels::TokenLogprob token;
+  std::span<const kernels::TokenLogprob> top;  // the most likely, as many as params.logprobs
+};
+
 // Where an engine runs its model: the CPU backend, or the CUDA backend on GPU 0 (fp32 weights,
 // activations and KV cache in device memory; docs/architecture.md). Rank r of a tensor-parallel
 // group of N > 1 runs on GPU r % D, D the CUDA devices its process sees.
 enum class Device { kCpu, kCuda };
+
+// Where an engine draws its tokens (`--sampling-device`). kBackend: in the backend
+// (Backend::SampleRows), so that only token ids and log-probabilities leave a GPU; a step with
+// a structured-output constraint, speculative drafts or a logit_bias naming a token twice is
+// still sampled on the host. kAuto: kBackend on CUDA, kHost on the CPU, whose backend would
+// run the same code. Outputs are the same either way (on CUDA up to the rounding of its sums).
+enum class SamplingDevice { kAuto, kHost, kBackend };
 
 struct EngineOptions {
   std::string model_dir;
@@ -129,6 +142,7 @@ struct EngineOptions {
   // when its sample is drawn, after the forward pass (benchmarks compare the two). Outputs are
   // the same either way.
   bool overlap_grammar_masks = true;
+  SamplingDevice sampling_device = SamplingDevice::kAuto;
 };
 
 // Single-threaded: one caller drives AddRequest / Abort / Step.
@@ -257,9 +271,14 @@ class LlmEngine {
   // `rows`): verifies its draft tokens in order, processing each token, until one is rejected
   // or the choice ends; gives back the rejected tokens' KV.
   // `grammar_mask`: the sequence's first row's grammar mask when prefetched, else null.
+  // `drawn`: the token the backend drew for its one row (backend sampling), or null.
   void SampleSequence(const ScheduledSequence& s, std::span<const float> rows,
                       std::vector<float>& row, const grammar::TokenMask* grammar_mask,
-                      RequestOutput& out);
+                      RequestOutput& out, const DrawnToken* drawn = nullptr);
+  // Backend sampling: when the engine samples in the backend and every sampling sequence of
+  // the step can, hands the runner their rows (taking the sampled ones' draws from their
+  // streams) and returns true; the step's tokens then come from runner_->backend_samples().
+  bool PlanBackendSampling(const SchedulerStep& step);
   // Starts the grammar masks of the step's constrained samples on mask_prefetch_ (they fill
   // while the forward pass runs) and sets step_mask_index_; false when none was started.
   bool StartGrammarMasks(const SchedulerStep& step);
@@ -294,6 +313,11 @@ class LlmEngine {
   std::unique_ptr<kernels::Backend> draft_backend_;
   std::unique_ptr<ModelRunner> draft_runner_;
   std::unique_ptr<Sampler> sampler_;
+  bool backend_sampling_ = false;  // SamplingDevice resolved
+  bool step_sampled_in_backend_ = false;  // the current step's tokens are the backend's
+  int64_t backend_sampled_tokens_ = 0;    // EngineStats::backend_sampled_tokens
+  std::vector<kernels::SampleRowParams> sample_rows_;  // PlanBackendSampling's scratch
+  std::vector<kernels::LogitEdit> sample_edits_;
   std::vector<float> draft_row_;  // DraftStep's scratch copy of a draft logits row
   // The tokenizer's vocabulary as bytes (EOS ids end a grammar) and the grammars compiled for
   // it, shared by every constrained request; the cache is thread-safe (Validate runs anywhere).

@@ -45,6 +45,10 @@ struct ModelRunnerOptions {
   // carries only the step plans, attachments and reports, which are host memory. Null: the
   // activations go over `tensor_parallel` too (the CPU backend over Gloo).
   collective::Communicator* device_collective = nullptr;
+  // Whether Execute may draw the tokens in the backend (set_backend_sampling); sizes its
+  // buffers for max_sample_edits logit edits a step.
+  bool backend_sampling = false;
+  int max_sample_edits = 1 << 18;
 };
 
 // The dtypes a runner of `options` over a checkpoint of `config` holds its weights and KV cache
@@ -85,6 +89,24 @@ class ModelRunner {
   // With a tensor-parallel group, only the leader (rank 0) calls it; the plan goes to every
   // follower first.
   absl::StatusOr<std::span<const float>> Execute(const SchedulerStep& step);
+  // Sampling in the backend (Backend::SampleRows; ModelRunnerOptions::backend_sampling): the
+  // next Execute draws one token from each of its logit rows by rows[i] (step order) and
+  // `edits`, and returns an empty span instead of logits; the tokens are then in
+  // backend_samples(), with top[i * kMaxSampleLogprobs ...] row i's most likely tokens. Only
+  // for steps with one logit row per sampling sequence. The spans are copied; at most
+  // max_sample_edits() edits.
+  void set_backend_sampling(std::span<const kernels::SampleRowParams> rows,
+                            std::span<const kernels::LogitEdit> edits);
+  struct BackendSamples {
+    std::span<const kernels::TokenLogprob> tokens;  // [rows]
+    std::span<const kernels::TokenLogprob> top;     // [rows, kernels::kMaxSampleLogprobs]
+  };
+  // What the last Execute drew in the backend; valid until the next call of any pass.
+  BackendSamples backend_samples() const;
+  int max_sample_edits() const {
+    return options_.backend_sampling ? options_.max_sample_edits : 0;
+  }
+
   // The final hidden states (after the model's final norm, before the LM head) of the last
   // Execute's logit rows, [rows, hidden_size] in the same order, in host memory: what an
   // embedding request pools. Valid until the next call of any pass; copied back from the
@@ -214,10 +236,13 @@ class ModelRunner {
   void CopyBlock(int32_t src, int32_t dst);
   // Runs the step planned in planned_ints_, query_start_, context_len_ and block_table_ (on
   // every rank of a tensor-parallel group alike), after its block copies, through the first
-  // `num_layers` layers and returns the logits of its `num_sampled` sample rows (on the leader).
+  // `num_layers` layers and returns the logits of its `num_sampled` sample rows (on the leader);
+  // with `sample_in_backend`, draws their tokens by sample_rows_ instead (backend_samples) and
+  // returns no logits.
   absl::StatusOr<std::span<const float>> Forward(
       int tokens, int num_seqs, int max_blocks, int num_sampled, int num_layers, bool layer_hook,
-      const std::vector<std::pair<int32_t, int32_t>>& block_copies);
+      const std::vector<std::pair<int32_t, int32_t>>& block_copies,
+      bool sample_in_backend = false);
 
   text::ModelConfig config_;
   ModelRunnerOptions options_;
@@ -276,6 +301,14 @@ class ModelRunner {
   // every rank's, all-gathered over activations_comm() [ranks][sampled][vocab_stride], both in
   // backend memory.
   kernels::DeviceBuffer local_logits_, gathered_logits_;
+  // Backend sampling: the next Execute's rows and edits (host memory, set_backend_sampling),
+  // SampleRows' scratch and results in backend memory, and (backend memory not host memory)
+  // their copy back: [max_logit_rows_] tokens, then [max_logit_rows_, kMaxSampleLogprobs] top.
+  std::vector<kernels::SampleRowParams> sample_rows_;
+  std::vector<kernels::LogitEdit> sample_edits_;
+  bool sample_pending_ = false;
+  kernels::DeviceBuffer sample_scratch_, sampled_, host_sampled_;
+  int last_backend_rows_ = 0;
 };
 
 }  // namespace tandem::engine

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "tandem/engine/sequence.h"
+#include "tandem/kernels/backend.h"
 
 namespace tandem::engine {
 
@@ -51,6 +52,15 @@ class Sampler {
   // rejects what it forbids), cut to its kMaxDraftCandidates most likely tokens and
   // renormalised into *q; returns a draw from q, from seq.rng.
   int32_t SampleDraft(std::span<float> logits, Sequence& seq, DraftDistribution* q);
+
+  // Whether seq's next token (with no draft) can be drawn by Backend::SampleRows instead:
+  // unconstrained, and its logit_bias naming each token once.
+  static bool SamplesInBackend(const Sequence& seq);
+  // The row Backend::SampleRows draws seq's next token by, as Sample would draw it: its
+  // min_tokens masks, penalties and logit_bias appended to *edits as one edit per token, and a
+  // sampled sequence's draw taken from seq.rng here (greedy ones take none, as in Sample).
+  kernels::SampleRowParams BackendRow(Sequence& seq, int vocab,
+                                      std::vector<kernels::LogitEdit>* edits);
 
   // Tokens a draft distribution keeps (its most likely), so that a proposal costs a few hundred
   // bytes whatever the vocabulary.
