@@ -11,6 +11,10 @@
 //                 GB/s counts the K and V bytes read. And one causal 4096-token prefill in one
 //                 call on the tensor-core prefill kernel (TFLOP/s of the causal half of
 //                 4 T^2 d heads).
+//   SampleRows    a token from each of 1, 8, 64 and 256 rows of 128256 logits: greedy, plain
+//                 temperature (id order, no sort), and top-k 50 with top-p 0.9 (sorted); GB/s
+//                 counts the logits once. Beside it, the copy of the same logits to page-locked
+//                 host memory that host sampling starts with.
 //
 // Each figure is the median of three trials, a trial being the mean over a burst of calls
 // queued back to back and then synchronised (launch gaps included, as a decode step has them).
@@ -231,6 +235,50 @@ int main(int argc, char** argv) {
     const double flops = 4.0 * tokens * tokens * kHeadDim * kHeads / 2;
     rows.push_back({"PagedAttention prefill causal", "4096 tokens, 32/8 heads, hd 128",
                     s * 1e6, 0, flops / s / 1e12, 0});
+  }
+
+  // Sampling in the backend against copying the logits back for the host.
+  {
+    const int max_rows = 256;
+    auto logits = b.Allocate(sizeof(float) * max_rows * vocab);
+    auto sampled = b.Allocate(sizeof(kernels::TokenLogprob) * max_rows);
+    auto top = b.Allocate(sizeof(kernels::TokenLogprob) * max_rows * kernels::kMaxSampleLogprobs);
+    auto scratch = b.Allocate(b.SampleRowsScratchBytes(max_rows, vocab, 0));
+    auto host = b.AllocateHostStaging(sizeof(float) * max_rows * vocab);
+    if (!logits.ok() || !sampled.ok() || !top.ok() || !scratch.ok() || !host.ok()) {
+      Die("sampling buffers");
+    }
+    {
+      std::vector<float> ls = RandomF32(int64_t{max_rows} * vocab, 11);
+      for (float& l : ls) l *= 8.0f;
+      b.CopyToDevice(logits->data(), ls.data(), ls.size() * sizeof(float));
+    }
+    const struct {
+      const char* name;
+      kernels::SampleRowParams params;
+    } kinds[] = {{"greedy", {.temperature = 0.0f}},
+                 {"temperature 1", {.uniform = 0.37, .temperature = 1.0f}},
+                 {"top-k 50 top-p 0.9",
+                  {.uniform = 0.37, .temperature = 0.8f, .top_p = 0.9f, .top_k = 50}},
+                 {"greedy + 5 logprobs", {.temperature = 0.0f, .num_logprobs = 5}}};
+    for (int m : {1, 8, 64, 256}) {
+      const double bytes = 4.0 * m * vocab;
+      for (const auto& kind : kinds) {
+        const std::vector<kernels::SampleRowParams> params(m, kind.params);
+        const double s = TimeCalls(b, 10, [&](int) {
+          b.SampleRows(logits->as<float>(), m, vocab, params.data(), nullptr, 0,
+                       kernels::kMaxSampleLogprobs, scratch->data(),
+                       sampled->as<kernels::TokenLogprob>(), top->as<kernels::TokenLogprob>());
+        });
+        rows.push_back({"SampleRows", absl::StrCat(kind.name, ", ", m, " x ", vocab), s * 1e6,
+                        bytes / s / 1e9, 0, bytes / s / 1e9 / copy_gbs});
+      }
+      const double s = TimeCalls(b, 10, [&](int) {
+        b.CopyToHost(host->data(), logits->data(), static_cast<size_t>(bytes));
+      });
+      rows.push_back({"logits to host (host sampling)", absl::StrCat(m, " x ", vocab), s * 1e6,
+                      bytes / s / 1e9, 0, bytes / s / 1e9 / copy_gbs});
+    }
   }
 
   std::printf("device copy bandwidth (cudaMemcpy 1 GiB, read + write): %.1f GB/s\n", copy_gbs);
