@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""--device, --cpu-isa and --kv-backend refusals: a non-zero exit with one line saying why.
+"""--device, --cpu-isa, --sampling-device and --kv-backend refusals: a non-zero exit with one line saying why.
 
 usage: device_flag_test.py TANDEM CUDA_BUILT(ON|OFF)
 `--device cuda` must fail only where it cannot run: in a build without CUDA, or on a machine
@@ -109,6 +109,23 @@ with tempfile.TemporaryDirectory() as tmp:
             ok, err = refused(run(*gen, "--device", "cpu", "--cpu-isa", isa),
                               f"--cpu-isa {isa}: this CPU lacks it")
             check(ok, f"--cpu-isa {isa} without AVX-512 BF16: {err}")
+
+    # --sampling-device: backend draws the same tokens as host (seeded sampling with
+    # truncation, penalties and log-probabilities); an unknown value is refused in one line.
+    sampled = ["generate", "--model", model, "--prompt", "Once there", "--max-tokens", "12",
+               "--json", "--logprobs", "2", "--temperature", "0.8", "--top-p", "0.9",
+               "--top-k", "20", "--repetition-penalty", "1.2", "--seed", "5", "--n", "2",
+               "--ignore-eos", "--device", "cpu"]
+    outs = {}
+    for where in ("host", "backend"):
+        r = run(*sampled, "--sampling-device", where)
+        check(r.returncode == 0, f"--sampling-device {where} runs: {r.stderr}")
+        outs[where] = r.stdout
+    check(outs["host"] == outs["backend"] and outs["host"].count("\n") == 2,
+          f"--sampling-device backend {outs['backend']!r} against host {outs['host']!r}")
+    ok, err = refused(run(*gen, "--sampling-device", "gpu"),
+                      "--sampling-device must be auto, host or backend, got gpu")
+    check(ok, f"--sampling-device gpu: {err}")
 
     # A host KV cache cannot go over cuda_ipc; an unknown backend is named.
     for role in ("prefill", "decode"):
