@@ -205,6 +205,69 @@ TEST_P(GpuRunnerTest, EngineGreedyTokensEqualCpu) {
   for (int r = 0; r < 3; ++r) EXPECT_EQ(tokens[3 + r], tokens[r]) << "request " << r;
 }
 
+// Sampling in the CUDA backend (--sampling-device backend, the default there) draws the tokens
+// that host sampling draws from the same device's logits: greedy, seeded with top-k, top-p,
+// min-p and penalties, n = 2, with log-probabilities; every token of that engine drawn on the
+// device.
+TEST_P(GpuRunnerTest, DeviceSamplingDrawsTheHostsTokens) {
+  std::vector<RequestOutput> outputs[2];
+  int64_t backend_tokens = 0;
+  for (int i = 0; i < 2; ++i) {
+    const SamplingDevice where = i == 0 ? SamplingDevice::kHost : SamplingDevice::kBackend;
+    auto engine = LlmEngine::Create({.model_dir = model_,
+                                     .device = Device::kCuda,
+                                     .kv_cache_bytes = 64ll << 20,
+                                     .dtype = weight_dtype_,
+                                     .max_num_batched_tokens = 64,
+                                     .sampling_device = where});
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    const std::vector<SamplingParams> params = {
+        {.temperature = 0, .max_tokens = 16, .ignore_eos = true, .logprobs = 5},
+        {.temperature = 0.8f, .top_p = 0.9f, .top_k = 40, .min_p = 0.02f,
+         .repetition_penalty = 1.2f, .seed = 3, .max_tokens = 16, .ignore_eos = true,
+         .n = 2, .logprobs = 2},
+        {.temperature = 1.0f, .presence_penalty = 0.5f, .seed = 4, .max_tokens = 16,
+         .ignore_eos = true, .logprobs = 0},
+        {.temperature = 0.7f, .top_p = 0.5f, .seed = 5, .max_tokens = 16, .ignore_eos = true},
+    };
+    std::vector<GenerateRequest> requests;
+    for (size_t r = 0; r < params.size(); ++r) {
+      std::vector<int32_t> prompt;
+      for (size_t t = 0; t < 10 + 30 * r; ++t) prompt.push_back((t * 17 + r * 53 + 3) % 500);
+      requests.push_back({"r" + std::to_string(r), std::move(prompt), params[r]});
+    }
+    auto out = GenerateAll(**engine, std::move(requests));
+    ASSERT_TRUE(out.ok()) << out.status();
+    outputs[i] = std::move(out).value();
+    if (i == 1) backend_tokens = (*engine)->stats().backend_sampled_tokens;
+  }
+  int64_t tokens = 0;
+  ASSERT_EQ(outputs[1].size(), outputs[0].size());
+  for (size_t r = 0; r < outputs[0].size(); ++r) {
+    ASSERT_EQ(outputs[1][r].choices.size(), outputs[0][r].choices.size());
+    for (size_t c = 0; c < outputs[0][r].choices.size(); ++c) {
+      const ChoiceDelta& host = outputs[0][r].choices[c];
+      const ChoiceDelta& device = outputs[1][r].choices[c];
+      SCOPED_TRACE(::testing::Message() << "request " << r << " choice " << c);
+      EXPECT_EQ(device.token_ids, host.token_ids);
+      tokens += static_cast<int64_t>(device.token_ids.size());
+      ASSERT_EQ(device.logprobs.size(), host.logprobs.size());
+      for (size_t t = 0; t < host.logprobs.size(); ++t) {
+        EXPECT_NEAR(device.logprobs[t], host.logprobs[t], 1e-4) << "token " << t;
+      }
+      ASSERT_EQ(device.top_logprobs.size(), host.top_logprobs.size());
+      for (size_t t = 0; t < host.top_logprobs.size(); ++t) {
+        ASSERT_EQ(device.top_logprobs[t].size(), host.top_logprobs[t].size());
+        for (size_t k = 0; k < host.top_logprobs[t].size(); ++k) {
+          EXPECT_EQ(device.top_logprobs[t][k].token, host.top_logprobs[t][k].token);
+          EXPECT_NEAR(device.top_logprobs[t][k].logprob, host.top_logprobs[t][k].logprob, 1e-4);
+        }
+      }
+    }
+  }
+  EXPECT_EQ(backend_tokens, tokens);
+}
+
 // For the comparison with Hugging Face transformers on the device (scripts/gpu_hf_compare.py,
 // run by scripts/gpu-check): with TANDEM_HF_EXPORT_DIR set, writes under $DIR/<arch>/ the
 // checkpoint's path, a prompt, the GPU runner's last-row logits over it with fp32 and with bf16
