@@ -828,11 +828,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
 
   const int hidden = c.hidden_size;
   const int num_heads = shard.num_q_heads;
-  const int num_kv_heads = shard.num_kv_heads;
-  const int q_dim = num_heads * c.head_dim;
-  const int kv_dim = num_kv_heads * c.head_dim;
   const int intermediate = shard.intermediate_size;
-  const size_t qkv_row_bytes = static_cast<size_t>(q_dim + 2 * kv_dim) * sizeof(float);
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   kernels::PagedAttentionBatch batch{num_seqs, query_start_.data(), context_len_.data(),
                                      block_table_.data(), max_blocks};
@@ -867,21 +863,12 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
                    hidden_states);
     }
     b.Linear(hidden_states, tokens, *layer.qkv, layer.qkv_bias.as<float>(), qkv);
-    // Split [tokens, q | k | v] into q, k and v for the per-head operators.
-    b.CopyRows(q, q_dim * sizeof(float), qkv, qkv_row_bytes, q_dim * sizeof(float), tokens);
-    b.CopyRows(k, kv_dim * sizeof(float), qkv + q_dim, qkv_row_bytes, kv_dim * sizeof(float),
-               tokens);
-    b.CopyRows(v, kv_dim * sizeof(float), qkv + q_dim + kv_dim, qkv_row_bytes,
-               kv_dim * sizeof(float), tokens);
-    if (c.qk_norm) {
-      b.RmsNorm(q, layer.q_norm.as<float>(), c.rms_norm_eps, tokens * num_heads, c.head_dim, q);
-      b.RmsNorm(k, layer.k_norm.as<float>(), c.rms_norm_eps, tokens * num_kv_heads, c.head_dim, k);
-    }
-    b.Rope(q, d_positions, tokens, num_heads, c.head_dim, inv_freq);
-    b.Rope(k, d_positions, tokens, num_kv_heads, c.head_dim, inv_freq);
+    // [tokens, q | k | v] to q and the cache: q and k per-head normed (Qwen3) and rotated.
     void* cache = layer_cache(l);
     const kernels::KvLayout& kv_layout = layer_kv_layouts_[l];
-    b.WriteKv(k, v, d_slots, tokens, kv_layout, cache);
+    b.AttentionInputs(qkv, tokens, num_heads, c.qk_norm ? layer.q_norm.as<float>() : nullptr,
+                      c.qk_norm ? layer.k_norm.as<float>() : nullptr, c.rms_norm_eps,
+                      d_positions, inv_freq, d_slots, kv_layout, cache, q, k, v);
     if (layer_hook && layer_written_hook_) {
       if (!b.host_memory()) TANDEM_RETURN_IF_ERROR(b.Synchronize());
       layer_written_hook_(l);

@@ -692,6 +692,107 @@ class WriteKvCase : public OpCase {
   bool padding_;
 };
 
+// One layer's attention inputs from a fused [tokens, q | k | v] projection, with and without
+// Qwen3's per-head norms, against the reference ops in the unfused order: the split, RmsNorm,
+// Rope, WriteKv. q within the Rope tolerance; the cache to within one step of its type (a
+// fused kernel may round the fp32 value an ulp apart, which can move a 16- or 8-bit element).
+class AttentionInputsCase : public OpCase {
+ public:
+  AttentionInputsCase(int tokens, int heads, int kv_heads, int head_dim, bool norm, DType dtype,
+                      double tolerance)
+      : OpCase("AttentionInputs_tokens" + Str(tokens) + "_heads" + Str(heads) + "_kv" +
+                   Str(kv_heads) + "_hd" + Str(head_dim) + (norm ? "_norm" : "") +
+                   DTypeSuffix(dtype),
+               tolerance),
+        tokens_(tokens),
+        heads_(heads),
+        norm_(norm),
+        layout_{.num_blocks = (tokens + 15) / 16 + 2,
+                .block_size = 16,
+                .num_kv_heads = kv_heads,
+                .head_dim = head_dim,
+                .dtype = dtype,
+                .k_scale = DTypeSize(dtype) == 1 ? 0.5f : 1.0f,
+                .v_scale = DTypeSize(dtype) == 1 ? 2.0f : 1.0f} {}
+
+  void Check(Harness& h) const override {
+    const int hd = layout_.head_dim;
+    const int q_dim = heads_ * hd;
+    const int kv_dim = layout_.num_kv_heads * hd;
+    const int row = q_dim + 2 * kv_dim;
+    const std::vector<float> qkv = Random(int64_t{tokens_} * row, seed(), -3.0f, 3.0f);
+    const std::vector<float> q_norm = Random(hd, seed() + 1, 0.5f, 1.5f);
+    const std::vector<float> k_norm = Random(hd, seed() + 2, 0.5f, 1.5f);
+    const std::vector<float> inv_freq =
+        RopeInverseFrequencies(RopeConfig{.head_dim = hd, .theta = 500000.0f});
+    std::vector<int32_t> positions(tokens_), slots(tokens_);
+    std::vector<int32_t> physical(layout_.num_blocks);
+    std::iota(physical.begin(), physical.end(), 0);
+    std::shuffle(physical.begin(), physical.end(), std::mt19937(seed() + 3));
+    for (int t = 0; t < tokens_; ++t) {
+      positions[t] = 7 + t * 131;
+      // Every seventh token is padding: it writes q but nothing into the cache.
+      slots[t] = t % 7 == 6 ? -1 : physical[t / 16] * 16 + t % 16;
+    }
+    const std::vector<unsigned char> cache =
+        Encode(Random(layout_.LayerElements(), seed() + 4), layout_.dtype);
+    const float* d_qkv = h.Input("qkv", qkv);
+    const float* d_q_norm = h.Input("q_norm", q_norm);
+    const float* d_k_norm = h.Input("k_norm", k_norm);
+    const float* d_inv_freq = h.Input("inv_freq", inv_freq);
+    const int32_t* d_positions = h.Input("positions", positions);
+    const int32_t* d_slots = h.Input("slot_mapping", slots);
+    unsigned char* d_cache = h.InOut("layer_cache", cache);
+    float* d_q = h.Output("q", int64_t{tokens_} * q_dim);
+    // Scratch the backend may use: its contents are not checked.
+    float* d_k = h.InOut("k_scratch", std::vector<float>(int64_t{tokens_} * kv_dim));
+    float* d_v = h.InOut("v_scratch", std::vector<float>(int64_t{tokens_} * kv_dim));
+    ASSERT_TRUE(h.ok());
+    h.backend().AttentionInputs(d_qkv, tokens_, heads_, norm_ ? d_q_norm : nullptr,
+                                norm_ ? d_k_norm : nullptr, 1e-6f, d_positions, d_inv_freq,
+                                d_slots, layout_, d_cache, d_q, d_k, d_v);
+    if (!h.Finish()) return;
+
+    std::vector<float> q(int64_t{tokens_} * q_dim), k(int64_t{tokens_} * kv_dim),
+        v(int64_t{tokens_} * kv_dim);
+    for (int t = 0; t < tokens_; ++t) {
+      const float* src = qkv.data() + int64_t{t} * row;
+      std::copy(src, src + q_dim, q.begin() + int64_t{t} * q_dim);
+      std::copy(src + q_dim, src + q_dim + kv_dim, k.begin() + int64_t{t} * kv_dim);
+      std::copy(src + q_dim + kv_dim, src + row, v.begin() + int64_t{t} * kv_dim);
+    }
+    if (norm_) {
+      reference::RmsNorm(q.data(), q_norm.data(), 1e-6f, tokens_ * heads_, hd, q.data());
+      reference::RmsNorm(k.data(), k_norm.data(), 1e-6f, tokens_ * layout_.num_kv_heads, hd,
+                         k.data());
+    }
+    reference::Rope(q.data(), positions.data(), tokens_, heads_, hd, inv_freq.data());
+    reference::Rope(k.data(), positions.data(), tokens_, layout_.num_kv_heads, hd,
+                    inv_freq.data());
+    std::vector<unsigned char> expected = cache;
+    reference::WriteKv(k.data(), v.data(), slots.data(), tokens_, layout_, expected.data());
+    ExpectClose("q", h.Result(d_q), q, tolerance(), 0.1);
+    const std::vector<unsigned char> got_bytes = h.Result<unsigned char>(d_cache);
+    ASSERT_EQ(got_bytes.size(), expected.size());
+    // One step of the cache's type, relative (an 8-bit float's step is 2^-3 or 2^-2).
+    const double step = layout_.dtype == DType::kF32    ? tolerance()
+                        : layout_.dtype == DType::kBF16 ? 1.0 / 128
+                        : layout_.dtype == DType::kF16  ? 1.0 / 1024
+                                                        : 0.25;
+    std::vector<float> got(layout_.LayerElements()), want(layout_.LayerElements());
+    for (int64_t i = 0; i < layout_.LayerElements(); ++i) {
+      got[i] = LoadAsFloat(got_bytes.data(), layout_.dtype, i);
+      want[i] = LoadAsFloat(expected.data(), layout_.dtype, i);
+    }
+    ExpectClose("layer_cache", got, want, step, 0.1);
+  }
+
+ private:
+  int tokens_, heads_;
+  bool norm_;
+  KvLayout layout_;
+};
+
 struct AttentionSeq {
   int q_len;
   int context_len;
@@ -1263,6 +1364,12 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
     }
   }
 
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3}) {
+    add(AttentionInputsCase(23, 8, 2, 128, false, dtype, kRopeTolerance));
+    add(AttentionInputsCase(9, 4, 4, 64, true, dtype, kRopeTolerance));
+  }
+  add(AttentionInputsCase(1, 32, 8, 128, true, DType::kBF16, kRopeTolerance));
+
   add(GatherAddCase(40, 33, 5));
   add(GatherAddCase(1, 1, 1));
   add(GatherAddCase(130, 1000, 44));
@@ -1396,7 +1503,7 @@ TEST(ConformanceHarnessTest, CaseNamesAreUniqueAndEveryOperatorIsCovered) {
   for (const char* prefix :
        {"Linear_", "RmsNorm_", "AddRmsNorm_", "Rope_", "SiluMul_", "Embedding_", "WriteKv_",
         "PagedAttention_decode_", "PagedAttention_prefill_", "GatherAdd_", "CopyRows_",
-        "SampleRows_"}) {
+        "SampleRows_", "AttentionInputs_"}) {
     EXPECT_TRUE(std::any_of(names.begin(), names.end(), [&](const std::string& n) {
       return n.rfind(prefix, 0) == 0;
     })) << prefix;

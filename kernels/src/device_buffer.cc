@@ -1,4 +1,5 @@
-// DeviceBuffer ownership, Backend::Allocate and AllocateHostStaging, shared by every backend.
+// DeviceBuffer ownership, Backend::Allocate and AllocateHostStaging, and the default
+// AttentionInputs (the unfused operators), shared by every backend.
 #include <algorithm>
 #include <new>
 #include <utility>
@@ -51,5 +52,25 @@ absl::StatusOr<void*> Backend::AllocateHostBytes(size_t bytes) {
 }
 
 void Backend::FreeHostBytes(void* data) { ::operator delete(data, std::align_val_t{64}); }
+
+void Backend::AttentionInputs(const float* qkv, int tokens, int num_heads, const float* q_norm,
+                              const float* k_norm, float eps, const int32_t* positions,
+                              const float* inv_freq, const int32_t* slot_mapping,
+                              const KvLayout& layout, void* layer_cache, float* q, float* k,
+                              float* v) {
+  const int head_dim = layout.head_dim;
+  const size_t q_bytes = sizeof(float) * num_heads * head_dim;
+  const size_t kv_bytes = sizeof(float) * layout.num_kv_heads * head_dim;
+  const size_t row_bytes = q_bytes + 2 * kv_bytes;
+  const auto* row = reinterpret_cast<const unsigned char*>(qkv);
+  CopyRows(q, q_bytes, row, row_bytes, q_bytes, tokens);
+  CopyRows(k, kv_bytes, row + q_bytes, row_bytes, kv_bytes, tokens);
+  CopyRows(v, kv_bytes, row + q_bytes + kv_bytes, row_bytes, kv_bytes, tokens);
+  if (q_norm != nullptr) RmsNorm(q, q_norm, eps, tokens * num_heads, head_dim, q);
+  if (k_norm != nullptr) RmsNorm(k, k_norm, eps, tokens * layout.num_kv_heads, head_dim, k);
+  Rope(q, positions, tokens, num_heads, head_dim, inv_freq);
+  Rope(k, positions, tokens, layout.num_kv_heads, head_dim, inv_freq);
+  WriteKv(k, v, slot_mapping, tokens, layout, layer_cache);
+}
 
 }  // namespace tandem::kernels

@@ -80,6 +80,13 @@ class ForwardingBackend : public Backend {
                  float* out) override {
     inner_->GatherAdd(a, b, rows, num_rows, dim, out);
   }
+  void AttentionInputs(const float* qkv, int tokens, int num_heads, const float* q_norm,
+                       const float* k_norm, float eps, const int32_t* positions,
+                       const float* inv_freq, const int32_t* slot_mapping, const KvLayout& layout,
+                       void* layer_cache, float* q, float* k, float* v) override {
+    inner_->AttentionInputs(qkv, tokens, num_heads, q_norm, k_norm, eps, positions, inv_freq,
+                            slot_mapping, layout, layer_cache, q, k, v);
+  }
   void SampleRows(float* logits, int rows, int vocab, const SampleRowParams* params,
                   const LogitEdit* edits, int num_edits, int max_logprobs, void* scratch,
                   TokenLogprob* sampled, TokenLogprob* top) override {

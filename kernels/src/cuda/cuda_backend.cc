@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/src/cuda/attention_inputs.cuh"
 #include "kernels/src/cuda/dispatch.cuh"
 #include "kernels/src/cuda/embedding.cuh"
 #include "kernels/src/cuda/flash_attention.cuh"
@@ -312,6 +313,15 @@ class CudaBackendImpl final : public CudaBackend {
   void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
                const KvLayout& layout, void* layer_cache) override {
     Keep(cuda::LaunchWriteKv(k, v, slot_mapping, tokens, layout, layer_cache, stream_.get()));
+  }
+
+  void AttentionInputs(const float* qkv, int tokens, int num_heads, const float* q_norm,
+                       const float* k_norm, float eps, const int32_t* positions,
+                       const float* inv_freq, const int32_t* slot_mapping, const KvLayout& layout,
+                       void* layer_cache, float* q, float* k, float* v) override {
+    Keep(cuda::LaunchAttentionInputs(qkv, tokens, num_heads, q_norm, k_norm, eps, positions,
+                                     inv_freq, slot_mapping, layout, layer_cache, q,
+                                     stream_.get()));
   }
 
   void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,

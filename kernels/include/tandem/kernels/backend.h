@@ -317,6 +317,20 @@ class Backend {
   virtual void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
                        const KvLayout& layout, void* layer_cache) = 0;
 
+  // One layer's attention inputs from its fused projection qkv [tokens, q_dim + 2 kv_dim]
+  // (q | k | v per row; q_dim = num_heads x layout.head_dim, kv_dim = layout.num_kv_heads x
+  // layout.head_dim): each head of q and of k RMS-normed over head_dim by q_norm / k_norm
+  // ([head_dim] each; both null: no norm, as for Llama; Qwen3 has them), then rotated by Rope
+  // at `positions`; q written to `q` [tokens, q_dim], k and v stored into the layer cache at
+  // slot_mapping as WriteKv stores them. By default exactly CopyRows, RmsNorm, Rope and WriteKv
+  // in that order, through k and v ([tokens, kv_dim] each, operator memory the backend may use
+  // as scratch); the CUDA backend does it all in one kernel, leaving k and v alone.
+  virtual void AttentionInputs(const float* qkv, int tokens, int num_heads, const float* q_norm,
+                               const float* k_norm, float eps, const int32_t* positions,
+                               const float* inv_freq, const int32_t* slot_mapping,
+                               const KvLayout& layout, void* layer_cache, float* q, float* k,
+                               float* v);
+
   // Whether PagedAttention rounds the query rows of a sequence of q_len rows, over a cache of
   // `cache_dtype` with `head_dim`, to cache_dtype (round to nearest even) before the scores, and
   // their softmax weights to cache_dtype before weighting V: the CUDA backend does for bf16 and
