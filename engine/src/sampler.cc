@@ -190,10 +190,7 @@ int32_t Sampler::Sample(std::span<float> logits, Sequence& seq, int32_t draft,
   float log_z = 0.0f;
   if (p.logprobs >= 0) {
     raw_logits_.assign(logits.begin(), logits.end());
-    float max = *std::max_element(logits.begin(), logits.end());
-    double sum = 0;
-    for (float l : logits) sum += std::exp(static_cast<double>(l - max));
-    log_z = max + static_cast<float>(std::log(sum));
+    log_z = kernels::LogSumExp(logits.data(), vocab);
     seq.last_top_logprobs.clear();
     if (p.logprobs > 0) {
       candidates_.resize(vocab);
@@ -254,12 +251,7 @@ int32_t Sampler::Sample(std::span<float> logits, Sequence& seq, int32_t draft,
         }
       }
     } else {
-      for (int i = 0; i < vocab; ++i) {
-        if (logits[i] > best) {
-          best = logits[i];
-          chosen = i;
-        }
-      }
+      chosen = kernels::ArgmaxToken(logits.data(), vocab);
     }
   } else {
     double mass = 0;

@@ -6,6 +6,25 @@
 
 namespace tandem::kernels {
 
+int32_t ArgmaxToken(const float* logits, int vocab) {
+  float best = -std::numeric_limits<float>::infinity();
+  int32_t chosen = 0;
+  for (int i = 0; i < vocab; ++i) {
+    if (logits[i] > best) {
+      best = logits[i];
+      chosen = i;
+    }
+  }
+  return chosen;
+}
+
+float LogSumExp(const float* logits, int vocab) {
+  const float max = *std::max_element(logits, logits + vocab);
+  double sum = 0;
+  for (int i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(logits[i] - max));
+  return max + static_cast<float>(std::log(sum));
+}
+
 int TruncateCandidates(const float* logits, int vocab, float temperature, int top_k, float top_p,
                        float min_p, bool constrained, std::vector<int32_t>& candidates,
                        std::vector<float>& probs, double* mass_out) {
@@ -96,10 +115,7 @@ TokenLogprob SampleRowReference(float* logits, int vocab, const SampleRowParams&
   float log_z = 0.0f;
   if (p.num_logprobs >= 0) {
     scratch.raw.assign(logits, logits + vocab);
-    const float max = *std::max_element(logits, logits + vocab);
-    double sum = 0;
-    for (int i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(logits[i] - max));
-    log_z = max + static_cast<float>(std::log(sum));
+    log_z = LogSumExp(logits, vocab);
     if (p.num_logprobs > 0) {
       std::vector<int32_t>& ids = scratch.candidates;
       ids.resize(vocab);
@@ -121,13 +137,7 @@ TokenLogprob SampleRowReference(float* logits, int vocab, const SampleRowParams&
   }
   int32_t chosen = 0;
   if (p.temperature == 0.0f) {
-    float best = kNegInf;
-    for (int i = 0; i < vocab; ++i) {
-      if (logits[i] > best) {
-        best = logits[i];
-        chosen = i;
-      }
-    }
+    chosen = ArgmaxToken(logits, vocab);
   } else {
     double mass = 0;
     const int keep = TruncateCandidates(logits, vocab, p.temperature, p.top_k, p.top_p, p.min_p,

@@ -9,6 +9,13 @@
 
 namespace tandem::kernels {
 
+// The first id of the largest logit of [0, vocab); 0 when none is above -inf.
+int32_t ArgmaxToken(const float* logits, int vocab);
+
+// log sum exp of logits[0, vocab) (max + log of the sum in double of exp(logit - max)): the
+// normaliser of the raw log-probabilities.
+float LogSumExp(const float* logits, int vocab);
+
 // Temperature, top-k, top-p and min-p over `candidates` (constrained: the ids a caller already
 // put there, in id order; else all of [0, vocab), which this fills). Sorted by logit
 // (descending, ties by id) when top-k or top-p truncates, else left in id order. On return the
