@@ -695,34 +695,48 @@ absl::StatusOr<std::span<const float>> LlmEngine::PooledHidden(const SchedulerSt
 }
 
 bool LlmEngine::PlanBackendSampling(const SchedulerStep& step) {
-  // Every sampling sequence must qualify, and the edits fit, before any draw is taken.
+  // Which sampling sequences the backend draws for (no drafts, no grammar); the others' rows
+  // come back as logits for the host. Decided, and the edits' room checked, before any draw
+  // is taken from a stream.
   size_t edits_bound = 0;
   bool any = false;
-  for (const ScheduledSequence& s : step.seqs) {
+  step_in_backend_.assign(step.seqs.size(), false);
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    const ScheduledSequence& s = step.seqs[i];
     if (!s.samples) continue;
-    if (s.num_draft_tokens > 0) return false;
     const Sequence& seq = *s.seq;
-    if (requests_.at(seq.request_id)->task != RequestTask::kEmbed) {
-      if (!Sampler::SamplesInBackend(seq)) return false;
-      const SamplingParams& p = *seq.params;
-      edits_bound += seq.tokens.size() + p.logit_bias.size() + p.stop_token_ids.size() +
-                     checkpoint_->config().eos_token_ids.size();
+    if (requests_.at(seq.request_id)->task == RequestTask::kEmbed) {
+      step_in_backend_[i] = true;  // its row is not sampled either way
+      continue;
     }
+    if (s.num_draft_tokens > 0 || !Sampler::SamplesInBackend(seq)) continue;
+    const SamplingParams& p = *seq.params;
+    edits_bound += seq.tokens.size() + p.logit_bias.size() + p.stop_token_ids.size() +
+                   checkpoint_->config().eos_token_ids.size();
+    step_in_backend_[i] = true;
     any = true;
   }
   if (!any || edits_bound > static_cast<size_t>(runner_->max_sample_edits())) return false;
   const int vocab = checkpoint_->config().vocab_size;
   sample_rows_.clear();
   sample_edits_.clear();
-  for (const ScheduledSequence& s : step.seqs) {
+  sample_host_rows_.clear();
+  for (size_t i = 0; i < step.seqs.size(); ++i) {
+    const ScheduledSequence& s = step.seqs[i];
     if (!s.samples) continue;
-    if (requests_.at(s.seq->request_id)->task == RequestTask::kEmbed) {
+    if (!step_in_backend_[i]) {
+      // Greedy rows without edits leave these logits as they are, for the host.
+      for (int j = 0; j <= s.num_draft_tokens; ++j) {
+        sample_host_rows_.push_back(static_cast<int32_t>(sample_rows_.size()));
+        sample_rows_.emplace_back();
+      }
+    } else if (requests_.at(s.seq->request_id)->task == RequestTask::kEmbed) {
       sample_rows_.emplace_back();  // a greedy row whose token nobody reads
-      continue;
+    } else {
+      sample_rows_.push_back(sampler_->BackendRow(*s.seq, vocab, &sample_edits_));
     }
-    sample_rows_.push_back(sampler_->BackendRow(*s.seq, vocab, &sample_edits_));
   }
-  runner_->set_backend_sampling(sample_rows_, sample_edits_);
+  runner_->set_backend_sampling(sample_rows_, sample_edits_, sample_host_rows_);
   return true;
 }
 
@@ -736,12 +750,17 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
   std::map<std::string, size_t> output_index;
   for (size_t i = 0; i < outputs.size(); ++i) output_index[outputs[i].request_id] = i;
   size_t r = 0;
+  size_t host_row = 0;  // in `logits`: with backend sampling, the host's rows only
   for (size_t i = 0; i < step.seqs.size(); ++i) {
     const ScheduledSequence& s = step.seqs[i];
     if (!s.samples) continue;
     const size_t num_rows = 1 + s.num_draft_tokens;
-    std::span<const float> rows =
-        step_sampled_in_backend_ ? logits : logits.subspan(r * vocab, num_rows * vocab);
+    const bool in_backend = step_sampled_in_backend_ && step_in_backend_[i];
+    std::span<const float> rows;
+    if (!in_backend) {
+      rows = logits.subspan(host_row * vocab, num_rows * vocab);
+      host_row += num_rows;
+    }
     const size_t first_row = r;
     r += num_rows;
     const Request& request = *requests_.at(s.seq->request_id);
@@ -757,7 +776,7 @@ void LlmEngine::SampleStep(const SchedulerStep& step, std::span<const float> log
     }
     const int mask = step_mask_index_[i];
     std::optional<DrawnToken> token;
-    if (step_sampled_in_backend_) {
+    if (in_backend) {
       const int logprobs = std::max(0, s.seq->params->logprobs);
       token = DrawnToken{drawn.tokens[first_row],
                          drawn.top.subspan(first_row * kernels::kMaxSampleLogprobs, logprobs)};

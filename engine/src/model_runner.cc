@@ -674,7 +674,10 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     }
   }
   const bool sample_in_backend = std::exchange(sample_pending_, false);
-  if (sample_in_backend && static_cast<int>(sample_rows_.size()) != num_sampled) {
+  if (sample_in_backend &&
+      (static_cast<int>(sample_rows_.size()) != num_sampled ||
+       std::any_of(sample_host_rows_.begin(), sample_host_rows_.end(),
+                   [&](int32_t r) { return r < 0 || r >= num_sampled; }))) {
     return absl::InternalError(absl::StrCat("backend sampling of ", sample_rows_.size(),
                                             " rows for a step of ", num_sampled, " logit rows"));
   }
@@ -695,12 +698,14 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
 }
 
 void ModelRunner::set_backend_sampling(std::span<const kernels::SampleRowParams> rows,
-                                       std::span<const kernels::LogitEdit> edits) {
+                                       std::span<const kernels::LogitEdit> edits,
+                                       std::span<const int32_t> host_rows) {
   TANDEM_CHECK(options_.backend_sampling) << "backend sampling on a runner not sized for it";
   TANDEM_CHECK(static_cast<int>(edits.size()) <= options_.max_sample_edits)
       << edits.size() << " logit edits, over max_sample_edits " << options_.max_sample_edits;
   sample_rows_.assign(rows.begin(), rows.end());
   sample_edits_.assign(edits.begin(), edits.end());
+  sample_host_rows_.assign(host_rows.begin(), host_rows.end());
   sample_pending_ = true;
 }
 
@@ -927,9 +932,24 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
                    static_cast<size_t>(num_sampled) * kernels::kMaxSampleLogprobs *
                        sizeof(kernels::TokenLogprob));
     }
+    // The rows the host samples itself, side by side.
+    const size_t row_floats = c.vocab_size;
+    const size_t host_rows = sample_host_rows_.size();
+    float* rows_out = nullptr;
+    if (b.host_memory()) {
+      host_row_logits_.resize(host_rows * row_floats);
+      rows_out = host_row_logits_.data();
+    } else {
+      rows_out = host_logits_.as<float>();
+    }
+    for (size_t i = 0; i < host_rows; ++i) {
+      b.CopyToHost(rows_out + i * row_floats,
+                   logits_.as<float>() + static_cast<size_t>(sample_host_rows_[i]) * row_floats,
+                   row_floats * sizeof(float));
+    }
     TANDEM_RETURN_IF_ERROR(b.Synchronize());
     last_backend_rows_ = num_sampled;
-    return std::span<const float>();
+    return std::span<const float>(rows_out, host_rows * row_floats);
   }
   const float* logits = logits_.as<float>();
   if (!b.host_memory()) {

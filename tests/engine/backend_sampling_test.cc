@@ -94,15 +94,27 @@ TEST(BackendSamplingTest, DeviceMemoryRunnerDrawsTheHostSamplersTokens) {
         plan->num_tokens += n;
       }
     }
+    // Every third step sample 1 is drawn on the host from the one row of logits that comes
+    // back; the others always in the backend.
+    const bool host_row = step % 3 == 1;
     std::vector<kernels::SampleRowParams> rows;
     std::vector<kernels::LogitEdit> edits;
-    for (Sequence& seq : device_seqs) rows.push_back(device_sampler.BackendRow(seq, vocab, &edits));
-    (*device_runner)->set_backend_sampling(rows, edits);
-    auto none = (*device_runner)->Execute(device_step);
-    ASSERT_TRUE(none.ok()) << none.status();
-    EXPECT_TRUE(none->empty()) << "logits copied back as well";
+    std::vector<int32_t> host_rows;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (host_row && i == 1) {
+        host_rows.push_back(static_cast<int32_t>(rows.size()));
+        rows.emplace_back();
+      } else {
+        rows.push_back(device_sampler.BackendRow(device_seqs[i], vocab, &edits));
+      }
+    }
+    (*device_runner)->set_backend_sampling(rows, edits, host_rows);
+    auto returned = (*device_runner)->Execute(device_step);
+    ASSERT_TRUE(returned.ok()) << returned.status();
+    ASSERT_EQ(returned->size(), host_rows.size() * vocab) << "logits of other rows copied back";
     const ModelRunner::BackendSamples drawn = (*device_runner)->backend_samples();
     ASSERT_EQ(drawn.tokens.size(), params.size());
+    std::vector<float> device_row(returned->begin(), returned->end());
 
     auto logits = (*host_runner)->Execute(host_step);
     ASSERT_TRUE(logits.ok()) << logits.status();
@@ -110,6 +122,17 @@ TEST(BackendSamplingTest, DeviceMemoryRunnerDrawsTheHostSamplersTokens) {
     for (size_t i = 0; i < params.size(); ++i) {
       Sequence& seq = host_seqs[i];
       row.assign(logits->begin() + i * vocab, logits->begin() + (i + 1) * vocab);
+      if (host_row && i == 1) {
+        EXPECT_EQ(device_row, row) << "the host row's logits";
+        const int32_t want = host_sampler.Sample(row, seq);
+        EXPECT_EQ(device_sampler.Sample(device_row, device_seqs[i]), want);
+        for (std::vector<Sequence>* seqs : {&host_seqs, &device_seqs}) {
+          Sequence& s = (*seqs)[i];
+          s.num_computed_tokens = static_cast<int>(s.tokens.size());
+          s.tokens.push_back(want);
+        }
+        continue;
+      }
       const int32_t want = host_sampler.Sample(row, seq);
       EXPECT_EQ(drawn.tokens[i].token, want) << "sample " << i;
       EXPECT_EQ(drawn.tokens[i].logprob, seq.last_logprob) << "sample " << i;

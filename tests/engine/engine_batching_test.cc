@@ -159,21 +159,51 @@ TEST(EngineBatchingTest, SamplingInTheBackendGivesTheHostsTokens) {
   EXPECT_GT(CountTokens(*got), 100);
 }
 
-// A step with a sequence the backend cannot draw for (a structured-output constraint) samples
-// every sequence of the step on the host; the others' tokens are the same.
-TEST(EngineBatchingTest, ConstrainedSamplesFallBackToTheHost) {
+// A sample the backend cannot draw for (a structured-output constraint) is drawn on the host
+// from its own row of logits, in the same steps as the others, which the backend draws; every
+// output is the host engine's.
+TEST(EngineBatchingTest, ConstrainedSamplesAreDrawnOnTheHost) {
   auto host = MakeEngine({.sampling_device = SamplingDevice::kHost});
   auto backend = MakeEngine({.sampling_device = SamplingDevice::kBackend});
   std::vector<GenerateRequest> requests = SamplingMix(*host);
   SamplingParams json{.temperature = 0.7f, .seed = 2, .max_tokens = 12};
   json.structured.kind = ConstraintKind::kJsonObject;
-  requests.push_back({"json", host->tokenizer().Encode("{", false), json});
+  requests.insert(requests.begin() + 3, {"json", host->tokenizer().Encode("{", false), json});
   auto want = GenerateAll(*host, requests);
   ASSERT_TRUE(want.ok()) << want.status();
   auto got = GenerateAll(*backend, requests);
   ASSERT_TRUE(got.ok()) << got.status();
   ExpectSameOutputs(*got, *want);
-  EXPECT_LT(backend->stats().backend_sampled_tokens, CountTokens(*got));
+  const int64_t constrained = static_cast<int64_t>((*got)[3].choices[0].token_ids.size());
+  EXPECT_GT(constrained, 0);
+  EXPECT_EQ(backend->stats().backend_sampled_tokens, CountTokens(*got) - constrained);
+}
+
+// With n-gram speculation (a fixed draft length, so that seeded streams repeat), a step's
+// sequences with drafts are verified on the host and the others drawn in the backend; the
+// outputs are the host engine's.
+TEST(EngineBatchingTest, SpeculativeStepsDrawUndraftedSamplesInTheBackend) {
+  const SpeculativeOptions ngram{.method = SpeculativeMethod::kNgram,
+                                 .num_speculative_tokens = 3,
+                                 .adaptive = false};
+  auto host = MakeEngine({.speculative = ngram, .sampling_device = SamplingDevice::kHost});
+  auto backend = MakeEngine({.speculative = ngram, .sampling_device = SamplingDevice::kBackend});
+  std::vector<GenerateRequest> requests = SamplingMix(*host);
+  // Prompts that repeat themselves give the proposer matches for some samples and not others.
+  for (size_t i = 0; i < requests.size(); i += 2) {
+    std::vector<int32_t>& prompt = requests[i].prompt_tokens;
+    const std::vector<int32_t> once = prompt;
+    for (int k = 0; k < 3; ++k) prompt.insert(prompt.end(), once.begin(), once.end());
+  }
+  auto want = GenerateAll(*host, requests);
+  ASSERT_TRUE(want.ok()) << want.status();
+  auto got = GenerateAll(*backend, requests);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ExpectSameOutputs(*got, *want);
+  const EngineStats stats = backend->stats();
+  EXPECT_GT(stats.spec_verify_steps, 0);
+  EXPECT_GT(stats.backend_sampled_tokens, 0);
+  EXPECT_LT(stats.backend_sampled_tokens, CountTokens(*got));
 }
 
 TEST(EngineBatchingTest, ChunkedPrefillEqualsUnchunked) {

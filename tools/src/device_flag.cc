@@ -17,8 +17,8 @@ void DeclareDeviceFlag(Args& args) {
                "bf16 weights by activations rounded to bf16, about twice as fast in prefill)");
   args.Declare("sampling-device", "auto|host|backend",
                "where tokens are drawn: backend draws them on the device, so only token ids and "
-               "log-probabilities come back (steps with structured outputs or speculative drafts "
-               "still sample on the host); host copies every logit row back (default auto: "
+               "log-probabilities come back (samples with a structured output or speculative "
+               "drafts are still drawn on the host); host copies every logit row back (default auto: "
                "backend with --device cuda, host with --device cpu)");
 }
 

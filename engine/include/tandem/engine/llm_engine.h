@@ -61,10 +61,11 @@ struct DrawnToken {
 enum class Device { kCpu, kCuda };
 
 // Where an engine draws its tokens (`--sampling-device`). kBackend: in the backend
-// (Backend::SampleRows), so that only token ids and log-probabilities leave a GPU; a step with
-// a structured-output constraint, speculative drafts or a logit_bias naming a token twice is
-// still sampled on the host. kAuto: kBackend on CUDA, kHost on the CPU, whose backend would
-// run the same code. Outputs are the same either way (on CUDA up to the rounding of its sums).
+// (Backend::SampleRows), so that only token ids and log-probabilities leave a GPU; a sample
+// with a structured-output constraint, speculative drafts or a logit_bias naming a token twice
+// is still drawn on the host, from its own rows of logits, in the same step. kAuto: kBackend
+// on CUDA, kHost on the CPU, whose backend would run the same code. Outputs are the same
+// either way (on CUDA up to the rounding of its sums).
 enum class SamplingDevice { kAuto, kHost, kBackend };
 
 struct EngineOptions {
@@ -275,9 +276,10 @@ class LlmEngine {
   void SampleSequence(const ScheduledSequence& s, std::span<const float> rows,
                       std::vector<float>& row, const grammar::TokenMask* grammar_mask,
                       RequestOutput& out, const DrawnToken* drawn = nullptr);
-  // Backend sampling: when the engine samples in the backend and every sampling sequence of
-  // the step can, hands the runner their rows (taking the sampled ones' draws from their
-  // streams) and returns true; the step's tokens then come from runner_->backend_samples().
+  // Backend sampling: when the engine samples in the backend and some sampling sequence of
+  // the step can (no drafts, no grammar), hands the runner every logit row (taking the draws
+  // of those sequences from their streams; the others' rows come back as logits) and returns
+  // true; step_in_backend_ then says whose tokens come from runner_->backend_samples().
   bool PlanBackendSampling(const SchedulerStep& step);
   // Starts the grammar masks of the step's constrained samples on mask_prefetch_ (they fill
   // while the forward pass runs) and sets step_mask_index_; false when none was started.
@@ -316,8 +318,10 @@ class LlmEngine {
   bool backend_sampling_ = false;  // SamplingDevice resolved
   bool step_sampled_in_backend_ = false;  // the current step's tokens are the backend's
   int64_t backend_sampled_tokens_ = 0;    // EngineStats::backend_sampled_tokens
+  std::vector<bool> step_in_backend_;  // per step.seqs entry, with step_sampled_in_backend_
   std::vector<kernels::SampleRowParams> sample_rows_;  // PlanBackendSampling's scratch
   std::vector<kernels::LogitEdit> sample_edits_;
+  std::vector<int32_t> sample_host_rows_;
   std::vector<float> draft_row_;  // DraftStep's scratch copy of a draft logits row
   // The tokenizer's vocabulary as bytes (EOS ids end a grammar) and the grammars compiled for
   // it, shared by every constrained request; the cache is thread-safe (Validate runs anywhere).

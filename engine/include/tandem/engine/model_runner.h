@@ -90,13 +90,16 @@ class ModelRunner {
   // follower first.
   absl::StatusOr<std::span<const float>> Execute(const SchedulerStep& step);
   // Sampling in the backend (Backend::SampleRows; ModelRunnerOptions::backend_sampling): the
-  // next Execute draws one token from each of its logit rows by rows[i] (step order) and
-  // `edits`, and returns an empty span instead of logits; the tokens are then in
-  // backend_samples(), with top[i * kMaxSampleLogprobs ...] row i's most likely tokens. Only
-  // for steps with one logit row per sampling sequence. The spans are copied; at most
-  // max_sample_edits() edits.
+  // next Execute draws one token from each of its logit rows by rows[i] (one per logit row, in
+  // step order) and `edits`; the tokens are then in backend_samples(), with
+  // top[i * kMaxSampleLogprobs ...] row i's most likely tokens. Instead of all the logits,
+  // Execute returns only those of the rows `host_rows` names (ascending), [host_rows.size(),
+  // vocab] in that order: rows the host samples itself (give them a greedy row without
+  // log-probabilities or edits, which leaves their logits as they are). The spans are copied;
+  // at most max_sample_edits() edits.
   void set_backend_sampling(std::span<const kernels::SampleRowParams> rows,
-                            std::span<const kernels::LogitEdit> edits);
+                            std::span<const kernels::LogitEdit> edits,
+                            std::span<const int32_t> host_rows = {});
   struct BackendSamples {
     std::span<const kernels::TokenLogprob> tokens;  // [rows]
     std::span<const kernels::TokenLogprob> top;     // [rows, kernels::kMaxSampleLogprobs]
@@ -306,6 +309,8 @@ class ModelRunner {
   // their copy back: [max_logit_rows_] tokens, then [max_logit_rows_, kMaxSampleLogprobs] top.
   std::vector<kernels::SampleRowParams> sample_rows_;
   std::vector<kernels::LogitEdit> sample_edits_;
+  std::vector<int32_t> sample_host_rows_;  // rows whose logits still come back
+  std::vector<float> host_row_logits_;     // their copy, when backend memory is host memory
   bool sample_pending_ = false;
   kernels::DeviceBuffer sample_scratch_, sampled_, host_sampled_;
   int last_backend_rows_ = 0;
