@@ -9,6 +9,9 @@
 //                       [--batches=1,4,16] [--bandwidth-mib=256] [--device=cpu|cuda]
 //                       [--num-layers=N (the preset's shape with N layers)]
 //                       [--prefill=2048,... (also time one prefill of each length)]
+//                       [--sampling=auto|host|backend (auto: backend on cuda, host on cpu, as
+//                        --sampling-device; backend draws a greedy token per sequence in the
+//                        backend and copies back only the tokens, host copies the logits)]
 //                       [google benchmark flags]
 //
 // The bandwidth kernels stream --bandwidth-mib MiB: more than the last-level cache to measure
@@ -48,6 +51,8 @@ double g_copy_gbs = 0;
 double g_read_gbs = 0;
 size_t g_bandwidth_bytes = size_t{256} << 20;
 bool g_cuda = false;
+std::string g_sampling = "auto";  // --sampling
+bool BackendSampling() { return g_sampling == "backend" || (g_sampling == "auto" && g_cuda); }
 int g_num_layers = 0;  // 0: the preset's
 
 
@@ -221,11 +226,13 @@ void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
                                              .max_num_seqs = batch,
                                              .num_kv_blocks = batch * blocks_per_seq,
                                              .block_size = block_size,
-                                             .weight_dtype = format.dtype});
+                                             .weight_dtype = format.dtype,
+                                             .backend_sampling = BackendSampling()});
   if (!runner.ok()) {
     state.SkipWithError(std::string(runner.status().message()).c_str());
     return;
   }
+  const std::vector<kernels::SampleRowParams> greedy(batch);
   std::vector<engine::Sequence> seqs(batch);
   for (int b = 0; b < batch; ++b) {
     engine::Sequence& s = seqs[b];
@@ -245,6 +252,7 @@ void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
   double seconds = 0;
   for (auto _ : state) {
     auto start = std::chrono::steady_clock::now();
+    if (BackendSampling()) (*runner)->set_backend_sampling(greedy, {});
     auto logits = (*runner)->Execute(step);
     benchmark::DoNotOptimize(logits);
     seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -267,7 +275,8 @@ void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
   state.counters["of_copy"] = gbs / g_copy_gbs;
   state.counters["tokens_per_s"] = batch / step_s;
   state.SetLabel(absl::StrCat(g_preset, " ", c.NumParameters() / 1000000, "M params, ", format.name,
-                              " weights, ", DTypeFlagName(kv_dtype), " KV, context ", context));
+                              " weights, ", DTypeFlagName(kv_dtype), " KV, context ", context,
+                              BackendSampling() ? ", backend sampling" : ", host sampling"));
 }
 
 }  // namespace
@@ -323,6 +332,13 @@ int main(int argc, char** argv) {
       }
     } else if (a.rfind("--num-layers=", 0) == 0) {
       tandem::g_num_layers = std::atoi(a.c_str() + 13);
+    } else if (a.rfind("--sampling=", 0) == 0) {
+      tandem::g_sampling = a.substr(11);
+      if (tandem::g_sampling != "auto" && tandem::g_sampling != "host" &&
+          tandem::g_sampling != "backend") {
+        std::fprintf(stderr, "tandem_bench_decode: --sampling must be auto, host or backend\n");
+        return 2;
+      }
     } else if (a == "--device=cuda") {
       tandem::g_cuda = true;
     } else if (a == "--device=cpu") {
