@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
-#include "kernels/src/forwarding_backend.h"
+#include "device_like_backend.h"
 #include "tandem/engine/block_manager.h"
 #include "tandem/engine/checkpoint.h"
 #include "tandem/engine/model_runner.h"
@@ -21,12 +21,6 @@
 
 namespace tandem::engine {
 namespace {
-
-class DeviceLikeBackend : public kernels::test_support::ForwardingBackend {
- public:
-  using ForwardingBackend::ForwardingBackend;
-  bool host_memory() const override { return false; }
-};
 
 const ModelRunnerOptions kOptions{.max_num_batched_tokens = 128,
                                   .max_num_seqs = 4,
@@ -43,12 +37,10 @@ TEST(BackendSamplingTest, DeviceMemoryRunnerDrawsTheHostSamplersTokens) {
   ASSERT_TRUE(cpu.ok()) << cpu.status();
   auto host_runner = ModelRunner::Create(**checkpoint, cpu->get(), kOptions);
   ASSERT_TRUE(host_runner.ok()) << host_runner.status();
-  auto inner = kernels::CreateCpuBackend({.num_threads = 1});
-  ASSERT_TRUE(inner.ok()) << inner.status();
-  DeviceLikeBackend device(std::move(inner).value());
+  std::unique_ptr<kernels::Backend> device = testing::DeviceLike();
   ModelRunnerOptions options = kOptions;
   options.backend_sampling = true;
-  auto device_runner = ModelRunner::Create(**checkpoint, &device, options);
+  auto device_runner = ModelRunner::Create(**checkpoint, device.get(), options);
   ASSERT_TRUE(device_runner.ok()) << device_runner.status();
   ASSERT_FALSE((*device_runner)->kv_cache_on_host());
 

@@ -22,7 +22,7 @@
 #include "tandem/engine/block_manager.h"
 #include "tandem/engine/checkpoint.h"
 #include "tandem/engine/model_runner.h"
-#include "kernels/src/forwarding_backend.h"
+#include "device_like_backend.h"
 #include "tandem/kernels/backend.h"
 #include "tensor_parallel_support.h"
 #include "test_models.h"
@@ -30,20 +30,7 @@
 namespace tandem::engine {
 namespace {
 
-// The CPU backend, claiming its memory is not host memory. Every call goes to the CPU backend,
-// whose memory the wrapper hands out; the runner then takes the device paths.
-class DeviceLikeBackend : public kernels::test_support::ForwardingBackend {
- public:
-  using ForwardingBackend::ForwardingBackend;
-  std::string_view name() const override { return "device-like"; }
-  bool host_memory() const override { return false; }
-};
-
-std::unique_ptr<kernels::Backend> DeviceLike() {
-  auto cpu = kernels::CreateCpuBackend({.num_threads = 1});
-  EXPECT_TRUE(cpu.ok()) << cpu.status();
-  return std::make_unique<DeviceLikeBackend>(std::move(cpu).value());
-}
+using testing::DeviceLike;
 
 // max |a - b| / max |b|.
 double RelativeError(std::span<const float> a, std::span<const float> b) {
