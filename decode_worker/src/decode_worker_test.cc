@@ -820,6 +820,9 @@ TEST_P(DecodeWorkerTest, ServesMetricsAndHealth) {
   EXPECT_THAT(metrics, HasSubstr("\ntandem_decode_requests_total 1\n"));
   EXPECT_THAT(metrics, HasSubstr("\ntandem_generation_tokens_total 5\n"));
   EXPECT_THAT(metrics, HasSubstr("\ntandem_preemptions_total 0\n"));
+  // The CPU engine draws on the host (--sampling-device auto).
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_sampled_tokens_total{device=\"backend\"} 0\n"));
+  EXPECT_THAT(metrics, ::testing::ContainsRegex("\ntandem_sampled_tokens_total\\{device=\"host\"\\} [1-9]"));
   EXPECT_THAT(metrics, HasSubstr("\ntandem_decode_reservations_expired_total 0\n"));
   EXPECT_THAT(HttpGet(worker_->metrics_port(), "/health"), HasSubstr("HTTP/1.1 200"));
   EXPECT_THAT(HttpGet(worker_->metrics_port(), "/nope"), HasSubstr("HTTP/1.1 404"));

@@ -30,6 +30,7 @@ EngineMetrics::EngineMetrics(metrics::Registry& registry)
           "Recent mean of |predicted - measured| / measured step time, predicted before each "
           "step.")),
       spec_(registry),
+      sampling_(registry),
       collective_seconds_(registry.Counter(
           "tandem_tensor_parallel_collective_seconds_total",
           "Wall time rank 0 of a tensor-parallel group spent in collectives (step plans, "
@@ -60,6 +61,7 @@ void EngineMetrics::RecordSteps(const EngineStats& stats) {
   metrics::AdvanceTo(prefix_queries_, static_cast<double>(stats.prefix_cache_queries_tokens));
   metrics::AdvanceTo(prefix_hits_, static_cast<double>(stats.prefix_cache_hits_tokens));
   spec_.Record(stats);
+  sampling_.Record(stats);
   metrics::AdvanceTo(collective_seconds_, stats.collective_seconds);
   metrics::AdvanceTo(collective_bytes_, static_cast<double>(stats.collective_bytes));
   if (stats.steps == steps_seen_) return;

@@ -858,6 +858,7 @@ void LlmEngine::SampleSequence(const ScheduledSequence& s, std::span<const float
       const DraftDistribution* q =
           j < static_cast<int>(seq.draft_dists.size()) ? &seq.draft_dists[j] : nullptr;
       token = sampler_->Sample(row, seq, draft, j == 0 ? grammar_mask : nullptr, q);
+      if (token >= 0) ++host_sampled_tokens_;
     }
     // The sampler draws from the grammar's mask: a refusal here is a defect, not bad input.
     const bool allowed = seq.matcher == nullptr || token < 0 || seq.matcher->AcceptToken(token);
@@ -1147,6 +1148,7 @@ EngineStats LlmEngine::stats() const {
   stats.spec_accepted_tokens = spec_accepted_;
   stats.spec_verify_steps = spec_verify_steps_;
   stats.backend_sampled_tokens = backend_sampled_tokens_;
+  stats.host_sampled_tokens = host_sampled_tokens_;
   stats.spec_proposed_by_position = spec_proposed_by_position_;
   stats.spec_accepted_by_position = spec_accepted_by_position_;
   if (options_.tensor_parallel != nullptr) {

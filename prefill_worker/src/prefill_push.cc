@@ -556,6 +556,8 @@ void PrefillWorkerImpl::UpdateStats() {
   stats_.set_kv_blocks_used(engine_stats.kv_blocks_used);
   stats_.set_kv_blocks_total(engine_stats.kv_blocks_total);
   stats_.set_preemptions_total(engine_stats.preemptions);
+  stats_.set_backend_sampled_tokens(engine_stats.backend_sampled_tokens);
+  stats_.set_host_sampled_tokens(engine_stats.host_sampled_tokens);
   stats_.set_prefix_cache_queries_tokens(engine_stats.prefix_cache_queries_tokens);
   stats_.set_prefix_cache_hits_tokens(engine_stats.prefix_cache_hits_tokens);
 }

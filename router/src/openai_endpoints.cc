@@ -33,6 +33,7 @@ void ApiServerImpl::HandleMetrics(http::HttpExchange& ex) {
   {
     std::lock_guard<std::mutex> lock(metrics_.spec_mu);
     metrics_.spec.Record(stats);
+    metrics_.sampling.Record(stats);
   }
   metrics_.in_flight->Set(active_.load());
   if (const http::HttpServer* server = http_for_handlers_.load(std::memory_order_acquire)) {

@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "nlohmann/json.hpp"
 #include "tandem/base/job_pool.h"
+#include "tandem/engine/sampling_metrics.h"
 #include "tandem/engine/speculative_metrics.h"
 #include "tandem/metrics/registry.h"
 #include "tandem/router/openai_request.h"
@@ -81,8 +82,10 @@ struct ApiMetrics {
   // Sets the prefix-cache and routing series from the generator's stats and counters.
   void PrefixCacheAndRouting(const engine::EngineStats& stats,
                              const engine::GeneratorCounters& counters);
-  // Speculative decoding of the engine, or the decode pool's summed; guarded by spec_mu.
+  // Speculative decoding of the engine, or the decode pool's summed, and where the tokens were
+  // drawn (both pools' summed); guarded by spec_mu.
   engine::SpeculativeMetrics spec{registry};
+  engine::SamplingMetrics sampling{registry};
   std::mutex spec_mu;
   // Tensor parallelism of a colocated engine (zero without it).
   prometheus::Counter* collective_seconds;

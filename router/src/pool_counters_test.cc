@@ -45,6 +45,22 @@ TEST(PoolCountersTest, SumsEachPoolsOwnCounters) {
   EXPECT_EQ(s.prefix_cache_hits_tokens, 600);
 }
 
+// Tokens are drawn on both pools: a prefill worker draws each request's first token.
+TEST(PoolCountersTest, SampledTokensSumBothPools) {
+  PoolCounters counters;
+  PoolSnapshot pools;
+  pools.decode = {Decode("d1", 0, 0), Decode("d2", 0, 0)};
+  pools.prefill = {Prefill("p1", 0, 0)};
+  pools.decode[0].stats.set_backend_sampled_tokens(500);
+  pools.decode[1].stats.set_backend_sampled_tokens(300);
+  pools.decode[1].stats.set_host_sampled_tokens(7);
+  pools.prefill[0].stats.set_backend_sampled_tokens(40);
+  pools.prefill[0].stats.set_host_sampled_tokens(2);
+  const engine::EngineStats s = counters.Observe(pools);
+  EXPECT_EQ(s.backend_sampled_tokens, 840);
+  EXPECT_EQ(s.host_sampled_tokens, 9);
+}
+
 // What Prometheus requires of a counter: it never goes down while the router runs, whatever
 // the pools do.
 TEST(PoolCountersTest, LeavingRestartingAndReturningWorkersNeverLowerTheTotals) {

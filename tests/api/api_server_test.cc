@@ -301,9 +301,11 @@ TEST(ApiServerTest, MetricsPassPromtoolOnALiveScrape) {
   ASSERT_EQ(Request(port, "POST", "/v1/completions", CompletionBody("Hi", 3, false)).status, 200);
   ASSERT_EQ(Request(port, "POST", "/v1/completions", CompletionBody("Hi", 3, true)).status, 200);
   ASSERT_EQ(Request(port, "POST", "/v1/completions", R"({"prompt": 1})").status, 400);
-  // The two completions counted (just after their responses), then the scrape checked.
+  // The two completions counted (just after their responses), and their six tokens' draws
+  // (disaggregated: in the workers' next Stats poll), then the scrape checked.
   WaitForMetrics(port, [](const std::string& m) {
-    return MetricValue(m, "tandem_requests_total{finish_reason=\"length\"}") == 2;
+    return MetricValue(m, "tandem_requests_total{finish_reason=\"length\"}") == 2 &&
+           MetricValue(m, "tandem_sampled_tokens_total{device=\"host\"}") == 6;
   });
   HttpResult r = Request(port, "GET", "/metrics");
   ASSERT_EQ(r.status, 200);
@@ -316,10 +318,15 @@ TEST(ApiServerTest, MetricsPassPromtoolOnALiveScrape) {
         "tandem_kv_cache_blocks_used", "tandem_kv_cache_blocks_capacity",
         "tandem_preemptions_total", "tandem_http_responses_total",
         "tandem_time_per_output_token_seconds", "tandem_requests_slo_total",
-        "tandem_requests_slo_met_total", "tandem_slo_ttft_seconds", "tandem_slo_tpot_seconds"}) {
+        "tandem_requests_slo_met_total", "tandem_slo_ttft_seconds", "tandem_slo_tpot_seconds",
+        "tandem_sampled_tokens_total"}) {
     EXPECT_THAT(r.body, HasSubstr(std::string("# TYPE ") + family + " ")) << family;
   }
   EXPECT_EQ(MetricValue(r.body, "tandem_generation_tokens_total"), 6);
+  // On the CPU every token is drawn on the host (--sampling-device auto); disaggregated, the
+  // prefill workers' first tokens and the decode workers' others, summed.
+  EXPECT_EQ(MetricValue(r.body, "tandem_sampled_tokens_total{device=\"host\"}"), 6);
+  EXPECT_EQ(MetricValue(r.body, "tandem_sampled_tokens_total{device=\"backend\"}"), 0);
   // The stream's outputs (3 tokens, one or more per output) were each timed to the socket, once
   // written; the other request was not streamed.
   const double timed = MetricValue(r.body, "tandem_stream_write_seconds_count").value_or(0);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "tandem/engine/llm_engine.h"
+#include "tandem/engine/sampling_metrics.h"
 #include "tandem/engine/speculative_metrics.h"
 #include "tandem/engine/step_latency_model.h"
 #include "tandem/metrics/registry.h"
@@ -28,7 +29,8 @@ class EngineMetrics {
   // speculative decoding's tandem_spec_{proposed,accepted}_tokens_total,
   // tandem_spec_verify_steps_total, tandem_spec_{proposed,accepted}_tokens_by_position_total
   // {position} and tandem_spec_mean_accepted_length.
-  // tandem_tensor_parallel_collective_{seconds,bytes}_total.
+  // tandem_tensor_parallel_collective_{seconds,bytes}_total and
+  // tandem_sampled_tokens_total{device}.
   explicit EngineMetrics(metrics::Registry& registry);
 
   // Sets the KV, batch and preemption series from `stats`, then RecordSteps(stats).
@@ -54,6 +56,7 @@ class EngineMetrics {
   prometheus::Gauge& samples_;
   prometheus::Gauge& error_ratio_;
   SpeculativeMetrics spec_;
+  SamplingMetrics sampling_;
   prometheus::Counter& collective_seconds_;
   prometheus::Counter& collective_bytes_;
   int64_t steps_seen_ = 0;

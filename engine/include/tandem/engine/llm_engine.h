@@ -318,6 +318,7 @@ class LlmEngine {
   bool backend_sampling_ = false;  // SamplingDevice resolved
   bool step_sampled_in_backend_ = false;  // the current step's tokens are the backend's
   int64_t backend_sampled_tokens_ = 0;    // EngineStats::backend_sampled_tokens
+  int64_t host_sampled_tokens_ = 0;       // EngineStats::host_sampled_tokens
   std::vector<bool> step_in_backend_;  // per step.seqs entry, with step_sampled_in_backend_
   std::vector<kernels::SampleRowParams> sample_rows_;  // PlanBackendSampling's scratch
   std::vector<kernels::LogitEdit> sample_edits_;

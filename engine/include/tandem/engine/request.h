@@ -112,9 +112,10 @@ struct EngineStats {
   int64_t spec_verify_steps = 0;
   std::vector<int64_t> spec_proposed_by_position;
   std::vector<int64_t> spec_accepted_by_position;
-  // Tokens drawn in the backend (EngineOptions::sampling_device) since the engine started; the
-  // others were drawn on the host.
+  // Tokens drawn since the engine started: in the backend (EngineOptions::sampling_device) and
+  // on the host.
   int64_t backend_sampled_tokens = 0;
+  int64_t host_sampled_tokens = 0;
   // Tensor parallelism (rank 0's view, since the engine started): wall time inside collectives
   // (step plans, all-reduces, the logits' all-gather) and their payload bytes. 0 without it.
   double collective_seconds = 0;
