@@ -709,7 +709,10 @@ bool LlmEngine::PlanBackendSampling(const SchedulerStep& step) {
       step_in_backend_[i] = true;  // its row is not sampled either way
       continue;
     }
-    if (s.num_draft_tokens > 0 || !Sampler::SamplesInBackend(seq)) continue;
+    if (s.num_draft_tokens > 0 ||
+        !sampler_->SamplesInBackend(seq, checkpoint_->config().vocab_size)) {
+      continue;
+    }
     const SamplingParams& p = *seq.params;
     edits_bound += seq.tokens.size() + p.logit_bias.size() + p.stop_token_ids.size() +
                    checkpoint_->config().eos_token_ids.size();

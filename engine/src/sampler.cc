@@ -96,15 +96,18 @@ int Sampler::Truncate(std::span<const float> logits, const SamplingParams& p, bo
                                      mass);
 }
 
-bool Sampler::SamplesInBackend(const Sequence& seq) {
+bool Sampler::SamplesInBackend(const Sequence& seq, int vocab) {
   if (seq.matcher != nullptr) return false;
+  // A token named twice: slot_ marks each one seen (and is reset to -1 after).
   const std::vector<TokenBias>& bias = seq.params->logit_bias;
-  for (size_t i = 0; i < bias.size(); ++i) {
-    for (size_t j = 0; j < i; ++j) {
-      if (bias[i].token == bias[j].token) return false;
-    }
+  slot_.resize(vocab, -1);
+  bool twice = false;
+  for (const TokenBias& b : bias) {
+    twice = twice || slot_[b.token] >= 0;
+    slot_[b.token] = 0;
   }
-  return true;
+  for (const TokenBias& b : bias) slot_[b.token] = -1;
+  return !twice;
 }
 
 kernels::SampleRowParams Sampler::BackendRow(Sequence& seq, int vocab,

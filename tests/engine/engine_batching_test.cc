@@ -159,9 +159,10 @@ TEST(EngineBatchingTest, SamplingInTheBackendGivesTheHostsTokens) {
   EXPECT_GT(CountTokens(*got), 100);
 }
 
-// A sample the backend cannot draw for (a structured-output constraint) is drawn on the host
-// from its own row of logits, in the same steps as the others, which the backend draws; every
-// output is the host engine's.
+// Samples the backend cannot draw for (a structured-output constraint; a logit_bias naming a
+// token twice, whose biases the host adds one after the other) are drawn on the host from their
+// own rows of logits, in the same steps as the others, which the backend draws; every output
+// is the host engine's.
 TEST(EngineBatchingTest, ConstrainedSamplesAreDrawnOnTheHost) {
   auto host = MakeEngine({.sampling_device = SamplingDevice::kHost});
   auto backend = MakeEngine({.sampling_device = SamplingDevice::kBackend});
@@ -169,6 +170,9 @@ TEST(EngineBatchingTest, ConstrainedSamplesAreDrawnOnTheHost) {
   SamplingParams json{.temperature = 0.7f, .seed = 2, .max_tokens = 12};
   json.structured.kind = ConstraintKind::kJsonObject;
   requests.insert(requests.begin() + 3, {"json", host->tokenizer().Encode("{", false), json});
+  SamplingParams twice{.temperature = 0.9f, .seed = 12, .max_tokens = 10, .ignore_eos = true};
+  twice.logit_bias = {{7, 2.5f}, {9, 1.0f}, {7, 3.25f}};
+  requests.insert(requests.begin() + 5, {"twice", {5, 6, 7, 8}, twice});
   auto want = GenerateAll(*host, requests);
   ASSERT_TRUE(want.ok()) << want.status();
   auto got = GenerateAll(*backend, requests);
@@ -176,7 +180,9 @@ TEST(EngineBatchingTest, ConstrainedSamplesAreDrawnOnTheHost) {
   ExpectSameOutputs(*got, *want);
   const int64_t constrained = static_cast<int64_t>((*got)[3].choices[0].token_ids.size());
   EXPECT_GT(constrained, 0);
-  EXPECT_EQ(backend->stats().backend_sampled_tokens, CountTokens(*got) - constrained);
+  EXPECT_EQ((*got)[5].choices[0].token_ids.size(), 10u);
+  EXPECT_EQ(backend->stats().backend_sampled_tokens, CountTokens(*got) - constrained - 10);
+  EXPECT_EQ(backend->stats().host_sampled_tokens, constrained + 10);
 }
 
 // With n-gram speculation (a fixed draft length, so that seeded streams repeat), a step's

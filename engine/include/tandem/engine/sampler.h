@@ -55,7 +55,7 @@ class Sampler {
 
   // Whether seq's next token (with no draft) can be drawn by Backend::SampleRows instead:
   // unconstrained, and its logit_bias naming each token once.
-  static bool SamplesInBackend(const Sequence& seq);
+  bool SamplesInBackend(const Sequence& seq, int vocab);
   // The row Backend::SampleRows draws seq's next token by, as Sample would draw it: its
   // min_tokens masks, penalties and logit_bias appended to *edits as one edit per token, and a
   // sampled sequence's draw taken from seq.rng here (greedy ones take none, as in Sample).
