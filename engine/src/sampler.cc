@@ -196,13 +196,7 @@ int32_t Sampler::Sample(std::span<float> logits, Sequence& seq, int32_t draft,
     log_z = kernels::LogSumExp(logits.data(), vocab);
     seq.last_top_logprobs.clear();
     if (p.logprobs > 0) {
-      candidates_.resize(vocab);
-      for (int i = 0; i < vocab; ++i) candidates_[i] = i;
-      int k = std::min(p.logprobs, vocab);
-      std::partial_sort(candidates_.begin(), candidates_.begin() + k, candidates_.end(),
-                        [&](int32_t a, int32_t b) {
-                          return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-                        });
+      const int k = kernels::TopTokens(logits.data(), vocab, p.logprobs, candidates_);
       for (int i = 0; i < k; ++i) {
         seq.last_top_logprobs.push_back({candidates_[i], logits[candidates_[i]] - log_z});
       }

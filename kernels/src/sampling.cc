@@ -25,6 +25,16 @@ float LogSumExp(const float* logits, int vocab) {
   return max + static_cast<float>(std::log(sum));
 }
 
+int TopTokens(const float* logits, int vocab, int k, std::vector<int32_t>& ids) {
+  ids.resize(vocab);
+  for (int i = 0; i < vocab; ++i) ids[i] = i;
+  k = std::min(k, vocab);
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
+    return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+  });
+  return k;
+}
+
 int TruncateCandidates(const float* logits, int vocab, float temperature, int top_k, float top_p,
                        float min_p, bool constrained, std::vector<int32_t>& candidates,
                        std::vector<float>& probs, double* mass_out) {
@@ -117,13 +127,8 @@ TokenLogprob SampleRowReference(float* logits, int vocab, const SampleRowParams&
     scratch.raw.assign(logits, logits + vocab);
     log_z = LogSumExp(logits, vocab);
     if (p.num_logprobs > 0) {
-      std::vector<int32_t>& ids = scratch.candidates;
-      ids.resize(vocab);
-      for (int i = 0; i < vocab; ++i) ids[i] = i;
-      const int k = std::min(p.num_logprobs, vocab);
-      std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int32_t a, int32_t b) {
-        return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-      });
+      const std::vector<int32_t>& ids = scratch.candidates;
+      const int k = TopTokens(logits, vocab, p.num_logprobs, scratch.candidates);
       for (int i = 0; i < k; ++i) top[i] = {ids[i], logits[ids[i]] - log_z};
     }
   }

@@ -16,6 +16,11 @@ int32_t ArgmaxToken(const float* logits, int vocab);
 // normaliser of the raw log-probabilities.
 float LogSumExp(const float* logits, int vocab);
 
+// The min(k, vocab) largest logits' ids in ids[0..) (ids is resized to vocab, the rest in no
+// order), by logit descending, ties to the lowest id; returns min(k, vocab). The top
+// log-probabilities' tokens.
+int TopTokens(const float* logits, int vocab, int k, std::vector<int32_t>& ids);
+
 // Temperature, top-k, top-p and min-p over `candidates` (constrained: the ids a caller already
 // put there, in id order; else all of [0, vocab), which this fills). Sorted by logit
 // (descending, ties by id) when top-k or top-p truncates, else left in id order. On return the
