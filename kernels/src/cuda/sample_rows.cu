@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/src/cuda/dispatch.cuh"
+#include "kernels/src/cuda/reduce.cuh"
 #include "kernels/src/cuda/sample_rows.cuh"
 
 namespace tandem::kernels::cuda {
@@ -33,43 +34,6 @@ __device__ __forceinline__ uint64_t Key(float logit, int id) {
 }
 __device__ __forceinline__ int KeyId(uint64_t key) {
   return static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
-}
-
-struct MaxOp {
-  template <typename T>
-  __device__ T operator()(T a, T b) const {
-    return a > b ? a : b;
-  }
-};
-struct MinOp {
-  template <typename T>
-  __device__ T operator()(T a, T b) const {
-    return a < b ? a : b;
-  }
-};
-struct SumOp {
-  template <typename T>
-  __device__ T operator()(T a, T b) const {
-    return a + b;
-  }
-};
-
-// op over `v` of every thread of the block, returned to all. Contains __syncthreads: call from
-// every thread.
-template <typename T, typename Op>
-__device__ T BlockAll(T v, Op op, T identity) {
-  __shared__ T partial[kThreads / 32];
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  if (lane == 0) partial[warp] = v;
-  __syncthreads();
-  T r = lane < kThreads / 32 ? partial[lane] : identity;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) r = op(r, __shfl_xor_sync(0xffffffffu, r, offset));
-  __syncthreads();  // partial is free again
-  return r;
 }
 
 // The first i in [0, n) where the running sum of weight(0..i) (in index order, in double)
