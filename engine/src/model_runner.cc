@@ -920,14 +920,14 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
   }
   if (sample_in_backend) {
     // Only the tokens (and their log-probabilities) come back.
-    auto* sampled = sampled_.as<kernels::TokenLogprob>();
-    kernels::TokenLogprob* top = sampled + max_logit_rows_;
+    auto* drawn = sampled_.as<kernels::TokenLogprob>();
+    kernels::TokenLogprob* top = drawn + max_logit_rows_;
     b.SampleRows(logits_.as<float>(), num_sampled, c.vocab_size, sample_rows_.data(),
                  sample_edits_.data(), static_cast<int>(sample_edits_.size()),
-                 kernels::kMaxSampleLogprobs, sample_scratch_.data(), sampled, top);
+                 kernels::kMaxSampleLogprobs, sample_scratch_.data(), drawn, top);
     if (!b.host_memory()) {
       auto* host = host_sampled_.as<kernels::TokenLogprob>();
-      b.CopyToHost(host, sampled, num_sampled * sizeof(kernels::TokenLogprob));
+      b.CopyToHost(host, drawn, num_sampled * sizeof(kernels::TokenLogprob));
       b.CopyToHost(host + max_logit_rows_, top,
                    static_cast<size_t>(num_sampled) * kernels::kMaxSampleLogprobs *
                        sizeof(kernels::TokenLogprob));
