@@ -804,15 +804,22 @@ class PagedAttentionCase : public OpCase {
  public:
   // A cache of `dtype`: the reference reads the same stored values, so the tolerance stays that
   // of fp32 arithmetic.
+  // `on_device`: the batch as a captured step graph passes it (PagedAttentionBatch::on_device):
+  // its arrays in operator memory, a block table wider than the sequences need, and bounds on
+  // the query and context lengths looser than the batch's.
   PagedAttentionCase(int head_dim, int kv_heads, int group, int block_size,
-                     std::vector<AttentionSeq> seqs, double tolerance, DType dtype = DType::kF32)
-      : OpCase(Name(head_dim, kv_heads, group, block_size, seqs) + DTypeSuffix(dtype), tolerance),
+                     std::vector<AttentionSeq> seqs, double tolerance, DType dtype = DType::kF32,
+                     bool on_device = false)
+      : OpCase(Name(head_dim, kv_heads, group, block_size, seqs) + DTypeSuffix(dtype) +
+                   (on_device ? "_on_device" : ""),
+               tolerance),
         head_dim_(head_dim),
         kv_heads_(kv_heads),
         group_(group),
         block_size_(block_size),
         seqs_(std::move(seqs)),
-        dtype_(dtype) {}
+        dtype_(dtype),
+        on_device_(on_device) {}
 
   std::string Unsupported(const ConformanceBackend& info) const override {
     const std::vector<int>& dims = info.attention_head_dims;
@@ -828,6 +835,9 @@ class PagedAttentionCase : public OpCase {
       total_blocks += blocks;
       max_blocks = std::max(max_blocks, blocks);
     }
+    int max_q_len = 1;
+    for (const AttentionSeq& s : seqs_) max_q_len = std::max(max_q_len, s.q_len);
+    if (on_device_) max_blocks += 5;
     const bool fp8 = DTypeSize(dtype_) == 1;
     const KvLayout layout{.num_blocks = total_blocks + 3,
                           .block_size = block_size_,
@@ -864,12 +874,24 @@ class PagedAttentionCase : public OpCase {
     }
     const std::vector<float> q =
         Random(int64_t{query_start.back()} * num_heads * head_dim_, seed() + 2, -2.0f, 2.0f);
-    // The batch description is host memory on every backend.
+    // The batch description is host memory on every backend (the reference reads this one).
     const PagedAttentionBatch batch{.num_seqs = static_cast<int>(seqs_.size()),
                                     .query_start = query_start.data(),
                                     .context_len = context_len.data(),
                                     .block_table = block_table.data(),
                                     .max_blocks_per_seq = max_blocks};
+    // On the device: the same arrays in operator memory and no host ones.
+    PagedAttentionBatch call = batch;
+    if (on_device_) {
+      call.query_start = call.context_len = call.block_table = nullptr;
+      call.on_device = true;
+      call.device_query_start = h.Input("query_start", query_start);
+      call.device_context_len = h.Input("context_len", context_len);
+      call.device_block_table = h.Input("block_table", block_table);
+      call.num_tokens = query_start.back();
+      call.max_query_len = max_q_len + 2;
+      call.max_context_len = max_blocks * block_size_;
+    }
     const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim_));
     const float* d_q = h.Input("q", q);
     // Stored as dtype_ (NaN stays NaN); for fp8, K stored 256 times larger (scale 1/256, up
@@ -883,7 +905,7 @@ class PagedAttentionCase : public OpCase {
     const unsigned char* d_cache = h.Input("layer_cache", stored);
     float* d_out = h.Output("out", q.size());
     ASSERT_TRUE(h.ok());
-    h.backend().PagedAttention(d_q, d_cache, layout, batch, num_heads, scale, d_out);
+    h.backend().PagedAttention(d_q, d_cache, layout, call, num_heads, scale, d_out);
     if (!h.Finish()) return;
 
     // Sequences whose q (and softmax weights) the backend rounds to the cache's type (the CUDA
@@ -893,7 +915,10 @@ class PagedAttentionCase : public OpCase {
     std::vector<float> q_read = q;
     std::vector<bool> rounded(query_start.back(), false);
     for (size_t s = 0; s < seqs_.size(); ++s) {
-      if (!h.backend().PagedAttentionRoundsQ(dtype_, head_dim_, seqs_[s].q_len)) continue;
+      if (on_device_ ||
+          !h.backend().PagedAttentionRoundsQ(dtype_, head_dim_, seqs_[s].q_len)) {
+        continue;
+      }
       for (int r = query_start[s]; r < query_start[s + 1]; ++r) {
         rounded[r] = true;
         const std::vector<float> row(q.begin() + r * row_floats, q.begin() + (r + 1) * row_floats);
@@ -959,6 +984,7 @@ class PagedAttentionCase : public OpCase {
   int head_dim_, kv_heads_, group_, block_size_;
   std::vector<AttentionSeq> seqs_;
   DType dtype_;
+  bool on_device_;
 };
 
 class GatherAddCase : public OpCase {
@@ -1333,6 +1359,14 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
     add(PagedAttentionCase(64, 1, 4, 64, decode_batches[3], kAttentionTolerance, dtype));
     add(PagedAttentionCase(128, 2, 2, 16, prefill_batches[1], kAttentionTolerance, dtype));
     add(PagedAttentionCase(80, 1, 3, 8, prefill_batches[2], kAttentionTolerance, dtype));
+  }
+  // Batches on the device, as a captured decode step passes them: decode rows, a few rows of
+  // one sequence (speculative verification), contexts past one partition.
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF8E4M3}) {
+    add(PagedAttentionCase(128, 2, 4, 16, decode_batches[2], kAttentionTolerance, dtype, true));
+    add(PagedAttentionCase(64, 1, 4, 64, decode_batches[3], kAttentionTolerance, dtype, true));
+    add(PagedAttentionCase(128, 1, 8, 16, {{1, 1}, {4, 700}, {1, 33}}, kAttentionTolerance, dtype,
+                           true));
   }
 
   // The CUDA backend's tensor-core prefill (sequences of 16 or more rows over bf16 and fp16

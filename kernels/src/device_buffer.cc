@@ -1,9 +1,11 @@
 // DeviceBuffer ownership, Backend::Allocate and AllocateHostStaging, and the default
-// AttentionInputs (the unfused operators), shared by every backend.
+// AttentionInputs (the unfused operators) and CaptureGraph (none), shared by every backend.
 #include <algorithm>
 #include <new>
+#include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "tandem/base/status_macros.h"
 #include "tandem/kernels/backend.h"
 
@@ -71,6 +73,11 @@ void Backend::AttentionInputs(const float* qkv, int tokens, int num_heads, const
   Rope(q, positions, tokens, num_heads, head_dim, inv_freq);
   Rope(k, positions, tokens, layout.num_kv_heads, head_dim, inv_freq);
   WriteKv(k, v, slot_mapping, tokens, layout, layer_cache);
+}
+
+absl::StatusOr<std::unique_ptr<Backend::StepGraph>> Backend::CaptureGraph(
+    const std::function<absl::Status()>& record) {
+  return absl::UnimplementedError(absl::StrCat("the ", std::string(name()), " backend has no step graphs"));
 }
 
 }  // namespace tandem::kernels

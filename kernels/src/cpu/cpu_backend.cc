@@ -400,8 +400,15 @@ class CpuBackend final : public Backend {
   }
 
   void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
-                      const PagedAttentionBatch& batch, int num_heads, float scale,
+                      const PagedAttentionBatch& call_batch, int num_heads, float scale,
                       float* out) override {
+    // Operator memory is host memory: a batch on the device is read where it is.
+    PagedAttentionBatch batch = call_batch;
+    if (batch.on_device) {
+      batch.query_start = batch.device_query_start;
+      batch.context_len = batch.device_context_len;
+      batch.block_table = batch.device_block_table;
+    }
     const int kv_heads = layout.num_kv_heads;
     TANDEM_CHECK(kv_heads > 0 && num_heads % kv_heads == 0)
         << num_heads << " query heads over " << kv_heads << " KV heads";

@@ -44,6 +44,7 @@ Loaded Load() {
   resolve(out.api.destroy, "cublasDestroy_v2");
   resolve(out.api.set_stream, "cublasSetStream_v2");
   resolve(out.api.set_math_mode, "cublasSetMathMode");
+  resolve(out.api.set_workspace, "cublasSetWorkspace_v2");
   resolve(out.api.sgemm, "cublasSgemm_v2");
   resolve(out.api.gemm_ex, "cublasGemmEx");
   resolve(out.api.status_name, "cublasGetStatusName");

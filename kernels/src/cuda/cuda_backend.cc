@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -65,6 +67,35 @@ struct EventDestroy {
 };
 using Event = std::unique_ptr<CUevent_st, EventDestroy>;
 
+// A shared device buffer: a captured step graph keeps the scratch it was recorded with alive
+// after the backend has grown a larger one.
+template <typename T>
+std::shared_ptr<T> SharedDeviceAlloc(int64_t count, absl::Status* status) {
+  void* p = nullptr;
+  *status = CudaStatus(cudaMalloc(&p, sizeof(T) * std::max<int64_t>(count, 1)), "cudaMalloc");
+  if (!status->ok()) return nullptr;
+  return std::shared_ptr<T>(static_cast<T*>(p), DeviceFree());
+}
+
+struct GraphExecDestroy {
+  void operator()(CUgraphExec_st* exec) const { cudaGraphExecDestroy(exec); }
+};
+
+// A step instantiated from a stream capture, and the scratch buffers its kernels read.
+class CudaStepGraph final : public Backend::StepGraph {
+ public:
+  CudaStepGraph(cudaGraphExec_t exec, cudaStream_t stream, std::shared_ptr<void> scratch)
+      : exec_(exec), stream_(stream), scratch_(std::move(scratch)) {}
+  absl::Status Launch() override {
+    return CudaStatus(cudaGraphLaunch(exec_.get(), stream_), "cudaGraphLaunch");
+  }
+
+ private:
+  std::unique_ptr<CUgraphExec_st, GraphExecDestroy> exec_;
+  cudaStream_t stream_;
+  std::shared_ptr<void> scratch_;
+};
+
 struct HostFree {
   void operator()(int32_t* p) const { cudaFreeHost(p); }
 };
@@ -115,10 +146,12 @@ class CudaPackedWeight final : public PackedWeight {
 class CudaBackendImpl final : public CudaBackend {
  public:
   CudaBackendImpl(const CudaBackendOptions& options, int multiprocessors, Stream stream,
-                  cuda::CublasHandle cublas, DeviceArray<int32_t> metadata,
-                  PinnedInts pinned_metadata, Event metadata_read, DeviceArray<float> workspace)
+                  DeviceArray<unsigned char> cublas_workspace, cuda::CublasHandle cublas,
+                  DeviceArray<int32_t> metadata, PinnedInts pinned_metadata, Event metadata_read,
+                  DeviceArray<float> workspace)
       : options_(options),
         stream_(std::move(stream)),
+        cublas_workspace_(std::move(cublas_workspace)),
         cublas_(std::move(cublas)),
         metadata_(std::move(metadata)),
         pinned_metadata_(std::move(pinned_metadata)),
@@ -137,13 +170,13 @@ class CudaBackendImpl final : public CudaBackend {
 
   // From pageable host memory the copy returns once `src` has been read.
   void CopyToDevice(void* dst, const void* src, size_t bytes) override {
-    if (bytes == 0) return;
+    if (bytes == 0 || RefusedInCapture("CopyToDevice")) return;
     Keep(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_.get()),
                     "CopyToDevice"));
   }
 
   void CopyToHost(void* dst, const void* src, size_t bytes) override {
-    if (bytes == 0) return;
+    if (bytes == 0 || RefusedInCapture("CopyToHost")) return;
     Keep(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_.get()),
                     "CopyToHost"));
   }
@@ -157,8 +190,41 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
   absl::Status Synchronize() override {
+    if (RefusedInCapture("Synchronize")) return status_;
     Keep(CudaStatus(cudaStreamSynchronize(stream_.get()), "cudaStreamSynchronize"));
     return std::exchange(status_, absl::OkStatus());
+  }
+
+  absl::StatusOr<std::unique_ptr<StepGraph>> CaptureGraph(
+      const std::function<absl::Status()>& record) override {
+    if (capturing_) return absl::FailedPreconditionError("CaptureGraph inside a capture");
+    // Errors of the captured operators are the capture's, not the next Synchronize's.
+    absl::Status pending = std::exchange(status_, absl::OkStatus());
+    absl::Status status = CudaStatus(
+        cudaStreamBeginCapture(stream_.get(), cudaStreamCaptureModeThreadLocal),
+        "cudaStreamBeginCapture");
+    cudaGraph_t graph = nullptr;
+    if (status.ok()) {
+      capturing_ = true;
+      status = record();
+      capturing_ = false;
+      const absl::Status ended =
+          CudaStatus(cudaStreamEndCapture(stream_.get(), &graph), "cudaStreamEndCapture");
+      if (status.ok()) status = status_;
+      if (status.ok()) status = ended;
+    }
+    status_ = std::move(pending);
+    cudaGraphExec_t exec = nullptr;
+    if (status.ok()) {
+      status = CudaStatus(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    }
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (!status.ok()) {
+      cudaGetLastError();  // a failed capture's error is not the next operator's
+      return absl::Status(status.code(),
+                          absl::StrCat("capturing a step graph: ", status.message()));
+    }
+    return std::make_unique<CudaStepGraph>(exec, stream_.get(), x16_);
   }
 
   std::unique_ptr<PackedWeight> PackWeight(const void* w, DType dtype, int n, int k) override {
@@ -267,16 +333,18 @@ class CudaBackendImpl final : public CudaBackend {
       if (m > cuda::kGemvMaxRows) {
         // The tensor-core path reads x rounded to 16 bits: scratch grown on demand (a
         // runner's first prefill of its largest size; decode never needs it).
+        // A graph captured with the old buffer keeps it.
         const int64_t bytes = int64_t{m} * w.k() * 2;
         if (bytes > x16_bytes_) {
+          if (RefusedInCapture("growing Linear's scratch")) return;
           x16_.reset();
           x16_bytes_ = 0;
-          auto grown = DeviceAlloc<unsigned char>(bytes);
+          absl::Status grown;
+          x16_ = SharedDeviceAlloc<unsigned char>(bytes, &grown);
           if (!grown.ok()) {
-            Keep(grown.status());
+            Keep(grown);
             return;
           }
-          x16_ = std::move(grown).value();
           x16_bytes_ = bytes;
         }
         x16 = x16_.get();
@@ -338,6 +406,8 @@ class CudaBackendImpl final : public CudaBackend {
   void SampleRows(float* logits, int rows, int vocab, const SampleRowParams* params,
                   const LogitEdit* edits, int num_edits, int max_logprobs, void* scratch,
                   TokenLogprob* sampled, TokenLogprob* top) override {
+    // Its rows' parameters are uploaded from host memory on each call.
+    if (RefusedInCapture("SampleRows")) return;
     Keep(cuda::LaunchSampleRows({.logits = logits,
                                  .rows = rows,
                                  .vocab = vocab,
@@ -384,34 +454,34 @@ class CudaBackendImpl final : public CudaBackend {
     if (status_.ok()) status_ = std::move(status);
   }
 
+  // True (and the capture failed) when `what` is called while a step graph is being captured.
+  bool RefusedInCapture(const char* what) {
+    if (!capturing_) return false;
+    Keep(absl::FailedPreconditionError(
+        absl::StrCat(what, " inside a step graph capture: not part of a replayable step")));
+    return true;
+  }
+
   absl::Status RunPagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                                  const PagedAttentionBatch& batch, int num_heads, float scale,
                                  float* out) {
     const int n = batch.num_seqs;
     if (n <= 0) return absl::OkStatus();
+    if (batch.on_device) return RunDevicePagedAttention(q, layer_cache, layout, batch, num_heads,
+                                                        scale, out);
+    if (capturing_) {
+      return absl::FailedPreconditionError(
+          "PagedAttention inside a step graph capture needs a batch on the device");
+    }
     if (n > options_.max_seqs || batch.max_blocks_per_seq > options_.max_blocks_per_seq) {
       return absl::InvalidArgumentError(
           absl::StrCat("PagedAttention batch of ", n, " sequences x ", batch.max_blocks_per_seq,
                        " blocks exceeds CudaBackendOptions (", options_.max_seqs, " x ",
                        options_.max_blocks_per_seq, ")"));
     }
-    cuda::PagedAttentionParams p;
-    p.q = q;
-    const bool fp8 = DTypeSize(layout.dtype) == 1;
-    p.k_cache = layer_cache;
-    p.v_cache = static_cast<const unsigned char*>(layer_cache) + layout.HalfBytes();
-    p.cache_dtype = layout.dtype;
-    p.k_scale = fp8 ? layout.k_scale : 1.0f;
-    p.v_scale = fp8 ? layout.v_scale : 1.0f;
-    p.out = out;
-    p.num_seqs = n;
+    cuda::PagedAttentionParams p =
+        AttentionParams(q, layer_cache, layout, batch, num_heads, scale, out);
     p.num_tokens = batch.query_start[n];
-    p.num_heads = num_heads;
-    p.num_kv_heads = layout.num_kv_heads;
-    p.head_dim = layout.head_dim;
-    p.block_size = layout.block_size;
-    p.max_blocks_per_seq = batch.max_blocks_per_seq;
-    p.scale = scale;
 
     // Which kernel takes which sequence: those of at least kFlashMinRows query rows the
     // tensor-core prefill kernel when it has one for this cache (PagedAttentionRoundsQ says so
@@ -460,6 +530,63 @@ class CudaBackendImpl final : public CudaBackend {
     p.block_table = metadata_.get() + 2 * n + 1;
     p.flash_tile_start = p.block_table + table_ints;
     p.split_row_ids = mixed ? p.flash_tile_start + n + 1 : nullptr;
+    return LaunchSplitAttention(p, layout, split_count, split_max_context);
+  }
+
+  // A batch on the device (a captured step): every row to the split-KV kernels, planned from
+  // the batch's bounds alone, so that a replay with other lengths runs the same grid (rows
+  // shorter than the bound leave their later partitions idle).
+  absl::Status RunDevicePagedAttention(const float* q, const void* layer_cache,
+                                       const KvLayout& layout, const PagedAttentionBatch& batch,
+                                       int num_heads, float scale, float* out) {
+    if (batch.device_query_start == nullptr || batch.device_context_len == nullptr ||
+        batch.device_block_table == nullptr || batch.num_tokens < batch.num_seqs ||
+        batch.max_query_len < 1 || batch.max_context_len < 1 ||
+        batch.max_context_len > int64_t{batch.max_blocks_per_seq} * layout.block_size) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "PagedAttention on a device batch of ", batch.num_seqs, " sequences and ",
+          batch.num_tokens, " tokens: missing arrays or bounds (max_query_len ",
+          batch.max_query_len, ", max_context_len ", batch.max_context_len, ")"));
+    }
+    cuda::PagedAttentionParams p =
+        AttentionParams(q, layer_cache, layout, batch, num_heads, scale, out);
+    p.num_tokens = batch.num_tokens;
+    p.query_start = batch.device_query_start;
+    p.context_len = batch.device_context_len;
+    p.block_table = batch.device_block_table;
+    return LaunchSplitAttention(p, layout, p.num_tokens, batch.max_context_len);
+  }
+
+  // The parameters every PagedAttention call shares; the metadata pointers, num_tokens and the
+  // kernels' split are the caller's.
+  static cuda::PagedAttentionParams AttentionParams(const float* q, const void* layer_cache,
+                                                    const KvLayout& layout,
+                                                    const PagedAttentionBatch& batch,
+                                                    int num_heads, float scale, float* out) {
+    cuda::PagedAttentionParams p;
+    p.q = q;
+    const bool fp8 = DTypeSize(layout.dtype) == 1;
+    p.k_cache = layer_cache;
+    p.v_cache = static_cast<const unsigned char*>(layer_cache) + layout.HalfBytes();
+    p.cache_dtype = layout.dtype;
+    p.k_scale = fp8 ? layout.k_scale : 1.0f;
+    p.v_scale = fp8 ? layout.v_scale : 1.0f;
+    p.out = out;
+    p.num_seqs = batch.num_seqs;
+    p.num_heads = num_heads;
+    p.num_kv_heads = layout.num_kv_heads;
+    p.head_dim = layout.head_dim;
+    p.block_size = layout.block_size;
+    p.max_blocks_per_seq = batch.max_blocks_per_seq;
+    p.scale = scale;
+    return p;
+  }
+
+  // Sizes the split-KV kernels' partitions for `split_count` rows over contexts of at most
+  // `split_max_context` keys, points them at the merge workspace, and launches p.
+  absl::Status LaunchSplitAttention(cuda::PagedAttentionParams& p, const KvLayout& layout,
+                                    int split_count, int split_max_context) {
+    const int num_heads = p.num_heads;
 
     // Partitions of up to kAttentionPartitionTokens keys for the split-KV rows; halved (down to
     // the minimum) while the grid has fewer than two blocks per multiprocessor and the merge
@@ -520,6 +647,7 @@ class CudaBackendImpl final : public CudaBackend {
 
   CudaBackendOptions options_;
   Stream stream_;
+  DeviceArray<unsigned char> cublas_workspace_;  // the handle's, freed after it
   cuda::CublasHandle cublas_;
   DeviceArray<int32_t> metadata_;  // [MetadataInts()]
   PinnedInts pinned_metadata_;  // [MetadataInts()], page-locked: what the uploads read
@@ -529,11 +657,13 @@ class CudaBackendImpl final : public CudaBackend {
   std::vector<int32_t> uploaded_;  // what metadata_ holds now
   std::vector<int32_t> tile_start_;     // host plan: tensor-core tiles per sequence (prefix)
   std::vector<int32_t> split_row_ids_;  // host plan: rows of the split-KV kernels
-  DeviceArray<unsigned char> x16_;  // [x16_bytes_]: Linear's x rounded to 16 bits (prefill)
+  // [x16_bytes_]: Linear's x rounded to 16 bits (prefill); shared with the graphs that use it.
+  std::shared_ptr<unsigned char> x16_;
   int64_t x16_bytes_ = 0;
   int multiprocessors_ = 1;
   cuda::SampleRowsStaging sample_staging_;  // SampleRows' uploads
   absl::Status status_;
+  bool capturing_ = false;  // inside CaptureGraph's record
 };
 
 }  // namespace
@@ -579,7 +709,11 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackend
   TANDEM_RETURN_IF_ERROR(
       CudaStatus(cudaStreamCreateWithFlags(&raw_stream, cudaStreamNonBlocking), "stream"));
   Stream stream(raw_stream);
-  TANDEM_ASSIGN_OR_RETURN(cuda::CublasHandle cublas, cuda::CreateCublasHandle(raw_stream));
+  TANDEM_ASSIGN_OR_RETURN(DeviceArray<unsigned char> cublas_workspace,
+                          DeviceAlloc<unsigned char>(cuda::kCublasWorkspaceBytes));
+  TANDEM_ASSIGN_OR_RETURN(cuda::CublasHandle cublas,
+                          cuda::CreateCublasHandle(raw_stream, cublas_workspace.get(),
+                                                   cuda::kCublasWorkspaceBytes));
   TANDEM_ASSIGN_OR_RETURN(
       DeviceArray<int32_t> metadata,
       DeviceAlloc<int32_t>(MetadataInts(options)));
@@ -594,7 +728,8 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackend
   TANDEM_ASSIGN_OR_RETURN(DeviceArray<float> workspace,
                           DeviceAlloc<float>(options.attention_workspace_bytes / 4));
   return std::make_unique<CudaBackendImpl>(
-      options, multiprocessors, std::move(stream), std::move(cublas), std::move(metadata),
+      options, multiprocessors, std::move(stream), std::move(cublas_workspace), std::move(cublas),
+      std::move(metadata),
       std::move(pinned_metadata), std::move(metadata_read), std::move(workspace));
 }
 

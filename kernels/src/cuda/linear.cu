@@ -274,12 +274,16 @@ void CublasHandleDeleter::operator()(cublasContext* handle) const {
   if (absl::StatusOr<const CublasApi*> api = LoadCublas(); api.ok()) (*api)->destroy(handle);
 }
 
-absl::StatusOr<CublasHandle> CreateCublasHandle(cudaStream_t stream) {
+absl::StatusOr<CublasHandle> CreateCublasHandle(cudaStream_t stream, void* workspace,
+                                                size_t workspace_bytes) {
   TANDEM_ASSIGN_OR_RETURN(const CublasApi* api, LoadCublas());
   cublasHandle_t raw = nullptr;
   TANDEM_RETURN_IF_ERROR(CublasStatus(*api, api->create(&raw), "cublasCreate"));
   CublasHandle handle(raw);
   TANDEM_RETURN_IF_ERROR(CublasStatus(*api, api->set_stream(raw, stream), "cublasSetStream"));
+  // After the stream: setting one resets the workspace to cuBLAS's own.
+  TANDEM_RETURN_IF_ERROR(CublasStatus(*api, api->set_workspace(raw, workspace, workspace_bytes),
+                                      "cublasSetWorkspace"));
   TANDEM_RETURN_IF_ERROR(CublasStatus(*api, api->set_math_mode(raw, CUBLAS_DEFAULT_MATH),
                                       "cublasSetMathMode"));
   return handle;

@@ -19,8 +19,12 @@ struct CublasHandleDeleter {
 using CublasHandle = std::unique_ptr<cublasContext, CublasHandleDeleter>;
 
 // A handle bound to `stream`, in default math mode: plain fp32 (TF32 only if opted in), so
-// results stay comparable with the CPU backend at fp32 tolerance.
-absl::StatusOr<CublasHandle> CreateCublasHandle(cudaStream_t stream);
+// results stay comparable with the CPU backend at fp32 tolerance. Its workspace is
+// `workspace_bytes` of the caller's device memory at `workspace` (which must outlive it), so
+// that cuBLAS never allocates inside a captured step graph.
+inline constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;
+absl::StatusOr<CublasHandle> CreateCublasHandle(cudaStream_t stream, void* workspace,
+                                                size_t workspace_bytes);
 
 // y[m, n] = x[m, k] * w[n, k]^T (+ bias[n] when not null). Device memory, row-major; the handle
 // runs on `stream`.

@@ -23,6 +23,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string_view>
@@ -70,6 +71,20 @@ struct PagedAttentionBatch {
   const int32_t* block_table =
       nullptr;  // [num_seqs, max_blocks_per_seq]: logical -> physical block
   int max_blocks_per_seq = 0;
+
+  // A batch known only by its shape, as a captured step graph replays it (Backend::CaptureGraph):
+  // the three arrays above already in operator memory (uploaded by the caller), whose values may
+  // change between replays within the bounds below. When `on_device` is set, a backend reads
+  // these arrays only from the device pointers (the host ones may be null), and what it queues
+  // depends on num_seqs, num_tokens, max_query_len, max_context_len and max_blocks_per_seq
+  // alone. Every sequence then has at least one query row.
+  bool on_device = false;
+  const int32_t* device_query_start = nullptr;
+  const int32_t* device_context_len = nullptr;
+  const int32_t* device_block_table = nullptr;
+  int num_tokens = 0;       // = query_start[num_seqs]
+  int max_query_len = 0;    // >= every sequence's query rows
+  int max_context_len = 0;  // >= every context_len, <= max_blocks_per_seq * block_size
 };
 
 // Rotary embedding settings (HF `rope_theta`, `rope_scaling` of type "llama3").
@@ -337,7 +352,8 @@ class Backend {
   // fp16 caches past decode lengths, to run prefill on the tensor cores (for q, out and the
   // cache at least 16-byte aligned, as Allocate gives them). The scores are then exact dot
   // products of the rounded q in fp32; the weights' rounding moves each output by at most about
-  // 2 u max |V| (u = 2^-8 for bf16, 2^-11 for fp16) instead of fp32's few ulp.
+  // 2 u max |V| (u = 2^-8 for bf16, 2^-11 for fp16) instead of fp32's few ulp. Never for a
+  // batch on the device (PagedAttentionBatch::on_device), which is computed exactly.
   virtual bool PagedAttentionRoundsQ(DType cache_dtype, int head_dim, int q_len) const {
     return false;
   }
@@ -376,6 +392,26 @@ class Backend {
                           const LogitEdit* edits, int num_edits, int max_logprobs, void* scratch,
                           TokenLogprob* sampled, TokenLogprob* top) = 0;
   virtual size_t SampleRowsScratchBytes(int rows, int vocab, int max_edits) const = 0;
+
+  // --- Step graphs ----------------------------------------------------------------------------
+
+  // Records the operators `record` queues, without running them, into a graph that Launch then
+  // queues as one unit (CUDA graphs: one launch instead of one per kernel, the decode step's
+  // overhead at small batches). Each replay runs the same operators on the same buffers and
+  // sizes with whatever those buffers hold at that point of the stream, so `record` must queue
+  // only operators whose arguments do not change between the replays (attention through a
+  // PagedAttentionBatch with on_device set): no copies between host and operator memory, no
+  // Synchronize, no allocation. An error of `record`, or of an operator it queued, fails the
+  // capture. Unimplemented on a backend with nothing to gain (the CPU backend, which has no
+  // launch cost) or that cannot.
+  class StepGraph {
+   public:
+    virtual ~StepGraph() = default;
+    // Queues the recorded operators, ordered after everything queued before.
+    virtual absl::Status Launch() = 0;
+  };
+  virtual absl::StatusOr<std::unique_ptr<StepGraph>> CaptureGraph(
+      const std::function<absl::Status()>& record);
 
  protected:
   // Allocate and DeviceBuffer's destructor go through these.
