@@ -38,7 +38,24 @@ struct LlmEngine::Request {
 
 LlmEngine::~LlmEngine() = default;
 
+std::vector<int> DecodeGraphBatchSizes(int max_num_seqs) {
+  const int largest = std::min(max_num_seqs, 512);
+  std::vector<int> sizes;
+  for (int size : {1, 2, 4}) {
+    if (size <= largest) sizes.push_back(size);
+  }
+  for (int size = 8; size <= largest; size += 8) sizes.push_back(size);
+  if (largest >= 1 && sizes.back() != largest) sizes.push_back(largest);
+  return sizes;
+}
+
 namespace {
+
+// The most blocks one sequence of an engine holds.
+int MaxBlocksPerSeq(const EngineOptions& options, int max_model_len, int num_blocks) {
+  return std::max(1, std::min(num_blocks, (max_model_len + options.block_size - 1) /
+                                              options.block_size));
+}
 
 // The backend of `options.device`. CUDA's attention metadata and split-KV workspace are sized
 // for the longest context and the largest step this engine can run.
@@ -48,8 +65,6 @@ absl::StatusOr<std::unique_ptr<kernels::Backend>> CreateBackend(const EngineOpti
   if (options.device == Device::kCpu) {
     return kernels::CreateCpuBackend({.num_threads = options.num_threads, .isa = options.cpu_isa});
   }
-  const int blocks_per_seq =
-      std::min(num_blocks, (max_model_len + options.block_size - 1) / options.block_size);
   // Rank r of a tensor-parallel group on GPU r % (the devices this process sees).
   int device = 0;
   if (options.tensor_parallel != nullptr && options.tensor_parallel->size() > 1) {
@@ -59,7 +74,7 @@ absl::StatusOr<std::unique_ptr<kernels::Backend>> CreateBackend(const EngineOpti
   kernels::CudaBackendOptions cuda{
       .device = device,
       .max_seqs = options.max_num_seqs,
-      .max_blocks_per_seq = std::max(blocks_per_seq, 1),
+      .max_blocks_per_seq = MaxBlocksPerSeq(options, max_model_len, num_blocks),
       .attention_workspace_bytes = kernels::CudaAttentionWorkspaceBytes(
           options.max_num_batched_tokens, config.num_heads, config.head_dim, max_model_len)};
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<kernels::CudaBackend> backend,
@@ -207,6 +222,10 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                                                          engine->blocks_->num_blocks()));
   TANDEM_ASSIGN_OR_RETURN(engine->device_collective_,
                           CreateDeviceCollective(options, engine->backend_.get()));
+  std::vector<int> graph_sizes;
+  if (options.device == Device::kCuda && !options.enforce_eager) {
+    graph_sizes = DecodeGraphBatchSizes(options.max_num_seqs);
+  }
   engine->backend_sampling_ =
       options.sampling_device == SamplingDevice::kBackend ||
       (options.sampling_device == SamplingDevice::kAuto && options.device == Device::kCuda);
@@ -222,7 +241,10 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                            .max_logit_rows_per_seq = 1 + num_spec,
                            .tensor_parallel = options.tensor_parallel,
                            .device_collective = engine->device_collective_.get(),
-                           .backend_sampling = engine->backend_sampling_}));
+                           .backend_sampling = engine->backend_sampling_,
+                           .graph_batch_sizes = graph_sizes,
+                           .max_blocks_per_seq = MaxBlocksPerSeq(options, engine->max_model_len_,
+                                                                 engine->blocks_->num_blocks())}));
   if (engine->draft_checkpoint_ != nullptr) {
     // The CPU backend serves any model; a device backend's attention workspace is sized for one.
     kernels::Backend* draft_backend = engine->backend_.get();

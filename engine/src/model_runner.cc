@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <initializer_list>
 #include <string>
@@ -307,6 +308,38 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoin
       TANDEM_ASSIGN_OR_RETURN(runner->host_sampled_, backend->AllocateHostStaging(sampled_bytes));
     }
     runner->sample_edits_.reserve(options.max_sample_edits);
+  }
+  if (options.max_blocks_per_seq < 0) {
+    return absl::InvalidArgumentError("max_blocks_per_seq must not be negative");
+  }
+  if (!options.graph_batch_sizes.empty() && !runner->tensor_parallel()) {
+    const int largest_allowed = std::min<int>({options.max_num_seqs, static_cast<int>(t),
+                                               static_cast<int>(s)});
+    for (int size : options.graph_batch_sizes) {
+      if (size >= 1 && size <= largest_allowed) runner->graph_sizes_.push_back(size);
+    }
+    std::sort(runner->graph_sizes_.begin(), runner->graph_sizes_.end());
+    runner->graph_sizes_.erase(
+        std::unique(runner->graph_sizes_.begin(), runner->graph_sizes_.end()),
+        runner->graph_sizes_.end());
+  }
+  if (!runner->graph_sizes_.empty()) {
+    runner->graph_table_width_ = options.max_blocks_per_seq > 0
+                                     ? std::min(options.max_blocks_per_seq, options.num_kv_blocks)
+                                     : options.num_kv_blocks;
+    const int64_t padded = runner->graph_sizes_.back();
+    const size_t ints = 6 * padded + 1 + padded * runner->graph_table_width_;
+    TANDEM_ASSIGN_OR_RETURN(runner->graph_ints_, backend->Allocate(ints * sizeof(int32_t)));
+    // Zeros: a padding row reads entry 0 of its block table row, which must name a block.
+    if (backend->host_memory()) {
+      runner->graph_planned_ = runner->graph_ints_.as<int32_t>();
+      std::fill_n(runner->graph_planned_, ints, 0);
+    } else {
+      runner->host_graph_ints_.assign(ints, 0);
+      runner->graph_planned_ = runner->host_graph_ints_.data();
+      backend->CopyToDevice(runner->graph_ints_.data(), runner->graph_planned_,
+                            ints * sizeof(int32_t));
+    }
   }
   if (runner->tensor_parallel()) {
     TANDEM_ASSIGN_OR_RETURN(runner->local_logits_,
@@ -682,6 +715,9 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
                                             " rows for a step of ", num_sampled, " logit rows"));
   }
   if (!tensor_parallel()) {
+    if (const int padded = GraphBatchSize(step); padded > 0) {
+      return ExecuteGraphStep(step, padded, sample_in_backend);
+    }
     return Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
                    /*layer_hook=*/true, step.block_copies, sample_in_backend);
   }
@@ -695,6 +731,111 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
   if (!logits.ok() || attachment.empty()) return logits;
   TANDEM_RETURN_IF_ERROR(ExchangeStepReports(std::string()));
   return logits;
+}
+
+int ModelRunner::GraphBatchSize(const SchedulerStep& step) const {
+  const int n = static_cast<int>(step.seqs.size());
+  if (graph_sizes_.empty() || n == 0 || n > graph_sizes_.back() || layer_written_hook_) return 0;
+  const int64_t max_context = int64_t{graph_table_width_} * kv_layout_.block_size;
+  for (const ScheduledSequence& s : step.seqs) {
+    if (s.num_new_tokens != 1 || s.num_draft_tokens != 0 || !s.samples ||
+        s.seq->num_computed_tokens + 1 > max_context) {
+      return 0;
+    }
+  }
+  return *std::lower_bound(graph_sizes_.begin(), graph_sizes_.end(), n);
+}
+
+ModelRunner::StepArgs ModelRunner::GraphStepArgs(int padded) const {
+  const int32_t* ints = graph_ints_.as<int32_t>();
+  StepArgs a{.tokens = padded,
+             .num_sampled = padded,
+             .num_layers = config_.num_layers,
+             .layer_hook = false,
+             .token_ids = ints,
+             .positions = ints + padded,
+             .slots = ints + 2 * padded,
+             .sample_rows = ints + 3 * padded};
+  const int32_t* query_start = ints + 4 * padded;
+  a.batch = {.num_seqs = padded,
+             .max_blocks_per_seq = graph_table_width_,
+             .on_device = true,
+             .device_query_start = query_start,
+             .device_context_len = query_start + padded + 1,
+             .device_block_table = query_start + 2 * padded + 1,
+             .num_tokens = padded,
+             .max_query_len = 1,
+             .max_context_len = graph_table_width_ * kv_layout_.block_size};
+  return a;
+}
+
+absl::StatusOr<std::span<const float>> ModelRunner::ExecuteGraphStep(const SchedulerStep& step,
+                                                                     int padded,
+                                                                     bool sample_in_backend) {
+  kernels::Backend& b = *backend_;
+  const int n = static_cast<int>(step.seqs.size());
+  const int bs = kv_layout_.block_size;
+  const int width = graph_table_width_;
+  int32_t* ids = graph_planned_;
+  int32_t* positions = ids + padded;
+  int32_t* slots = positions + padded;
+  int32_t* sample_rows = slots + padded;
+  int32_t* query_start = sample_rows + padded;
+  int32_t* context_len = query_start + padded + 1;
+  int32_t* table = context_len + padded;
+  for (int i = 0; i < padded; ++i) {
+    query_start[i] = i;
+    sample_rows[i] = i;
+    if (i >= n) {
+      // Padding: token 0 at position 0 over a context of one key (entry 0 of its table row,
+      // some block), writing no KV; its logits are never read.
+      ids[i] = 0;
+      positions[i] = 0;
+      slots[i] = -1;
+      context_len[i] = 1;
+      continue;
+    }
+    const Sequence& seq = *step.seqs[i].seq;
+    const int pos = seq.num_computed_tokens;
+    ids[i] = seq.tokens[pos];
+    positions[i] = pos;
+    slots[i] = seq.block_table[pos / bs] * bs + pos % bs;
+    context_len[i] = pos + 1;
+    std::copy(seq.block_table.begin(), seq.block_table.end(),
+              table + static_cast<int64_t>(i) * width);
+  }
+  query_start[padded] = padded;
+  for (const auto& [src, dst] : step.block_copies) CopyBlock(src, dst);
+  if (graph_planned_ != graph_ints_.as<int32_t>()) {
+    // Through the real rows' block table rows: the padding rows' entries stay as they were.
+    const int64_t ints = (table - graph_planned_) + static_cast<int64_t>(n) * width;
+    b.CopyToDevice(graph_ints_.data(), graph_planned_, ints * sizeof(int32_t));
+  }
+  const StepArgs args = GraphStepArgs(padded);
+  auto [it, first] = graphs_.try_emplace(padded);
+  if (it->second != nullptr) {
+    TANDEM_RETURN_IF_ERROR(it->second->Launch());
+    ++graph_replays_;
+  } else {
+    TANDEM_RETURN_IF_ERROR(QueueModel(args));
+    if (first) {
+      // Capture once the eager run has queued: anything it allocated on first use (cuBLAS
+      // plans, kernel attributes) is in place.
+      absl::StatusOr<std::unique_ptr<kernels::Backend::StepGraph>> graph =
+          b.CaptureGraph([&] { return QueueModel(args); });
+      if (graph.ok()) {
+        it->second = std::move(graph).value();
+        ++graphs_captured_;
+      } else if (absl::IsUnimplemented(graph.status())) {
+        graph_sizes_.clear();  // this backend has none: every later step runs eagerly
+      } else {
+        std::fprintf(stderr, "tandem: decode steps of batch %d run without a step graph: %s\n",
+                     padded, std::string(graph.status().message()).c_str());
+      }
+    }
+  }
+  last_sampled_rows_ = n;
+  return FinishStep(n, sample_in_backend);
 }
 
 void ModelRunner::set_backend_sampling(std::span<const kernels::SampleRowParams> rows,
@@ -811,7 +952,6 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteRuns(
 absl::StatusOr<std::span<const float>> ModelRunner::Forward(
     int tokens, int num_seqs, int max_blocks, int num_sampled, int num_layers, bool layer_hook,
     const std::vector<std::pair<int32_t, int32_t>>& block_copies, bool sample_in_backend) {
-  const text::ModelConfig& c = config_;
   const TensorParallelShard& shard = shard_;
   kernels::Backend& b = *backend_;
   for (const auto& [src, dst] : block_copies) CopyBlock(src, dst);
@@ -823,20 +963,35 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
     }
   }
   // The same offsets in backend memory; one upload when that is not the host's.
-  const int32_t* d_token_ids = step_ints_.as<int32_t>();
-  const int32_t* d_positions = d_token_ids + tokens;
-  const int32_t* d_slots = d_positions + tokens;
-  const int32_t* d_sample_rows = d_slots + tokens;
+  StepArgs a{.tokens = tokens, .num_sampled = num_sampled, .num_layers = num_layers,
+             .layer_hook = layer_hook};
+  a.token_ids = step_ints_.as<int32_t>();
+  a.positions = a.token_ids + tokens;
+  a.slots = a.positions + tokens;
+  a.sample_rows = a.slots + tokens;
   if (planned_ints_ != step_ints_.as<int32_t>()) {
     b.CopyToDevice(step_ints_.data(), planned_ints_, (3 * tokens + num_sampled) * sizeof(int32_t));
   }
+  a.batch = {num_seqs, query_start_.data(), context_len_.data(), block_table_.data(), max_blocks};
+  TANDEM_RETURN_IF_ERROR(QueueModel(a));
+  last_sampled_rows_ = num_sampled;
+  if (num_sampled == 0) {
+    TANDEM_RETURN_IF_ERROR(b.Synchronize());
+    return std::span<const float>();
+  }
+  return FinishStep(num_sampled, sample_in_backend);
+}
 
+absl::Status ModelRunner::QueueModel(const StepArgs& a) {
+  const text::ModelConfig& c = config_;
+  const TensorParallelShard& shard = shard_;
+  kernels::Backend& b = *backend_;
+  const int tokens = a.tokens;
+  const int num_sampled = a.num_sampled;
   const int hidden = c.hidden_size;
   const int num_heads = shard.num_q_heads;
   const int intermediate = shard.intermediate_size;
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
-  kernels::PagedAttentionBatch batch{num_seqs, query_start_.data(), context_len_.data(),
-                                     block_table_.data(), max_blocks};
   float* residual = residual_.as<float>();
   float* hidden_states = hidden_.as<float>();
   float* qkv = qkv_.as<float>();
@@ -856,9 +1011,9 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
     return activations_comm().AllReduceSum(x, static_cast<size_t>(tokens) * hidden);
   };
 
-  b.Embedding(embed_.data(), weight_dtype_, d_token_ids, tokens, hidden, residual);
+  b.Embedding(embed_.data(), weight_dtype_, a.token_ids, tokens, hidden, residual);
   TANDEM_RETURN_IF_ERROR(all_reduce(residual));
-  for (int l = 0; l < num_layers; ++l) {
+  for (int l = 0; l < a.num_layers; ++l) {
     Layer& layer = *layers_[l];
     if (l == 0) {
       b.RmsNorm(residual, layer.input_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
@@ -873,12 +1028,12 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
     const kernels::KvLayout& kv_layout = layer_kv_layouts_[l];
     b.AttentionInputs(qkv, tokens, num_heads, c.qk_norm ? layer.q_norm.as<float>() : nullptr,
                       c.qk_norm ? layer.k_norm.as<float>() : nullptr, c.rms_norm_eps,
-                      d_positions, inv_freq, d_slots, kv_layout, cache, q, k, v);
-    if (layer_hook && layer_written_hook_) {
+                      a.positions, inv_freq, a.slots, kv_layout, cache, q, k, v);
+    if (a.layer_hook && layer_written_hook_) {
       if (!b.host_memory()) TANDEM_RETURN_IF_ERROR(b.Synchronize());
       layer_written_hook_(l);
     }
-    b.PagedAttention(q, cache, kv_layout, batch, num_heads, scale, attn);
+    b.PagedAttention(q, cache, kv_layout, a.batch, num_heads, scale, attn);
     b.Linear(attn, tokens, *layer.o, layer.o_bias.as<float>(), proj);
     TANDEM_RETURN_IF_ERROR(all_reduce(proj));
     b.AddRmsNorm(residual, proj, layer.post_attn_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
@@ -888,16 +1043,11 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
     b.Linear(act, tokens, *layer.down, nullptr, proj);
     TANDEM_RETURN_IF_ERROR(all_reduce(proj));
   }
-  last_sampled_rows_ = num_sampled;
-  if (num_sampled == 0) {
-    TANDEM_RETURN_IF_ERROR(b.Synchronize());
-    return std::span<const float>();
-  }
+  if (num_sampled == 0) return absl::OkStatus();
   // Only the rows that sample need the final norm and the vocabulary projection.
   float* sampled = sampled_hidden_.as<float>();
-  b.GatherAdd(residual, proj, d_sample_rows, num_sampled, hidden, sampled);
+  b.GatherAdd(residual, proj, a.sample_rows, num_sampled, hidden, sampled);
   b.RmsNorm(sampled, final_norm_.as<float>(), c.rms_norm_eps, num_sampled, hidden, sampled);
-  const size_t logit_count = static_cast<size_t>(num_sampled) * c.vocab_size;
   if (tensor_parallel()) {
     // Each rank's [sampled, stride] slice, all-gathered in backend memory (over the device
     // communicator, queued after the kernels; the host one only with the CPU backend, whose
@@ -918,6 +1068,14 @@ absl::StatusOr<std::span<const float>> ModelRunner::Forward(
   } else {
     b.Linear(sampled, num_sampled, *lm_head_, nullptr, logits_.as<float>());
   }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::span<const float>> ModelRunner::FinishStep(int num_sampled,
+                                                               bool sample_in_backend) {
+  const text::ModelConfig& c = config_;
+  kernels::Backend& b = *backend_;
+  const size_t logit_count = static_cast<size_t>(num_sampled) * c.vocab_size;
   if (sample_in_backend) {
     // Only the tokens (and their log-probabilities) come back.
     auto* drawn = sampled_.as<kernels::TokenLogprob>();

@@ -50,6 +50,7 @@ absl::Status Generate(int argc, char** argv) {
   TANDEM_ASSIGN_OR_RETURN(options.device, DeviceFlag(args));
   TANDEM_ASSIGN_OR_RETURN(options.cpu_isa, CpuIsaFlag(args));
   TANDEM_ASSIGN_OR_RETURN(options.sampling_device, SamplingDeviceFlag(args));
+  options.enforce_eager = args.Switch("enforce-eager");
   options.model_dir = *model;
   options.num_threads = static_cast<int>(threads);
   options.kv_cache_bytes = kv_bytes;

@@ -20,6 +20,9 @@ void DeclareDeviceFlag(Args& args) {
                "log-probabilities come back (samples with a structured output or speculative "
                "drafts are still drawn on the host); host copies every logit row back (default auto: "
                "backend with --device cuda, host with --device cpu)");
+  args.DeclareSwitch("enforce-eager",
+                     "with --device cuda, run every decode step kernel by kernel instead of "
+                     "replaying captured CUDA graphs (for debugging or timing the two)");
 }
 
 absl::StatusOr<engine::SamplingDevice> SamplingDeviceFlag(const Args& args) {

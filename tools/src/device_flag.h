@@ -10,7 +10,7 @@
 
 namespace tandem::tools {
 
-// Declares --device cuda|cpu, --cpu-isa and --sampling-device.
+// Declares --device cuda|cpu, --cpu-isa, --sampling-device and --enforce-eager.
 void DeclareDeviceFlag(Args& args);
 
 // The --cpu-isa value (default auto). An unknown name is an InvalidArgument, an instruction set

@@ -112,6 +112,7 @@ absl::StatusOr<engine::EngineOptions> EngineFlags(const Args& args) {
   TANDEM_ASSIGN_OR_RETURN(options.device, DeviceFlag(args));
   TANDEM_ASSIGN_OR_RETURN(options.cpu_isa, CpuIsaFlag(args));
   TANDEM_ASSIGN_OR_RETURN(options.sampling_device, SamplingDeviceFlag(args));
+  options.enforce_eager = args.Switch("enforce-eager");
   TANDEM_ASSIGN_OR_RETURN(options.dtype,
                           DTypeFlag(args, "dtype", {DType::kBF16, DType::kF16, DType::kF32}));
   TANDEM_ASSIGN_OR_RETURN(options.kv_cache_dtype, DTypeFlag(args, "kv-cache-dtype",

@@ -144,7 +144,15 @@ struct EngineOptions {
   // the same either way.
   bool overlap_grammar_masks = true;
   SamplingDevice sampling_device = SamplingDevice::kAuto;
+  // On CUDA, decode steps replay CUDA graphs captured per padded batch size
+  // (ModelRunnerOptions::graph_batch_sizes: 1, 2, 4, then multiples of 8 up to max_num_seqs and
+  // at most 512); true runs every step eagerly (`--enforce-eager`, vLLM's name). No effect on
+  // the CPU backend, which has no launch overhead to save.
+  bool enforce_eager = false;
 };
+
+// The batch sizes an engine of `max_num_seqs` captures decode step graphs for.
+std::vector<int> DecodeGraphBatchSizes(int max_num_seqs);
 
 // Single-threaded: one caller drives AddRequest / Abort / Step.
 //   TANDEM_ASSIGN_OR_RETURN(auto engine, LlmEngine::Create({.model_dir = dir}));

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -49,6 +50,17 @@ struct ModelRunnerOptions {
   // buffers for max_sample_edits logit edits a step.
   bool backend_sampling = false;
   int max_sample_edits = 1 << 18;
+  // Decode steps through captured step graphs (Backend::CaptureGraph, CUDA graphs): a step in
+  // which every sequence decodes one token and samples it is padded to the smallest of these
+  // batch sizes that holds it and replays that size's graph, one launch instead of a few per
+  // layer. Each size is captured the first time a step needs it (that step runs eagerly, with
+  // the graph's arguments, then is captured). Empty: every step eager; so are sizes above
+  // max_num_seqs or max_num_batched_tokens, tensor-parallel runners, runners with a
+  // layer-written hook, and backends without graphs (CaptureGraph Unimplemented).
+  std::vector<int> graph_batch_sizes;
+  // The most blocks a sequence holds, the width of a graph step's block table (the longest
+  // context a graph serves is this times block_size; longer steps run eagerly); 0: num_kv_blocks.
+  int max_blocks_per_seq = 0;
 };
 
 // The dtypes a runner of `options` over a checkpoint of `config` holds its weights and KV cache
@@ -109,6 +121,11 @@ class ModelRunner {
   int max_sample_edits() const {
     return options_.backend_sampling ? options_.max_sample_edits : 0;
   }
+
+  // Step graphs (ModelRunnerOptions::graph_batch_sizes): the batch sizes captured so far, and
+  // the steps that replayed one.
+  int graphs_captured() const { return graphs_captured_; }
+  int64_t graph_replays() const { return graph_replays_; }
 
   // The final hidden states (after the model's final norm, before the LM head) of the last
   // Execute's logit rows, [rows, hidden_size] in the same order, in host memory: what an
@@ -246,6 +263,31 @@ class ModelRunner {
       int tokens, int num_seqs, int max_blocks, int num_sampled, int num_layers, bool layer_hook,
       const std::vector<std::pair<int32_t, int32_t>>& block_copies,
       bool sample_in_backend = false);
+  // One pass's operators, from the embedding to the logits of its sample rows: the metadata in
+  // backend memory, the attention batch as the backend takes it.
+  struct StepArgs {
+    int tokens = 0;
+    int num_sampled = 0;
+    int num_layers = 0;
+    bool layer_hook = false;
+    const int32_t* token_ids = nullptr;
+    const int32_t* positions = nullptr;
+    const int32_t* slots = nullptr;
+    const int32_t* sample_rows = nullptr;
+    kernels::PagedAttentionBatch batch;
+  };
+  absl::Status QueueModel(const StepArgs& args);
+  // After QueueModel: draws the tokens of the first num_sampled rows in the backend, or copies
+  // their logits back, and waits for the step.
+  absl::StatusOr<std::span<const float>> FinishStep(int num_sampled, bool sample_in_backend);
+  // The batch size whose step graph runs `step`, or 0 when it runs eagerly.
+  int GraphBatchSize(const SchedulerStep& step) const;
+  // Runs `step` (GraphBatchSize `padded`) through its size's step graph, padded with tokens that
+  // write no KV: planned into graph_ints_, replayed, or run eagerly and captured on first use.
+  absl::StatusOr<std::span<const float>> ExecuteGraphStep(const SchedulerStep& step, int padded,
+                                                          bool sample_in_backend);
+  // The arguments of a graph step of `padded` rows, all in graph_ints_.
+  StepArgs GraphStepArgs(int padded) const;
 
   text::ModelConfig config_;
   ModelRunnerOptions options_;
@@ -314,6 +356,21 @@ class ModelRunner {
   bool sample_pending_ = false;
   kernels::DeviceBuffer sample_scratch_, sampled_, host_sampled_;
   int last_backend_rows_ = 0;
+
+  // Step graphs: the batch sizes (ascending), the block table width, each size's graph (null
+  // after a failed capture: that size runs eagerly), and a graph step's metadata in backend
+  // memory, laid out for `padded` rows as [token_ids][positions][slots][sample_rows] (padded
+  // each), [query_start (padded + 1)][context_len (padded)][block_table (padded x
+  // graph_table_width_)], planned on the host in graph_planned_ (graph_ints_ itself when backend
+  // memory is host memory).
+  std::vector<int> graph_sizes_;
+  int graph_table_width_ = 0;
+  std::map<int, std::unique_ptr<kernels::Backend::StepGraph>> graphs_;
+  kernels::DeviceBuffer graph_ints_;
+  int32_t* graph_planned_ = nullptr;
+  std::vector<int32_t> host_graph_ints_;
+  int graphs_captured_ = 0;
+  int64_t graph_replays_ = 0;
 };
 
 }  // namespace tandem::engine

@@ -1,0 +1,163 @@
+// Decode steps through step graphs (ModelRunnerOptions::graph_batch_sizes), on the CPU backend
+// behind a wrapper that records a capture and replays it as a CUDA graph does
+// (graph_recording_backend.h): each step's logits must be bitwise an eager runner's on the
+// same sequences, whatever the step's batch size (padded to the next graph size), and the
+// graphs must actually replay. On a GPU, gpu_runner_test checks the CUDA graphs themselves.
+#include <algorithm>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "graph_recording_backend.h"
+#include "tandem/engine/block_manager.h"
+#include "tandem/engine/checkpoint.h"
+#include "tandem/engine/llm_engine.h"
+#include "tandem/engine/model_runner.h"
+#include "tandem/kernels/backend.h"
+#include "test_models.h"
+
+namespace tandem::engine {
+namespace {
+
+struct Model {
+  std::string arch;
+  DType dtype;
+};
+
+class StepGraphTest : public ::testing::TestWithParam<Model> {};
+
+int32_t Argmax(std::span<const float> row) {
+  return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
+}
+
+// Runs one plan of steps on an eager runner and on `graphed` (the graph sizes 1, 2, 4 and 8,
+// 3 blocks of 16 per graph step), comparing each step's logits (or, on the steps that sample in
+// the backend, its tokens with the eager logits' argmax).
+void RunSteps(const Checkpoint& checkpoint, kernels::Backend* graphed,
+              ModelRunner** graph_runner_out, std::unique_ptr<ModelRunner>* keep) {
+  const ModelRunnerOptions eager_options{.max_num_batched_tokens = 256,
+                                         .max_num_seqs = 8,
+                                         .num_kv_blocks = 64,
+                                         .block_size = 16};
+  auto cpu = kernels::CreateCpuBackend({.num_threads = 1});
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto eager = ModelRunner::Create(checkpoint, cpu->get(), eager_options);
+  ASSERT_TRUE(eager.ok()) << eager.status();
+  ModelRunnerOptions options = eager_options;
+  options.graph_batch_sizes = {8, 1, 2, 4, 64};  // 64: past max_num_seqs, dropped
+  options.max_blocks_per_seq = 3;
+  options.backend_sampling = true;
+  auto graph_runner = ModelRunner::Create(checkpoint, graphed, options);
+  ASSERT_TRUE(graph_runner.ok()) << graph_runner.status();
+  *graph_runner_out = graph_runner->get();
+  *keep = std::move(graph_runner).value();
+  ModelRunner& runner = **graph_runner_out;
+  const int vocab = checkpoint.config().vocab_size;
+
+  // Eight sequences; the last starts 44 tokens long, so its steps outgrow the graphs' 48
+  // positions after a few tokens and then run eagerly.
+  BlockManager blocks(eager_options.num_kv_blocks, eager_options.block_size);
+  std::vector<Sequence> seqs(8);
+  for (int i = 0; i < 8; ++i) {
+    const int len = i == 7 ? 44 : 3 + 5 * i;
+    for (int t = 0; t < len; ++t) seqs[i].tokens.push_back((t * 37 + i * 11 + 5) % vocab);
+    seqs[i].num_prompt_tokens = len;
+  }
+  // Step 0 prefills sequences 0-5; later steps decode the listed ones, mixing in the prefill of
+  // 6 and 7 at step 3 (a step no graph runs).
+  const std::vector<std::vector<int>> plan = {
+      {0, 1, 2, 3, 4, 5}, {0},       {1, 2},          {0, 1, 2, 6, 7}, {3, 4, 5},
+      {0},                {5, 1},    {0, 1, 2, 3, 4}, {7},             {2, 3, 4, 5, 6, 7, 0, 1},
+      {6, 7, 0},          {4},       {1, 2, 3},       {7, 6, 5, 4},    {0, 1, 2, 3, 4, 5, 6, 7},
+      {2},                {7, 1},    {3, 5, 7},
+  };
+  for (size_t step_index = 0; step_index < plan.size(); ++step_index) {
+    SCOPED_TRACE(::testing::Message() << "step " << step_index);
+    SchedulerStep step;
+    for (int i : plan[step_index]) {
+      Sequence& seq = seqs[i];
+      const int n = static_cast<int>(seq.tokens.size()) - seq.num_computed_tokens;
+      ASSERT_TRUE(blocks.Append(seq.block_table, seq.num_computed_tokens, n).ok());
+      step.seqs.push_back({&seq, n, true});
+      step.num_tokens += n;
+    }
+    const bool backend_draws = step_index % 3 == 2;
+    if (backend_draws) {
+      std::vector<kernels::SampleRowParams> rows(step.seqs.size());
+      runner.set_backend_sampling(rows, {});
+    }
+    auto got = runner.Execute(step);
+    ASSERT_TRUE(got.ok()) << got.status();
+    const std::vector<float> graph_logits(got->begin(), got->end());
+    auto want = (*eager)->Execute(step);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_EQ(want->size(), step.seqs.size() * vocab);
+    if (backend_draws) {
+      ASSERT_TRUE(graph_logits.empty());
+      const ModelRunner::BackendSamples drawn = runner.backend_samples();
+      ASSERT_EQ(drawn.tokens.size(), step.seqs.size());
+      for (size_t r = 0; r < step.seqs.size(); ++r) {
+        EXPECT_EQ(drawn.tokens[r].token, Argmax(want->subspan(r * vocab, vocab))) << "row " << r;
+      }
+    } else {
+      ASSERT_EQ(graph_logits.size(), want->size());
+      for (size_t r = 0; r < step.seqs.size(); ++r) {
+        EXPECT_TRUE(std::equal(want->begin() + r * vocab, want->begin() + (r + 1) * vocab,
+                               graph_logits.begin() + r * vocab))
+            << "row " << r << " (sequence " << plan[step_index][r] << ") differs";
+      }
+    }
+    for (size_t r = 0; r < step.seqs.size(); ++r) {
+      Sequence& seq = *step.seqs[r].seq;
+      seq.num_computed_tokens = static_cast<int>(seq.tokens.size());
+      seq.tokens.push_back(Argmax(want->subspan(r * vocab, vocab)));
+    }
+  }
+}
+
+TEST_P(StepGraphTest, ReplayedDecodeStepsGiveTheEagerLogits) {
+  auto checkpoint = Checkpoint::Open(testing::TinyModel(GetParam().arch, GetParam().dtype));
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  std::unique_ptr<testing::GraphRecordingBackend> backend = testing::GraphRecording();
+  ModelRunner* runner = nullptr;
+  std::unique_ptr<ModelRunner> keep;
+  RunSteps(**checkpoint, backend.get(), &runner, &keep);
+  if (HasFatalFailure()) return;
+  // Decode steps of 1, 2, 3/4 and 5-8 sequences: one graph per size, captured on first use;
+  // the prefill steps and sequence 7's steps past 48 positions ran eagerly, the rest replayed.
+  EXPECT_EQ(runner->graphs_captured(), 4);
+  EXPECT_EQ(backend->captures(), 4);
+  EXPECT_GE(runner->graph_replays(), 8);
+  EXPECT_EQ(backend->launches(), runner->graph_replays());
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, StepGraphTest,
+                         ::testing::Values(Model{"llama", DType::kF32},
+                                           Model{"qwen3", DType::kBF16}),
+                         [](const auto& info) { return info.param.arch; });
+
+TEST(StepGraphFallbackTest, ABackendWithoutGraphsRunsEveryStepEagerly) {
+  auto checkpoint = Checkpoint::Open(testing::TinyModel("llama", DType::kF32));
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  std::unique_ptr<kernels::Backend> backend = testing::DeviceLike();
+  ModelRunner* runner = nullptr;
+  std::unique_ptr<ModelRunner> keep;
+  RunSteps(**checkpoint, backend.get(), &runner, &keep);
+  if (HasFatalFailure()) return;
+  EXPECT_EQ(runner->graphs_captured(), 0);
+  EXPECT_EQ(runner->graph_replays(), 0);
+}
+
+TEST(DecodeGraphBatchSizesTest, CoverEveryBatchUpToMaxNumSeqs) {
+  EXPECT_EQ(DecodeGraphBatchSizes(1), (std::vector<int>{1}));
+  EXPECT_EQ(DecodeGraphBatchSizes(3), (std::vector<int>{1, 2, 3}));
+  EXPECT_EQ(DecodeGraphBatchSizes(20), (std::vector<int>{1, 2, 4, 8, 16, 20}));
+  const std::vector<int> sizes = DecodeGraphBatchSizes(1024);
+  EXPECT_EQ(sizes.back(), 512);
+  EXPECT_EQ(sizes.size(), 3u + 64u);
+}
+
+}  // namespace
+}  // namespace tandem::engine
