@@ -12,6 +12,8 @@
 //                       [--sampling=auto|host|backend (auto: backend on cuda, host on cpu, as
 //                        --sampling-device; backend draws a greedy token per sequence in the
 //                        backend and copies back only the tokens, host copies the logits)]
+//                       [--graphs=auto|on|off (auto: on with cuda, as serving without
+//                        --enforce-eager; on replays the decode step from a captured step graph)]
 //                       [google benchmark flags]
 //
 // The bandwidth kernels stream --bandwidth-mib MiB: more than the last-level cache to measure
@@ -23,6 +25,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -53,6 +56,8 @@ size_t g_bandwidth_bytes = size_t{256} << 20;
 bool g_cuda = false;
 std::string g_sampling = "auto";  // --sampling
 bool BackendSampling() { return g_sampling == "backend" || (g_sampling == "auto" && g_cuda); }
+std::string g_graphs = "auto";  // --graphs
+bool StepGraphs() { return g_graphs == "on" || (g_graphs == "auto" && g_cuda); }
 int g_num_layers = 0;  // 0: the preset's
 
 
@@ -227,7 +232,11 @@ void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
                                              .num_kv_blocks = batch * blocks_per_seq,
                                              .block_size = block_size,
                                              .weight_dtype = format.dtype,
-                                             .backend_sampling = BackendSampling()});
+                                             .backend_sampling = BackendSampling(),
+                                             .graph_batch_sizes = StepGraphs()
+                                                                      ? std::vector<int>{batch}
+                                                                      : std::vector<int>{},
+                                             .max_blocks_per_seq = blocks_per_seq});
   if (!runner.ok()) {
     state.SkipWithError(std::string(runner.status().message()).c_str());
     return;
@@ -249,6 +258,12 @@ void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
   engine::SchedulerStep step;
   for (engine::Sequence& s : seqs) step.seqs.push_back({&s, 1, true});
   step.num_tokens = batch;
+  // One untimed step: the graph's capture (or the eager path's first-use work).
+  if (BackendSampling()) (*runner)->set_backend_sampling(greedy, {});
+  if (absl::StatusOr<std::span<const float>> first = (*runner)->Execute(step); !first.ok()) {
+    state.SkipWithError(std::string(first.status().message()).c_str());
+    return;
+  }
   double seconds = 0;
   for (auto _ : state) {
     auto start = std::chrono::steady_clock::now();
@@ -274,9 +289,11 @@ void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
   state.counters["of_read"] = gbs / read_gbs;
   state.counters["of_copy"] = gbs / g_copy_gbs;
   state.counters["tokens_per_s"] = batch / step_s;
+  state.counters["graph_steps"] = static_cast<double>((*runner)->graph_replays());
   state.SetLabel(absl::StrCat(g_preset, " ", c.NumParameters() / 1000000, "M params, ", format.name,
                               " weights, ", DTypeFlagName(kv_dtype), " KV, context ", context,
-                              BackendSampling() ? ", backend sampling" : ", host sampling"));
+                              BackendSampling() ? ", backend sampling" : ", host sampling",
+                              (*runner)->graphs_captured() > 0 ? ", step graph" : ", eager"));
 }
 
 }  // namespace
@@ -343,6 +360,12 @@ int main(int argc, char** argv) {
       tandem::g_cuda = true;
     } else if (a == "--device=cpu") {
       tandem::g_cuda = false;
+    } else if (a.rfind("--graphs=", 0) == 0) {
+      tandem::g_graphs = a.substr(9);
+      if (tandem::g_graphs != "auto" && tandem::g_graphs != "on" && tandem::g_graphs != "off") {
+        std::fprintf(stderr, "tandem_bench_decode: --graphs must be auto, on or off\n");
+        return 2;
+      }
     } else if (a.rfind("--batches=", 0) == 0) {
       batches.clear();
       for (absl::string_view b : absl::StrSplit(a.substr(10), ',')) {

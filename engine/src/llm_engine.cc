@@ -1174,6 +1174,8 @@ EngineStats LlmEngine::stats() const {
   stats.spec_verify_steps = spec_verify_steps_;
   stats.backend_sampled_tokens = backend_sampled_tokens_;
   stats.host_sampled_tokens = host_sampled_tokens_;
+  stats.graph_steps = runner_->graph_replays();
+  stats.graphs_captured = runner_->graphs_captured();
   stats.spec_proposed_by_position = spec_proposed_by_position_;
   stats.spec_accepted_by_position = spec_accepted_by_position_;
   if (options_.tensor_parallel != nullptr) {

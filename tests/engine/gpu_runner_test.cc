@@ -197,12 +197,94 @@ TEST_P(GpuRunnerTest, EngineGreedyTokensEqualCpu) {
     auto out = GenerateAll(**engine, std::move(requests));
     ASSERT_TRUE(out.ok()) << out.status();
     ASSERT_EQ(out->size(), 3u);
+    if (device == Device::kCuda) {
+      // Its decode steps replayed CUDA graphs (of 1, 2 and 4 rows as requests finish).
+      EXPECT_GT((*engine)->stats().graph_steps, 0);
+      EXPECT_GE((*engine)->stats().graphs_captured, 1);
+    }
     for (const RequestOutput& o : *out) {
       ASSERT_EQ(o.choices[0].token_ids.size(), static_cast<size_t>(kSteps));
       tokens.push_back(o.choices[0].token_ids);
     }
   }
   for (int r = 0; r < 3; ++r) EXPECT_EQ(tokens[3 + r], tokens[r]) << "request " << r;
+}
+
+// Decode steps replayed from CUDA graphs give the logits of the same steps run kernel by kernel
+// on the same GPU, at every batch size of the plan (padded to 1, 2, 4 or 8 rows), with blocks
+// shared after a fork; the graphs' attention splits every row's keys by the longest context a
+// graph serves, so the sums' order differs from the eager step's and the logits agree to
+// rounding, with the same greedy tokens.
+TEST_P(GpuRunnerTest, StepGraphsGiveTheEagerLogits) {
+  auto checkpoint = Checkpoint::Open(model_);
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  const int vocab = (*checkpoint)->config().vocab_size;
+  auto eager_backend = kernels::CreateCudaBackend({.max_seqs = 8, .max_blocks_per_seq = 64});
+  ASSERT_TRUE(eager_backend.ok()) << eager_backend.status();
+  auto graph_backend = kernels::CreateCudaBackend({.max_seqs = 8, .max_blocks_per_seq = 64});
+  ASSERT_TRUE(graph_backend.ok()) << graph_backend.status();
+  ModelRunnerOptions options{.max_num_batched_tokens = 256,
+                             .max_num_seqs = 8,
+                             .num_kv_blocks = 128,
+                             .block_size = 16,
+                             .weight_dtype = weight_dtype_};
+  auto eager = ModelRunner::Create(**checkpoint, eager_backend->get(), options);
+  ASSERT_TRUE(eager.ok()) << eager.status();
+  options.graph_batch_sizes = {1, 2, 4, 8};
+  options.max_blocks_per_seq = 64;
+  auto graphed = ModelRunner::Create(**checkpoint, graph_backend->get(), options);
+  ASSERT_TRUE(graphed.ok()) << graphed.status();
+
+  BlockManager blocks(options.num_kv_blocks, options.block_size);
+  std::vector<Sequence> seqs(8);
+  for (int i = 0; i < 6; ++i) {
+    for (int t = 0; t < 9 + 31 * i; ++t) seqs[i].tokens.push_back((t * 29 + i * 7 + 1) % 400);
+    seqs[i].num_prompt_tokens = static_cast<int>(seqs[i].tokens.size());
+  }
+  const std::vector<std::vector<int>> plan = {
+      {0, 1, 2, 3, 4, 5}, {0}, {1, 2}, {0, 1, 2}, {3, 4, 5, 0, 1}, {0}, {2, 3},
+      {6, 7, 0, 1, 2, 3, 4, 5}, {5}, {1, 2, 3, 4}, {7, 6}, {0, 1, 2, 3, 4, 5, 6, 7}, {4},
+  };
+  for (size_t p = 0; p < plan.size(); ++p) {
+    SCOPED_TRACE(::testing::Message() << "step " << p);
+    if (p == 7) {
+      // Sequences 6 and 7 fork from 0 and 1, each getting a copy of the partial last block.
+      for (int i : {6, 7}) {
+        const Sequence& parent = seqs[i - 6];
+        seqs[i].tokens = parent.tokens;
+        seqs[i].num_prompt_tokens = parent.num_prompt_tokens;
+        seqs[i].num_computed_tokens = parent.num_computed_tokens;
+        seqs[i].block_table = blocks.Fork(parent.block_table);
+      }
+    }
+    SchedulerStep step;
+    for (int i : plan[p]) {
+      Sequence& seq = seqs[i];
+      const int n = static_cast<int>(seq.tokens.size()) - seq.num_computed_tokens;
+      auto cow = blocks.Append(seq.block_table, seq.num_computed_tokens, n);
+      ASSERT_TRUE(cow.ok()) << cow.status();
+      if (cow->first >= 0) step.block_copies.push_back(*cow);
+      step.seqs.push_back({&seq, n, true});
+      step.num_tokens += n;
+    }
+    auto got = (*graphed)->Execute(step);
+    ASSERT_TRUE(got.ok()) << got.status();
+    const std::vector<float> graph_logits(got->begin(), got->end());
+    auto want = (*eager)->Execute(step);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_EQ(graph_logits.size(), want->size());
+    for (size_t r = 0; r < step.seqs.size(); ++r) {
+      const auto w = want->subspan(r * vocab, vocab);
+      const std::span<const float> g(graph_logits.data() + r * vocab, vocab);
+      EXPECT_LE(RelativeError(g, w), max_logit_error()) << "row " << r;
+      EXPECT_EQ(Argmax(g), Argmax(w)) << "row " << r;
+      Sequence& seq = *step.seqs[r].seq;
+      seq.num_computed_tokens = static_cast<int>(seq.tokens.size());
+      seq.tokens.push_back(Argmax(w));
+    }
+  }
+  EXPECT_EQ((*graphed)->graphs_captured(), 4);
+  EXPECT_GE((*graphed)->graph_replays(), 6);
 }
 
 // Sampling in the CUDA backend (--sampling-device backend, the default there) draws the tokens

@@ -116,6 +116,10 @@ struct EngineStats {
   // on the host.
   int64_t backend_sampled_tokens = 0;
   int64_t host_sampled_tokens = 0;
+  // Decode steps that replayed a captured step graph (CUDA graphs; EngineOptions::enforce_eager),
+  // and the batch sizes captured so far.
+  int64_t graph_steps = 0;
+  int graphs_captured = 0;
   // Tensor parallelism (rank 0's view, since the engine started): wall time inside collectives
   // (step plans, all-reduces, the logits' all-gather) and their payload bytes. 0 without it.
   double collective_seconds = 0;
