@@ -746,7 +746,7 @@ int ModelRunner::GraphBatchSize(const SchedulerStep& step) const {
   return *std::lower_bound(graph_sizes_.begin(), graph_sizes_.end(), n);
 }
 
-ModelRunner::StepArgs ModelRunner::GraphStepArgs(int padded) const {
+ModelRunner::StepArgs ModelRunner::GraphStepArgs(int padded, int context_blocks) const {
   const int32_t* ints = graph_ints_.as<int32_t>();
   StepArgs a{.tokens = padded,
              .num_sampled = padded,
@@ -765,7 +765,7 @@ ModelRunner::StepArgs ModelRunner::GraphStepArgs(int padded) const {
              .device_block_table = query_start + 2 * padded + 1,
              .num_tokens = padded,
              .max_query_len = 1,
-             .max_context_len = graph_table_width_ * kv_layout_.block_size};
+             .max_context_len = context_blocks * kv_layout_.block_size};
   return a;
 }
 
@@ -783,6 +783,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteGraphStep(const Sched
   int32_t* query_start = sample_rows + padded;
   int32_t* context_len = query_start + padded + 1;
   int32_t* table = context_len + padded;
+  int max_context = 1;
   for (int i = 0; i < padded; ++i) {
     query_start[i] = i;
     sample_rows[i] = i;
@@ -801,6 +802,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteGraphStep(const Sched
     positions[i] = pos;
     slots[i] = seq.block_table[pos / bs] * bs + pos % bs;
     context_len[i] = pos + 1;
+    max_context = std::max(max_context, pos + 1);
     std::copy(seq.block_table.begin(), seq.block_table.end(),
               table + static_cast<int64_t>(i) * width);
   }
@@ -811,8 +813,11 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteGraphStep(const Sched
     const int64_t ints = (table - graph_planned_) + static_cast<int64_t>(n) * width;
     b.CopyToDevice(graph_ints_.data(), graph_planned_, ints * sizeof(int32_t));
   }
-  const StepArgs args = GraphStepArgs(padded);
-  auto [it, first] = graphs_.try_emplace(padded);
+  int context_blocks = kGraphMinContextBlocks;
+  while (context_blocks * bs < max_context) context_blocks *= 2;
+  context_blocks = std::min(context_blocks, width);
+  const StepArgs args = GraphStepArgs(padded, context_blocks);
+  auto [it, first] = graphs_.try_emplace({padded, context_blocks});
   if (it->second != nullptr) {
     TANDEM_RETURN_IF_ERROR(it->second->Launch());
     ++graph_replays_;
@@ -829,8 +834,10 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteGraphStep(const Sched
       } else if (absl::IsUnimplemented(graph.status())) {
         graph_sizes_.clear();  // this backend has none: every later step runs eagerly
       } else {
-        std::fprintf(stderr, "tandem: decode steps of batch %d run without a step graph: %s\n",
-                     padded, std::string(graph.status().message()).c_str());
+        std::fprintf(stderr,
+                     "tandem: decode steps of batch %d over contexts of up to %d tokens run "
+                     "without a step graph: %s\n",
+                     padded, context_blocks * bs, std::string(graph.status().message()).c_str());
       }
     }
   }

@@ -32,6 +32,44 @@ int32_t Argmax(std::span<const float> row) {
   return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
 }
 
+// Runs `step` on `graphed` and `eager` and compares each row's logits bitwise, or with
+// `backend_draws` the tokens `graphed` draws in the backend (greedy) with the eager logits'
+// argmax; then appends the eager argmax to each sequence.
+void StepOnBoth(ModelRunner& graphed, ModelRunner& eager, const SchedulerStep& step, int vocab,
+                bool backend_draws) {
+  if (backend_draws) {
+    std::vector<kernels::SampleRowParams> rows(step.seqs.size());
+    graphed.set_backend_sampling(rows, {});
+  }
+  auto got = graphed.Execute(step);
+  ASSERT_TRUE(got.ok()) << got.status();
+  const std::vector<float> graph_logits(got->begin(), got->end());
+  auto want = eager.Execute(step);
+  ASSERT_TRUE(want.ok()) << want.status();
+  ASSERT_EQ(want->size(), step.seqs.size() * vocab);
+  if (backend_draws) {
+    ASSERT_TRUE(graph_logits.empty());
+    const ModelRunner::BackendSamples drawn = graphed.backend_samples();
+    ASSERT_EQ(drawn.tokens.size(), step.seqs.size());
+    for (size_t r = 0; r < step.seqs.size(); ++r) {
+      EXPECT_EQ(drawn.tokens[r].token, Argmax(want->subspan(r * vocab, vocab))) << "row " << r;
+    }
+  } else {
+    ASSERT_EQ(graph_logits.size(), want->size());
+    for (size_t r = 0; r < step.seqs.size(); ++r) {
+      EXPECT_TRUE(std::equal(want->begin() + r * vocab, want->begin() + (r + 1) * vocab,
+                             graph_logits.begin() + r * vocab))
+          << "row " << r << " (context " << step.seqs[r].seq->num_computed_tokens + 1
+          << ") differs";
+    }
+  }
+  for (size_t r = 0; r < step.seqs.size(); ++r) {
+    Sequence& seq = *step.seqs[r].seq;
+    seq.num_computed_tokens = static_cast<int>(seq.tokens.size());
+    seq.tokens.push_back(Argmax(want->subspan(r * vocab, vocab)));
+  }
+}
+
 // Runs one plan of steps on an eager runner and on `graphed` (the graph sizes 1, 2, 4 and 8,
 // 3 blocks of 16 per graph step), comparing each step's logits (or, on the steps that sample in
 // the backend, its tokens with the eager logits' argmax).
@@ -83,37 +121,8 @@ void RunSteps(const Checkpoint& checkpoint, kernels::Backend* graphed,
       step.seqs.push_back({&seq, n, true});
       step.num_tokens += n;
     }
-    const bool backend_draws = step_index % 3 == 2;
-    if (backend_draws) {
-      std::vector<kernels::SampleRowParams> rows(step.seqs.size());
-      runner.set_backend_sampling(rows, {});
-    }
-    auto got = runner.Execute(step);
-    ASSERT_TRUE(got.ok()) << got.status();
-    const std::vector<float> graph_logits(got->begin(), got->end());
-    auto want = (*eager)->Execute(step);
-    ASSERT_TRUE(want.ok()) << want.status();
-    ASSERT_EQ(want->size(), step.seqs.size() * vocab);
-    if (backend_draws) {
-      ASSERT_TRUE(graph_logits.empty());
-      const ModelRunner::BackendSamples drawn = runner.backend_samples();
-      ASSERT_EQ(drawn.tokens.size(), step.seqs.size());
-      for (size_t r = 0; r < step.seqs.size(); ++r) {
-        EXPECT_EQ(drawn.tokens[r].token, Argmax(want->subspan(r * vocab, vocab))) << "row " << r;
-      }
-    } else {
-      ASSERT_EQ(graph_logits.size(), want->size());
-      for (size_t r = 0; r < step.seqs.size(); ++r) {
-        EXPECT_TRUE(std::equal(want->begin() + r * vocab, want->begin() + (r + 1) * vocab,
-                               graph_logits.begin() + r * vocab))
-            << "row " << r << " (sequence " << plan[step_index][r] << ") differs";
-      }
-    }
-    for (size_t r = 0; r < step.seqs.size(); ++r) {
-      Sequence& seq = *step.seqs[r].seq;
-      seq.num_computed_tokens = static_cast<int>(seq.tokens.size());
-      seq.tokens.push_back(Argmax(want->subspan(r * vocab, vocab)));
-    }
+    StepOnBoth(runner, **eager, step, vocab, /*backend_draws=*/step_index % 3 == 2);
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
@@ -148,6 +157,55 @@ TEST(StepGraphFallbackTest, ABackendWithoutGraphsRunsEveryStepEagerly) {
   if (HasFatalFailure()) return;
   EXPECT_EQ(runner->graphs_captured(), 0);
   EXPECT_EQ(runner->graph_replays(), 0);
+}
+
+// Contexts past 16 blocks take graphs bounded by 32 blocks, then by the table's 40: each bound
+// its own graph, captured when a step first needs it, every step bitwise the eager one's.
+TEST(StepGraphContextTest, LongerContextsTakeGraphsOfALargerBound) {
+  auto checkpoint = Checkpoint::Open(testing::TinyModel("llama", DType::kF32));
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  const int vocab = (*checkpoint)->config().vocab_size;
+  ModelRunnerOptions options{.max_num_batched_tokens = 1024,
+                             .max_num_seqs = 4,
+                             .num_kv_blocks = 128,
+                             .block_size = 16};
+  auto cpu = kernels::CreateCpuBackend({.num_threads = 1});
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto eager = ModelRunner::Create(**checkpoint, cpu->get(), options);
+  ASSERT_TRUE(eager.ok()) << eager.status();
+  std::unique_ptr<testing::GraphRecordingBackend> backend = testing::GraphRecording();
+  options.graph_batch_sizes = {2};
+  options.max_blocks_per_seq = 40;
+  auto graphed = ModelRunner::Create(**checkpoint, backend.get(), options);
+  ASSERT_TRUE(graphed.ok()) << graphed.status();
+
+  // Two sequences decoding side by side from 240 and 505 tokens: contexts up to 512 take the
+  // 32-block bound (steps 1-7), then the longer one's 513 the table's 40 (step 8); then the
+  // shorter one alone (a batch of 1, padded to 2; contexts 249 to 253) the 16-block bound.
+  BlockManager blocks(options.num_kv_blocks, options.block_size);
+  std::vector<Sequence> seqs(2);
+  for (int i = 0; i < 2; ++i) {
+    const int len = i == 0 ? 240 : 505;
+    for (int t = 0; t < len; ++t) seqs[i].tokens.push_back((t * 41 + i * 3 + 7) % vocab);
+    seqs[i].num_prompt_tokens = len;
+  }
+  for (int step_index = 0; step_index < 14; ++step_index) {
+    SCOPED_TRACE(::testing::Message() << "step " << step_index);
+    SchedulerStep step;
+    for (int i = 0; i < 2; ++i) {
+      Sequence& seq = seqs[i];
+      if (step_index >= 9 && i == 1) continue;
+      const int n = static_cast<int>(seq.tokens.size()) - seq.num_computed_tokens;
+      ASSERT_TRUE(blocks.Append(seq.block_table, seq.num_computed_tokens, n).ok());
+      step.seqs.push_back({&seq, n, true});
+      step.num_tokens += n;
+    }
+    StepOnBoth(**graphed, **eager, step, vocab, /*backend_draws=*/false);
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_EQ(backend->captures(), (*graphed)->graphs_captured());
+  EXPECT_EQ((*graphed)->graphs_captured(), 3);
+  EXPECT_EQ((*graphed)->graph_replays(), 13 - 3);
 }
 
 TEST(DecodeGraphBatchSizesTest, CoverEveryBatchUpToMaxNumSeqs) {

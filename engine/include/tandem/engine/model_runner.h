@@ -53,10 +53,11 @@ struct ModelRunnerOptions {
   // Decode steps through captured step graphs (Backend::CaptureGraph, CUDA graphs): a step in
   // which every sequence decodes one token and samples it is padded to the smallest of these
   // batch sizes that holds it and replays that size's graph, one launch instead of a few per
-  // layer. Each size is captured the first time a step needs it (that step runs eagerly, with
-  // the graph's arguments, then is captured). Empty: every step eager; so are sizes above
-  // max_num_seqs or max_num_batched_tokens, tensor-parallel runners, runners with a
-  // layer-written hook, and backends without graphs (CaptureGraph Unimplemented).
+  // layer. A graph is captured per batch size and context bound (the longest context rounded
+  // up to a power of two of at least 16 blocks) the first time a step needs it (that step runs
+  // eagerly, with the graph's arguments, then is captured). Empty: every step eager; so are
+  // sizes above max_num_seqs or max_num_batched_tokens, tensor-parallel runners, runners with
+  // a layer-written hook, and backends without graphs (CaptureGraph Unimplemented).
   std::vector<int> graph_batch_sizes;
   // The most blocks a sequence holds, the width of a graph step's block table (the longest
   // context a graph serves is this times block_size; longer steps run eagerly); 0: num_kv_blocks.
@@ -122,8 +123,8 @@ class ModelRunner {
     return options_.backend_sampling ? options_.max_sample_edits : 0;
   }
 
-  // Step graphs (ModelRunnerOptions::graph_batch_sizes): the batch sizes captured so far, and
-  // the steps that replayed one.
+  // Step graphs (ModelRunnerOptions::graph_batch_sizes): the step shapes (batch size and
+  // context bound) captured so far, and the steps that replayed one.
   int graphs_captured() const { return graphs_captured_; }
   int64_t graph_replays() const { return graph_replays_; }
 
@@ -286,8 +287,9 @@ class ModelRunner {
   // write no KV: planned into graph_ints_, replayed, or run eagerly and captured on first use.
   absl::StatusOr<std::span<const float>> ExecuteGraphStep(const SchedulerStep& step, int padded,
                                                           bool sample_in_backend);
-  // The arguments of a graph step of `padded` rows, all in graph_ints_.
-  StepArgs GraphStepArgs(int padded) const;
+  // The arguments of a graph step of `padded` rows over contexts of at most `context_blocks`
+  // blocks, all in graph_ints_.
+  StepArgs GraphStepArgs(int padded, int context_blocks) const;
 
   text::ModelConfig config_;
   ModelRunnerOptions options_;
@@ -357,15 +359,19 @@ class ModelRunner {
   kernels::DeviceBuffer sample_scratch_, sampled_, host_sampled_;
   int last_backend_rows_ = 0;
 
-  // Step graphs: the batch sizes (ascending), the block table width, each size's graph (null
-  // after a failed capture: that size runs eagerly), and a graph step's metadata in backend
+  // Step graphs: the batch sizes (ascending), the block table width, the graph of each batch
+  // size and context bound in blocks (a power of two of at least kGraphMinContextBlocks, or the
+  // table width; the attention's grid is sized for the bound, so a bound far past the step's
+  // contexts would launch mostly idle blocks), null after a failed capture (that step shape
+  // runs eagerly), and a graph step's metadata in backend
   // memory, laid out for `padded` rows as [token_ids][positions][slots][sample_rows] (padded
   // each), [query_start (padded + 1)][context_len (padded)][block_table (padded x
   // graph_table_width_)], planned on the host in graph_planned_ (graph_ints_ itself when backend
   // memory is host memory).
   std::vector<int> graph_sizes_;
   int graph_table_width_ = 0;
-  std::map<int, std::unique_ptr<kernels::Backend::StepGraph>> graphs_;
+  static constexpr int kGraphMinContextBlocks = 16;
+  std::map<std::pair<int, int>, std::unique_ptr<kernels::Backend::StepGraph>> graphs_;
   kernels::DeviceBuffer graph_ints_;
   int32_t* graph_planned_ = nullptr;
   std::vector<int32_t> host_graph_ints_;
