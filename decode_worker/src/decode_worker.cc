@@ -263,6 +263,7 @@ tandem::v1::WorkerStats DecodeWorkerImpl::ComputeStats() const {
   stats.set_spec_verify_steps(engine_stats.spec_verify_steps);
   stats.set_backend_sampled_tokens(engine_stats.backend_sampled_tokens);
   stats.set_host_sampled_tokens(engine_stats.host_sampled_tokens);
+  stats.set_graph_steps(engine_stats.graph_steps);
   stats.mutable_spec_proposed_by_position()->Add(engine_stats.spec_proposed_by_position.begin(),
                                                  engine_stats.spec_proposed_by_position.end());
   stats.mutable_spec_accepted_by_position()->Add(engine_stats.spec_accepted_by_position.begin(),

@@ -823,6 +823,7 @@ TEST_P(DecodeWorkerTest, ServesMetricsAndHealth) {
   // The CPU engine draws on the host (--sampling-device auto).
   EXPECT_THAT(metrics, HasSubstr("\ntandem_sampled_tokens_total{device=\"backend\"} 0\n"));
   EXPECT_THAT(metrics, ::testing::ContainsRegex("\ntandem_sampled_tokens_total\\{device=\"host\"\\} [1-9]"));
+  EXPECT_THAT(metrics, HasSubstr("\ntandem_graph_steps_total 0\n"));  // no graphs on the CPU
   EXPECT_THAT(metrics, HasSubstr("\ntandem_decode_reservations_expired_total 0\n"));
   EXPECT_THAT(HttpGet(worker_->metrics_port(), "/health"), HasSubstr("HTTP/1.1 200"));
   EXPECT_THAT(HttpGet(worker_->metrics_port(), "/nope"), HasSubstr("HTTP/1.1 404"));

@@ -558,6 +558,7 @@ void PrefillWorkerImpl::UpdateStats() {
   stats_.set_preemptions_total(engine_stats.preemptions);
   stats_.set_backend_sampled_tokens(engine_stats.backend_sampled_tokens);
   stats_.set_host_sampled_tokens(engine_stats.host_sampled_tokens);
+  stats_.set_graph_steps(engine_stats.graph_steps);
   stats_.set_prefix_cache_queries_tokens(engine_stats.prefix_cache_queries_tokens);
   stats_.set_prefix_cache_hits_tokens(engine_stats.prefix_cache_hits_tokens);
 }

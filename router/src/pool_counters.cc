@@ -27,6 +27,7 @@ bool Restarted(const engine::EngineStats& now, const engine::EngineStats& earlie
          now.prefix_cache_hits_tokens < earlier.prefix_cache_hits_tokens ||
          now.backend_sampled_tokens < earlier.backend_sampled_tokens ||
          now.host_sampled_tokens < earlier.host_sampled_tokens ||
+         now.graph_steps < earlier.graph_steps ||
          AnyBelow(now.spec_proposed_by_position, earlier.spec_proposed_by_position) ||
          AnyBelow(now.spec_accepted_by_position, earlier.spec_accepted_by_position);
 }
@@ -40,19 +41,22 @@ void AddCounters(engine::EngineStats& to, const engine::EngineStats& from) {
   to.prefix_cache_hits_tokens += from.prefix_cache_hits_tokens;
   to.backend_sampled_tokens += from.backend_sampled_tokens;
   to.host_sampled_tokens += from.host_sampled_tokens;
+  to.graph_steps += from.graph_steps;
   AddTo(to.spec_proposed_by_position, from.spec_proposed_by_position);
   AddTo(to.spec_accepted_by_position, from.spec_accepted_by_position);
 }
 
 // The counters a pool's worker contributes: where tokens are generated, the decode pool's
 // preemptions and speculation; where prompts are computed, the prefill pool's prefix cache;
-// from both, the tokens drawn (a prefill worker draws the first).
+// from both, the tokens drawn (a prefill worker draws the first) and the steps replayed from
+// step graphs (only decode steps replay them).
 engine::EngineStats PoolShare(const tandem::v1::WorkerStats& stats, bool decode) {
   engine::EngineStats c;
   c.backend_sampled_tokens = stats.backend_sampled_tokens();
   c.host_sampled_tokens = stats.host_sampled_tokens();
   if (decode) {
     c.preemptions = stats.preemptions_total();
+    c.graph_steps = stats.graph_steps();
     c.spec_proposed_tokens = stats.spec_proposed_tokens();
     c.spec_accepted_tokens = stats.spec_accepted_tokens();
     c.spec_verify_steps = stats.spec_verify_steps();

@@ -61,6 +61,22 @@ TEST(PoolCountersTest, SampledTokensSumBothPools) {
   EXPECT_EQ(s.host_sampled_tokens, 9);
 }
 
+// Step graphs replay only decode steps: the decode pool's count.
+TEST(PoolCountersTest, GraphStepsSumTheDecodePool) {
+  PoolCounters counters;
+  PoolSnapshot pools;
+  pools.decode = {Decode("d1", 0, 0), Decode("d2", 0, 0)};
+  pools.prefill = {Prefill("p1", 0, 0)};
+  pools.decode[0].stats.set_graph_steps(900);
+  pools.decode[1].stats.set_graph_steps(100);
+  pools.prefill[0].stats.set_graph_steps(5);
+  EXPECT_EQ(counters.Observe(pools).graph_steps, 1000);
+  // d2 restarts: its count from 0 adds to the 100 it had.
+  pools.decode[1].stats.set_graph_steps(30);
+  pools.decode[0].stats.set_graph_steps(950);
+  EXPECT_EQ(counters.Observe(pools).graph_steps, 950 + 100 + 30);
+}
+
 // What Prometheus requires of a counter: it never goes down while the router runs, whatever
 // the pools do.
 TEST(PoolCountersTest, LeavingRestartingAndReturningWorkersNeverLowerTheTotals) {

@@ -319,7 +319,7 @@ TEST(ApiServerTest, MetricsPassPromtoolOnALiveScrape) {
         "tandem_preemptions_total", "tandem_http_responses_total",
         "tandem_time_per_output_token_seconds", "tandem_requests_slo_total",
         "tandem_requests_slo_met_total", "tandem_slo_ttft_seconds", "tandem_slo_tpot_seconds",
-        "tandem_sampled_tokens_total"}) {
+        "tandem_sampled_tokens_total", "tandem_graph_steps_total"}) {
     EXPECT_THAT(r.body, HasSubstr(std::string("# TYPE ") + family + " ")) << family;
   }
   EXPECT_EQ(MetricValue(r.body, "tandem_generation_tokens_total"), 6);
@@ -327,6 +327,8 @@ TEST(ApiServerTest, MetricsPassPromtoolOnALiveScrape) {
   // prefill workers' first tokens and the decode workers' others, summed.
   EXPECT_EQ(MetricValue(r.body, "tandem_sampled_tokens_total{device=\"host\"}"), 6);
   EXPECT_EQ(MetricValue(r.body, "tandem_sampled_tokens_total{device=\"backend\"}"), 0);
+  // The CPU backend has no step graphs.
+  EXPECT_EQ(MetricValue(r.body, "tandem_graph_steps_total"), 0);
   // The stream's outputs (3 tokens, one or more per output) were each timed to the socket, once
   // written; the other request was not streamed.
   const double timed = MetricValue(r.body, "tandem_stream_write_seconds_count").value_or(0);

@@ -1,7 +1,8 @@
-// Where tokens are drawn (`--sampling-device`), as one metric family defined once: every engine
-// exports it (a worker's EngineMetrics), and so does the API server for the engine or the pools
-// behind it (the router sums its prefill workers', which draw first tokens, and its decode
-// workers').
+// How the device runs the end of a step: where tokens are drawn (`--sampling-device`) and how
+// many decode steps replayed a CUDA graph (`--enforce-eager` off), as metric families defined
+// once: every engine exports them (a worker's EngineMetrics), and so does the API server for
+// the engine or the pools behind it (the router sums its prefill workers', which draw first
+// tokens, and its decode workers').
 //
 //   metrics::Registry registry;
 //   engine::SamplingMetrics sampling(registry);
@@ -16,7 +17,8 @@ namespace tandem::engine {
 
 class SamplingMetrics {
  public:
-  // Registers tandem_sampled_tokens_total{device="backend"|"host"}.
+  // Registers tandem_sampled_tokens_total{device="backend"|"host"} and
+  // tandem_graph_steps_total.
   explicit SamplingMetrics(metrics::Registry& registry);
 
   // Advances both series to `stats`' totals (never down). Not thread-safe.
@@ -25,6 +27,7 @@ class SamplingMetrics {
  private:
   prometheus::Counter& backend_;
   prometheus::Counter& host_;
+  prometheus::Counter& graph_steps_;
 };
 
 }  // namespace tandem::engine
