@@ -123,6 +123,12 @@ with tempfile.TemporaryDirectory() as tmp:
         outs[where] = r.stdout
     check(outs["host"] == outs["backend"] and outs["host"].count("\n") == 2,
           f"--sampling-device backend {outs['backend']!r} against host {outs['host']!r}")
+    # --enforce-eager is accepted wherever an engine runs; on the CPU (no step graphs) the
+    # output is the same.
+    r = run(*sampled, "--sampling-device", "host", "--enforce-eager")
+    check(r.returncode == 0 and r.stdout == outs["host"], f"--enforce-eager: {r.stderr}")
+    ok, err = refused(run(*gen, "--enforce-eager=yes"), "enforce-eager")
+    check(ok, f"--enforce-eager=yes: {err}")
     ok, err = refused(run(*gen, "--sampling-device", "gpu"),
                       "--sampling-device must be auto, host or backend, got gpu")
     check(ok, f"--sampling-device gpu: {err}")
