@@ -139,7 +139,7 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
   engine->spec_proposed_by_position_.assign(num_spec, 0);
   engine->spec_accepted_by_position_.assign(num_spec, 0);
   engine->role_ = std::make_unique<internal::DisaggRole>(options.role);
-  engine->telemetry_ = StepTelemetry(options.step_trace, engine->role_->name());
+  engine->telemetry_ = StepTelemetry(options.step_trace, engine->role_->name(), options.clock);
   TANDEM_ASSIGN_OR_RETURN(engine->checkpoint_, Checkpoint::Open(options.model_dir));
   TANDEM_ASSIGN_OR_RETURN(engine->tokenizer_,
                           text::Tokenizer::FromFile(options.model_dir + "/tokenizer.json"));
@@ -603,7 +603,7 @@ absl::Status LlmEngine::DraftStep(const SchedulerStep& step) {
     if (draft_runner_ != nullptr) draft_runner_->CopyBlocks(step.block_copies);
     return absl::OkStatus();
   }
-  const auto begin = std::chrono::steady_clock::now();
+  const auto begin = telemetry_.Now();
   static const std::vector<std::pair<int32_t, int32_t>> kNoCopies;
   const std::vector<std::pair<int32_t, int32_t>>* copies = &step.block_copies;
   if (draft_runner_ != nullptr) {
@@ -683,7 +683,7 @@ absl::Status LlmEngine::DraftStep(const SchedulerStep& step) {
     }
   }
   telemetry_.DraftPasses(
-      most, std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count());
+      most, std::chrono::duration<double>(telemetry_.Now() - begin).count());
   return absl::OkStatus();
 }
 

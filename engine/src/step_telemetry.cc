@@ -4,11 +4,12 @@
 
 namespace tandem::engine {
 
-StepTelemetry::StepTelemetry(std::shared_ptr<StepTrace> trace, std::string_view role)
-    : trace_(std::move(trace)), role_(role) {}
+StepTelemetry::StepTelemetry(std::shared_ptr<StepTrace> trace, std::string_view role,
+                             Clock clock)
+    : trace_(std::move(trace)), role_(role), clock_(std::move(clock)) {}
 
 void StepTelemetry::BeginStep() {
-  step_start_ = std::chrono::steady_clock::now();
+  step_start_ = Now();
   gap_seconds_ = -1;
   if (pending_after_last_step_) {
     gap_seconds_ = std::chrono::duration<double>(step_start_ - last_step_end_).count();
@@ -48,7 +49,7 @@ void StepTelemetry::EndStep(bool work_left) {
   // Measured from Schedule through sampling and output processing: what a decode step adds to
   // every running request's time per output token.
   last_step_seconds_ =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start_).count();
+      std::chrono::duration<double>(Now() - step_start_).count();
   last_predicted_step_seconds_ =
       latency_model_.ready()
           ? latency_model_.Predict(step_tokens_, step_seqs_, step_context_) + step_draft_seconds_
@@ -58,7 +59,7 @@ void StepTelemetry::EndStep(bool work_left) {
   latency_model_.Observe(step_tokens_, step_seqs_, step_context_, last_target_step_seconds_);
   ++steps_;
   last_step_seqs_ = step_seqs_;
-  last_step_end_ = std::chrono::steady_clock::now();
+  last_step_end_ = Now();
   if (trace_ != nullptr) {
     trace_->RecordStep(role_, {.seconds = last_step_seconds_,
                                .gap_seconds = gap_seconds_,

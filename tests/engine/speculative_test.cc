@@ -6,8 +6,10 @@
 // leave no KV block behind.
 #include "tandem/engine/speculative.h"
 
+#include <chrono>
 #include <cmath>
 #include <map>
+#include <memory>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -32,8 +34,10 @@ SpeculativeOptions Ngram(int k, int ngram_min = 1, int ngram_max = 3) {
 }
 
 std::unique_ptr<LlmEngine> MakeEngine(const std::string& model, SpeculativeOptions spec,
-                                      bool prefix_caching = true, int max_num_seqs = 16) {
+                                      bool prefix_caching = true, int max_num_seqs = 16,
+                                      StepTelemetry::Clock clock = nullptr) {
   EngineOptions options;
+  options.clock = std::move(clock);
   options.model_dir = model;
   options.num_threads = 2;
   options.kv_cache_bytes = 16ll << 20;
@@ -44,6 +48,14 @@ std::unique_ptr<LlmEngine> MakeEngine(const std::string& model, SpeculativeOptio
   auto engine = LlmEngine::Create(options);
   EXPECT_TRUE(engine.ok()) << engine.status();
   return engine.ok() ? std::move(engine).value() : nullptr;
+}
+
+// A clock that advances 1 ms at each reading: the engine's step and draft-pass times then count
+// its readings (a step 1 ms; 3 when it ran draft passes, which take 1 of them), the same on any
+// machine under any load.
+StepTelemetry::Clock TickingClock() {
+  auto now = std::make_shared<std::chrono::steady_clock::time_point>();
+  return [now] { return *now += std::chrono::milliseconds(1); };
 }
 
 // Prompts that repeat themselves (as code, documents being edited and chat histories do), so
@@ -452,7 +464,8 @@ TEST(SpeculativeTest, SampledDraftsFromTheTargetItselfAreAllAccepted) {
 }
 
 // A draft model that disagrees with the target (another seed's weights), left to the adaptive
-// length: speculation goes off after the first rejections and is probed ever more rarely; by
+// length (timed by a ticking clock): speculation goes off after the first rejections and is
+// probed ever more rarely; by
 // the later probes the draft is hundreds of tokens behind and catches up over the last
 // kProbeCatchUpTokens only, its older KV left stale. Outputs stay exactly the unspeculated ones
 // and the draft proposes for only a few steps. (Speculation is off for any step costs here:
@@ -467,7 +480,9 @@ TEST(SpeculativeTest, AnOffDraftModelProbesRarelyOverRecentTokensWithOutputsUnch
   options.draft_model = dir;
   options.adaptive = true;
   auto plain = MakeEngine(model, {});
-  auto spec = MakeEngine(model, options);
+  // Adaptive speculation weighs measured step and draft times: timed by a ticking clock, what
+  // it decides does not depend on the machine's speed or load.
+  auto spec = MakeEngine(model, options, true, 16, TickingClock());
   ASSERT_NE(spec, nullptr);
   std::mt19937 rng(5);
   SamplingParams p{.temperature = 0, .max_tokens = 600, .ignore_eos = true};
@@ -481,7 +496,7 @@ TEST(SpeculativeTest, AnOffDraftModelProbesRarelyOverRecentTokensWithOutputsUnch
   for (const RequestOutput& out : got) EXPECT_EQ(out.choices[0].token_ids.size(), 600u);
   const EngineStats stats = spec->stats();
   // Per sequence: a step or two at the start, then probes after 32, 64, 128 and 256 steps off
-  // (the last two with the draft 128 and 256 tokens behind). Measured: 5 each.
+  // (the last two with the draft 128 and 256 tokens behind): 5 each with the ticking clock.
   EXPECT_GT(stats.spec_verify_steps, 3 * 3);
   EXPECT_LE(stats.spec_verify_steps, 3 * 8) << stats.spec_proposed_tokens << " proposed";
   EXPECT_LT(stats.spec_accepted_tokens * 4, stats.spec_proposed_tokens);

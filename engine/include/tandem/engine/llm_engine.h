@@ -149,6 +149,11 @@ struct EngineOptions {
   // at most 512); true runs every step eagerly (`--enforce-eager`, vLLM's name). No effect on
   // the CPU backend, which has no launch overhead to save.
   bool enforce_eager = false;
+  // What the engine times its own steps and draft passes by (the latency model, the SLO
+  // controllers and adaptive speculation read those times); null: std::chrono::steady_clock.
+  // Tests pass a clock that advances by a fixed amount per reading, so that what the engine
+  // decides from its timings does not depend on how fast or loaded the machine is.
+  std::function<std::chrono::steady_clock::time_point()> clock;
 };
 
 // The batch sizes an engine of `max_num_seqs` captures decode step graphs for.

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -23,8 +24,15 @@ namespace tandem::engine {
 
 class StepTelemetry {
  public:
-  // `trace` may be null (no trace); `role` names the engine's steps in it.
-  StepTelemetry(std::shared_ptr<StepTrace> trace, std::string_view role);
+  // `trace` may be null (no trace); `role` names the engine's steps in it. `clock` is what the
+  // steps are timed by (EngineOptions::clock); null: std::chrono::steady_clock.
+  using Clock = std::function<std::chrono::steady_clock::time_point()>;
+  StepTelemetry(std::shared_ptr<StepTrace> trace, std::string_view role, Clock clock = nullptr);
+
+  // The time now, by the telemetry's clock (for the engine's own timings within a step).
+  std::chrono::steady_clock::time_point Now() const {
+    return clock_ ? clock_() : std::chrono::steady_clock::now();
+  }
 
   // A step starts: the gap since the previous one (while work was pending) is averaged in.
   void BeginStep();
@@ -64,6 +72,7 @@ class StepTelemetry {
 
   std::shared_ptr<StepTrace> trace_;
   std::string role_;
+  Clock clock_;
   StepLatencyModel latency_model_;
   int64_t steps_ = 0;
   double last_step_seconds_ = 0;
