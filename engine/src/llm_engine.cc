@@ -38,8 +38,8 @@ struct LlmEngine::Request {
 
 LlmEngine::~LlmEngine() = default;
 
-std::vector<int> DecodeGraphBatchSizes(int max_num_seqs) {
-  const int largest = std::min(max_num_seqs, 512);
+std::vector<int> DecodeGraphBatchSizes(int max_tokens) {
+  const int largest = std::min(max_tokens, 512);
   std::vector<int> sizes;
   for (int size : {1, 2, 4}) {
     if (size <= largest) sizes.push_back(size);
@@ -224,7 +224,8 @@ absl::StatusOr<std::unique_ptr<LlmEngine>> LlmEngine::Create(const EngineOptions
                           CreateDeviceCollective(options, engine->backend_.get()));
   std::vector<int> graph_sizes;
   if (options.device == Device::kCuda && !options.enforce_eager) {
-    graph_sizes = DecodeGraphBatchSizes(options.max_num_seqs);
+    // Verification steps count 1 + the drafts per sequence.
+    graph_sizes = DecodeGraphBatchSizes(options.max_num_seqs * (1 + num_spec));
   }
   engine->backend_sampling_ =
       options.sampling_device == SamplingDevice::kBackend ||

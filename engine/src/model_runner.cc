@@ -313,8 +313,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoin
     return absl::InvalidArgumentError("max_blocks_per_seq must not be negative");
   }
   if (!options.graph_batch_sizes.empty() && !runner->tensor_parallel()) {
-    const int largest_allowed = std::min<int>({options.max_num_seqs, static_cast<int>(t),
-                                               static_cast<int>(s)});
+    // Every token of a graph step yields logits.
+    const int largest_allowed = static_cast<int>(std::min(t, s));
     for (int size : options.graph_batch_sizes) {
       if (size >= 1 && size <= largest_allowed) runner->graph_sizes_.push_back(size);
     }
@@ -734,16 +734,21 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
 }
 
 int ModelRunner::GraphBatchSize(const SchedulerStep& step) const {
-  const int n = static_cast<int>(step.seqs.size());
-  if (graph_sizes_.empty() || n == 0 || n > graph_sizes_.back() || layer_written_hook_) return 0;
+  if (graph_sizes_.empty() || step.seqs.empty() || layer_written_hook_) return 0;
   const int64_t max_context = int64_t{graph_table_width_} * kv_layout_.block_size;
+  int tokens = 0;
   for (const ScheduledSequence& s : step.seqs) {
-    if (s.num_new_tokens != 1 || s.num_draft_tokens != 0 || !s.samples ||
-        s.seq->num_computed_tokens + 1 > max_context) {
+    // Decode (one token) or speculative verification (the last token and its drafts): every
+    // new token yields logits.
+    if (!s.samples || s.num_new_tokens != 1 + s.num_draft_tokens ||
+        s.num_new_tokens > options_.max_logit_rows_per_seq ||
+        s.seq->num_computed_tokens + s.num_new_tokens > max_context) {
       return 0;
     }
+    tokens += s.num_new_tokens;
   }
-  return *std::lower_bound(graph_sizes_.begin(), graph_sizes_.end(), n);
+  if (tokens > graph_sizes_.back()) return 0;
+  return *std::lower_bound(graph_sizes_.begin(), graph_sizes_.end(), tokens);
 }
 
 ModelRunner::StepArgs ModelRunner::GraphStepArgs(int padded, int context_blocks) const {
@@ -764,7 +769,7 @@ ModelRunner::StepArgs ModelRunner::GraphStepArgs(int padded, int context_blocks)
              .device_context_len = query_start + padded + 1,
              .device_block_table = query_start + 2 * padded + 1,
              .num_tokens = padded,
-             .max_query_len = 1,
+             .max_query_len = options_.max_logit_rows_per_seq,
              .max_context_len = context_blocks * kv_layout_.block_size};
   return a;
 }
@@ -783,28 +788,39 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteGraphStep(const Sched
   int32_t* query_start = sample_rows + padded;
   int32_t* context_len = query_start + padded + 1;
   int32_t* table = context_len + padded;
+  // The step's sequences first, their tokens back to back (every one a sample row), then one
+  // padding sequence per remaining token, then sequences of no token up to `padded` of them.
   int max_context = 1;
-  for (int i = 0; i < padded; ++i) {
-    query_start[i] = i;
-    sample_rows[i] = i;
-    if (i >= n) {
-      // Padding: token 0 at position 0 over a context of one key (entry 0 of its table row,
-      // some block), writing no KV; its logits are never read.
-      ids[i] = 0;
-      positions[i] = 0;
-      slots[i] = -1;
-      context_len[i] = 1;
-      continue;
-    }
+  int t = 0;
+  for (int i = 0; i < n; ++i) {
     const Sequence& seq = *step.seqs[i].seq;
-    const int pos = seq.num_computed_tokens;
-    ids[i] = seq.tokens[pos];
-    positions[i] = pos;
-    slots[i] = seq.block_table[pos / bs] * bs + pos % bs;
-    context_len[i] = pos + 1;
-    max_context = std::max(max_context, pos + 1);
+    const int begin = seq.num_computed_tokens;
+    const int end = begin + step.seqs[i].num_new_tokens;
+    const int known = static_cast<int>(seq.tokens.size());
+    query_start[i] = t;
+    for (int pos = begin; pos < end; ++pos, ++t) {
+      ids[t] = pos < known ? seq.tokens[pos] : seq.draft_tokens[pos - known];
+      positions[t] = pos;
+      slots[t] = seq.block_table[pos / bs] * bs + pos % bs;
+      sample_rows[t] = t;
+    }
+    context_len[i] = end;
+    max_context = std::max(max_context, end);
     std::copy(seq.block_table.begin(), seq.block_table.end(),
               table + static_cast<int64_t>(i) * width);
+  }
+  const int real_tokens = t;
+  for (int i = n; i < padded; ++i) {
+    query_start[i] = t;
+    // Padding: token 0 at position 0 over a context of one key (entry 0 of its table row,
+    // some block), writing no KV; its logits are never read.
+    context_len[i] = 1;
+    if (t == padded) continue;  // no token left: an empty sequence
+    ids[t] = 0;
+    positions[t] = 0;
+    slots[t] = -1;
+    sample_rows[t] = t;
+    ++t;
   }
   query_start[padded] = padded;
   for (const auto& [src, dst] : step.block_copies) CopyBlock(src, dst);
@@ -835,14 +851,14 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteGraphStep(const Sched
         graph_sizes_.clear();  // this backend has none: every later step runs eagerly
       } else {
         std::fprintf(stderr,
-                     "tandem: decode steps of batch %d over contexts of up to %d tokens run "
+                     "tandem: decode steps of %d tokens over contexts of up to %d tokens run "
                      "without a step graph: %s\n",
                      padded, context_blocks * bs, std::string(graph.status().message()).c_str());
       }
     }
   }
-  last_sampled_rows_ = n;
-  return FinishStep(n, sample_in_backend);
+  last_sampled_rows_ = real_tokens;
+  return FinishStep(real_tokens, sample_in_backend);
 }
 
 void ModelRunner::set_backend_sampling(std::span<const kernels::SampleRowParams> rows,

@@ -34,12 +34,15 @@ int32_t Argmax(std::span<const float> row) {
 
 // Runs `step` on `graphed` and `eager` and compares each row's logits bitwise, or with
 // `backend_draws` the tokens `graphed` draws in the backend (greedy) with the eager logits'
-// argmax; then appends the eager argmax to each sequence.
+// argmax, but for the first row of a step of several, whose logits come back for the host
+// (set_backend_sampling's host rows); then appends the eager argmax to each sequence.
 void StepOnBoth(ModelRunner& graphed, ModelRunner& eager, const SchedulerStep& step, int vocab,
                 bool backend_draws) {
+  const bool host_row = backend_draws && step.seqs.size() > 1;
   if (backend_draws) {
     std::vector<kernels::SampleRowParams> rows(step.seqs.size());
-    graphed.set_backend_sampling(rows, {});
+    graphed.set_backend_sampling(rows, {}, host_row ? std::vector<int32_t>{0}
+                                                    : std::vector<int32_t>{});
   }
   auto got = graphed.Execute(step);
   ASSERT_TRUE(got.ok()) << got.status();
@@ -48,10 +51,14 @@ void StepOnBoth(ModelRunner& graphed, ModelRunner& eager, const SchedulerStep& s
   ASSERT_TRUE(want.ok()) << want.status();
   ASSERT_EQ(want->size(), step.seqs.size() * vocab);
   if (backend_draws) {
-    ASSERT_TRUE(graph_logits.empty());
+    ASSERT_EQ(graph_logits.size(), host_row ? static_cast<size_t>(vocab) : 0u);
+    if (host_row) {
+      EXPECT_TRUE(std::equal(want->begin(), want->begin() + vocab, graph_logits.begin()))
+          << "the host row's logits differ";
+    }
     const ModelRunner::BackendSamples drawn = graphed.backend_samples();
     ASSERT_EQ(drawn.tokens.size(), step.seqs.size());
-    for (size_t r = 0; r < step.seqs.size(); ++r) {
+    for (size_t r = host_row ? 1 : 0; r < step.seqs.size(); ++r) {
       EXPECT_EQ(drawn.tokens[r].token, Argmax(want->subspan(r * vocab, vocab))) << "row " << r;
     }
   } else {
@@ -84,7 +91,7 @@ void RunSteps(const Checkpoint& checkpoint, kernels::Backend* graphed,
   auto eager = ModelRunner::Create(checkpoint, cpu->get(), eager_options);
   ASSERT_TRUE(eager.ok()) << eager.status();
   ModelRunnerOptions options = eager_options;
-  options.graph_batch_sizes = {8, 1, 2, 4, 64};  // 64: past max_num_seqs, dropped
+  options.graph_batch_sizes = {8, 1, 2, 4, 64};  // 64: past the 8 logit rows, dropped
   options.max_blocks_per_seq = 3;
   options.backend_sampling = true;
   auto graph_runner = ModelRunner::Create(checkpoint, graphed, options);
@@ -144,6 +151,7 @@ TEST_P(StepGraphTest, ReplayedDecodeStepsGiveTheEagerLogits) {
 
 INSTANTIATE_TEST_SUITE_P(Models, StepGraphTest,
                          ::testing::Values(Model{"llama", DType::kF32},
+                                           Model{"qwen2", DType::kF32},
                                            Model{"qwen3", DType::kBF16}),
                          [](const auto& info) { return info.param.arch; });
 
@@ -206,6 +214,82 @@ TEST(StepGraphContextTest, LongerContextsTakeGraphsOfALargerBound) {
   EXPECT_EQ(backend->captures(), (*graphed)->graphs_captured());
   EXPECT_EQ((*graphed)->graphs_captured(), 3);
   EXPECT_EQ((*graphed)->graph_replays(), 13 - 3);
+}
+
+// Speculative verification steps (each sequence's last token and 0-3 draft tokens, every one
+// yielding logits) replay graphs sized by their tokens: every logit row bitwise the eager
+// runner's, with the drafts' KV written where the eager runner writes it.
+TEST(StepGraphVerifyTest, VerificationStepsReplayGraphsSizedByTheirTokens) {
+  auto checkpoint = Checkpoint::Open(testing::TinyModel("qwen3", DType::kF32));
+  ASSERT_TRUE(checkpoint.ok()) << checkpoint.status();
+  const int vocab = (*checkpoint)->config().vocab_size;
+  ModelRunnerOptions options{.max_num_batched_tokens = 256,
+                             .max_num_seqs = 4,
+                             .num_kv_blocks = 64,
+                             .block_size = 16,
+                             .max_logit_rows_per_seq = 4};
+  auto cpu = kernels::CreateCpuBackend({.num_threads = 1});
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  auto eager = ModelRunner::Create(**checkpoint, cpu->get(), options);
+  ASSERT_TRUE(eager.ok()) << eager.status();
+  std::unique_ptr<testing::GraphRecordingBackend> backend = testing::GraphRecording();
+  options.graph_batch_sizes = {4, 8, 16};
+  options.max_blocks_per_seq = 8;
+  auto graphed = ModelRunner::Create(**checkpoint, backend.get(), options);
+  ASSERT_TRUE(graphed.ok()) << graphed.status();
+
+  BlockManager blocks(options.num_kv_blocks, options.block_size);
+  std::vector<Sequence> seqs(4);
+  for (int i = 0; i < 4; ++i) {
+    for (int t = 0; t < 6 + 9 * i; ++t) seqs[i].tokens.push_back((t * 19 + i * 5 + 3) % vocab);
+    seqs[i].num_prompt_tokens = static_cast<int>(seqs[i].tokens.size());
+  }
+  // Draft tokens per sequence and step (-1: the sequence is not in the step); step 0 prefills.
+  const std::vector<std::vector<int>> drafts = {
+      {0, 0, 0, 0}, {3, 1, 0, 2}, {0, 3, -1, 1}, {2, 2, 2, 2}, {1, -1, -1, -1},
+      {3, 0, 3, 0}, {0, 1, 2, 3}, {-1, 3, -1, -1}, {2, 1, 3, 0},
+  };
+  for (size_t p = 0; p < drafts.size(); ++p) {
+    SCOPED_TRACE(::testing::Message() << "step " << p);
+    SchedulerStep step;
+    for (int i = 0; i < 4; ++i) {
+      const int k = drafts[p][i];
+      if (k < 0) continue;
+      Sequence& seq = seqs[i];
+      seq.draft_tokens.clear();
+      for (int j = 0; j < k; ++j) seq.draft_tokens.push_back((seq.tokens.size() * 7 + j) % vocab);
+      const int n = static_cast<int>(seq.tokens.size()) + k - seq.num_computed_tokens;
+      ASSERT_TRUE(blocks.Append(seq.block_table, seq.num_computed_tokens, n).ok());
+      step.seqs.push_back({&seq, n, true, p == 0 ? 0 : k});
+      step.num_tokens += n;
+    }
+    auto got = (*graphed)->Execute(step);
+    ASSERT_TRUE(got.ok()) << got.status();
+    const std::vector<float> graph_logits(got->begin(), got->end());
+    auto want = (*eager)->Execute(step);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_EQ(graph_logits.size(), want->size());
+    EXPECT_TRUE(std::equal(want->begin(), want->end(), graph_logits.begin()))
+        << "logits differ";
+    // Every draft accepted, then the token after them: the next step attends over the drafts'
+    // KV as both runners wrote it.
+    size_t row = 0;
+    for (const ScheduledSequence& s : step.seqs) {
+      Sequence& seq = *s.seq;
+      row += s.num_draft_tokens;
+      seq.tokens.insert(seq.tokens.end(), seq.draft_tokens.begin(),
+                        seq.draft_tokens.begin() + s.num_draft_tokens);
+      seq.draft_tokens.clear();
+      seq.num_computed_tokens = static_cast<int>(seq.tokens.size());
+      seq.tokens.push_back(Argmax(want->subspan(row * vocab, vocab)));
+      ++row;
+    }
+  }
+  // Steps of 10, 7, 12, 2, 10, 10, 4 and 10 tokens: sizes 16, 8, 16, 4, 16, 16, 4 and 16 (the
+  // contexts all within the table's 8 blocks), one capture each of 16, 8 and 4, 5 replays.
+  EXPECT_EQ((*graphed)->graphs_captured(), 3);
+  EXPECT_EQ((*graphed)->graph_replays(), 5);
+  EXPECT_EQ(backend->launches(), 5);
 }
 
 TEST(DecodeGraphBatchSizesTest, CoverEveryBatchUpToMaxNumSeqs) {

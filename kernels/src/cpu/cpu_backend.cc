@@ -431,7 +431,7 @@ class CpuBackend final : public Backend {
                    batch.context_len[s] <= int64_t{batch.max_blocks_per_seq} * layout.block_size)
           << "sequence " << s << ": " << q_len << " queries, context " << batch.context_len[s];
       // A device batch's bounds are what a backend sizes the call by.
-      TANDEM_CHECK(!batch.on_device || (q_len >= 1 && q_len <= batch.max_query_len &&
+      TANDEM_CHECK(!batch.on_device || (q_len <= batch.max_query_len &&
                                         batch.context_len[s] <= batch.max_context_len))
           << "sequence " << s << " of a device batch: " << q_len << " queries, context "
           << batch.context_len[s] << ", past the bounds " << batch.max_query_len << " and "

@@ -144,10 +144,11 @@ struct EngineOptions {
   // the same either way.
   bool overlap_grammar_masks = true;
   SamplingDevice sampling_device = SamplingDevice::kAuto;
-  // On CUDA, decode steps replay CUDA graphs captured per padded batch size
-  // (ModelRunnerOptions::graph_batch_sizes: 1, 2, 4, then multiples of 8 up to max_num_seqs and
-  // at most 512); true runs every step eagerly (`--enforce-eager`, vLLM's name). No effect on
-  // the CPU backend, which has no launch overhead to save.
+  // On CUDA, decode and speculative verification steps replay CUDA graphs captured per padded
+  // token count (ModelRunnerOptions::graph_batch_sizes: 1, 2, 4, then multiples of 8 up to
+  // max_num_seqs x (1 + draft tokens) and at most 512); true runs every step eagerly
+  // (`--enforce-eager`, vLLM's name). No effect on the CPU backend, which has no launch
+  // overhead to save.
   bool enforce_eager = false;
   // What the engine times its own steps and draft passes by (the latency model, the SLO
   // controllers and adaptive speculation read those times); null: std::chrono::steady_clock.
@@ -156,8 +157,9 @@ struct EngineOptions {
   std::function<std::chrono::steady_clock::time_point()> clock;
 };
 
-// The batch sizes an engine of `max_num_seqs` captures decode step graphs for.
-std::vector<int> DecodeGraphBatchSizes(int max_num_seqs);
+// The step sizes (tokens) an engine captures decode step graphs for, when a step has at most
+// `max_tokens` of them (max_num_seqs, times 1 + the draft tokens with speculation).
+std::vector<int> DecodeGraphBatchSizes(int max_tokens);
 
 // Single-threaded: one caller drives AddRequest / Abort / Step.
 //   TANDEM_ASSIGN_OR_RETURN(auto engine, LlmEngine::Create({.model_dir = dir}));

@@ -77,7 +77,7 @@ struct PagedAttentionBatch {
   // change between replays within the bounds below. When `on_device` is set, a backend reads
   // these arrays only from the device pointers (the host ones may be null), and what it queues
   // depends on num_seqs, num_tokens, max_query_len, max_context_len and max_blocks_per_seq
-  // alone. Every sequence then has at least one query row.
+  // alone. A sequence may then have no query row (query_start[s] == query_start[s + 1]).
   bool on_device = false;
   const int32_t* device_query_start = nullptr;
   const int32_t* device_context_len = nullptr;
