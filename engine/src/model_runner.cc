@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstring>
 #include <initializer_list>
+#include <numeric>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -671,6 +672,19 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
   if (tensor_parallel() && comm_->rank() != 0) {
     return absl::FailedPreconditionError("only rank 0 of a tensor-parallel group plans steps");
   }
+  const bool sample_in_backend = std::exchange(sample_pending_, false);
+  if (sample_in_backend &&
+      (static_cast<int>(sample_rows_.size()) != rows ||
+       std::any_of(sample_host_rows_.begin(), sample_host_rows_.end(),
+                   [&](int32_t r) { return r < 0 || r >= rows; }))) {
+    return absl::InternalError(absl::StrCat("backend sampling of ", sample_rows_.size(),
+                                            " rows for a step of ", rows, " logit rows"));
+  }
+  if (!tensor_parallel()) {
+    if (const int padded = GraphBatchSize(step); padded > 0) {
+      return ExecuteGraphStep(step, padded, sample_in_backend);
+    }
+  }
 
   // Flatten the step on the host: tokens of every sequence back to back.
   int max_blocks = 0;
@@ -678,7 +692,6 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     max_blocks = std::max(max_blocks, static_cast<int>(s.seq->block_table.size()));
   }
   block_table_.assign(static_cast<size_t>(num_seqs) * max_blocks, 0);
-  const int bs = kv_layout_.block_size;
   int32_t* token_ids = planned_ints_;
   int32_t* positions = token_ids + tokens;
   int32_t* slots = positions + tokens;
@@ -690,13 +703,8 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
     const Sequence& seq = *step.seqs[i].seq;
     const int begin = seq.num_computed_tokens;
     const int end = begin + step.seqs[i].num_new_tokens;
-    const int known = static_cast<int>(seq.tokens.size());
-    for (int pos = begin; pos < end; ++pos, ++t) {
-      // Past the known tokens: the draft tokens being verified.
-      token_ids[t] = pos < known ? seq.tokens[pos] : seq.draft_tokens[pos - known];
-      positions[t] = pos;
-      slots[t] = seq.block_table[pos / bs] * bs + pos % bs;
-    }
+    PlanTokens(seq, begin, end, token_ids + t, positions + t, slots + t);
+    t += end - begin;
     query_start_[i + 1] = t;
     context_len_[i] = end;
     std::copy(seq.block_table.begin(), seq.block_table.end(),
@@ -706,18 +714,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
         sample_rows[num_sampled++] = t - 1 - r;
     }
   }
-  const bool sample_in_backend = std::exchange(sample_pending_, false);
-  if (sample_in_backend &&
-      (static_cast<int>(sample_rows_.size()) != num_sampled ||
-       std::any_of(sample_host_rows_.begin(), sample_host_rows_.end(),
-                   [&](int32_t r) { return r < 0 || r >= num_sampled; }))) {
-    return absl::InternalError(absl::StrCat("backend sampling of ", sample_rows_.size(),
-                                            " rows for a step of ", num_sampled, " logit rows"));
-  }
   if (!tensor_parallel()) {
-    if (const int padded = GraphBatchSize(step); padded > 0) {
-      return ExecuteGraphStep(step, padded, sample_in_backend);
-    }
     return Forward(tokens, num_seqs, max_blocks, num_sampled, config_.num_layers,
                    /*layer_hook=*/true, step.block_copies, sample_in_backend);
   }
@@ -731,6 +728,19 @@ absl::StatusOr<std::span<const float>> ModelRunner::Execute(const SchedulerStep&
   if (!logits.ok() || attachment.empty()) return logits;
   TANDEM_RETURN_IF_ERROR(ExchangeStepReports(std::string()));
   return logits;
+}
+
+void ModelRunner::PlanTokens(const Sequence& seq, int begin, int end, int32_t* token_ids,
+                             int32_t* positions, int32_t* slots) const {
+  const int bs = kv_layout_.block_size;
+  const int known = static_cast<int>(seq.tokens.size());
+  for (int pos = begin; pos < end; ++pos) {
+    // Past the known tokens: the draft tokens being verified (or drafted).
+    const int i = pos - begin;
+    token_ids[i] = pos < known ? seq.tokens[pos] : seq.draft_tokens[pos - known];
+    positions[i] = pos;
+    slots[i] = seq.block_table[pos / bs] * bs + pos % bs;
+  }
 }
 
 int ModelRunner::GraphBatchSize(const SchedulerStep& step) const {
@@ -788,7 +798,7 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteGraphStep(const Sched
   int32_t* query_start = sample_rows + padded;
   int32_t* context_len = query_start + padded + 1;
   int32_t* table = context_len + padded;
-  // The step's sequences first, their tokens back to back (every one a sample row), then one
+  // The step's sequences first, their tokens back to back (every token a sample row), then one
   // padding sequence per remaining token, then sequences of no token up to `padded` of them.
   int max_context = 1;
   int t = 0;
@@ -796,14 +806,9 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteGraphStep(const Sched
     const Sequence& seq = *step.seqs[i].seq;
     const int begin = seq.num_computed_tokens;
     const int end = begin + step.seqs[i].num_new_tokens;
-    const int known = static_cast<int>(seq.tokens.size());
     query_start[i] = t;
-    for (int pos = begin; pos < end; ++pos, ++t) {
-      ids[t] = pos < known ? seq.tokens[pos] : seq.draft_tokens[pos - known];
-      positions[t] = pos;
-      slots[t] = seq.block_table[pos / bs] * bs + pos % bs;
-      sample_rows[t] = t;
-    }
+    PlanTokens(seq, begin, end, ids + t, positions + t, slots + t);
+    t += end - begin;
     context_len[i] = end;
     max_context = std::max(max_context, end);
     std::copy(seq.block_table.begin(), seq.block_table.end(),
@@ -819,10 +824,10 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteGraphStep(const Sched
     ids[t] = 0;
     positions[t] = 0;
     slots[t] = -1;
-    sample_rows[t] = t;
     ++t;
   }
   query_start[padded] = padded;
+  std::iota(sample_rows, sample_rows + padded, 0);
   for (const auto& [src, dst] : step.block_copies) CopyBlock(src, dst);
   if (graph_planned_ != graph_ints_.as<int32_t>()) {
     // Through the real rows' block table rows: the padding rows' entries stay as they were.
@@ -956,12 +961,8 @@ absl::StatusOr<std::span<const float>> ModelRunner::ExecuteRuns(
   for (int i = 0; i < num_seqs; ++i) {
     const TokenRun& r = runs[i];
     const Sequence& seq = *r.seq;
-    const int known = static_cast<int>(seq.tokens.size());
-    for (int pos = r.begin; pos < r.end; ++pos, ++t) {
-      token_ids[t] = pos < known ? seq.tokens[pos] : seq.draft_tokens[pos - known];
-      positions[t] = pos;
-      slots[t] = seq.block_table[pos / bs] * bs + pos % bs;
-    }
+    PlanTokens(seq, r.begin, r.end, token_ids + t, positions + t, slots + t);
+    t += r.end - r.begin;
     query_start_[i + 1] = t;
     context_len_[i] = r.end;
     std::copy(seq.block_table.begin(), seq.block_table.end(),

@@ -282,6 +282,10 @@ class ModelRunner {
   // After QueueModel: draws the tokens of the first num_sampled rows in the backend, or copies
   // their logits back, and waits for the step.
   absl::StatusOr<std::span<const float>> FinishStep(int num_sampled, bool sample_in_backend);
+  // Token ids, positions and KV slots of `seq`'s positions [begin, end) (past seq.tokens, its
+  // draft_tokens), at [0, end - begin) of each array.
+  void PlanTokens(const Sequence& seq, int begin, int end, int32_t* token_ids,
+                  int32_t* positions, int32_t* slots) const;
   // The batch size whose step graph runs `step`, or 0 when it runs eagerly.
   int GraphBatchSize(const SchedulerStep& step) const;
   // Runs `step` (GraphBatchSize `padded`) through its size's step graph, padded with tokens that
