@@ -67,16 +67,6 @@ struct EventDestroy {
 };
 using Event = std::unique_ptr<CUevent_st, EventDestroy>;
 
-// A shared device buffer: a captured step graph keeps the scratch it was recorded with alive
-// after the backend has grown a larger one.
-template <typename T>
-std::shared_ptr<T> SharedDeviceAlloc(int64_t count, absl::Status* status) {
-  void* p = nullptr;
-  *status = CudaStatus(cudaMalloc(&p, sizeof(T) * std::max<int64_t>(count, 1)), "cudaMalloc");
-  if (!status->ok()) return nullptr;
-  return std::shared_ptr<T>(static_cast<T*>(p), DeviceFree());
-}
-
 struct GraphExecDestroy {
   void operator()(CUgraphExec_st* exec) const { cudaGraphExecDestroy(exec); }
 };
@@ -339,12 +329,12 @@ class CudaBackendImpl final : public CudaBackend {
           if (RefusedInCapture("growing Linear's scratch")) return;
           x16_.reset();
           x16_bytes_ = 0;
-          absl::Status grown;
-          x16_ = SharedDeviceAlloc<unsigned char>(bytes, &grown);
+          auto grown = DeviceAlloc<unsigned char>(bytes);
           if (!grown.ok()) {
-            Keep(grown);
+            Keep(grown.status());
             return;
           }
+          x16_ = std::move(grown).value();
           x16_bytes_ = bytes;
         }
         x16 = x16_.get();
@@ -658,7 +648,7 @@ class CudaBackendImpl final : public CudaBackend {
   std::vector<int32_t> tile_start_;     // host plan: tensor-core tiles per sequence (prefix)
   std::vector<int32_t> split_row_ids_;  // host plan: rows of the split-KV kernels
   // [x16_bytes_]: Linear's x rounded to 16 bits (prefill); shared with the graphs that use it.
-  std::shared_ptr<unsigned char> x16_;
+  std::shared_ptr<unsigned char[]> x16_;
   int64_t x16_bytes_ = 0;
   int multiprocessors_ = 1;
   cuda::SampleRowsStaging sample_staging_;  // SampleRows' uploads
