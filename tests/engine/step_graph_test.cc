@@ -32,10 +32,11 @@ int32_t Argmax(std::span<const float> row) {
   return static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin());
 }
 
-// Runs `step` on `graphed` and `eager` and compares each row's logits bitwise, or with
-// `backend_draws` the tokens `graphed` draws in the backend (greedy) with the eager logits'
-// argmax, but for the first row of a step of several, whose logits come back for the host
-// (set_backend_sampling's host rows); then appends the eager argmax to each sequence.
+// Runs `step` (every sequence sampling: 1 + its draft tokens logit rows) on `graphed` and `eager`
+// and compares each row's logits bitwise, or with `backend_draws` (no drafts) the tokens
+// `graphed` draws in the backend (greedy) with the eager logits' argmax, but for the first row
+// of a step of several, whose logits come back for the host (set_backend_sampling's host
+// rows); then accepts every sequence's drafts and appends the eager argmax of its last row.
 void StepOnBoth(ModelRunner& graphed, ModelRunner& eager, const SchedulerStep& step, int vocab,
                 bool backend_draws) {
   const bool host_row = backend_draws && step.seqs.size() > 1;
@@ -49,7 +50,9 @@ void StepOnBoth(ModelRunner& graphed, ModelRunner& eager, const SchedulerStep& s
   const std::vector<float> graph_logits(got->begin(), got->end());
   auto want = eager.Execute(step);
   ASSERT_TRUE(want.ok()) << want.status();
-  ASSERT_EQ(want->size(), step.seqs.size() * vocab);
+  size_t rows = 0;
+  for (const ScheduledSequence& s : step.seqs) rows += 1 + s.num_draft_tokens;
+  ASSERT_EQ(want->size(), rows * vocab);
   if (backend_draws) {
     ASSERT_EQ(graph_logits.size(), host_row ? static_cast<size_t>(vocab) : 0u);
     if (host_row) {
@@ -63,17 +66,29 @@ void StepOnBoth(ModelRunner& graphed, ModelRunner& eager, const SchedulerStep& s
     }
   } else {
     ASSERT_EQ(graph_logits.size(), want->size());
-    for (size_t r = 0; r < step.seqs.size(); ++r) {
-      EXPECT_TRUE(std::equal(want->begin() + r * vocab, want->begin() + (r + 1) * vocab,
-                             graph_logits.begin() + r * vocab))
-          << "row " << r << " (context " << step.seqs[r].seq->num_computed_tokens + 1
-          << ") differs";
+    size_t r = 0;
+    for (const ScheduledSequence& s : step.seqs) {
+      for (int j = 0; j <= s.num_draft_tokens; ++j, ++r) {
+        EXPECT_TRUE(std::equal(want->begin() + r * vocab, want->begin() + (r + 1) * vocab,
+                               graph_logits.begin() + r * vocab))
+            << "row " << r << " (context "
+            << s.seq->num_computed_tokens + s.num_new_tokens - s.num_draft_tokens + j
+            << ") differs";
+      }
     }
   }
-  for (size_t r = 0; r < step.seqs.size(); ++r) {
-    Sequence& seq = *step.seqs[r].seq;
+  // Every draft accepted, then the token after them: the next step attends over the drafts'
+  // KV as both runners wrote it.
+  size_t row = 0;
+  for (const ScheduledSequence& s : step.seqs) {
+    Sequence& seq = *s.seq;
+    row += s.num_draft_tokens;
+    seq.tokens.insert(seq.tokens.end(), seq.draft_tokens.begin(),
+                      seq.draft_tokens.begin() + s.num_draft_tokens);
+    seq.draft_tokens.clear();
     seq.num_computed_tokens = static_cast<int>(seq.tokens.size());
-    seq.tokens.push_back(Argmax(want->subspan(r * vocab, vocab)));
+    seq.tokens.push_back(Argmax(want->subspan(row * vocab, vocab)));
+    ++row;
   }
 }
 
@@ -263,27 +278,8 @@ TEST(StepGraphVerifyTest, VerificationStepsReplayGraphsSizedByTheirTokens) {
       step.seqs.push_back({&seq, n, true, p == 0 ? 0 : k});
       step.num_tokens += n;
     }
-    auto got = (*graphed)->Execute(step);
-    ASSERT_TRUE(got.ok()) << got.status();
-    const std::vector<float> graph_logits(got->begin(), got->end());
-    auto want = (*eager)->Execute(step);
-    ASSERT_TRUE(want.ok()) << want.status();
-    ASSERT_EQ(graph_logits.size(), want->size());
-    EXPECT_TRUE(std::equal(want->begin(), want->end(), graph_logits.begin()))
-        << "logits differ";
-    // Every draft accepted, then the token after them: the next step attends over the drafts'
-    // KV as both runners wrote it.
-    size_t row = 0;
-    for (const ScheduledSequence& s : step.seqs) {
-      Sequence& seq = *s.seq;
-      row += s.num_draft_tokens;
-      seq.tokens.insert(seq.tokens.end(), seq.draft_tokens.begin(),
-                        seq.draft_tokens.begin() + s.num_draft_tokens);
-      seq.draft_tokens.clear();
-      seq.num_computed_tokens = static_cast<int>(seq.tokens.size());
-      seq.tokens.push_back(Argmax(want->subspan(row * vocab, vocab)));
-      ++row;
-    }
+    StepOnBoth(**graphed, **eager, step, vocab, /*backend_draws=*/false);
+    if (HasFatalFailure()) return;
   }
   // Steps of 10, 7, 12, 2, 10, 10, 4 and 10 tokens: sizes 16, 8, 16, 4, 16, 16, 4 and 16 (the
   // contexts all within the table's 8 blocks), one capture each of 16, 8 and 4, 5 replays.
