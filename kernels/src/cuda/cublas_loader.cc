@@ -4,20 +4,26 @@
 
 #include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 
 namespace tandem::kernels::cuda {
 namespace {
 
+template <typename Api>
 struct Loaded {
-  CublasApi api;
+  Api api;
   absl::Status status;
 };
 
-Loaded Load() {
-  Loaded out;
-  const std::string name = absl::StrCat("libcublas.so.", CUBLAS_VER_MAJOR);
+// Opens lib<stem>.so.<cuBLAS major>, then from the build's toolkit, and gives `fill` a
+// function that resolves one symbol into one of the table's pointers. Never closed: handles
+// created from the library may live until the process exits.
+template <typename Api, typename Fill>
+Loaded<Api> Load(const char* stem, Fill fill) {
+  Loaded<Api> out;
+  const std::string name = absl::StrCat(stem, ".so.", CUBLAS_VER_MAJOR);
   void* lib = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
   std::string why = lib == nullptr ? dlerror() : "";
 #ifdef TANDEM_CUDA_LIBRARY_DIR
@@ -32,7 +38,6 @@ Loaded Load() {
         absl::StrCat("the CUDA backend needs cuBLAS: cannot load ", name, " (", why, ")"));
     return out;
   }
-  // Never closed: handles created from it may live until the process exits.
   auto resolve = [&](auto& fn, const char* symbol) {
     fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, symbol));
     if (fn == nullptr && out.status.ok()) {
@@ -40,21 +45,45 @@ Loaded Load() {
           absl::StrCat(name, " has no ", symbol, " (a cuBLAS older than this build's)"));
     }
   };
-  resolve(out.api.create, "cublasCreate_v2");
-  resolve(out.api.destroy, "cublasDestroy_v2");
-  resolve(out.api.set_stream, "cublasSetStream_v2");
-  resolve(out.api.set_math_mode, "cublasSetMathMode");
-  resolve(out.api.set_workspace, "cublasSetWorkspace_v2");
-  resolve(out.api.sgemm, "cublasSgemm_v2");
-  resolve(out.api.gemm_ex, "cublasGemmEx");
-  resolve(out.api.status_name, "cublasGetStatusName");
+  fill(out.api, resolve);
   return out;
 }
 
 }  // namespace
 
 absl::StatusOr<const CublasApi*> LoadCublas() {
-  static const Loaded* loaded = new Loaded(Load());
+  static const auto* loaded = new Loaded<CublasApi>(
+      Load<CublasApi>("libcublas", [](CublasApi& api, auto& resolve) {
+        resolve(api.create, "cublasCreate_v2");
+        resolve(api.destroy, "cublasDestroy_v2");
+        resolve(api.set_stream, "cublasSetStream_v2");
+        resolve(api.set_math_mode, "cublasSetMathMode");
+        resolve(api.set_workspace, "cublasSetWorkspace_v2");
+        resolve(api.sgemm, "cublasSgemm_v2");
+        resolve(api.gemm_ex, "cublasGemmEx");
+        resolve(api.status_name, "cublasGetStatusName");
+      }));
+  if (!loaded->status.ok()) return loaded->status;
+  return &loaded->api;
+}
+
+absl::StatusOr<const CublasLtApi*> LoadCublasLt() {
+  static const auto* loaded = new Loaded<CublasLtApi>(
+      Load<CublasLtApi>("libcublasLt", [](CublasLtApi& api, auto& resolve) {
+        resolve(api.create, "cublasLtCreate");
+        resolve(api.destroy, "cublasLtDestroy");
+        resolve(api.status_name, "cublasLtGetStatusName");
+        resolve(api.desc_create, "cublasLtMatmulDescCreate");
+        resolve(api.desc_destroy, "cublasLtMatmulDescDestroy");
+        resolve(api.desc_set, "cublasLtMatmulDescSetAttribute");
+        resolve(api.layout_create, "cublasLtMatrixLayoutCreate");
+        resolve(api.layout_destroy, "cublasLtMatrixLayoutDestroy");
+        resolve(api.preference_create, "cublasLtMatmulPreferenceCreate");
+        resolve(api.preference_destroy, "cublasLtMatmulPreferenceDestroy");
+        resolve(api.preference_set, "cublasLtMatmulPreferenceSetAttribute");
+        resolve(api.heuristic, "cublasLtMatmulAlgoGetHeuristic");
+        resolve(api.matmul, "cublasLtMatmul");
+      }));
   if (!loaded->status.ok()) return loaded->status;
   return &loaded->api;
 }

@@ -137,12 +137,13 @@ class CudaBackendImpl final : public CudaBackend {
  public:
   CudaBackendImpl(const CudaBackendOptions& options, int multiprocessors, Stream stream,
                   DeviceArray<unsigned char> cublas_workspace, cuda::CublasHandle cublas,
-                  DeviceArray<int32_t> metadata, PinnedInts pinned_metadata, Event metadata_read,
+                  std::unique_ptr<cuda::LtGemm> lt, DeviceArray<int32_t> metadata, PinnedInts pinned_metadata, Event metadata_read,
                   DeviceArray<float> workspace)
       : options_(options),
         stream_(std::move(stream)),
         cublas_workspace_(std::move(cublas_workspace)),
         cublas_(std::move(cublas)),
+        lt_(std::move(lt)),
         metadata_(std::move(metadata)),
         pinned_metadata_(std::move(pinned_metadata)),
         metadata_read_(std::move(metadata_read)),
@@ -233,6 +234,10 @@ class CudaBackendImpl final : public CudaBackend {
                     "PackWeight upload"));
     // The caller may free w once this returns.
     Keep(CudaStatus(cudaStreamSynchronize(stream_.get()), "PackWeight upload"));
+    if (lt_ != nullptr && dtype != DType::kF32) {
+      // Its GEMMs' algorithms, chosen now rather than in a serving step.
+      Keep(lt_->Prepare(n, k, dtype == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F));
+    }
     return std::make_unique<CudaPackedWeight>(n, k, dtype, std::move(data).value());
   }
 
@@ -339,8 +344,9 @@ class CudaBackendImpl final : public CudaBackend {
         }
         x16 = x16_.get();
       }
-      Keep(cuda::LaunchLinearLowPrecision(cublas_.get(), x, m, packed.data(), w.dtype(), w.n(),
-                                          w.k(), bias, y, x16, stream_.get()));
+      Keep(cuda::LaunchLinearLowPrecision(cublas_.get(), lt_.get(), x, m, packed.data(),
+                                          w.dtype(), w.n(), w.k(), bias, y, x16,
+                                          stream_.get()));
     }
   }
 
@@ -639,6 +645,7 @@ class CudaBackendImpl final : public CudaBackend {
   Stream stream_;
   DeviceArray<unsigned char> cublas_workspace_;  // the handle's, freed after it
   cuda::CublasHandle cublas_;
+  std::unique_ptr<cuda::LtGemm> lt_;  // null for CudaBackendOptions::Gemm::kCublas
   DeviceArray<int32_t> metadata_;  // [MetadataInts()]
   PinnedInts pinned_metadata_;  // [MetadataInts()], page-locked: what the uploads read
   Event metadata_read_;         // recorded after the last upload from pinned_metadata_
@@ -704,6 +711,12 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackend
   TANDEM_ASSIGN_OR_RETURN(cuda::CublasHandle cublas,
                           cuda::CreateCublasHandle(raw_stream, cublas_workspace.get(),
                                                    cuda::kCublasWorkspaceBytes));
+  std::unique_ptr<cuda::LtGemm> lt;
+  if (options.gemm == CudaBackendOptions::Gemm::kCublasLt) {
+    // The cuBLAS handle's workspace: both queue on the one stream.
+    TANDEM_ASSIGN_OR_RETURN(
+        lt, cuda::LtGemm::Create(cublas_workspace.get(), cuda::kCublasWorkspaceBytes));
+  }
   TANDEM_ASSIGN_OR_RETURN(
       DeviceArray<int32_t> metadata,
       DeviceAlloc<int32_t>(MetadataInts(options)));
@@ -719,7 +732,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackend
                           DeviceAlloc<float>(options.attention_workspace_bytes / 4));
   return std::make_unique<CudaBackendImpl>(
       options, multiprocessors, std::move(stream), std::move(cublas_workspace), std::move(cublas),
-      std::move(metadata),
+      std::move(lt), std::move(metadata),
       std::move(pinned_metadata), std::move(metadata_read), std::move(workspace));
 }
 

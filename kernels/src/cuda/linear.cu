@@ -230,9 +230,10 @@ __global__ void NarrowKernel(const float* __restrict__ x, int64_t count, W* __re
 
 }  // namespace
 
-absl::Status LaunchLinearLowPrecision(cublasHandle_t handle, const float* x, int m, const void* w,
-                                      DType w_dtype, int n, int k, const float* bias, float* y,
-                                      void* x16, cudaStream_t stream) {
+absl::Status LaunchLinearLowPrecision(cublasHandle_t handle, LtGemm* lt, const float* x, int m,
+                                      const void* w, DType w_dtype, int n, int k,
+                                      const float* bias, float* y, void* x16,
+                                      cudaStream_t stream) {
   if (m <= 0 || n <= 0) return absl::OkStatus();
   const bool bf16 = w_dtype == DType::kBF16;
   if (!bf16 && w_dtype != DType::kF16) {
@@ -256,8 +257,15 @@ absl::Status LaunchLinearLowPrecision(cublasHandle_t handle, const float* x, int
     NarrowKernel<<<blocks, kThreads, 0, stream>>>(x, count, static_cast<__half*>(x16));
   }
   TANDEM_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "Linear: narrowing x"));
-  TANDEM_ASSIGN_OR_RETURN(const CublasApi* api, LoadCublas());
   const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+  if (lt != nullptr) {
+    // The bias in the epilogue; cublasGemmEx below only where cuBLASLt has no algorithm.
+    absl::Status status = lt->Run({.x16 = x16, .m = m, .w = w, .type = type, .n = n, .k = k,
+                                   .bias = bias, .y = y},
+                                  stream);
+    if (!absl::IsUnimplemented(status)) return status;
+  }
+  TANDEM_ASSIGN_OR_RETURN(const CublasApi* api, LoadCublas());
   const float one = 1.0f;
   const float zero = 0.0f;
   // Row-major y[m, n] = x W^T is column-major y^T[n, m] = W[n, k] (W^T stored) * x^T[k, m].

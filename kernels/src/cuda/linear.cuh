@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/src/cuda/gemm_lt.h"
 #include "tandem/base/half.h"
 
 namespace tandem::kernels::cuda {
@@ -34,14 +35,17 @@ absl::Status LaunchLinear(cublasHandle_t handle, const float* x, int m, const fl
 // The same with w[n, k] of w_dtype (kBF16 or kF16). Calls of m <= kGemvMaxRows rows keep x in
 // fp32 and widen w as it is read (a GEMV streaming w in 16-byte loads): fp32 products and
 // accumulation, results equal to the fp32 path on the widened weights up to rounding, at the
-// memory-bandwidth limit. Larger m runs cuBLAS on the tensor cores: x is rounded to w_dtype
-// into `x16` (at least m * k 16-bit elements, device memory), accumulation stays fp32. The
+// memory-bandwidth limit. Larger m runs the tensor cores: x is rounded to w_dtype into `x16`
+// (at least m * k 16-bit elements, device memory), accumulation stays fp32; through `lt`
+// (cuBLASLt, the bias in its epilogue) unless it is null or has no algorithm for the call,
+// else through cublasGemmEx and a bias kernel. The
 // bound is where the GEMV stops winning: on an H100 (bench/results/gpu-h100-2026-11-27.md) it
 // streamed an 8B-shaped gate_up at 0.99 of copy bandwidth for m = 1 but 0.55 for m = 8, where
 // it re-reads x from L1 once per row, while cuBLAS held 0.86 at m = 64.
 inline constexpr int kGemvMaxRows = 4;
-absl::Status LaunchLinearLowPrecision(cublasHandle_t handle, const float* x, int m, const void* w,
-                                      DType w_dtype, int n, int k, const float* bias, float* y,
-                                      void* x16, cudaStream_t stream);
+absl::Status LaunchLinearLowPrecision(cublasHandle_t handle, LtGemm* lt, const float* x, int m,
+                                      const void* w, DType w_dtype, int n, int k,
+                                      const float* bias, float* y, void* x16,
+                                      cudaStream_t stream);
 
 }  // namespace tandem::kernels::cuda

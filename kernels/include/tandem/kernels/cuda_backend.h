@@ -34,6 +34,11 @@ struct CudaBackendOptions {
   // Workspace merging split-KV partitions: num_tokens * num_heads * partitions * (head_dim + 2)
   // floats per call, partitions = ceil(longest context / 512).
   int64_t attention_workspace_bytes = int64_t{256} << 20;
+  // Linear's 16-bit GEMMs past decode sizes: kCublasLt runs cuBLASLt with the bias in the
+  // GEMM's epilogue and an algorithm per m bucket chosen when a weight of a new shape is packed;
+  // kCublas runs cublasGemmEx and a bias kernel (for comparison: tandem_bench_cuda_kernels).
+  enum class Gemm { kCublasLt, kCublas };
+  Gemm gemm = Gemm::kCublasLt;
 };
 
 // Backend::Synchronize waits for the stream and returns the first error since the previous call.
