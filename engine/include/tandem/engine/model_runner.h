@@ -53,13 +53,14 @@ struct ModelRunnerOptions {
   // Decode steps through captured step graphs (Backend::CaptureGraph, CUDA graphs): a step in
   // which every sequence decodes one token, or verifies draft tokens (its last token and the
   // drafts, each yielding logits), is padded to the smallest of these token counts that holds
-  // it and replays that size's graph, one launch instead of a few per layer. A graph is captured per batch size and context bound (the longest context rounded
-  // up to a power of two of at least 16 blocks) the first time a step needs it (that step runs
-  // eagerly, with the graph's arguments, then is captured). Empty: every step eager; so are
+  // it and replays that size's graph, one launch instead of a few per layer. A graph is
+  // captured per batch size and context bound (the longest context rounded up to a power of
+  // two of at least 16 blocks) the first time a step needs it (that step runs eagerly, with
+  // the graph's arguments, then is captured). Empty: every step eager; so are
   // sizes above max_num_batched_tokens or the logit rows a step can have, tensor-parallel
   // runners, runners with a layer-written hook, and backends without graphs (CaptureGraph
   // Unimplemented).
-  std::vector<int> graph_batch_sizes;
+  std::vector<int> graph_batch_sizes{};
   // The most blocks a sequence holds, the width of a graph step's block table (the longest
   // context a graph serves is this times block_size; longer steps run eagerly); 0: num_kv_blocks.
   int max_blocks_per_seq = 0;
@@ -276,7 +277,7 @@ class ModelRunner {
     const int32_t* positions = nullptr;
     const int32_t* slots = nullptr;
     const int32_t* sample_rows = nullptr;
-    kernels::PagedAttentionBatch batch;
+    kernels::PagedAttentionBatch batch{};
   };
   absl::Status QueueModel(const StepArgs& args);
   // After QueueModel: draws the tokens of the first num_sampled rows in the backend, or copies
