@@ -126,7 +126,8 @@ double TimeAttention(Backend& b, AttentionBuffers& a, const kernels::PagedAttent
                      int calls) {
   return TimeCalls(b, calls, [&](int) {
     b.PagedAttention(a.q.as<float>(), a.cache.data(), a.layout, batch, kHeads,
-                     1.0f / std::sqrt(static_cast<float>(kHeadDim)), a.out.as<float>());
+                     1.0f / std::sqrt(static_cast<float>(kHeadDim)), a.out.as<float>(),
+                     DType::kF32);
   });
 }
 
@@ -204,7 +205,7 @@ int main(int argc, char** argv) {
         Backend& on = lt ? b : gemm_ex;
         const auto& packed = lt ? weights : gemm_ex_weights;
         const double s = TimeCalls(on, calls, [&](int i) {
-          on.Linear(x->as<float>(), m, *packed[i % copies], nullptr, y->as<float>());
+          on.Linear(x->as<float>(), DType::kF32, m, *packed[i % copies], nullptr, y->as<float>());
         });
         const double bytes = weight_bytes + 4.0 * m * (proj.k + proj.n);
         const double gbs = bytes / s / 1e9;

@@ -98,7 +98,7 @@ void BM_Linear(benchmark::State& state) {
   auto packed = Cpu().PackWeight(w.data(), DType::kF32, n, k);
   LetOpenBlasPark();
   for (auto _ : state) {
-    Cpu().Linear(x.data(), m, *packed, nullptr, y.data());
+    Cpu().Linear(x.data(), DType::kF32, m, *packed, nullptr, y.data());
     benchmark::DoNotOptimize(y.data());
   }
   ReportGemm(state, m, n, k);
@@ -203,7 +203,7 @@ void BM_LinearColdWeights(benchmark::State& state) {
   LetOpenBlasPark();
   int next = 0;
   for (auto _ : state) {
-    backend->Linear(x.data(), m, *weights[next], nullptr, y.data());
+    backend->Linear(x.data(), DType::kF32, m, *weights[next], nullptr, y.data());
     benchmark::DoNotOptimize(y.data());
     next = (next + 1) % count;
   }
@@ -274,7 +274,8 @@ void BM_Attention(benchmark::State& state) {
                                            .max_blocks_per_seq = blocks_per_seq};
   LetOpenBlasPark();
   for (auto _ : state) {
-    Cpu().PagedAttention(q.data(), cache.data(), layout, batch, heads, 0.088f, out.data());
+    Cpu().PagedAttention(q.data(), cache.data(), layout, batch, heads, 0.088f, out.data(),
+                         DType::kF32);
     benchmark::DoNotOptimize(out.data());
   }
   state.counters["KV_GB/s"] =

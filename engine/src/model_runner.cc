@@ -258,7 +258,8 @@ absl::StatusOr<std::unique_ptr<ModelRunner>> ModelRunner::Create(const Checkpoin
     TANDEM_ASSIGN_OR_RETURN(layer.v_scale, ReadKvScale(checkpoint, p + "v_scale"));
     runner->layer_kv_layouts_.push_back(layer);
   }
-  TANDEM_ASSIGN_OR_RETURN(runner->inv_freq_, runner->Upload(kernels::RopeInverseFrequencies(c.rope)));
+  TANDEM_ASSIGN_OR_RETURN(runner->inv_freq_,
+                          runner->Upload(kernels::RopeInverseFrequencies(c.rope)));
   TANDEM_RETURN_IF_ERROR(runner->LoadWeights(checkpoint, dtypes.weights));
 
   TANDEM_ASSIGN_OR_RETURN(runner->kv_cache_,
@@ -1039,14 +1040,20 @@ absl::Status ModelRunner::QueueModel(const StepArgs& a) {
   TANDEM_RETURN_IF_ERROR(all_reduce(residual));
   for (int l = 0; l < a.num_layers; ++l) {
     Layer& layer = *layers_[l];
+    // The inputs of the layer's Linears stored in the dtype the backend would round them to
+    // (Backend::ActivationDType: 16-bit on CUDA past decode sizes), fp32 otherwise.
+    const DType qkv_in = b.ActivationDType(tokens, *layer.qkv);
+    const DType o_in = b.ActivationDType(tokens, *layer.o);
+    const DType gate_up_in = b.ActivationDType(tokens, *layer.gate_up);
+    const DType down_in = b.ActivationDType(tokens, *layer.down);
     if (l == 0) {
       b.RmsNorm(residual, layer.input_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
-                hidden_states);
+                hidden_states, qkv_in);
     } else {
       b.AddRmsNorm(residual, proj, layer.input_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
-                   hidden_states);
+                   hidden_states, qkv_in);
     }
-    b.Linear(hidden_states, tokens, *layer.qkv, layer.qkv_bias.as<float>(), qkv);
+    b.Linear(hidden_states, qkv_in, tokens, *layer.qkv, layer.qkv_bias.as<float>(), qkv);
     // [tokens, q | k | v] to q and the cache: q and k per-head normed (Qwen3) and rotated.
     void* cache = layer_cache(l);
     const kernels::KvLayout& kv_layout = layer_kv_layouts_[l];
@@ -1057,27 +1064,29 @@ absl::Status ModelRunner::QueueModel(const StepArgs& a) {
       if (!b.host_memory()) TANDEM_RETURN_IF_ERROR(b.Synchronize());
       layer_written_hook_(l);
     }
-    b.PagedAttention(q, cache, kv_layout, a.batch, num_heads, scale, attn);
-    b.Linear(attn, tokens, *layer.o, layer.o_bias.as<float>(), proj);
+    b.PagedAttention(q, cache, kv_layout, a.batch, num_heads, scale, attn, o_in);
+    b.Linear(attn, o_in, tokens, *layer.o, layer.o_bias.as<float>(), proj);
     TANDEM_RETURN_IF_ERROR(all_reduce(proj));
     b.AddRmsNorm(residual, proj, layer.post_attn_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
-                 hidden_states);
-    b.Linear(hidden_states, tokens, *layer.gate_up, nullptr, gate_up);
-    b.SiluMul(gate_up, tokens, intermediate, act);
-    b.Linear(act, tokens, *layer.down, nullptr, proj);
+                 hidden_states, gate_up_in);
+    b.Linear(hidden_states, gate_up_in, tokens, *layer.gate_up, nullptr, gate_up);
+    b.SiluMul(gate_up, tokens, intermediate, act, down_in);
+    b.Linear(act, down_in, tokens, *layer.down, nullptr, proj);
     TANDEM_RETURN_IF_ERROR(all_reduce(proj));
   }
   if (num_sampled == 0) return absl::OkStatus();
   // Only the rows that sample need the final norm and the vocabulary projection.
   float* sampled = sampled_hidden_.as<float>();
   b.GatherAdd(residual, proj, a.sample_rows, num_sampled, hidden, sampled);
-  b.RmsNorm(sampled, final_norm_.as<float>(), c.rms_norm_eps, num_sampled, hidden, sampled);
+  // In place, so fp32 (the LM head's rows are few).
+  b.RmsNorm(sampled, final_norm_.as<float>(), c.rms_norm_eps, num_sampled, hidden, sampled,
+            DType::kF32);
   if (tensor_parallel()) {
     // Each rank's [sampled, stride] slice, all-gathered in backend memory (over the device
     // communicator, queued after the kernels; the host one only with the CPU backend, whose
     // operators are done when they return), then laid out as [sampled, vocab] by strided copies.
     const int stride = shard.vocab_stride;
-    b.Linear(sampled, num_sampled, *lm_head_, nullptr, local_logits_.as<float>());
+    b.Linear(sampled, DType::kF32, num_sampled, *lm_head_, nullptr, local_logits_.as<float>());
     const size_t part = static_cast<size_t>(num_sampled) * stride;
     TANDEM_RETURN_IF_ERROR(activations_comm().AllGather(
         local_logits_.data(), gathered_logits_.data(), part * sizeof(float)));
@@ -1090,7 +1099,7 @@ absl::Status ModelRunner::QueueModel(const StepArgs& a) {
                  static_cast<size_t>(rows) * sizeof(float), num_sampled);
     }
   } else {
-    b.Linear(sampled, num_sampled, *lm_head_, nullptr, logits_.as<float>());
+    b.Linear(sampled, DType::kF32, num_sampled, *lm_head_, nullptr, logits_.as<float>());
   }
   return absl::OkStatus();
 }

@@ -107,6 +107,22 @@ class Harness {
                                    poison.size() * sizeof(float)));
   }
 
+  // Operator memory for `count` activations of `dtype` (kF32, kBF16 or kF16), all NaN (all bits
+  // set is a NaN in each).
+  void* Activation(std::string name, int64_t count, DType dtype) {
+    const std::vector<unsigned char> poison(count * DTypeSize(dtype), 0xFF);
+    return Add(std::move(name), GuardedTensor::Role::kOutput, poison.data(), poison.size());
+  }
+  // The activations at `data` after Finish, widened to fp32.
+  std::vector<float> ActivationResult(const void* data, DType dtype) {
+    const std::vector<unsigned char> bytes = Result(static_cast<const unsigned char*>(data));
+    std::vector<float> out(bytes.size() / DTypeSize(dtype));
+    for (size_t i = 0; i < out.size(); ++i) {
+      out[i] = LoadAsFloat(bytes.data(), dtype, static_cast<int64_t>(i));
+    }
+    return out;
+  }
+
   // Copies every tensor back with its guards, waits, and checks the guards and the inputs.
   // Returns false (after recording failures) when the results cannot be trusted.
   bool Finish() {
@@ -266,6 +282,20 @@ std::string DTypeSuffix(DType dtype) {
   return dtype == DType::kF32 ? "" : std::string("_") + DTypeFlagName(dtype);
 }
 
+// Case-name suffix of an activation stored as `dtype`: "" for fp32.
+std::string OutSuffix(DType dtype) {
+  return dtype == DType::kF32 ? "" : std::string("_out_") + DTypeFlagName(dtype);
+}
+
+// The relative error of an fp32 result stored as `dtype` (rounded to nearest even): half a unit
+// in the last place, 2^-9 for bf16 and 2^-12 for fp16, doubled for the fp32 result's own error
+// moving a value across a rounding boundary; `tolerance` (the fp32 case's) for kF32.
+double StoredTolerance(DType dtype, double tolerance) {
+  if (dtype == DType::kBF16) return std::max(tolerance, 1.0 / 256);
+  if (dtype == DType::kF16) return std::max(tolerance, 1.0 / 2048);
+  return tolerance;
+}
+
 // `values` encoded as `dtype` (rounded to nearest even; 8-bit floats of value / scale).
 std::vector<unsigned char> Encode(const std::vector<float>& values, DType dtype,
                                   float scale = 1.0f) {
@@ -298,17 +328,19 @@ void AddOutliers(std::vector<float>& x) {
 // that of fp32 accumulation whatever the weight type.
 class LinearCase : public OpCase {
  public:
+  // x16: x given in W's 16-bit dtype (a producer's rounded activation), read exactly.
   LinearCase(int m, int n, int k, bool bias, double tolerance, DType w_dtype = DType::kF32,
-             bool outliers = false)
+             bool outliers = false, bool x16 = false)
       : OpCase("Linear_m" + Str(m) + "_n" + Str(n) + "_k" + Str(k) + (bias ? "_bias" : "") +
-                   DTypeSuffix(w_dtype) + (outliers ? "_outliers" : ""),
+                   DTypeSuffix(w_dtype) + (outliers ? "_outliers" : "") + (x16 ? "_x16" : ""),
                tolerance),
         m_(m),
         n_(n),
         k_(k),
         bias_(bias),
         w_dtype_(w_dtype),
-        outliers_(outliers) {}
+        outliers_(outliers),
+        x16_(x16) {}
 
   void Check(Harness& h) const override {
     std::vector<float> x = Random(int64_t{m_} * k_, seed());
@@ -318,7 +350,8 @@ class LinearCase : public OpCase {
     const std::vector<unsigned char> w_bytes = Encode(w, w_dtype_);
     for (size_t i = 0; i < w.size(); ++i) w[i] = LoadAsFloat(w_bytes.data(), w_dtype_, i);
     const std::vector<float> bias = Random(n_, seed() + 2);
-    const float* d_x = h.Input("x", x);
+    const std::vector<unsigned char> x_bytes = Encode(x, x16_ ? w_dtype_ : DType::kF32);
+    const void* d_x = h.Input("x", x_bytes);
     const float* d_bias = bias_ ? h.Input("bias", bias) : nullptr;
     float* d_y = h.Output("y", int64_t{m_} * n_);
     ASSERT_TRUE(h.ok());
@@ -326,13 +359,14 @@ class LinearCase : public OpCase {
     ASSERT_EQ(packed->n(), n_);
     ASSERT_EQ(packed->k(), k_);
     ASSERT_EQ(packed->dtype(), w_dtype_);
-    h.backend().Linear(d_x, m_, *packed, d_bias, d_y);
+    h.backend().Linear(d_x, x16_ ? w_dtype_ : DType::kF32, m_, *packed, d_bias, d_y);
     if (!h.Finish()) return;
 
     // A backend that rounds x to W's type first (the CUDA backend's prefill path) is held to
-    // the same tolerance on the rounded x, one that splits it on the two halves' sum.
+    // the same tolerance on the rounded x, one that splits it on the two halves' sum. A 16-bit
+    // x is read as it is.
     std::vector<float> x_read = x;
-    if (h.backend().LinearRoundsX(m_, w_dtype_)) {
+    if (x16_ || h.backend().LinearRoundsX(m_, w_dtype_)) {
       const std::vector<unsigned char> x_bytes = Encode(x, w_dtype_);
       for (size_t i = 0; i < x.size(); ++i) x_read[i] = LoadAsFloat(x_bytes.data(), w_dtype_, i);
     } else if (h.backend().LinearSplitsX(w_dtype_, WeightQuant::kNone)) {
@@ -361,6 +395,7 @@ class LinearCase : public OpCase {
   bool bias_;
   DType w_dtype_;
   bool outliers_;
+  bool x16_;
 };
 
 // Weight-only quantised W (int8 per row; int4 per group with zero points, optionally in a
@@ -439,7 +474,7 @@ class QuantizedLinearCase : public OpCase {
     ASSERT_EQ(packed->n(), n_);
     ASSERT_EQ(packed->k(), k_);
     ASSERT_EQ(packed->quant(), quant_);
-    h.backend().Linear(d_x, m_, *packed, d_bias, d_y);
+    h.backend().Linear(d_x, DType::kF32, m_, *packed, d_bias, d_y);
     if (!h.Finish()) return;
 
     const std::vector<float> w = DequantizeWeight(view);
@@ -468,38 +503,45 @@ class QuantizedLinearCase : public OpCase {
 
 class RmsNormCase : public OpCase {
  public:
-  RmsNormCase(int rows, int dim, bool in_place, double tolerance)
-      : OpCase("RmsNorm_rows" + Str(rows) + "_dim" + Str(dim) + (in_place ? "_in_place" : ""),
+  // out_dtype other than kF32: y stored as 16-bit activations (never in place).
+  RmsNormCase(int rows, int dim, bool in_place, double tolerance, DType out_dtype = DType::kF32)
+      : OpCase("RmsNorm_rows" + Str(rows) + "_dim" + Str(dim) + (in_place ? "_in_place" : "") +
+                   OutSuffix(out_dtype),
                tolerance),
         rows_(rows),
         dim_(dim),
-        in_place_(in_place) {}
+        in_place_(in_place),
+        out_dtype_(out_dtype) {}
 
   void Check(Harness& h) const override {
     const std::vector<float> x = Random(int64_t{rows_} * dim_, seed(), -3.0f, 3.0f);
     const std::vector<float> weight = Random(dim_, seed() + 1, 0.5f, 1.5f);
     const float* d_weight = h.Input("weight", weight);
     float* d_x = in_place_ ? h.InOut("x", x) : h.Input("x", x);
-    float* d_y = in_place_ ? d_x : h.Output("y", x.size());
+    void* d_y = in_place_ ? d_x : h.Activation("y", x.size(), out_dtype_);
     ASSERT_TRUE(h.ok());
-    h.backend().RmsNorm(d_x, d_weight, 1e-5f, rows_, dim_, d_y);
+    h.backend().RmsNorm(d_x, d_weight, 1e-5f, rows_, dim_, d_y, out_dtype_);
     if (!h.Finish()) return;
     std::vector<float> expected(x.size());
     reference::RmsNorm(x.data(), weight.data(), 1e-5f, rows_, dim_, expected.data());
-    ExpectClose("y", h.Result(d_y), expected, tolerance(), 1e-3);
+    ExpectClose("y", h.ActivationResult(d_y, out_dtype_), expected,
+                StoredTolerance(out_dtype_, tolerance()), 1e-3);
   }
 
  private:
   int rows_, dim_;
   bool in_place_;
+  DType out_dtype_;
 };
 
 class AddRmsNormCase : public OpCase {
  public:
-  AddRmsNormCase(int rows, int dim, double tolerance)
-      : OpCase("AddRmsNorm_rows" + Str(rows) + "_dim" + Str(dim), tolerance),
+  AddRmsNormCase(int rows, int dim, double tolerance, DType out_dtype = DType::kF32)
+      : OpCase("AddRmsNorm_rows" + Str(rows) + "_dim" + Str(dim) + OutSuffix(out_dtype),
+               tolerance),
         rows_(rows),
-        dim_(dim) {}
+        dim_(dim),
+        out_dtype_(out_dtype) {}
 
   void Check(Harness& h) const override {
     const std::vector<float> residual = Random(int64_t{rows_} * dim_, seed(), -2.0f, 2.0f);
@@ -508,9 +550,9 @@ class AddRmsNormCase : public OpCase {
     float* d_residual = h.InOut("residual", residual);
     const float* d_x = h.Input("x", x);
     const float* d_weight = h.Input("weight", weight);
-    float* d_y = h.Output("y", residual.size());
+    void* d_y = h.Activation("y", residual.size(), out_dtype_);
     ASSERT_TRUE(h.ok());
-    h.backend().AddRmsNorm(d_residual, d_x, d_weight, 1e-6f, rows_, dim_, d_y);
+    h.backend().AddRmsNorm(d_residual, d_x, d_weight, 1e-6f, rows_, dim_, d_y, out_dtype_);
     if (!h.Finish()) return;
     std::vector<float> expected_residual = residual;
     std::vector<float> expected(residual.size());
@@ -518,11 +560,13 @@ class AddRmsNormCase : public OpCase {
                           expected.data());
     // A single fp32 add on every backend.
     ExpectMatches("residual", h.Result<float>(d_residual), expected_residual, {}, 0.0);
-    ExpectClose("y", h.Result(d_y), expected, tolerance(), 1e-3);
+    ExpectClose("y", h.ActivationResult(d_y, out_dtype_), expected,
+                StoredTolerance(out_dtype_, tolerance()), 1e-3);
   }
 
  private:
   int rows_, dim_;
+  DType out_dtype_;
 };
 
 class RopeCase : public OpCase {
@@ -567,26 +611,30 @@ class RopeCase : public OpCase {
 
 class SiluMulCase : public OpCase {
  public:
-  SiluMulCase(int rows, int inter, double tolerance)
-      : OpCase("SiluMul_rows" + Str(rows) + "_inter" + Str(inter), tolerance),
+  SiluMulCase(int rows, int inter, double tolerance, DType out_dtype = DType::kF32)
+      : OpCase("SiluMul_rows" + Str(rows) + "_inter" + Str(inter) + OutSuffix(out_dtype),
+               tolerance),
         rows_(rows),
-        inter_(inter) {}
+        inter_(inter),
+        out_dtype_(out_dtype) {}
 
   void Check(Harness& h) const override {
     // Gates far into both tails, where exp overflows or underflows.
     const std::vector<float> gate_up = Random(int64_t{rows_} * 2 * inter_, seed(), -100.0f, 100.0f);
     const float* d_gate_up = h.Input("gate_up", gate_up);
-    float* d_out = h.Output("out", int64_t{rows_} * inter_);
+    void* d_out = h.Activation("out", int64_t{rows_} * inter_, out_dtype_);
     ASSERT_TRUE(h.ok());
-    h.backend().SiluMul(d_gate_up, rows_, inter_, d_out);
+    h.backend().SiluMul(d_gate_up, rows_, inter_, d_out, out_dtype_);
     if (!h.Finish()) return;
     std::vector<float> expected(int64_t{rows_} * inter_);
     reference::SiluMul(gate_up.data(), rows_, inter_, expected.data());
-    ExpectClose("out", h.Result(d_out), expected, tolerance(), 1e-3);
+    ExpectClose("out", h.ActivationResult(d_out, out_dtype_), expected,
+                StoredTolerance(out_dtype_, tolerance()), 1e-3);
   }
 
  private:
   int rows_, inter_;
+  DType out_dtype_;
 };
 
 // A table of fp32, bf16 or fp16: rows widened exactly.
@@ -809,9 +857,9 @@ class PagedAttentionCase : public OpCase {
   // the query and context lengths looser than the batch's.
   PagedAttentionCase(int head_dim, int kv_heads, int group, int block_size,
                      std::vector<AttentionSeq> seqs, double tolerance, DType dtype = DType::kF32,
-                     bool on_device = false)
+                     bool on_device = false, DType out_dtype = DType::kF32)
       : OpCase(Name(head_dim, kv_heads, group, block_size, seqs) + DTypeSuffix(dtype) +
-                   (on_device ? "_on_device" : ""),
+                   (on_device ? "_on_device" : "") + OutSuffix(out_dtype),
                tolerance),
         head_dim_(head_dim),
         kv_heads_(kv_heads),
@@ -819,7 +867,8 @@ class PagedAttentionCase : public OpCase {
         block_size_(block_size),
         seqs_(std::move(seqs)),
         dtype_(dtype),
-        on_device_(on_device) {}
+        on_device_(on_device),
+        out_dtype_(out_dtype) {}
 
   std::string Unsupported(const ConformanceBackend& info) const override {
     const std::vector<int>& dims = info.attention_head_dims;
@@ -903,9 +952,9 @@ class PagedAttentionCase : public OpCase {
       StoreFromFloat(stored.data(), dtype_, i, cache[i] / cache_scale);
     }
     const unsigned char* d_cache = h.Input("layer_cache", stored);
-    float* d_out = h.Output("out", q.size());
+    void* d_out = h.Activation("out", q.size(), out_dtype_);
     ASSERT_TRUE(h.ok());
-    h.backend().PagedAttention(d_q, d_cache, layout, call, num_heads, scale, d_out);
+    h.backend().PagedAttention(d_q, d_cache, layout, call, num_heads, scale, d_out, out_dtype_);
     if (!h.Finish()) return;
 
     // Sequences whose q (and softmax weights) the backend rounds to the cache's type (the CUDA
@@ -931,7 +980,7 @@ class PagedAttentionCase : public OpCase {
     std::vector<float> expected(q.size());
     reference::PagedAttention(q_read.data(), stored.data(), layout, batch, num_heads, scale,
                               expected.data());
-    const std::vector<float> actual = h.Result(d_out);
+    const std::vector<float> actual = h.ActivationResult(d_out, out_dtype_);
     // Rows computed exactly: relative to |expected| + 0.05, as every other backend. Rounded
     // rows: relative to the largest |V| (the scale of the weights' rounding error).
     std::vector<float> exact_got, exact_want, rounded_got, rounded_want;
@@ -942,7 +991,9 @@ class PagedAttentionCase : public OpCase {
       want.insert(want.end(), expected.begin() + r * row_floats,
                   expected.begin() + (r + 1) * row_floats);
     }
-    if (!exact_got.empty()) ExpectClose("out", exact_got, exact_want, tolerance(), 0.05);
+    if (!exact_got.empty()) {
+      ExpectClose("out", exact_got, exact_want, StoredTolerance(out_dtype_, tolerance()), 0.05);
+    }
     if (!rounded_got.empty()) {
       double max_v = 0.0;
       for (int64_t i = layout.HalfElements(); i < layout.LayerElements(); ++i) {
@@ -950,7 +1001,8 @@ class PagedAttentionCase : public OpCase {
         if (std::isfinite(v)) max_v = std::max(max_v, v);
       }
       ExpectMatches("out (q and weights rounded)", rounded_got, rounded_want,
-                    std::vector<double>(rounded_got.size(), max_v), RoundedAttentionTolerance());
+                    std::vector<double>(rounded_got.size(), max_v),
+                    RoundedAttentionTolerance() + StoredTolerance(out_dtype_, 0.0));
     }
   }
 
@@ -985,6 +1037,7 @@ class PagedAttentionCase : public OpCase {
   std::vector<AttentionSeq> seqs_;
   DType dtype_;
   bool on_device_;
+  DType out_dtype_;
 };
 
 class GatherAddCase : public OpCase {
@@ -1214,6 +1267,18 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
       add(LinearCase(m, n, k, bias, kLinearTolerance, w_dtype));
     }
   }
+  // x already in W's 16-bit dtype (a producer's rounded activation): decode and prefill sizes,
+  // odd n and k, with and without a bias.
+  for (DType w_dtype : {DType::kBF16, DType::kF16}) {
+    for (auto [m, n, k, bias] : std::vector<std::tuple<int, int, int, bool>>{
+             {1, 45, 300, true},
+             {4, 130, 2056, false},
+             {9, 257, 517, true},
+             {130, 129, 300, false},
+         }) {
+      add(LinearCase(m, n, k, bias, kLinearTolerance, w_dtype, false, /*x16=*/true));
+    }
+  }
   // x with outliers (AddOutliers): a decode row and a prefill tile, fp32 and bf16 weights.
   for (DType w_dtype : {DType::kF32, DType::kBF16}) {
     add(LinearCase(1, 97, 640, false, kLinearTolerance, w_dtype, /*outliers=*/true));
@@ -1283,6 +1348,15 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
   for (int dim : {7, 2048, 4099}) add(RmsNormCase(3, dim, true, kRowOpTolerance));
   for (int dim : {5, 64, 2048, 3001}) {
     for (int rows : {1, 7, 64}) add(AddRmsNormCase(rows, dim, kRowOpTolerance));
+  }
+  // Stored as 16-bit activations (Backend::ActivationDType), odd sizes included.
+  for (DType out : {DType::kBF16, DType::kF16}) {
+    for (int dim : {7, 4099}) {
+      add(RmsNormCase(5, dim, false, kRowOpTolerance, out));
+      add(AddRmsNormCase(9, dim, kRowOpTolerance, out));
+    }
+    add(SiluMulCase(7, 1000, kRowOpTolerance, out));
+    add(SiluMulCase(3, 8193, kRowOpTolerance, out));
   }
 
   // Rope: the smallest head_dim, one that is not a vector multiple, and the usual ones.
@@ -1397,6 +1471,15 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
       }
     }
   }
+  // Output stored as 16-bit activations for the o projection (Backend::ActivationDType): the
+  // mixed batch (tensor-core tiles, split-KV rows, merged partitions) over the same-typed cache,
+  // and a device batch.
+  for (DType out : {DType::kBF16, DType::kF16}) {
+    add(PagedAttentionCase(128, 2, 4, 32, tensor_core_batches.back(), kAttentionTolerance, out,
+                           false, out));
+    add(PagedAttentionCase(128, 1, 8, 16, {{1, 1}, {4, 700}, {1, 33}}, kAttentionTolerance, out,
+                           true, out));
+  }
 
   for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kF8E4M3}) {
     add(AttentionInputsCase(23, 8, 2, 128, false, dtype, kRopeTolerance));
@@ -1476,10 +1559,11 @@ class FaultyBackend : public test_support::ForwardingBackend {
       : ForwardingBackend(std::move(inner)), fault_(fault) {}
 
   std::string_view name() const override { return "faulty"; }
-  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim,
-               float* y) override {
+  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim, void* y_out,
+               DType y_dtype) override {
+    float* y = static_cast<float*>(y_out);  // the suite's RmsNorm cases faulted are fp32
     const float last = y[int64_t{rows} * dim - 1];
-    inner().RmsNorm(x, weight, eps, rows, dim, y);
+    inner().RmsNorm(x, weight, eps, rows, dim, y, y_dtype);
     switch (fault_) {
       case Fault::kOverrunAfter:
         y[int64_t{rows} * dim + 3] = 0.0f;

@@ -68,16 +68,25 @@ void Backend::AttentionInputs(const float* qkv, int tokens, int num_heads, const
   CopyRows(q, q_bytes, row, row_bytes, q_bytes, tokens);
   CopyRows(k, kv_bytes, row + q_bytes, row_bytes, kv_bytes, tokens);
   CopyRows(v, kv_bytes, row + q_bytes + kv_bytes, row_bytes, kv_bytes, tokens);
-  if (q_norm != nullptr) RmsNorm(q, q_norm, eps, tokens * num_heads, head_dim, q);
-  if (k_norm != nullptr) RmsNorm(k, k_norm, eps, tokens * layout.num_kv_heads, head_dim, k);
+  if (q_norm != nullptr) RmsNorm(q, q_norm, eps, tokens * num_heads, head_dim, q, DType::kF32);
+  if (k_norm != nullptr) {
+    RmsNorm(k, k_norm, eps, tokens * layout.num_kv_heads, head_dim, k, DType::kF32);
+  }
   Rope(q, positions, tokens, num_heads, head_dim, inv_freq);
   Rope(k, positions, tokens, layout.num_kv_heads, head_dim, inv_freq);
   WriteKv(k, v, slot_mapping, tokens, layout, layer_cache);
 }
 
+DType Backend::RoundedActivationDType(int m, const PackedWeight& w) const {
+  const bool sixteen = w.dtype() == DType::kBF16 || w.dtype() == DType::kF16;
+  return sixteen && w.quant() == WeightQuant::kNone && LinearRoundsX(m, w.dtype()) ? w.dtype()
+                                                                                   : DType::kF32;
+}
+
 absl::StatusOr<std::unique_ptr<Backend::StepGraph>> Backend::CaptureGraph(
     const std::function<absl::Status()>& record) {
-  return absl::UnimplementedError(absl::StrCat("the ", std::string(name()), " backend has no step graphs"));
+  return absl::UnimplementedError(
+      absl::StrCat("the ", std::string(name()), " backend has no step graphs"));
 }
 
 }  // namespace tandem::kernels

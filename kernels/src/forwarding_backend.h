@@ -42,23 +42,27 @@ class ForwardingBackend : public Backend {
   bool LinearSplitsX(DType w_dtype, WeightQuant quant) const override {
     return inner_->LinearSplitsX(w_dtype, quant);
   }
-  void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
-    inner_->Linear(x, m, w, bias, y);
+  DType ActivationDType(int m, const PackedWeight& w) const override {
+    return inner_->ActivationDType(m, w);
   }
-  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim,
-               float* y) override {
-    inner_->RmsNorm(x, weight, eps, rows, dim, y);
+  void Linear(const void* x, DType x_dtype, int m, const PackedWeight& w, const float* bias,
+              float* y) override {
+    inner_->Linear(x, x_dtype, m, w, bias, y);
+  }
+  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim, void* y,
+               DType y_dtype) override {
+    inner_->RmsNorm(x, weight, eps, rows, dim, y, y_dtype);
   }
   void AddRmsNorm(float* residual, const float* x, const float* weight, float eps, int rows,
-                  int dim, float* y) override {
-    inner_->AddRmsNorm(residual, x, weight, eps, rows, dim, y);
+                  int dim, void* y, DType y_dtype) override {
+    inner_->AddRmsNorm(residual, x, weight, eps, rows, dim, y, y_dtype);
   }
   void Rope(float* x, const int32_t* positions, int tokens, int heads, int head_dim,
             const float* inv_freq) override {
     inner_->Rope(x, positions, tokens, heads, head_dim, inv_freq);
   }
-  void SiluMul(const float* gate_up, int rows, int inter, float* out) override {
-    inner_->SiluMul(gate_up, rows, inter, out);
+  void SiluMul(const float* gate_up, int rows, int inter, void* out, DType out_dtype) override {
+    inner_->SiluMul(gate_up, rows, inter, out, out_dtype);
   }
   void Embedding(const void* table, DType table_dtype, const int32_t* ids, int tokens, int dim,
                  float* out) override {
@@ -72,9 +76,9 @@ class ForwardingBackend : public Backend {
     return inner_->PagedAttentionRoundsQ(cache_dtype, head_dim, q_len);
   }
   void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
-                      const PagedAttentionBatch& batch, int num_heads, float scale,
-                      float* out) override {
-    inner_->PagedAttention(q, layer_cache, layout, batch, num_heads, scale, out);
+                      const PagedAttentionBatch& batch, int num_heads, float scale, void* out,
+                      DType out_dtype) override {
+    inner_->PagedAttention(q, layer_cache, layout, batch, num_heads, scale, out, out_dtype);
   }
   void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
                  float* out) override {

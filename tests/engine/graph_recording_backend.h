@@ -64,24 +64,24 @@ class GraphRecordingBackend : public DeviceLikeBackend {
                 size_t row_bytes, int rows) override {
     Queue([=, this] { inner().CopyRows(dst, dst_stride, src, src_stride, row_bytes, rows); });
   }
-  void Linear(const float* x, int m, const kernels::PackedWeight& w, const float* bias,
-              float* y) override {
-    Queue([=, this, &w] { inner().Linear(x, m, w, bias, y); });
+  void Linear(const void* x, DType x_dtype, int m, const kernels::PackedWeight& w,
+              const float* bias, float* y) override {
+    Queue([=, this, &w] { inner().Linear(x, x_dtype, m, w, bias, y); });
   }
-  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim,
-               float* y) override {
-    Queue([=, this] { inner().RmsNorm(x, weight, eps, rows, dim, y); });
+  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim, void* y,
+               DType y_dtype) override {
+    Queue([=, this] { inner().RmsNorm(x, weight, eps, rows, dim, y, y_dtype); });
   }
   void AddRmsNorm(float* residual, const float* x, const float* weight, float eps, int rows,
-                  int dim, float* y) override {
-    Queue([=, this] { inner().AddRmsNorm(residual, x, weight, eps, rows, dim, y); });
+                  int dim, void* y, DType y_dtype) override {
+    Queue([=, this] { inner().AddRmsNorm(residual, x, weight, eps, rows, dim, y, y_dtype); });
   }
   void Rope(float* x, const int32_t* positions, int tokens, int heads, int head_dim,
             const float* inv_freq) override {
     Queue([=, this] { inner().Rope(x, positions, tokens, heads, head_dim, inv_freq); });
   }
-  void SiluMul(const float* gate_up, int rows, int inter, float* out) override {
-    Queue([=, this] { inner().SiluMul(gate_up, rows, inter, out); });
+  void SiluMul(const float* gate_up, int rows, int inter, void* out, DType out_dtype) override {
+    Queue([=, this] { inner().SiluMul(gate_up, rows, inter, out, out_dtype); });
   }
   void Embedding(const void* table, DType table_dtype, const int32_t* ids, int tokens, int dim,
                  float* out) override {
@@ -103,12 +103,14 @@ class GraphRecordingBackend : public DeviceLikeBackend {
   }
   void PagedAttention(const float* q, const void* layer_cache, const kernels::KvLayout& layout,
                       const kernels::PagedAttentionBatch& batch, int num_heads, float scale,
-                      float* out) override {
+                      void* out, DType out_dtype) override {
     if (recording_ != nullptr && !batch.on_device) {
       Refused("PagedAttention over a host batch");
       return;
     }
-    Queue([=, this] { inner().PagedAttention(q, layer_cache, layout, batch, num_heads, scale, out); });
+    Queue([=, this] {
+      inner().PagedAttention(q, layer_cache, layout, batch, num_heads, scale, out, out_dtype);
+    });
   }
   void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
                  float* out) override {

@@ -282,12 +282,26 @@ class CpuBackend final : public Backend {
            !table_->rounds_x;
   }
 
-  void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
+  void Linear(const void* x_in, DType x_dtype, int m, const PackedWeight& w, const float* bias,
+              float* y) override {
     const auto& packed = static_cast<const CpuPackedWeight&>(w);
     TANDEM_CHECK(packed.table() == table_) << "weight packed by another CPU backend";
     const int n = w.n();
     const int k = w.k();
     if (m <= 0) return;
+    // The kernels read fp32 x: a 16-bit x (exact in fp32) is widened first.
+    std::vector<float> widened;
+    const float* x = static_cast<const float*>(x_in);
+    if (x_dtype != DType::kF32) {
+      TANDEM_CHECK(x_dtype == w.dtype() && w.quant() == WeightQuant::kNone)
+          << "Linear of " << DTypeName(x_dtype) << " x with " << DTypeName(w.dtype())
+          << " weights";
+      widened.resize(static_cast<size_t>(int64_t{m} * k));
+      pool_->ParallelFor(m, RowGrain(k, 1), [&](int64_t begin, int64_t end, int) {
+        for (int64_t i = begin * k; i < end * k; ++i) widened[i] = LoadAsFloat(x_in, x_dtype, i);
+      });
+      x = widened.data();
+    }
     if (k == 0) {
       for (int64_t i = 0; i < int64_t{m} * n; ++i) y[i] = bias != nullptr ? bias[i % n] : 0.0f;
       return;
@@ -323,18 +337,22 @@ class CpuBackend final : public Backend {
     });
   }
 
-  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim,
-               float* y) override {
-    pool_->ParallelFor(rows, RowGrain(dim, 4), [&](int64_t begin, int64_t end, int) {
-      table_->rms_norm_rows(x + begin * dim, weight, eps, end - begin, dim, y + begin * dim);
+  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim, void* y_out,
+               DType y_dtype) override {
+    StoreAs(y_out, y_dtype, int64_t{rows} * dim, [&](float* y) {
+      pool_->ParallelFor(rows, RowGrain(dim, 4), [&](int64_t begin, int64_t end, int) {
+        table_->rms_norm_rows(x + begin * dim, weight, eps, end - begin, dim, y + begin * dim);
+      });
     });
   }
 
   void AddRmsNorm(float* residual, const float* x, const float* weight, float eps, int rows,
-                  int dim, float* y) override {
-    pool_->ParallelFor(rows, RowGrain(dim, 5), [&](int64_t begin, int64_t end, int) {
-      table_->add_rms_norm_rows(residual + begin * dim, x + begin * dim, weight, eps, end - begin,
-                                dim, y + begin * dim);
+                  int dim, void* y_out, DType y_dtype) override {
+    StoreAs(y_out, y_dtype, int64_t{rows} * dim, [&](float* y) {
+      pool_->ParallelFor(rows, RowGrain(dim, 5), [&](int64_t begin, int64_t end, int) {
+        table_->add_rms_norm_rows(residual + begin * dim, x + begin * dim, weight, eps,
+                                  end - begin, dim, y + begin * dim);
+      });
     });
   }
 
@@ -349,9 +367,12 @@ class CpuBackend final : public Backend {
                        });
   }
 
-  void SiluMul(const float* gate_up, int rows, int inter, float* out) override {
-    pool_->ParallelFor(rows, RowGrain(inter, 20), [&](int64_t begin, int64_t end, int) {
-      table_->silu_mul_rows(gate_up + begin * 2 * inter, end - begin, inter, out + begin * inter);
+  void SiluMul(const float* gate_up, int rows, int inter, void* out_to, DType out_dtype) override {
+    StoreAs(out_to, out_dtype, int64_t{rows} * inter, [&](float* out) {
+      pool_->ParallelFor(rows, RowGrain(inter, 20), [&](int64_t begin, int64_t end, int) {
+        table_->silu_mul_rows(gate_up + begin * 2 * inter, end - begin, inter,
+                              out + begin * inter);
+      });
     });
   }
 
@@ -401,7 +422,17 @@ class CpuBackend final : public Backend {
 
   void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                       const PagedAttentionBatch& call_batch, int num_heads, float scale,
-                      float* out) override {
+                      void* out_to, DType out_dtype) override {
+    const int64_t tokens = call_batch.on_device ? call_batch.num_tokens
+                                                : call_batch.query_start[call_batch.num_seqs];
+    StoreAs(out_to, out_dtype, tokens * num_heads * layout.head_dim, [&](float* out) {
+      PagedAttentionF32(q, layer_cache, layout, call_batch, num_heads, scale, out);
+    });
+  }
+
+  void PagedAttentionF32(const float* q, const void* layer_cache, const KvLayout& layout,
+                         const PagedAttentionBatch& call_batch, int num_heads, float scale,
+                         float* out) {
     // Operator memory is host memory: a batch on the device is read where it is.
     PagedAttentionBatch batch = call_batch;
     if (batch.on_device) {
@@ -520,6 +551,23 @@ class CpuBackend final : public Backend {
   // Rows per chunk so that a chunk is worth a thread wake-up; `cost` is flops per element.
   static int64_t RowGrain(int64_t row_elements, int64_t cost) {
     return std::max<int64_t>(1, kMinParallelFlops / std::max<int64_t>(1, row_elements * cost));
+  }
+
+  // Runs `compute(float* out)` on `out` itself when dtype is kF32; for kBF16 or kF16 on an fp32
+  // temporary of `count` elements, then rounds those to nearest even into `out`.
+  template <typename Compute>
+  void StoreAs(void* out, DType dtype, int64_t count, Compute compute) {
+    if (dtype == DType::kF32) {
+      compute(static_cast<float*>(out));
+      return;
+    }
+    TANDEM_CHECK(dtype == DType::kBF16 || dtype == DType::kF16)
+        << "an activation of " << DTypeName(dtype);
+    std::vector<float> wide(static_cast<size_t>(count));
+    compute(wide.data());
+    pool_->ParallelFor(count, kMinParallelFlops, [&](int64_t begin, int64_t end, int) {
+      for (int64_t i = begin; i < end; ++i) StoreFromFloat(out, dtype, i, wide[i]);
+    });
   }
 
   const CpuKernelTable* table_;  // static storage

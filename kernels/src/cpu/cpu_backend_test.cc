@@ -75,7 +75,7 @@ TEST_P(CpuBackendTest, LinearMatchesReference) {
     auto packed = backend_->PackWeight(w.data(), DType::kF32, c.n, c.k);
     ASSERT_EQ(packed->n(), c.n);
     ASSERT_EQ(packed->k(), c.k);
-    backend_->Linear(x.data(), c.m, *packed, b, y.data());
+    backend_->Linear(x.data(), DType::kF32, c.m, *packed, b, y.data());
     for (size_t i = expected.size(); i < y.size(); ++i) ASSERT_EQ(y[i], 12345.0f) << "overrun";
     y.resize(expected.size());
     // Error relative to sum |x| |w| (+ |bias|), the scale of a dot product's rounding error
@@ -110,10 +110,11 @@ TEST_P(CpuBackendTest, LinearRowsAreBatchInvariant) {
     const void* w_data = dtype == DType::kF32 ? static_cast<const void*>(w.data()) : w_bf16.data();
     auto packed = backend_->PackWeight(w_data, dtype, n, k);
     std::vector<float> batched(int64_t{m} * n, kNaN);
-    backend_->Linear(x.data(), m, *packed, bias.data(), batched.data());
+    backend_->Linear(x.data(), DType::kF32, m, *packed, bias.data(), batched.data());
     for (int i = 0; i < m; ++i) {
       std::vector<float> alone(n, kNaN);
-      backend_->Linear(x.data() + int64_t{i} * k, 1, *packed, bias.data(), alone.data());
+      backend_->Linear(x.data() + int64_t{i} * k, DType::kF32, 1, *packed, bias.data(),
+                       alone.data());
       EXPECT_TRUE(BitwiseEqual(alone.data(), batched.data() + int64_t{i} * n, n)) << "row " << i;
     }
     // The same rows at other offsets of a taller batch, and on pools of other sizes.
@@ -123,7 +124,7 @@ TEST_P(CpuBackendTest, LinearRowsAreBatchInvariant) {
       std::unique_ptr<Backend> other = Make(threads);
       auto other_packed = other->PackWeight(w_data, dtype, n, k);
       std::vector<float> tall(int64_t{130} * n, kNaN);
-      other->Linear(tall_x.data(), 130, *other_packed, bias.data(), tall.data());
+      other->Linear(tall_x.data(), DType::kF32, 130, *other_packed, bias.data(), tall.data());
       EXPECT_TRUE(BitwiseEqual(tall.data() + int64_t{101} * n, batched.data(), int64_t{m} * n))
           << threads << " threads";
     }
@@ -159,11 +160,12 @@ TEST_P(CpuBackendTest, QuantizedLinearRowsAreBatchInvariant) {
                                    .zeros = int4 ? zeros.data() : nullptr};
     auto packed = backend_->PackQuantizedWeight(view);
     std::vector<float> batched(int64_t{m} * n, kNaN);
-    backend_->Linear(x.data(), m, *packed, bias.data(), batched.data());
+    backend_->Linear(x.data(), DType::kF32, m, *packed, bias.data(), batched.data());
     for (int rows : {1, 2, 3, 4}) {
       for (int i = 0; i + rows <= m; i += 5) {
         std::vector<float> few(int64_t{rows} * n, kNaN);
-        backend_->Linear(x.data() + int64_t{i} * k, rows, *packed, bias.data(), few.data());
+        backend_->Linear(x.data() + int64_t{i} * k, DType::kF32, rows, *packed, bias.data(),
+                         few.data());
         EXPECT_TRUE(BitwiseEqual(few.data(), batched.data() + int64_t{i} * n, int64_t{rows} * n))
             << rows << " rows from row " << i;
       }
@@ -172,7 +174,8 @@ TEST_P(CpuBackendTest, QuantizedLinearRowsAreBatchInvariant) {
       std::unique_ptr<Backend> other = Make(threads);
       auto other_packed = other->PackQuantizedWeight(view);
       std::vector<float> alone(n, kNaN);
-      other->Linear(x.data() + int64_t{6} * k, 1, *other_packed, bias.data(), alone.data());
+      other->Linear(x.data() + int64_t{6} * k, DType::kF32, 1, *other_packed, bias.data(),
+                    alone.data());
       EXPECT_TRUE(BitwiseEqual(alone.data(), batched.data() + int64_t{6} * n, n))
           << threads << " threads";
     }
@@ -183,7 +186,7 @@ TEST_P(CpuBackendTest, LinearWithEmptyReductionGivesBias) {
   const std::vector<float> bias = {1.5f, -2.0f, 3.0f};
   auto packed = backend_->PackWeight(nullptr, DType::kF32, 3, 0);
   std::vector<float> y(6, kNaN);
-  backend_->Linear(nullptr, 2, *packed, bias.data(), y.data());
+  backend_->Linear(nullptr, DType::kF32, 2, *packed, bias.data(), y.data());
   EXPECT_EQ(y, (std::vector<float>{1.5f, -2.0f, 3.0f, 1.5f, -2.0f, 3.0f}));
 }
 
@@ -199,11 +202,12 @@ TEST_P(CpuBackendTest, RmsNormMatchesReference) {
       std::vector<float> expected(x.size());
       reference::RmsNorm(x.data(), weight.data(), 1e-5f, rows, dim, expected.data());
       std::vector<float> y(x.size(), kNaN);
-      backend_->RmsNorm(x.data(), weight.data(), 1e-5f, rows, dim, y.data());
+      backend_->RmsNorm(x.data(), weight.data(), 1e-5f, rows, dim, y.data(), DType::kF32);
       EXPECT_LT(MaxRelativeError(y, expected), 1e-5);
       // In place, as the model runner does for q/k norms.
       std::vector<float> in_place = x;
-      backend_->RmsNorm(in_place.data(), weight.data(), 1e-5f, rows, dim, in_place.data());
+      backend_->RmsNorm(in_place.data(), weight.data(), 1e-5f, rows, dim, in_place.data(),
+                        DType::kF32);
       EXPECT_EQ(in_place, y);
     }
   }
@@ -223,7 +227,7 @@ TEST_P(CpuBackendTest, AddRmsNormUpdatesResidualAndNormalises) {
       std::vector<float> actual_residual = residual;
       std::vector<float> y(residual.size(), kNaN);
       backend_->AddRmsNorm(actual_residual.data(), x.data(), weight.data(), 1e-6f, rows, dim,
-                           y.data());
+                           y.data(), DType::kF32);
       EXPECT_EQ(actual_residual, expected_residual);  // a single fp32 add either way
       EXPECT_LT(MaxRelativeError(y, expected), 1e-5);
     }
@@ -239,7 +243,7 @@ TEST_P(CpuBackendTest, SiluMulMatchesReference) {
       std::vector<float> expected(int64_t{rows} * inter);
       reference::SiluMul(gate_up.data(), rows, inter, expected.data());
       std::vector<float> out(expected.size(), kNaN);
-      backend_->SiluMul(gate_up.data(), rows, inter, out.data());
+      backend_->SiluMul(gate_up.data(), rows, inter, out.data(), DType::kF32);
       EXPECT_LT(MaxRelativeError(out, expected), 1e-5);
     }
   }
@@ -314,8 +318,8 @@ TEST(QuantizedWeightViewTest, GroupBoundsAreChecked) {
   // (q - zero) * scale, each column by its own group's entry.
   const std::vector<float> w = DequantizeWeight(view(good));
   for (float v : w) EXPECT_EQ(v, (3 - 8) * 0.5f);
-  for (const std::vector<int32_t>& bad :
-       std::vector<std::vector<int32_t>>{{0, 3, 3, 10}, {1, 3, 4, 10}, {0, 3, 4, 9}, {0, 5, 4, 10}}) {
+  for (const std::vector<int32_t>& bad : std::vector<std::vector<int32_t>>{
+           {0, 3, 3, 10}, {1, 3, 4, 10}, {0, 3, 4, 9}, {0, 5, 4, 10}}) {
     const absl::Status status = ValidateQuantizedWeight(view(bad));
     EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << bad[1] << " " << bad[2];
   }
@@ -516,7 +520,7 @@ class AttentionProblem {
   std::vector<float> Run(Backend& backend) const {
     std::vector<float> out(out_size(), kNaN);
     backend.PagedAttention(q_.data(), cache_.data(), layout_, batch(), num_heads_, scale(),
-                           out.data());
+                           out.data(), DType::kF32);
     return out;
   }
   std::vector<float> Reference() const {
@@ -611,7 +615,7 @@ TEST_P(CpuBackendTest, PagedAttentionOfASequenceIgnoresTheRestOfTheBatch) {
   for (int threads : {1, 2, 3}) {
     std::unique_ptr<Backend> backend = Make(threads);
     backend->PagedAttention(q.data(), batched.cache().data(), batched.layout(), batched.batch(), 8,
-                            batched.scale(), out.data());
+                            batched.scale(), out.data(), DType::kF32);
     for (int i = 0; i < 2; ++i) {
       EXPECT_TRUE(BitwiseEqual(out.data() + batched_first_token[i] * q_row,
                                alone_out.data() + alone_first_token[i] * q_row,
@@ -639,7 +643,7 @@ TEST_P(CpuBackendTest, ChunkedPrefillEqualsWholePrompt) {
                                     .max_blocks_per_seq = whole.max_blocks()};
     backend_->PagedAttention(whole.q().data() + begin * q_row, whole.cache().data(), whole.layout(),
                              batch, whole.num_heads(), whole.scale(),
-                             chunked.data() + begin * q_row);
+                             chunked.data() + begin * q_row, DType::kF32);
   }
   EXPECT_LT(MaxRelativeError(chunked, expected, 0.05), 1e-5);
 }

@@ -137,8 +137,8 @@ class CudaBackendImpl final : public CudaBackend {
  public:
   CudaBackendImpl(const CudaBackendOptions& options, int multiprocessors, Stream stream,
                   DeviceArray<unsigned char> cublas_workspace, cuda::CublasHandle cublas,
-                  std::unique_ptr<cuda::LtGemm> lt, DeviceArray<int32_t> metadata, PinnedInts pinned_metadata, Event metadata_read,
-                  DeviceArray<float> workspace)
+                  std::unique_ptr<cuda::LtGemm> lt, DeviceArray<int32_t> metadata,
+                  PinnedInts pinned_metadata, Event metadata_read, DeviceArray<float> workspace)
       : options_(options),
         stream_(std::move(stream)),
         cublas_workspace_(std::move(cublas_workspace)),
@@ -312,12 +312,30 @@ class CudaBackendImpl final : public CudaBackend {
     return m > cuda::kGemvMaxRows && (w_dtype == DType::kBF16 || w_dtype == DType::kF16);
   }
 
-  void Linear(const float* x, int m, const PackedWeight& w, const float* bias, float* y) override {
+  DType ActivationDType(int m, const PackedWeight& w) const override {
+    return RoundedActivationDType(m, w);
+  }
+
+  void Linear(const void* x_in, DType x_dtype, int m, const PackedWeight& w, const float* bias,
+              float* y) override {
     const auto& packed = static_cast<const CudaPackedWeight&>(w);
     if (packed.data() == nullptr) {
       Keep(absl::FailedPreconditionError("Linear with a weight whose upload failed"));
       return;
     }
+    if (x_dtype != DType::kF32) {
+      // A 16-bit x its producer rounded: straight to the tensor cores, whatever m.
+      if (x_dtype != w.dtype() || w.quant() != WeightQuant::kNone) {
+        Keep(absl::InvalidArgumentError(absl::StrCat("Linear of ", DTypeName(x_dtype),
+                                                     " x with ", DTypeName(w.dtype()),
+                                                     " weights")));
+        return;
+      }
+      Keep(cuda::LaunchLinear16(cublas_.get(), lt_.get(), x_in, m, packed.data(), w.dtype(),
+                                w.n(), w.k(), bias, y, stream_.get()));
+      return;
+    }
+    const auto* x = static_cast<const float*>(x_in);
     if (w.quant() != WeightQuant::kNone) {
       Keep(cuda::LaunchQuantizedLinear(x, m, packed.quantized(), bias, y, stream_.get()));
     } else if (w.dtype() == DType::kF32) {
@@ -350,14 +368,14 @@ class CudaBackendImpl final : public CudaBackend {
     }
   }
 
-  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim,
-               float* y) override {
-    Keep(cuda::LaunchRmsNorm(x, nullptr, weight, eps, rows, dim, y, stream_.get()));
+  void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim, void* y,
+               DType y_dtype) override {
+    Keep(cuda::LaunchRmsNorm(x, nullptr, weight, eps, rows, dim, y, y_dtype, stream_.get()));
   }
 
   void AddRmsNorm(float* residual, const float* x, const float* weight, float eps, int rows,
-                  int dim, float* y) override {
-    Keep(cuda::LaunchRmsNorm(x, residual, weight, eps, rows, dim, y, stream_.get()));
+                  int dim, void* y, DType y_dtype) override {
+    Keep(cuda::LaunchRmsNorm(x, residual, weight, eps, rows, dim, y, y_dtype, stream_.get()));
   }
 
   void Rope(float* x, const int32_t* positions, int tokens, int heads, int head_dim,
@@ -365,8 +383,8 @@ class CudaBackendImpl final : public CudaBackend {
     Keep(cuda::LaunchRope(x, positions, tokens, heads, head_dim, inv_freq, stream_.get()));
   }
 
-  void SiluMul(const float* gate_up, int rows, int inter, float* out) override {
-    Keep(cuda::LaunchSiluMul(gate_up, rows, inter, out, stream_.get()));
+  void SiluMul(const float* gate_up, int rows, int inter, void* out, DType out_dtype) override {
+    Keep(cuda::LaunchSiluMul(gate_up, rows, inter, out, out_dtype, stream_.get()));
   }
 
   void Embedding(const void* table, DType table_dtype, const int32_t* ids, int tokens, int dim,
@@ -389,9 +407,9 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
   void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
-                      const PagedAttentionBatch& batch, int num_heads, float scale,
-                      float* out) override {
-    Keep(RunPagedAttention(q, layer_cache, layout, batch, num_heads, scale, out));
+                      const PagedAttentionBatch& batch, int num_heads, float scale, void* out,
+                      DType out_dtype) override {
+    Keep(RunPagedAttention(q, layer_cache, layout, batch, num_heads, scale, {out, out_dtype}));
   }
 
   void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
@@ -458,9 +476,15 @@ class CudaBackendImpl final : public CudaBackend {
     return true;
   }
 
+  // Where PagedAttention stores its output, and as what.
+  struct Output {
+    void* data;
+    DType dtype;
+  };
+
   absl::Status RunPagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                                  const PagedAttentionBatch& batch, int num_heads, float scale,
-                                 float* out) {
+                                 Output out) {
     const int n = batch.num_seqs;
     if (n <= 0) return absl::OkStatus();
     if (batch.on_device) return RunDevicePagedAttention(q, layer_cache, layout, batch, num_heads,
@@ -534,7 +558,7 @@ class CudaBackendImpl final : public CudaBackend {
   // shorter than the bound leave their later partitions idle).
   absl::Status RunDevicePagedAttention(const float* q, const void* layer_cache,
                                        const KvLayout& layout, const PagedAttentionBatch& batch,
-                                       int num_heads, float scale, float* out) {
+                                       int num_heads, float scale, Output out) {
     if (batch.device_query_start == nullptr || batch.device_context_len == nullptr ||
         batch.device_block_table == nullptr || batch.num_tokens < batch.num_seqs ||
         batch.max_query_len < 1 || batch.max_context_len < 1 ||
@@ -558,7 +582,7 @@ class CudaBackendImpl final : public CudaBackend {
   static cuda::PagedAttentionParams AttentionParams(const float* q, const void* layer_cache,
                                                     const KvLayout& layout,
                                                     const PagedAttentionBatch& batch,
-                                                    int num_heads, float scale, float* out) {
+                                                    int num_heads, float scale, Output out) {
     cuda::PagedAttentionParams p;
     p.q = q;
     const bool fp8 = DTypeSize(layout.dtype) == 1;
@@ -567,7 +591,8 @@ class CudaBackendImpl final : public CudaBackend {
     p.cache_dtype = layout.dtype;
     p.k_scale = fp8 ? layout.k_scale : 1.0f;
     p.v_scale = fp8 ? layout.v_scale : 1.0f;
-    p.out = out;
+    p.out = out.data;
+    p.out_dtype = out.dtype;
     p.num_seqs = batch.num_seqs;
     p.num_heads = num_heads;
     p.num_kv_heads = layout.num_kv_heads;

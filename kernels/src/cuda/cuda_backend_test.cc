@@ -89,7 +89,7 @@ TEST_P(CudaBackendTest, LinearMatchesReference) {
   reference::Linear(x.data(), m, w.data(), DType::kF32, n, k, bias.data(), expected.data());
   DeviceVector<float> d_x(x), d_bias(bias), d_y(std::vector<float>(expected.size(), kNaN));
   auto packed = backend_->PackWeight(w.data(), DType::kF32, n, k);
-  backend_->Linear(d_x.get(), m, *packed, d_bias.get(), d_y.get());
+  backend_->Linear(d_x.get(), DType::kF32, m, *packed, d_bias.get(), d_y.get());
   ASSERT_TRUE(backend_->Synchronize().ok());
   EXPECT_LT(MaxRelativeError(d_y.ToHost(), expected, 1.0), 1e-5 * std::sqrt(k));
 }
@@ -102,7 +102,7 @@ TEST_P(CudaBackendTest, RmsNormAndAddRmsNormMatchReference) {
   std::vector<float> expected(size);
   reference::RmsNorm(x.data(), weight.data(), 1e-5f, s.rows, s.dim, expected.data());
   DeviceVector<float> d_x(x), d_w(weight), d_y(std::vector<float>(size, kNaN));
-  backend_->RmsNorm(d_x.get(), d_w.get(), 1e-5f, s.rows, s.dim, d_y.get());
+  backend_->RmsNorm(d_x.get(), d_w.get(), 1e-5f, s.rows, s.dim, d_y.get(), DType::kF32);
   ASSERT_TRUE(backend_->Synchronize().ok());
   EXPECT_LT(MaxRelativeError(d_y.ToHost(), expected, 1e-3), 1e-5);
 
@@ -110,7 +110,8 @@ TEST_P(CudaBackendTest, RmsNormAndAddRmsNormMatchReference) {
   reference::AddRmsNorm(expected_residual.data(), x.data(), weight.data(), 1e-5f, s.rows, s.dim,
                         expected.data());
   DeviceVector<float> d_residual(residual), d_y2(std::vector<float>(size, kNaN));
-  backend_->AddRmsNorm(d_residual.get(), d_x.get(), d_w.get(), 1e-5f, s.rows, s.dim, d_y2.get());
+  backend_->AddRmsNorm(d_residual.get(), d_x.get(), d_w.get(), 1e-5f, s.rows, s.dim, d_y2.get(),
+                       DType::kF32);
   ASSERT_TRUE(backend_->Synchronize().ok());
   EXPECT_EQ(d_residual.ToHost(), expected_residual);
   EXPECT_LT(MaxRelativeError(d_y2.ToHost(), expected, 1e-3), 1e-5);
@@ -139,7 +140,7 @@ TEST_P(CudaBackendTest, SiluMulMatchesReference) {
   std::vector<float> expected(int64_t{s.rows} * s.dim);
   reference::SiluMul(gate_up.data(), s.rows, s.dim, expected.data());
   DeviceVector<float> d_in(gate_up), d_out(std::vector<float>(expected.size(), kNaN));
-  backend_->SiluMul(d_in.get(), s.rows, s.dim, d_out.get());
+  backend_->SiluMul(d_in.get(), s.rows, s.dim, d_out.get(), DType::kF32);
   ASSERT_TRUE(backend_->Synchronize().ok());
   EXPECT_LT(MaxRelativeError(d_out.ToHost(), expected, 1e-3), 1e-5);
 }
@@ -212,7 +213,8 @@ double PagedAttentionError(CudaBackend& backend, const Shape& s,
   std::vector<float> expected(q.size());
   reference::PagedAttention(q.data(), cache.data(), layout, batch, heads, scale, expected.data());
   DeviceVector<float> d_q(q), d_cache(cache), d_out(std::vector<float>(q.size(), kNaN));
-  backend.PagedAttention(d_q.get(), d_cache.get(), layout, batch, heads, scale, d_out.get());
+  backend.PagedAttention(d_q.get(), d_cache.get(), layout, batch, heads, scale, d_out.get(),
+                         DType::kF32);
   const absl::Status status = backend.Synchronize();
   EXPECT_TRUE(status.ok()) << status;
   return MaxRelativeError(d_out.ToHost(), expected, 0.05);
@@ -279,7 +281,7 @@ TEST_P(CudaBackendTest, UnsupportedHeadDimIsReported) {
                             .context_len = context_len,
                             .block_table = block_table,
                             .max_blocks_per_seq = 1},
-                           1, 1.0f, d_out.get());
+                           1, 1.0f, d_out.get(), DType::kF32);
   EXPECT_EQ(backend_->Synchronize().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(backend_->Synchronize().ok()) << "the error is reported once";
 }

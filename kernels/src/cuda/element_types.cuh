@@ -51,6 +51,28 @@ __device__ __forceinline__ __nv_fp8_e5m2 FromFloat<__nv_fp8_e5m2>(float v) {
   return r;
 }
 
+// Stores v as out[i] of an activation whose dtype is a kernel argument rather than a template
+// parameter (kF32, or kBF16 / kF16 rounded to nearest even; the launcher checks it with
+// CheckActivationDType). The branch is uniform over the launch.
+__device__ __forceinline__ void StoreActivation(void* out, DType dtype, int64_t i, float v) {
+  if (dtype == DType::kBF16) {
+    static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
+  } else if (dtype == DType::kF16) {
+    static_cast<__half*>(out)[i] = __float2half_rn(v);
+  } else {
+    static_cast<float*>(out)[i] = v;
+  }
+}
+
+// InvalidArgument unless dtype is one an activation may be stored as.
+inline absl::Status CheckActivationDType(DType dtype) {
+  if (dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("no CUDA kernel stores an activation as ", DTypeName(dtype)));
+}
+
 }  // namespace tandem::kernels::cuda
 
 #define TANDEM_DTYPE_CASE_(DTYPE, TYPE, NAME, ...) \
@@ -82,4 +104,15 @@ __device__ __forceinline__ __nv_fp8_e5m2 FromFloat<__nv_fp8_e5m2>(float v) {
     default:                                                                              \
       return absl::InvalidArgumentError(                                                  \
           absl::StrCat("no CUDA kernel for a KV cache of ", ::tandem::DTypeName(dtype))); \
+  }
+
+// Activation element types: F32, BF16, F16.
+#define TANDEM_DISPATCH_ACTIVATION_DTYPE(dtype, NAME, ...)                                  \
+  switch (dtype) {                                                                         \
+    TANDEM_DTYPE_CASE_(::tandem::DType::kF32, float, NAME, __VA_ARGS__)                    \
+    TANDEM_DTYPE_CASE_(::tandem::DType::kBF16, __nv_bfloat16, NAME, __VA_ARGS__)           \
+    TANDEM_DTYPE_CASE_(::tandem::DType::kF16, __half, NAME, __VA_ARGS__)                   \
+    default:                                                                               \
+      return absl::InvalidArgumentError(                                                   \
+          absl::StrCat("no CUDA kernel stores an activation as ", ::tandem::DTypeName(dtype))); \
   }

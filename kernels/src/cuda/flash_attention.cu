@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/src/cuda/dispatch.cuh"
+#include "kernels/src/cuda/element_types.cuh"
 #include "kernels/src/cuda/flash_attention.cuh"
 #include "kernels/src/cuda/mma_layout.h"
 #include "kernels/src/cuda/search.cuh"
@@ -316,12 +317,21 @@ __global__ void __launch_bounds__(kFlashThreads) FlashPrefillKernel(const PagedA
   for (int h = 0; h < 2; ++h) {
     const int r = warp * 16 + c0.row + 8 * h;
     if (r >= rows) continue;
-    float* out =
-        p.out + (static_cast<int64_t>(q_begin + row0 + r) * p.num_heads + head) * kHeadDim;
+    const int64_t first =
+        (static_cast<int64_t>(q_begin + row0 + r) * p.num_heads + head) * kHeadDim + c0.col;
+    if (p.out_dtype == DType::kF32) {
+      float* out = static_cast<float*>(p.out) + first;
 #pragma unroll
-    for (int n = 0; n < kDimTiles8; ++n) {
-      *reinterpret_cast<float2*>(out + n * 8 + c0.col) =
-          make_float2(o[n][2 * h] * inv[h], o[n][2 * h + 1] * inv[h]);
+      for (int n = 0; n < kDimTiles8; ++n) {
+        *reinterpret_cast<float2*>(out + n * 8) =
+            make_float2(o[n][2 * h] * inv[h], o[n][2 * h + 1] * inv[h]);
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < kDimTiles8; ++n) {
+        StoreActivation(p.out, p.out_dtype, first + n * 8, o[n][2 * h] * inv[h]);
+        StoreActivation(p.out, p.out_dtype, first + n * 8 + 1, o[n][2 * h + 1] * inv[h]);
+      }
     }
   }
 }

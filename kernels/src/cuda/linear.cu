@@ -257,7 +257,18 @@ absl::Status LaunchLinearLowPrecision(cublasHandle_t handle, LtGemm* lt, const f
     NarrowKernel<<<blocks, kThreads, 0, stream>>>(x, count, static_cast<__half*>(x16));
   }
   TANDEM_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "Linear: narrowing x"));
-  const cudaDataType_t type = bf16 ? CUDA_R_16BF : CUDA_R_16F;
+  return LaunchLinear16(handle, lt, x16, m, w, w_dtype, n, k, bias, y, stream);
+}
+
+absl::Status LaunchLinear16(cublasHandle_t handle, LtGemm* lt, const void* x16, int m,
+                            const void* w, DType w_dtype, int n, int k, const float* bias,
+                            float* y, cudaStream_t stream) {
+  if (m <= 0 || n <= 0) return absl::OkStatus();
+  if (w_dtype != DType::kBF16 && w_dtype != DType::kF16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("no 16-bit CUDA Linear for weights of ", DTypeName(w_dtype)));
+  }
+  const cudaDataType_t type = w_dtype == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
   if (lt != nullptr) {
     // The bias in the epilogue; cublasGemmEx below only where cuBLASLt has no algorithm.
     absl::Status status = lt->Run({.x16 = x16, .m = m, .w = w, .type = type, .n = n, .k = k,

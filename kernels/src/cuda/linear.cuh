@@ -48,4 +48,10 @@ absl::Status LaunchLinearLowPrecision(cublasHandle_t handle, LtGemm* lt, const f
                                       const float* bias, float* y, void* x16,
                                       cudaStream_t stream);
 
+// The tensor-core half of the above on an x already of w_dtype (kBF16 or kF16): x16 [m, k]
+// device, read exactly, any m.
+absl::Status LaunchLinear16(cublasHandle_t handle, LtGemm* lt, const void* x16, int m,
+                            const void* w, DType w_dtype, int n, int k, const float* bias,
+                            float* y, cudaStream_t stream);
+
 }  // namespace tandem::kernels::cuda

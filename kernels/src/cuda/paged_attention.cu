@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < kDims; ++e) {
       const int d = d_lane + kLanesPerSubset * e;
       if (p.max_partitions == 1) {
-        p.out[head_row * kHeadDim + d] = acc[g][e] / group_sum[g];
+        StoreActivation(p.out, p.out_dtype, head_row * kHeadDim + d, acc[g][e] / group_sum[g]);
       } else {
         p.partial_out[(head_row * p.max_partitions + partition) * kHeadDim + d] = acc[g][e];
       }
@@ -352,7 +352,7 @@ __global__ void __launch_bounds__(kThreads)
     const int d = i % kHeadDim;
     const int64_t head_row = static_cast<int64_t>(token) * p.num_heads + kv_head * group + g;
     if (p.max_partitions == 1) {
-      p.out[head_row * kHeadDim + d] = total / group_sum[g];
+      StoreActivation(p.out, p.out_dtype, head_row * kHeadDim + d, total / group_sum[g]);
     } else {
       p.partial_out[(head_row * p.max_partitions + partition) * kHeadDim + d] = total;
       if (d == 0) {
@@ -384,13 +384,14 @@ __global__ void __launch_bounds__(kHeadDim)
   for (int i = 0; i < partitions; ++i) {
     o += p.partial_out[(head_row * p.max_partitions + i) * kHeadDim + d] * expf(maxes[i] - m);
   }
-  p.out[head_row * kHeadDim + d] = o / total;
+  StoreActivation(p.out, p.out_dtype, head_row * kHeadDim + d, o / total);
 }
 
 }  // namespace
 
 absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) {
   if (p.num_tokens <= 0) return absl::OkStatus();
+  if (absl::Status dtype = CheckActivationDType(p.out_dtype); !dtype.ok()) return dtype;
   if (p.num_kv_heads <= 0 || p.num_heads % p.num_kv_heads != 0) {
     return absl::InvalidArgumentError(
         "PagedAttention: num_heads must be a multiple of num_kv_heads");

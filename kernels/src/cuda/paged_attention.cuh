@@ -55,7 +55,8 @@ struct PagedAttentionParams {
   const int32_t* query_start = nullptr;  // [num_seqs + 1]
   const int32_t* context_len = nullptr;  // [num_seqs]
   const int32_t* block_table = nullptr;  // [num_seqs, max_blocks_per_seq]
-  float* out = nullptr;                  // [num_tokens, num_heads, head_dim]
+  void* out = nullptr;                   // [num_tokens, num_heads, head_dim] of out_dtype
+  DType out_dtype = DType::kF32;         // kF32, kBF16 or kF16 (StoreActivation)
   // Merge workspace, used when max_partitions > 1.
   float* partial_out = nullptr;  // [num_tokens, num_heads, max_partitions, head_dim]
   float* partial_max = nullptr;  // [num_tokens, num_heads, max_partitions]

@@ -1,4 +1,5 @@
 #include "kernels/src/cuda/dispatch.cuh"
+#include "kernels/src/cuda/element_types.cuh"
 #include "kernels/src/cuda/reduce.cuh"
 #include "kernels/src/cuda/rmsnorm.cuh"
 
@@ -8,12 +9,12 @@ namespace {
 constexpr int kThreads = 256;
 
 // One block per row.
-template <bool kAddResidual>
+template <bool kAddResidual, typename Y>
 __global__ void RmsNormKernel(const float* x,                    // [rows, dim]; may alias y
                               float* residual,                   // [rows, dim] or unused
                               const float* __restrict__ weight,  // [dim]
                               float eps, int dim,
-                              float* y) {  // [rows, dim]; may alias x
+                              Y* y) {  // [rows, dim]; may alias x (Y float)
   __shared__ float scratch[32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * dim;
   float sum_sq = 0.0f;
@@ -30,18 +31,21 @@ __global__ void RmsNormKernel(const float* x,                    // [rows, dim];
   // Each thread reads back only the elements it wrote, so no barrier is needed in between.
   for (int i = threadIdx.x; i < dim; i += blockDim.x) {
     const float v = kAddResidual ? residual[base + i] : x[base + i];
-    y[base + i] = v * inv_rms * weight[i];
+    y[base + i] = FromFloat<Y>(v * inv_rms * weight[i]);
   }
 }
 
 }  // namespace
 
 absl::Status LaunchRmsNorm(const float* x, float* residual, const float* weight, float eps,
-                           int rows, int dim, float* y, cudaStream_t stream) {
+                           int rows, int dim, void* y, DType y_dtype, cudaStream_t stream) {
   if (rows <= 0) return absl::OkStatus();
   if (dim <= 0) return absl::InvalidArgumentError("RmsNorm needs dim > 0");
-  TANDEM_DISPATCH_BOOL(residual != nullptr, kAddResidual, {
-    RmsNormKernel<kAddResidual><<<rows, kThreads, 0, stream>>>(x, residual, weight, eps, dim, y);
+  TANDEM_DISPATCH_ACTIVATION_DTYPE(y_dtype, Y, {
+    TANDEM_DISPATCH_BOOL(residual != nullptr, kAddResidual, {
+      RmsNormKernel<kAddResidual, Y>
+          <<<rows, kThreads, 0, stream>>>(x, residual, weight, eps, dim, static_cast<Y*>(y));
+    });
   });
   return CudaStatus(cudaGetLastError(), "RmsNormKernel");
 }

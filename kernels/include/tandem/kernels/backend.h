@@ -297,27 +297,41 @@ class Backend {
   // is of W's exact value (quantised: of DequantizeWeight's value) and accumulates in fp32; x
   // is read exactly too, except where LinearRoundsX says it is first rounded to W's dtype or
   // LinearSplitsX that it is carried as two bf16 halves.
+  // x_dtype is kF32, or W's own 16-bit dtype (W not quantised): a 16-bit activation its
+  // producer already rounded (see ActivationDType), read exactly. Anything else is an error.
   // Batch invariant on the CPU: row i of y is bitwise the same whatever m is and whatever the
   // other rows hold (the CUDA backend's kernels change with m). y must not overlap x (other
   // operators say where theirs may alias).
-  virtual void Linear(const float* x, int m, const PackedWeight& w, const float* bias,
-                      float* y) = 0;
+  virtual void Linear(const void* x, DType x_dtype, int m, const PackedWeight& w,
+                      const float* bias, float* y) = 0;
 
-  // y[r, :] = x[r, :] / rms(x[r, :]) * weight. x and y may alias.
+  // The dtype in which an operator should store the x of a Linear of m rows with W. kF32 unless
+  // a backend overrides it: the CUDA backend answers W's 16-bit dtype where its Linear would
+  // round an fp32 x to it anyway (LinearRoundsX; W not quantised), so that the producer's
+  // rounding gives the same values with fewer bytes moved (no fp32 copy written, read back and
+  // rounded). The CPU backend's kernels read fp32 x, so it keeps kF32.
+  virtual DType ActivationDType(int m, const PackedWeight& w) const { return DType::kF32; }
+  // The rule above: W's 16-bit dtype where LinearRoundsX(m) and W is not quantised, else kF32.
+  DType RoundedActivationDType(int m, const PackedWeight& w) const;
+
+  // y[r, :] = x[r, :] / rms(x[r, :]) * weight, computed in fp32 and stored as y_dtype (kF32,
+  // kBF16 or kF16, rounded to nearest even). x and y may alias when y_dtype is kF32.
   virtual void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim,
-                       float* y) = 0;
+                       void* y, DType y_dtype) = 0;
 
-  // residual[r, :] += x[r, :]; then y[r, :] = RmsNorm(residual[r, :]).
+  // residual[r, :] += x[r, :]; then y[r, :] = RmsNorm(residual[r, :]), stored as y_dtype.
   virtual void AddRmsNorm(float* residual, const float* x, const float* weight, float eps, int rows,
-                          int dim, float* y) = 0;
+                          int dim, void* y, DType y_dtype) = 0;
 
   // Rotates x [tokens, heads, head_dim] in place, HF "rotate_half" layout (pairs i, i + d/2).
   // inv_freq: [head_dim / 2] from RopeInverseFrequencies. positions: [tokens].
   virtual void Rope(float* x, const int32_t* positions, int tokens, int heads, int head_dim,
                     const float* inv_freq) = 0;
 
-  // out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]; gate_up: [rows, 2 * inter].
-  virtual void SiluMul(const float* gate_up, int rows, int inter, float* out) = 0;
+  // out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]; gate_up: [rows, 2 * inter]. out is
+  // stored as out_dtype (kF32, kBF16 or kF16, rounded to nearest even).
+  virtual void SiluMul(const float* gate_up, int rows, int inter, void* out,
+                       DType out_dtype) = 0;
 
   // out[t, :] = table[ids[t], :], widened to fp32; table: [vocab, dim] of table_dtype (kF32,
   // kBF16 or kF16). ids are validated by the caller.
@@ -360,11 +374,12 @@ class Backend {
 
   // Causal attention of q [tokens, num_heads, head_dim] over the paged cache (of layout.dtype,
   // read as fp32); grouped-query: head h reads KV head h / (num_heads / num_kv_heads).
-  // out: [tokens, num_heads, head_dim]. Exact on q in fp32 arithmetic, except for the
-  // sequences where PagedAttentionRoundsQ says otherwise.
+  // out: [tokens, num_heads, head_dim], stored as out_dtype (kF32, kBF16 or kF16, rounded to
+  // nearest even). Exact on q in fp32 arithmetic, except for the sequences where
+  // PagedAttentionRoundsQ says otherwise.
   virtual void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                               const PagedAttentionBatch& batch, int num_heads, float scale,
-                              float* out) = 0;
+                              void* out, DType out_dtype) = 0;
 
   // out[i, :] = a[rows[i], :] + b[rows[i], :] for i < num_rows; a, b: [*, dim]; rows:
   // [num_rows], indices validated by the caller; out: [num_rows, dim].
