@@ -6,8 +6,9 @@
 //   Linear        bf16 weights, fp32 x and y: the five projections of the 8B shape at m = 1, 2,
 //                 4, 8, 16, 64 and 256, and gpu_baselines.py's torch.matmul shapes (n 14336,
 //                 k 4096; 8192^3); GB/s counts weight, x and y bytes once, TFLOP/s 2 m n k.
-//                 Past m = 4 also "Linear bf16 GemmEx": a backend with cublasGemmEx in place
-//                 of cuBLASLt (CudaBackendOptions::Gemm::kCublas), on the same buffers.
+//                 Past m = 4 (the default: the skinny GEMM to m = 16, cuBLASLt past it) also
+//                 "Linear bf16 cuBLASLt" and "Linear bf16 GemmEx": backends with cuBLASLt for
+//                 every m and with cublasGemmEx (CudaBackendOptions::Gemm), same buffers.
 //   PagedAttention decode (one query row per sequence), 32 query heads over 8 KV heads (GQA
 //                 4:1), head_dim 128, bf16 KV in 16-token blocks scattered over the cache;
 //                 GB/s counts the K and V bytes read. And one causal 4096-token prefill in one
@@ -148,14 +149,20 @@ int main(int argc, char** argv) {
        .attention_workspace_bytes = kernels::CudaAttentionWorkspaceBytes(4096, 32, 128, 4096)});
   if (!created.ok()) Die(std::string(created.status().message()));
   Backend& b = **created;
-  // The same Linear through cublasGemmEx and a bias kernel, against cuBLASLt's (m > 4).
-  auto gemm_ex_created =
-      kernels::CreateCudaBackend({.max_seqs = 1,
-                                  .max_blocks_per_seq = 1,
-                                  .attention_workspace_bytes = 0,
-                                  .gemm = kernels::CudaBackendOptions::Gemm::kCublas});
-  if (!gemm_ex_created.ok()) Die(std::string(gemm_ex_created.status().message()));
-  Backend& gemm_ex = **gemm_ex_created;
+  // The same Linear (m > 4) through cuBLASLt alone and through cublasGemmEx and a bias kernel.
+  struct Alternative {
+    const char* op;
+    std::unique_ptr<kernels::CudaBackend> backend;
+  };
+  std::vector<Alternative> alternatives;
+  for (auto [op, gemm] :
+       {std::pair{"Linear bf16 cuBLASLt", kernels::CudaBackendOptions::Gemm::kCublasLt},
+        std::pair{"Linear bf16 GemmEx", kernels::CudaBackendOptions::Gemm::kCublas}}) {
+    auto alternative = kernels::CreateCudaBackend(
+        {.max_seqs = 1, .max_blocks_per_seq = 1, .attention_workspace_bytes = 0, .gemm = gemm});
+    if (!alternative.ok()) Die(std::string(alternative.status().message()));
+    alternatives.push_back({op, std::move(alternative).value()});
+  }
   const double copy_gbs = bench::MeasureCudaCopyGBs();
   if (copy_gbs <= 0) Die("cannot measure the device copy bandwidth");
   std::vector<Row> rows;
@@ -188,28 +195,33 @@ int main(int argc, char** argv) {
     const int64_t weight_bytes = int64_t{proj.n} * proj.k * 2;
     const int copies =
         static_cast<int>(std::clamp<int64_t>((256ll << 20) / weight_bytes + 1, 1, 8));
-    std::vector<std::unique_ptr<kernels::PackedWeight>> weights, gemm_ex_weights;
+    // [0]: b's; then each alternative's.
+    std::vector<std::vector<std::unique_ptr<kernels::PackedWeight>>> weights(
+        1 + alternatives.size());
     for (int c = 0; c < copies; ++c) {
       const std::vector<uint16_t> w =
           RandomBf16(int64_t{proj.n} * proj.k, 100 + c, 1.0f / std::sqrt(float(proj.k)));
-      weights.push_back(b.PackWeight(w.data(), DType::kBF16, proj.n, proj.k));
-      gemm_ex_weights.push_back(gemm_ex.PackWeight(w.data(), DType::kBF16, proj.n, proj.k));
+      weights[0].push_back(b.PackWeight(w.data(), DType::kBF16, proj.n, proj.k));
+      for (size_t a = 0; a < alternatives.size(); ++a) {
+        weights[a + 1].push_back(
+            alternatives[a].backend->PackWeight(w.data(), DType::kBF16, proj.n, proj.k));
+      }
     }
     Check(b.Synchronize(), "PackWeight");
-    Check(gemm_ex.Synchronize(), "PackWeight");
+    for (Alternative& a : alternatives) Check(a.backend->Synchronize(), "PackWeight");
     for (int m : proj.ms) {
       const int calls = m <= 16 ? 50 : m <= 256 ? 10 : 5;
-      // Both backends on the same device buffers, one after the other (TimeCalls synchronises).
-      for (bool lt : {true, false}) {
-        if (!lt && m <= 4) continue;  // both run the GEMV there
-        Backend& on = lt ? b : gemm_ex;
-        const auto& packed = lt ? weights : gemm_ex_weights;
+      // Every backend on the same device buffers, one after the other (TimeCalls synchronises).
+      for (size_t which = 0; which <= alternatives.size(); ++which) {
+        if (which > 0 && m <= 4) continue;  // all run the GEMV there
+        Backend& on = which == 0 ? b : *alternatives[which - 1].backend;
+        const auto& packed = weights[which];
         const double s = TimeCalls(on, calls, [&](int i) {
           on.Linear(x->as<float>(), DType::kF32, m, *packed[i % copies], nullptr, y->as<float>());
         });
         const double bytes = weight_bytes + 4.0 * m * (proj.k + proj.n);
         const double gbs = bytes / s / 1e9;
-        rows.push_back({lt ? "Linear bf16" : "Linear bf16 GemmEx",
+        rows.push_back({which == 0 ? "Linear bf16" : alternatives[which - 1].op,
                         absl::StrCat(proj.name, " m", m, " n", proj.n, " k", proj.k), s * 1e6,
                         gbs, 2.0 * m * proj.n * proj.k / s / 1e12, gbs / copy_gbs});
       }

@@ -107,10 +107,10 @@ class Harness {
                                    poison.size() * sizeof(float)));
   }
 
-  // Operator memory for `count` activations of `dtype` (kF32, kBF16 or kF16), all NaN (all bits
-  // set is a NaN in each).
+  // Operator memory for `count` activations of `dtype` (kF32, kBF16 or kF16), all NaN.
   void* Activation(std::string name, int64_t count, DType dtype) {
-    const std::vector<unsigned char> poison(count * DTypeSize(dtype), 0xFF);
+    std::vector<unsigned char> poison(count * DTypeSize(dtype));
+    for (int64_t i = 0; i < count; ++i) StoreFromFloat(poison.data(), dtype, i, kNaN);
     return Add(std::move(name), GuardedTensor::Role::kOutput, poison.data(), poison.size());
   }
   // The activations at `data` after Finish, widened to fp32.
@@ -1263,6 +1263,10 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
              {9, 257, 512, true},
              {16, 100, 1032, true},
              {17, 33, 512, false},
+             // The CUDA skinny GEMM's shapes (m <= 16, k % 8 == 0): one and two 8-row tiles
+             // of x, n past a 16-row block, k chunks of 32 split over 8 warps with a tail.
+             {8, 1000, 264, false},
+             {12, 4100, 4096, true},
          }) {
       add(LinearCase(m, n, k, bias, kLinearTolerance, w_dtype));
     }
@@ -1274,6 +1278,7 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
              {1, 45, 300, true},
              {4, 130, 2056, false},
              {9, 257, 517, true},
+             {14, 70, 776, true},
              {130, 129, 300, false},
          }) {
       add(LinearCase(m, n, k, bias, kLinearTolerance, w_dtype, false, /*x16=*/true));

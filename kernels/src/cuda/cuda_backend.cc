@@ -331,8 +331,8 @@ class CudaBackendImpl final : public CudaBackend {
                                                      " weights")));
         return;
       }
-      Keep(cuda::LaunchLinear16(cublas_.get(), lt_.get(), x_in, m, packed.data(), w.dtype(),
-                                w.n(), w.k(), bias, y, stream_.get()));
+      Keep(cuda::LaunchLinear16(Engines(), x_in, m, packed.data(), w.dtype(), w.n(), w.k(),
+                                bias, y, stream_.get()));
       return;
     }
     const auto* x = static_cast<const float*>(x_in);
@@ -362,9 +362,8 @@ class CudaBackendImpl final : public CudaBackend {
         }
         x16 = x16_.get();
       }
-      Keep(cuda::LaunchLinearLowPrecision(cublas_.get(), lt_.get(), x, m, packed.data(),
-                                          w.dtype(), w.n(), w.k(), bias, y, x16,
-                                          stream_.get()));
+      Keep(cuda::LaunchLinearLowPrecision(Engines(), x, m, packed.data(), w.dtype(), w.n(),
+                                          w.k(), bias, y, x16, stream_.get()));
     }
   }
 
@@ -474,6 +473,12 @@ class CudaBackendImpl final : public CudaBackend {
     Keep(absl::FailedPreconditionError(
         absl::StrCat(what, " inside a step graph capture: not part of a replayable step")));
     return true;
+  }
+
+  cuda::GemmEngines Engines() const {
+    return {.cublas = cublas_.get(),
+            .lt = lt_.get(),
+            .skinny = options_.gemm == CudaBackendOptions::Gemm::kAuto};
   }
 
   // Where PagedAttention stores its output, and as what.
@@ -737,7 +742,7 @@ absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackend
                           cuda::CreateCublasHandle(raw_stream, cublas_workspace.get(),
                                                    cuda::kCublasWorkspaceBytes));
   std::unique_ptr<cuda::LtGemm> lt;
-  if (options.gemm == CudaBackendOptions::Gemm::kCublasLt) {
+  if (options.gemm != CudaBackendOptions::Gemm::kCublas) {
     // The cuBLAS handle's workspace: both queue on the one stream.
     TANDEM_ASSIGN_OR_RETURN(
         lt, cuda::LtGemm::Create(cublas_workspace.get(), cuda::kCublasWorkspaceBytes));

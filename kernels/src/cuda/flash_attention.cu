@@ -8,6 +8,7 @@
 #include "kernels/src/cuda/dispatch.cuh"
 #include "kernels/src/cuda/element_types.cuh"
 #include "kernels/src/cuda/flash_attention.cuh"
+#include "kernels/src/cuda/mma.cuh"
 #include "kernels/src/cuda/mma_layout.h"
 #include "kernels/src/cuda/search.cuh"
 
@@ -18,49 +19,6 @@ constexpr int kWarps = kFlashThreads / 32;
 static_assert(kWarps * 16 == kFlashTileRows, "each warp owns 16 query rows");
 static_assert(kFlashTileKeys % 16 == 0);
 constexpr float kLog2e = 1.4426950408889634f;
-
-// --- 16-bit element types: packing and the mma instruction -------------------------------------
-
-template <typename Elem>
-struct Mma16;
-
-template <>
-struct Mma16<__nv_bfloat16> {
-  // Two floats rounded to nearest even, `lo` in the low 16 bits (the lower-index element).
-  static __device__ __forceinline__ uint32_t Pack(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo: the low half
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  static __device__ __forceinline__ float2 Unpack(uint32_t bits) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
-  }
-  // d += a b for one m16n8k16 tile (fragments as in mma_layout.h).
-  static __device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
-
-template <>
-struct Mma16<__half> {
-  static __device__ __forceinline__ uint32_t Pack(float lo, float hi) {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-  static __device__ __forceinline__ float2 Unpack(uint32_t bits) {
-    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-  }
-  static __device__ __forceinline__ void Mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                             uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-};
 
 // --- Shared-memory movement ---------------------------------------------------------------------
 

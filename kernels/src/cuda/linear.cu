@@ -6,6 +6,8 @@
 #include "kernels/src/cuda/dispatch.cuh"
 #include "kernels/src/cuda/element_types.cuh"
 #include "kernels/src/cuda/linear.cuh"
+#include "kernels/src/cuda/mma.cuh"
+#include "kernels/src/cuda/mma_layout.h"
 #include "kernels/src/cuda/reduce.cuh"
 #include "tandem/base/status_macros.h"
 
@@ -228,9 +230,119 @@ __global__ void NarrowKernel(const float* __restrict__ x, int64_t count, W* __re
   }
 }
 
+constexpr int kSkinnyWarps = 8;   // warps per block, splitting k between them
+constexpr int kSkinnyUnroll = 2;  // 32-wide k chunks per warp in flight
+
+// 32-bit word j (0..3) of a 16-byte load.
+__device__ __forceinline__ uint32_t Word(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// y[m, n] = x16[m, k] w[n, k]^T (+ bias[n]) for m <= 8 kMTiles rows, on the tensor cores at the
+// weights' bandwidth: one block per 16 rows of W, its warps taking every kSkinnyWarps-th 32-wide
+// k chunk, the mma fragments straight from 16-byte loads (mma_layout.h's Skinny* functions:
+// W as A, x as B, k walked in the same permuted order by both), fp32 accumulation, the warps'
+// partial sums added in shared memory in a fixed order. k % 8 == 0; x16 and w 16-byte aligned.
+// grid ceil(n / 16), kSkinnyWarps * 32 threads.
+template <typename W, int kMTiles>
+__global__ void __launch_bounds__(kSkinnyWarps * 32)
+    SkinnyMmaKernel(const W* __restrict__ x16, int m, const W* __restrict__ w, int n, int k,
+                    const float* __restrict__ bias, float* __restrict__ y) {
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  const int n0 = blockIdx.x * 16;
+  // Rows past n re-read the last one; their sums are not written.
+  const W* wrow[2] = {w + static_cast<int64_t>(min(n0 + g, n - 1)) * k,
+                      w + static_cast<int64_t>(min(n0 + g + 8, n - 1)) * k};
+  const W* xrow[kMTiles];
+  bool x_row_in[kMTiles];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    x_row_in[mt] = 8 * mt + g < m;
+    xrow[mt] = x16 + static_cast<int64_t>(min(8 * mt + g, m - 1)) * k;
+  }
+  float acc[kMTiles][4] = {};
+  const int chunks = (k + 31) / 32;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  for (int first = warp; first < chunks; first += kSkinnyWarps * kSkinnyUnroll) {
+    uint4 wl[kSkinnyUnroll][2];
+    uint4 xl[kSkinnyUnroll][kMTiles];
+#pragma unroll
+    for (int u = 0; u < kSkinnyUnroll; ++u) {
+      const int at = (first + u * kSkinnyWarps) * 32 + 8 * t;  // k % 8 == 0: all 8 or none
+      const bool in = first + u * kSkinnyWarps < chunks && at < k;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        wl[u][r] = in ? LoadStreaming(reinterpret_cast<const uint4*>(wrow[r] + at)) : zero;
+      }
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt) {
+        xl[u][mt] = in && x_row_in[mt] ? __ldg(reinterpret_cast<const uint4*>(xrow[mt] + at))
+                                       : zero;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kSkinnyUnroll; ++u) {
+#pragma unroll
+      for (int step = 0; step < 2; ++step) {
+        uint32_t a[4];
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) {
+          a[reg] = Word(wl[u][mma::SkinnyARow(reg)], mma::SkinnyAWord(step, reg));
+        }
+#pragma unroll
+        for (int mt = 0; mt < kMTiles; ++mt) {
+          Mma16<W>::Mma(acc[mt], a, Word(xl[u][mt], mma::SkinnyBWord(step, 0)),
+                        Word(xl[u][mt], mma::SkinnyBWord(step, 1)));
+        }
+      }
+    }
+  }
+  __shared__ float partial[kSkinnyWarps][kMTiles * 4][32];
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[warp][mt * 4 + i][lane] = acc[mt][i];
+  }
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int from = 0; from < kSkinnyWarps; ++from) sum += partial[from][mt * 4 + i][lane];
+      const mma::Coord c = mma::CElement(lane, i);  // row: W's row, column: x's row
+      const int col = n0 + c.row;
+      const int row = 8 * mt + c.col;
+      if (col < n && row < m) {
+        y[static_cast<int64_t>(row) * n + col] = sum + (bias != nullptr ? bias[col] : 0.0f);
+      }
+    }
+  }
+}
+
+template <typename W>
+void LaunchSkinny(const void* x16, int m, const void* w, int n, int k, const float* bias,
+                  float* y, cudaStream_t stream) {
+  const int blocks = (n + 15) / 16;
+  const auto* x = static_cast<const W*>(x16);
+  const auto* wt = static_cast<const W*>(w);
+  if (m <= 8) {
+    SkinnyMmaKernel<W, 1><<<blocks, kSkinnyWarps * 32, 0, stream>>>(x, m, wt, n, k, bias, y);
+  } else {
+    SkinnyMmaKernel<W, 2><<<blocks, kSkinnyWarps * 32, 0, stream>>>(x, m, wt, n, k, bias, y);
+  }
+}
+
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 }  // namespace
 
-absl::Status LaunchLinearLowPrecision(cublasHandle_t handle, LtGemm* lt, const float* x, int m,
+absl::Status LaunchLinearLowPrecision(const GemmEngines& engines, const float* x, int m,
                                       const void* w, DType w_dtype, int n, int k,
                                       const float* bias, float* y, void* x16,
                                       cudaStream_t stream) {
@@ -257,18 +369,27 @@ absl::Status LaunchLinearLowPrecision(cublasHandle_t handle, LtGemm* lt, const f
     NarrowKernel<<<blocks, kThreads, 0, stream>>>(x, count, static_cast<__half*>(x16));
   }
   TANDEM_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "Linear: narrowing x"));
-  return LaunchLinear16(handle, lt, x16, m, w, w_dtype, n, k, bias, y, stream);
+  return LaunchLinear16(engines, x16, m, w, w_dtype, n, k, bias, y, stream);
 }
 
-absl::Status LaunchLinear16(cublasHandle_t handle, LtGemm* lt, const void* x16, int m,
-                            const void* w, DType w_dtype, int n, int k, const float* bias,
-                            float* y, cudaStream_t stream) {
+absl::Status LaunchLinear16(const GemmEngines& engines, const void* x16, int m, const void* w,
+                            DType w_dtype, int n, int k, const float* bias, float* y,
+                            cudaStream_t stream) {
   if (m <= 0 || n <= 0) return absl::OkStatus();
   if (w_dtype != DType::kBF16 && w_dtype != DType::kF16) {
     return absl::InvalidArgumentError(
         absl::StrCat("no 16-bit CUDA Linear for weights of ", DTypeName(w_dtype)));
   }
+  if (engines.skinny && m <= kSkinnyMaxRows && k % 8 == 0 && Aligned16(x16) && Aligned16(w)) {
+    if (w_dtype == DType::kBF16) {
+      LaunchSkinny<__nv_bfloat16>(x16, m, w, n, k, bias, y, stream);
+    } else {
+      LaunchSkinny<__half>(x16, m, w, n, k, bias, y, stream);
+    }
+    return CudaStatus(cudaGetLastError(), "SkinnyMmaKernel");
+  }
   const cudaDataType_t type = w_dtype == DType::kBF16 ? CUDA_R_16BF : CUDA_R_16F;
+  LtGemm* lt = engines.lt;
   if (lt != nullptr) {
     // The bias in the epilogue; cublasGemmEx below only where cuBLASLt has no algorithm.
     absl::Status status = lt->Run({.x16 = x16, .m = m, .w = w, .type = type, .n = n, .k = k,
@@ -282,8 +403,8 @@ absl::Status LaunchLinear16(cublasHandle_t handle, LtGemm* lt, const void* x16, 
   // Row-major y[m, n] = x W^T is column-major y^T[n, m] = W[n, k] (W^T stored) * x^T[k, m].
   TANDEM_RETURN_IF_ERROR(CublasStatus(
       *api,
-      api->gemm_ex(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, type, k, x16, type, k,
-                   &zero, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      api->gemm_ex(engines.cublas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, type, k, x16,
+                   type, k, &zero, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
       "cublasGemmEx"));
   return AddBias(y, bias, m, n, stream);
 }

@@ -35,23 +35,37 @@ absl::Status LaunchLinear(cublasHandle_t handle, const float* x, int m, const fl
 // The same with w[n, k] of w_dtype (kBF16 or kF16). Calls of m <= kGemvMaxRows rows keep x in
 // fp32 and widen w as it is read (a GEMV streaming w in 16-byte loads): fp32 products and
 // accumulation, results equal to the fp32 path on the widened weights up to rounding, at the
-// memory-bandwidth limit. Larger m runs the tensor cores: x is rounded to w_dtype into `x16`
-// (at least m * k 16-bit elements, device memory), accumulation stays fp32; through `lt`
-// (cuBLASLt, the bias in its epilogue) unless it is null or has no algorithm for the call,
-// else through cublasGemmEx and a bias kernel. The
-// bound is where the GEMV stops winning: on an H100 (bench/results/gpu-h100-2026-11-27.md) it
-// streamed an 8B-shaped gate_up at 0.99 of copy bandwidth for m = 1 but 0.55 for m = 8, where
-// it re-reads x from L1 once per row, while cuBLAS held 0.86 at m = 64.
+// memory-bandwidth limit. Larger m runs the tensor cores on x rounded to w_dtype into `x16`
+// (at least m * k 16-bit elements, device memory), accumulation fp32, as LaunchLinear16 does.
+// The bound is where the GEMV stops winning: on an H100 (bench/results/gpu-h100-2026-11-27.md)
+// it streamed an 8B-shaped gate_up at 0.99 of copy bandwidth for m = 1 but 0.55 for m = 8,
+// where it re-reads x from L1 once per row, while cuBLAS held 0.86 at m = 64.
 inline constexpr int kGemvMaxRows = 4;
-absl::Status LaunchLinearLowPrecision(cublasHandle_t handle, LtGemm* lt, const float* x, int m,
+
+// What runs the tensor-core GEMMs of LaunchLinear16.
+struct GemmEngines {
+  cublasHandle_t cublas = nullptr;
+  LtGemm* lt = nullptr;  // null: cublasGemmEx and a bias kernel
+  // Tandem's skinny GEMM for m <= kSkinnyMaxRows (k % 8 == 0, 16-byte aligned x and w).
+  bool skinny = true;
+};
+
+absl::Status LaunchLinearLowPrecision(const GemmEngines& engines, const float* x, int m,
                                       const void* w, DType w_dtype, int n, int k,
                                       const float* bias, float* y, void* x16,
                                       cudaStream_t stream);
 
 // The tensor-core half of the above on an x already of w_dtype (kBF16 or kF16): x16 [m, k]
-// device, read exactly, any m.
-absl::Status LaunchLinear16(cublasHandle_t handle, LtGemm* lt, const void* x16, int m,
-                            const void* w, DType w_dtype, int n, int k, const float* bias,
-                            float* y, cudaStream_t stream);
+// device, read exactly, any m; fp32 accumulation. Up to kSkinnyMaxRows rows (with
+// engines.skinny) a kernel of Tandem's own streams the weights into mma.m16n8k16 from 16-byte
+// loads, 16 rows of W per block with k split over its warps: cuBLAS held only 0.58-0.83 of
+// copy bandwidth at m = 8 and 16 on the 8B shapes' smaller projections (the run above). Past
+// it (or when the skinny kernel cannot take the call) cuBLASLt (`engines.lt`, the bias in its
+// epilogue) unless it is null or has no algorithm for the call, else cublasGemmEx and a bias
+// kernel.
+inline constexpr int kSkinnyMaxRows = 16;
+absl::Status LaunchLinear16(const GemmEngines& engines, const void* x16, int m, const void* w,
+                            DType w_dtype, int n, int k, const float* bias, float* y,
+                            cudaStream_t stream);
 
 }  // namespace tandem::kernels::cuda

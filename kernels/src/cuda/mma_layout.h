@@ -80,4 +80,16 @@ struct DSource {
 };
 TANDEM_HOST_DEVICE constexpr DSource AFromD(int reg) { return {reg >> 1, 2 * (reg & 1)}; }
 
+// The skinny GEMM (linear.cu: y[m, n] = x[m, k] W^T for m <= 16) feeds the mma straight from
+// 16-byte global loads, with W as A (16 of its rows, n) and x as B (8 of its rows, m). A dot
+// product does not care in which order k is walked, so long as A and B walk it alike: over a
+// 32-wide k chunk, lane (g = lane / 4, t = lane % 4) loads the 8 elements at k 8t .. 8t+7 of
+// W rows g and g + 8 and of x row g, and k-step s (0 or 1) of the chunk takes the logical k
+// columns 2t, 2t+1 from k 8t+4s, 8t+4s+1 and columns 2t+8, 2t+9 from k 8t+4s+2, 8t+4s+3.
+// So register r of A is 32-bit word SkinnyAWord(s, r) of the load of W row g + 8 SkinnyARow(r),
+// and register r of B word SkinnyBWord(s, r) of the x row's load.
+TANDEM_HOST_DEVICE constexpr int SkinnyARow(int reg) { return reg & 1; }
+TANDEM_HOST_DEVICE constexpr int SkinnyAWord(int step, int reg) { return 2 * step + (reg >> 1); }
+TANDEM_HOST_DEVICE constexpr int SkinnyBWord(int step, int reg) { return 2 * step + reg; }
+
 }  // namespace tandem::kernels::cuda::mma

@@ -257,5 +257,45 @@ TEST(MmaLayoutTest, LdmatrixAddressesAreAlignedAndConflictFree) {
   }
 }
 
+// The skinny GEMM's fragments (SkinnyARow, SkinnyAWord, SkinnyBWord): each lane's 16-byte
+// loads of W rows g and g + 8 and of x row g, over two 32-wide k chunks of two k-steps each,
+// through the emulated mma, must give D = W x^T exactly (a k element skipped or taken twice
+// would change it).
+TEST(MmaLayoutTest, SkinnyGemmLoadsGiveTheProduct) {
+  constexpr int kK = 64;
+  const Matrix w = RandomMatrix(16, kK, 31), x = RandomMatrix(8, kK, 32);
+  Accum d{};
+  for (int chunk = 0; chunk < kK / 32; ++chunk) {
+    for (int step = 0; step < 2; ++step) {
+      Regs4 a{};
+      std::array<std::array<std::array<float, 2>, 2>, 32> b{};
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane / 4, t = lane % 4;
+        // Word j of a lane's load holds k 8t + 2j (low half) and 8t + 2j + 1 of its chunk.
+        for (int reg = 0; reg < 4; ++reg) {
+          for (int h = 0; h < 2; ++h) {
+            a[lane][reg][h] = w.at(g + 8 * SkinnyARow(reg),
+                                   32 * chunk + 8 * t + 2 * SkinnyAWord(step, reg) + h);
+          }
+        }
+        for (int reg = 0; reg < 2; ++reg) {
+          for (int h = 0; h < 2; ++h) {
+            b[lane][reg][h] = x.at(g, 32 * chunk + 8 * t + 2 * SkinnyBWord(step, reg) + h);
+          }
+        }
+      }
+      Mma(d, a, b);
+    }
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    for (int i = 0; i < 4; ++i) {
+      const Coord c = CElement(lane, i);  // row: W's row (n), column: x's row (m)
+      float want = 0.0f;
+      for (int k = 0; k < kK; ++k) want += w.at(c.row, k) * x.at(c.col, k);
+      EXPECT_EQ(d[lane][i], want) << "lane " << lane << " c" << i;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace tandem::kernels::cuda::mma

@@ -34,11 +34,13 @@ struct CudaBackendOptions {
   // Workspace merging split-KV partitions: num_tokens * num_heads * partitions * (head_dim + 2)
   // floats per call, partitions = ceil(longest context / 512).
   int64_t attention_workspace_bytes = int64_t{256} << 20;
-  // Linear's 16-bit GEMMs past decode sizes: kCublasLt runs cuBLASLt with the bias in the
-  // GEMM's epilogue and an algorithm per m bucket chosen when a weight of a new shape is packed;
-  // kCublas runs cublasGemmEx and a bias kernel (for comparison: tandem_bench_cuda_kernels).
-  enum class Gemm { kCublasLt, kCublas };
-  Gemm gemm = Gemm::kCublasLt;
+  // Linear's 16-bit GEMMs past decode sizes (more than 4 rows). kAuto: Tandem's skinny
+  // tensor-core GEMM up to 16 rows, cuBLASLt past it (the bias in the GEMM's epilogue, an
+  // algorithm per m bucket chosen when a weight of a new shape is packed). kCublasLt: cuBLASLt
+  // for every m; kCublas: cublasGemmEx and a bias kernel (both for comparison:
+  // tandem_bench_cuda_kernels times all three).
+  enum class Gemm { kAuto, kCublasLt, kCublas };
+  Gemm gemm = Gemm::kAuto;
 };
 
 // Backend::Synchronize waits for the stream and returns the first error since the previous call.
