@@ -231,7 +231,7 @@ __global__ void NarrowKernel(const float* __restrict__ x, int64_t count, W* __re
 }
 
 constexpr int kSkinnyWarps = 8;   // warps per block, splitting k between them
-constexpr int kSkinnyUnroll = 2;  // 32-wide k chunks per warp in flight
+constexpr int kSkinnyUnroll = 4;  // 32-wide k chunks per warp in flight
 
 // 32-bit word j (0..3) of a 16-byte load.
 __device__ __forceinline__ uint32_t Word(const uint4& v, int j) {
