@@ -82,16 +82,19 @@ inline absl::Status CheckActivationDType(DType dtype) {
     break;                                         \
   }
 
-// Weight element types: F32, BF16, F16.
-#define TANDEM_DISPATCH_WEIGHT_DTYPE(dtype, NAME, ...)                                 \
-  switch (dtype) {                                                                     \
-    TANDEM_DTYPE_CASE_(::tandem::DType::kF32, float, NAME, __VA_ARGS__)                \
-    TANDEM_DTYPE_CASE_(::tandem::DType::kBF16, __nv_bfloat16, NAME, __VA_ARGS__)       \
-    TANDEM_DTYPE_CASE_(::tandem::DType::kF16, __half, NAME, __VA_ARGS__)               \
-    default:                                                                           \
-      return absl::InvalidArgumentError(                                               \
-          absl::StrCat("no CUDA kernel for weights of ", ::tandem::DTypeName(dtype))); \
+// The 32- and 16-bit float types, failing with `what` followed by any other dtype's name.
+#define TANDEM_DISPATCH_WIDE_FLOAT_(dtype, NAME, what, ...)                         \
+  switch (dtype) {                                                                 \
+    TANDEM_DTYPE_CASE_(::tandem::DType::kF32, float, NAME, __VA_ARGS__)            \
+    TANDEM_DTYPE_CASE_(::tandem::DType::kBF16, __nv_bfloat16, NAME, __VA_ARGS__)   \
+    TANDEM_DTYPE_CASE_(::tandem::DType::kF16, __half, NAME, __VA_ARGS__)           \
+    default:                                                                       \
+      return absl::InvalidArgumentError(absl::StrCat(what, ::tandem::DTypeName(dtype))); \
   }
+
+// Weight element types: F32, BF16, F16.
+#define TANDEM_DISPATCH_WEIGHT_DTYPE(dtype, NAME, ...) \
+  TANDEM_DISPATCH_WIDE_FLOAT_(dtype, NAME, "no CUDA kernel for weights of ", __VA_ARGS__)
 
 // KV cache element types: those of the weights and the two 8-bit floats.
 #define TANDEM_DISPATCH_KV_DTYPE(dtype, NAME, ...)                                        \
@@ -107,12 +110,5 @@ inline absl::Status CheckActivationDType(DType dtype) {
   }
 
 // Activation element types: F32, BF16, F16.
-#define TANDEM_DISPATCH_ACTIVATION_DTYPE(dtype, NAME, ...)                                  \
-  switch (dtype) {                                                                         \
-    TANDEM_DTYPE_CASE_(::tandem::DType::kF32, float, NAME, __VA_ARGS__)                    \
-    TANDEM_DTYPE_CASE_(::tandem::DType::kBF16, __nv_bfloat16, NAME, __VA_ARGS__)           \
-    TANDEM_DTYPE_CASE_(::tandem::DType::kF16, __half, NAME, __VA_ARGS__)                   \
-    default:                                                                               \
-      return absl::InvalidArgumentError(                                                   \
-          absl::StrCat("no CUDA kernel stores an activation as ", ::tandem::DTypeName(dtype))); \
-  }
+#define TANDEM_DISPATCH_ACTIVATION_DTYPE(dtype, NAME, ...) \
+  TANDEM_DISPATCH_WIDE_FLOAT_(dtype, NAME, "no CUDA kernel stores an activation as ", __VA_ARGS__)
