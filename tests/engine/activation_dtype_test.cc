@@ -16,6 +16,7 @@
 #include "tandem/engine/checkpoint.h"
 #include "tandem/engine/model_runner.h"
 #include "tandem/kernels/backend.h"
+#include "step_plan.h"
 #include "test_models.h"
 
 namespace tandem::engine {
@@ -100,11 +101,7 @@ TEST_P(ActivationDTypeTest, StoredActivationsGiveTheLogitsOfRoundingInLinear) {
     SCOPED_TRACE(::testing::Message() << "step " << step_index);
     SchedulerStep step;
     for (int i : plan[step_index]) {
-      Sequence& seq = seqs[i];
-      const int n = static_cast<int>(seq.tokens.size()) - seq.num_computed_tokens;
-      ASSERT_TRUE(blocks.Append(seq.block_table, seq.num_computed_tokens, n).ok());
-      step.seqs.push_back({&seq, n, true});
-      step.num_tokens += n;
+      ASSERT_TRUE(testing::ScheduleRest(blocks, seqs[i], step).ok());
     }
     auto rounding = runners[0]->Execute(step);
     ASSERT_TRUE(rounding.ok()) << rounding.status();

@@ -16,6 +16,7 @@
 #include "tandem/engine/llm_engine.h"
 #include "tandem/engine/model_runner.h"
 #include "tandem/kernels/backend.h"
+#include "step_plan.h"
 #include "test_models.h"
 
 namespace tandem::engine {
@@ -137,11 +138,7 @@ void RunSteps(const Checkpoint& checkpoint, kernels::Backend* graphed,
     SCOPED_TRACE(::testing::Message() << "step " << step_index);
     SchedulerStep step;
     for (int i : plan[step_index]) {
-      Sequence& seq = seqs[i];
-      const int n = static_cast<int>(seq.tokens.size()) - seq.num_computed_tokens;
-      ASSERT_TRUE(blocks.Append(seq.block_table, seq.num_computed_tokens, n).ok());
-      step.seqs.push_back({&seq, n, true});
-      step.num_tokens += n;
+      ASSERT_TRUE(testing::ScheduleRest(blocks, seqs[i], step).ok());
     }
     StepOnBoth(runner, **eager, step, vocab, /*backend_draws=*/step_index % 3 == 2);
     if (::testing::Test::HasFatalFailure()) return;
@@ -216,12 +213,8 @@ TEST(StepGraphContextTest, LongerContextsTakeGraphsOfALargerBound) {
     SCOPED_TRACE(::testing::Message() << "step " << step_index);
     SchedulerStep step;
     for (int i = 0; i < 2; ++i) {
-      Sequence& seq = seqs[i];
       if (step_index >= 9 && i == 1) continue;
-      const int n = static_cast<int>(seq.tokens.size()) - seq.num_computed_tokens;
-      ASSERT_TRUE(blocks.Append(seq.block_table, seq.num_computed_tokens, n).ok());
-      step.seqs.push_back({&seq, n, true});
-      step.num_tokens += n;
+      ASSERT_TRUE(testing::ScheduleRest(blocks, seqs[i], step).ok());
     }
     StepOnBoth(**graphed, **eager, step, vocab, /*backend_draws=*/false);
     if (HasFatalFailure()) return;
