@@ -69,7 +69,9 @@ void DeclareEngineFlags(Args& args) {
   args.Declare("kv-cache-bytes", "N", "KV cache budget in bytes, per engine (default 512 MiB)");
   args.Declare("dtype", "TYPE",
                "auto | bfloat16 | float16 | float32: the type weights are held in (auto, the "
-               "default: config.json's torch_dtype); activations and sums stay fp32");
+               "default: config.json's torch_dtype); activations and sums stay fp32 (on "
+               "cuda, Linear inputs are stored in the weights' 16 bits where its tensor cores "
+               "round them anyway)");
   args.Declare("kv-cache-dtype", "TYPE",
                "auto | bfloat16 | float16 | float32 | fp8_e4m3 | fp8_e5m2: the KV cache's "
                "element type (auto, the default: the weight type); fp8 with per-layer scales "
