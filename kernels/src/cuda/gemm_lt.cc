@@ -10,6 +10,13 @@
 namespace tandem::kernels::cuda {
 namespace {
 
+// What cuBLASLt answers for a problem it has no algorithm for: NOT_SUPPORTED, or INVALID_VALUE
+// for some layouts (leading dimensions its kernels cannot take). Either way the caller falls
+// back to another GEMM, which reports a real mistake in the arguments itself.
+bool NoAlgorithm(cublasStatus_t status) {
+  return status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE;
+}
+
 absl::Status LtStatus(const CublasLtApi& api, cublasStatus_t status, const char* what) {
   if (status == CUBLAS_STATUS_SUCCESS) return absl::OkStatus();
   return absl::InternalError(absl::StrCat(what, ": ", api.status_name(status)));
@@ -137,10 +144,7 @@ absl::StatusOr<LtGemm::Choice> LtGemm::Ask(const Key& key) const {
       api_->heuristic(handle_, described.desc(), described.a(), described.b(), described.d(),
                       described.d(), described.preference(), 1, &result, &found);
   Choice choice;
-  // NOT_SUPPORTED: no algorithm for this problem.
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED || (status == CUBLAS_STATUS_SUCCESS && found == 0)) {
-    return choice;
-  }
+  if (NoAlgorithm(status) || (status == CUBLAS_STATUS_SUCCESS && found == 0)) return choice;
   TANDEM_RETURN_IF_ERROR(LtStatus(*api_, status, "cublasLtMatmulAlgoGetHeuristic"));
   choice.found = result.state == CUBLAS_STATUS_SUCCESS;
   choice.algo = result.algo;
@@ -185,7 +189,7 @@ absl::Status LtGemm::Run(const LtGemmCall& call, cudaStream_t stream) {
                         &c.algo, workspace_, workspace_bytes_, stream);
   };
   cublasStatus_t status = choice.found ? run(choice) : CUBLAS_STATUS_NOT_SUPPORTED;
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED) {
+  if (NoAlgorithm(status)) {
     // The bucket's algorithm does not take this m (or the bucket has none): one for this m.
     std::get<5>(key) = -call.m;
     TANDEM_ASSIGN_OR_RETURN(Choice exact, Choose(key));
@@ -194,6 +198,11 @@ absl::Status LtGemm::Run(const LtGemmCall& call, cudaStream_t stream) {
                                                    " x ", call.n, " x ", call.k, " GEMM"));
     }
     status = run(exact);
+    if (NoAlgorithm(status)) {
+      return absl::UnimplementedError(absl::StrCat("cuBLASLt refused its own algorithm for a ",
+                                                   call.m, " x ", call.n, " x ", call.k,
+                                                   " GEMM"));
+    }
   }
   return LtStatus(*api_, status, "cublasLtMatmul");
 }
