@@ -10,9 +10,9 @@
 namespace tandem::kernels::cuda {
 namespace {
 
-// What cuBLASLt answers for a problem it has no algorithm for: NOT_SUPPORTED, or INVALID_VALUE
-// for some layouts (leading dimensions its kernels cannot take). Either way the caller falls
-// back to another GEMM, which reports a real mistake in the arguments itself.
+// Whether cuBLASLt refused the problem: NOT_SUPPORTED (no algorithm), and INVALID_VALUE
+// treated alike. Either way the caller falls back to another GEMM, which reports a real
+// mistake in the arguments itself.
 bool NoAlgorithm(cublasStatus_t status) {
   return status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE;
 }
