@@ -4,6 +4,7 @@
 // to round. Checked on the CPU backend behind a wrapper that rounds as the CUDA backend does
 // (past 4 rows); gpu_runner_test runs the CUDA backend itself.
 #include <algorithm>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
@@ -11,12 +12,12 @@
 
 #include "gtest/gtest.h"
 #include "kernels/src/forwarding_backend.h"
+#include "step_plan.h"
 #include "tandem/base/half.h"
 #include "tandem/engine/block_manager.h"
 #include "tandem/engine/checkpoint.h"
 #include "tandem/engine/model_runner.h"
 #include "tandem/kernels/backend.h"
-#include "step_plan.h"
 #include "test_models.h"
 
 namespace tandem::engine {
@@ -131,6 +132,43 @@ TEST_P(ActivationDTypeTest, StoredActivationsGiveTheLogitsOfRoundingInLinear) {
   EXPECT_EQ(backends[0]->sixteen_bit_inputs(), 0);
   EXPECT_EQ(backends[1]->sixteen_bit_inputs(), rounded.size() - lm_head_calls);
   EXPECT_EQ(backends[1]->rounded_here(), std::vector<int>(lm_head_calls, vocab));
+}
+
+// The rule a backend that rounds x (LinearRoundsX) answers with RoundedActivationDType: the
+// weights' 16-bit type past 4 rows; fp32 for fewer rows, fp32 weights and quantised weights.
+TEST(RoundedActivationDTypeTest, SixteenBitWeightsPastTheGemvRows) {
+  auto cpu = kernels::CreateCpuBackend({.num_threads = 1});
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  RoundingBackend b(std::move(cpu).value(), /*stored=*/true);
+  const int n = 4, k = 8;
+  const std::vector<float> f32(n * k, 0.5f);
+  const std::vector<uint16_t> half(n * k, 0x3c00);  // 1.0 in fp16; 1.875 in bf16
+  auto w_f32 = b.PackWeight(f32.data(), DType::kF32, n, k);
+  auto w_bf16 = b.PackWeight(half.data(), DType::kBF16, n, k);
+  auto w_f16 = b.PackWeight(half.data(), DType::kF16, n, k);
+  const std::vector<int8_t> values(n * k, 3);
+  const std::vector<float> scales(n, 0.25f);
+  auto w_int8 = b.PackQuantizedWeight({.quant = kernels::WeightQuant::kInt8,
+                                       .n = n,
+                                       .k = k,
+                                       .group_size = k,
+                                       .values = values.data(),
+                                       .scales = scales.data()});
+  for (int m : {1, 4}) {
+    EXPECT_EQ(b.ActivationDType(m, *w_bf16), DType::kF32) << m;
+    EXPECT_EQ(b.ActivationDType(m, *w_f16), DType::kF32) << m;
+  }
+  for (int m : {5, 16, 2048}) {
+    EXPECT_EQ(b.ActivationDType(m, *w_bf16), DType::kBF16) << m;
+    EXPECT_EQ(b.ActivationDType(m, *w_f16), DType::kF16) << m;
+    EXPECT_EQ(b.ActivationDType(m, *w_f32), DType::kF32) << m;
+    EXPECT_EQ(b.ActivationDType(m, *w_int8), DType::kF32) << m;
+  }
+  // The CPU backend itself keeps fp32 activations whatever the weights.
+  auto plain = kernels::CreateCpuBackend({.num_threads = 1});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  auto w_plain = (*plain)->PackWeight(half.data(), DType::kBF16, n, k);
+  EXPECT_EQ((*plain)->ActivationDType(2048, *w_plain), DType::kF32);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, ActivationDTypeTest,
