@@ -423,8 +423,9 @@ class CpuBackend final : public Backend {
   void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                       const PagedAttentionBatch& call_batch, int num_heads, float scale,
                       void* out_to, DType out_dtype) override {
-    const int64_t tokens = call_batch.on_device ? call_batch.num_tokens
-                                                : call_batch.query_start[call_batch.num_seqs];
+    const int64_t tokens = call_batch.num_seqs <= 0 ? 0
+                           : call_batch.on_device   ? call_batch.num_tokens
+                                                    : call_batch.query_start[call_batch.num_seqs];
     StoreAs(out_to, out_dtype, tokens * num_heads * layout.head_dim, [&](float* out) {
       PagedAttentionF32(q, layer_cache, layout, call_batch, num_heads, scale, out);
     });

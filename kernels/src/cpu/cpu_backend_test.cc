@@ -297,6 +297,20 @@ TEST(CpuBackendMemoryTest, HostStagingIsWritableHostMemory) {
 }
 
 // Groups of unequal size must cover k in order, each non-empty, and only int4 has them.
+// A batch of no sequences (null arrays) writes nothing, whatever the output's dtype.
+TEST(CpuBackendMemoryTest, PagedAttentionOfNoSequencesWritesNothing) {
+  auto backend = CreateCpuBackend({.num_threads = 1});
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const KvLayout layout{.num_blocks = 1, .block_size = 16, .num_kv_heads = 1, .head_dim = 64};
+  std::vector<float> cache(2 * 16 * 64, 0.0f), q(64, 1.0f);
+  for (DType out_dtype : {DType::kF32, DType::kBF16}) {
+    std::vector<uint32_t> out(8, 0xA5A5A5A5u);
+    (*backend)->PagedAttention(q.data(), cache.data(), layout, PagedAttentionBatch{}, 1, 0.125f,
+                               out.data(), out_dtype);
+    EXPECT_EQ(out, std::vector<uint32_t>(8, 0xA5A5A5A5u)) << DTypeName(out_dtype);
+  }
+}
+
 TEST(QuantizedWeightViewTest, GroupBoundsAreChecked) {
   const std::vector<int8_t> values(2 * 10, 3);
   const std::vector<float> scales(2 * 3, 0.5f);
