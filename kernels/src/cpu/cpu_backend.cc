@@ -431,6 +431,51 @@ class CpuBackend final : public Backend {
     });
   }
 
+  void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
+                 float* out) override {
+    for (int i = 0; i < num_rows; ++i) {
+      const float* x = a + int64_t{rows[i]} * dim;
+      const float* y = b + int64_t{rows[i]} * dim;
+      float* o = out + int64_t{i} * dim;
+      for (int j = 0; j < dim; ++j) o[j] = x[j] + y[j];
+    }
+  }
+
+  // The rows one after another on the calling thread, as the engine's Sampler would.
+  void SampleRows(float* logits, int rows, int vocab, const SampleRowParams* params,
+                  const LogitEdit* edits, int num_edits, int max_logprobs, void* scratch,
+                  TokenLogprob* sampled, TokenLogprob* top) override {
+    for (int r = 0; r < rows; ++r) {
+      TANDEM_CHECK(params[r].num_logprobs <= max_logprobs)
+          << "SampleRows: row " << r << " asks for " << params[r].num_logprobs
+          << " log-probabilities, over max_logprobs " << max_logprobs;
+      sampled[r] = SampleRowReference(logits + int64_t{r} * vocab, vocab, params[r], edits,
+                                      sample_scratch_, top + int64_t{r} * max_logprobs);
+    }
+  }
+
+  size_t SampleRowsScratchBytes(int rows, int vocab, int max_edits) const override { return 0; }
+
+ protected:
+  // Cache-line aligned and left untouched, so pages of a large KV cache cost memory only once
+  // written.
+  absl::StatusOr<void*> AllocateBytes(size_t bytes) override {
+    void* p = ::operator new(std::max<size_t>(bytes, 1), std::align_val_t{64}, std::nothrow);
+    if (p == nullptr) {
+      return absl::ResourceExhaustedError(absl::StrCat("could not allocate ", bytes, " bytes"));
+    }
+    return p;
+  }
+
+  void FreeBytes(void* data) override { ::operator delete(data, std::align_val_t{64}); }
+
+ private:
+  // Rows per chunk so that a chunk is worth a thread wake-up; `cost` is flops per element.
+  static int64_t RowGrain(int64_t row_elements, int64_t cost) {
+    return std::max<int64_t>(1, kMinParallelFlops / std::max<int64_t>(1, row_elements * cost));
+  }
+
+  // PagedAttention into fp32 `out` (StoreAs stores it as the caller's dtype).
   void PagedAttentionF32(const float* q, const void* layer_cache, const KvLayout& layout,
                          const PagedAttentionBatch& call_batch, int num_heads, float scale,
                          float* out) {
@@ -508,50 +553,6 @@ class CpuBackend final : public Backend {
                                std::min(row_begin + rows_per_tile, q_len), scratch_[thread].get());
       }
     });
-  }
-
-  void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
-                 float* out) override {
-    for (int i = 0; i < num_rows; ++i) {
-      const float* x = a + int64_t{rows[i]} * dim;
-      const float* y = b + int64_t{rows[i]} * dim;
-      float* o = out + int64_t{i} * dim;
-      for (int j = 0; j < dim; ++j) o[j] = x[j] + y[j];
-    }
-  }
-
-  // The rows one after another on the calling thread, as the engine's Sampler would.
-  void SampleRows(float* logits, int rows, int vocab, const SampleRowParams* params,
-                  const LogitEdit* edits, int num_edits, int max_logprobs, void* scratch,
-                  TokenLogprob* sampled, TokenLogprob* top) override {
-    for (int r = 0; r < rows; ++r) {
-      TANDEM_CHECK(params[r].num_logprobs <= max_logprobs)
-          << "SampleRows: row " << r << " asks for " << params[r].num_logprobs
-          << " log-probabilities, over max_logprobs " << max_logprobs;
-      sampled[r] = SampleRowReference(logits + int64_t{r} * vocab, vocab, params[r], edits,
-                                      sample_scratch_, top + int64_t{r} * max_logprobs);
-    }
-  }
-
-  size_t SampleRowsScratchBytes(int rows, int vocab, int max_edits) const override { return 0; }
-
- protected:
-  // Cache-line aligned and left untouched, so pages of a large KV cache cost memory only once
-  // written.
-  absl::StatusOr<void*> AllocateBytes(size_t bytes) override {
-    void* p = ::operator new(std::max<size_t>(bytes, 1), std::align_val_t{64}, std::nothrow);
-    if (p == nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat("could not allocate ", bytes, " bytes"));
-    }
-    return p;
-  }
-
-  void FreeBytes(void* data) override { ::operator delete(data, std::align_val_t{64}); }
-
- private:
-  // Rows per chunk so that a chunk is worth a thread wake-up; `cost` is flops per element.
-  static int64_t RowGrain(int64_t row_elements, int64_t cost) {
-    return std::max<int64_t>(1, kMinParallelFlops / std::max<int64_t>(1, row_elements * cost));
   }
 
   // Runs `compute(float* out)` on `out` itself when dtype is kF32; for kBF16 or kF16 on an fp32
