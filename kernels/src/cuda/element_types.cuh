@@ -64,13 +64,15 @@ __device__ __forceinline__ void StoreActivation(void* out, DType dtype, int64_t 
   }
 }
 
+// What a launcher answers for an activation dtype it has no store for.
+inline constexpr char kNoActivationStore[] = "no CUDA kernel stores an activation as ";
+
 // InvalidArgument unless dtype is one an activation may be stored as.
 inline absl::Status CheckActivationDType(DType dtype) {
   if (dtype == DType::kF32 || dtype == DType::kBF16 || dtype == DType::kF16) {
     return absl::OkStatus();
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("no CUDA kernel stores an activation as ", DTypeName(dtype)));
+  return absl::InvalidArgumentError(absl::StrCat(kNoActivationStore, DTypeName(dtype)));
 }
 
 }  // namespace tandem::kernels::cuda
@@ -111,4 +113,5 @@ inline absl::Status CheckActivationDType(DType dtype) {
 
 // Activation element types: F32, BF16, F16.
 #define TANDEM_DISPATCH_ACTIVATION_DTYPE(dtype, NAME, ...) \
-  TANDEM_DISPATCH_WIDE_FLOAT_(dtype, NAME, "no CUDA kernel stores an activation as ", __VA_ARGS__)
+  TANDEM_DISPATCH_WIDE_FLOAT_(dtype, NAME, ::tandem::kernels::cuda::kNoActivationStore, \
+                              __VA_ARGS__)

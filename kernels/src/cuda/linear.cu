@@ -192,13 +192,14 @@ void LaunchGemvVec(const float* x, int m, const W* w, int n, int k, const float*
                                                                               bias, y);
 }
 
+bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Runs GemvVecKernel when it takes this call (16-bit weights, m <= kGemvMaxRows, k a multiple of
 // 8, 16-byte aligned x and w); false otherwise.
 template <typename W>
 bool TryGemvVec(const float* x, int m, const W* w, int n, int k, const float* bias, float* y,
                 cudaStream_t stream) {
-  if (m > kGemvMaxRows || k % 8 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(w) % 16 != 0) {
+  if (m > kGemvMaxRows || k % 8 != 0 || !Aligned16(x) || !Aligned16(w)) {
     return false;
   }
   static_assert(kGemvMaxRows == 4);
@@ -337,8 +338,6 @@ void LaunchSkinny(const void* x16, int m, const void* w, int n, int k, const flo
     SkinnyMmaKernel<W, 2><<<blocks, kSkinnyWarps * 32, 0, stream>>>(x, m, wt, n, k, bias, y);
   }
 }
-
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
