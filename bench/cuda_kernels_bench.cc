@@ -3,7 +3,8 @@
 //
 //   tandem_bench_cuda_kernels [OUT_JSON]
 //
-//   Linear        bf16 weights, fp32 x and y: the five projections of the 8B shape at m = 1, 2,
+//   Linear        bf16 weights, fp32 y, and x as the runner passes it (ActivationDType: fp32 up
+//                 to 4 rows, bf16 past them): the five projections of the 8B shape at m = 1, 2,
 //                 4, 8, 16, 64 and 256, and gpu_baselines.py's torch.matmul shapes (n 14336,
 //                 k 4096; 8192^3); GB/s counts weight, x and y bytes once, TFLOP/s 2 m n k.
 //                 Past m = 4 (the default: the skinny GEMM to m = 16, cuBLASLt past it) also
@@ -184,12 +185,16 @@ int main(int argc, char** argv) {
                      {"torch_square", 8192, 8192, {8192}}};
   const int64_t x_floats = std::max<int64_t>(int64_t{256} * inter, int64_t{8192} * 8192);
   const int64_t y_floats = std::max<int64_t>(int64_t{256} * vocab, int64_t{8192} * 8192);
+  // x in fp32 and, as the runner's producers store it past 4 rows (ActivationDType), in bf16.
   auto x = b.Allocate(sizeof(float) * x_floats);
+  auto x16 = b.Allocate(sizeof(uint16_t) * x_floats);
   auto y = b.Allocate(sizeof(float) * y_floats);
-  if (!x.ok() || !y.ok()) Die("activation buffers");
+  if (!x.ok() || !x16.ok() || !y.ok()) Die("activation buffers");
   {
     const std::vector<float> xs = RandomF32(x_floats, 1);
     b.CopyToDevice(x->data(), xs.data(), xs.size() * sizeof(float));
+    const std::vector<uint16_t> x16s = RandomBf16(x_floats, 2, 1.0f);
+    b.CopyToDevice(x16->data(), x16s.data(), x16s.size() * sizeof(uint16_t));
   }
   for (const auto& proj : projections) {
     const int64_t weight_bytes = int64_t{proj.n} * proj.k * 2;
@@ -216,10 +221,13 @@ int main(int argc, char** argv) {
         if (which > 0 && m <= 4) continue;  // all run the GEMV there
         Backend& on = which == 0 ? b : *alternatives[which - 1].backend;
         const auto& packed = weights[which];
+        const DType x_dtype = on.ActivationDType(m, *packed[0]);
+        const void* x_in = x_dtype == DType::kF32 ? x->data() : x16->data();
         const double s = TimeCalls(on, calls, [&](int i) {
-          on.Linear(x->as<float>(), DType::kF32, m, *packed[i % copies], nullptr, y->as<float>());
+          on.Linear(x_in, x_dtype, m, *packed[i % copies], nullptr, y->as<float>());
         });
-        const double bytes = weight_bytes + 4.0 * m * (proj.k + proj.n);
+        const double bytes =
+            weight_bytes + double(DTypeSize(x_dtype)) * m * proj.k + 4.0 * m * proj.n;
         const double gbs = bytes / s / 1e9;
         rows.push_back({which == 0 ? "Linear bf16" : alternatives[which - 1].op,
                         absl::StrCat(proj.name, " m", m, " n", proj.n, " k", proj.k), s * 1e6,
