@@ -47,6 +47,8 @@ const char* BackendName(BackendKind kind) {
       return "ucx";
     case BackendKind::kCudaIpc:
       return "cuda_ipc";
+    case BackendKind::kNccl:
+      return "nccl";
   }
   return "unknown";
 }
@@ -94,7 +96,8 @@ absl::StatusOr<RegionDescriptor> DecodeDescriptor(const std::string& encoded,
   const uint8_t backend = static_cast<uint8_t>(p[5]);
   if (backend != static_cast<uint8_t>(BackendKind::kLocal) &&
       backend != static_cast<uint8_t>(BackendKind::kUcx) &&
-      backend != static_cast<uint8_t>(BackendKind::kCudaIpc)) {
+      backend != static_cast<uint8_t>(BackendKind::kCudaIpc) &&
+      backend != static_cast<uint8_t>(BackendKind::kNccl)) {
     return absl::InvalidArgumentError(
         absl::StrCat("region descriptor names unknown backend ", static_cast<int>(backend)));
   }

@@ -17,7 +17,7 @@
 
 namespace tandem::kvtransfer::internal {
 
-enum class BackendKind : uint8_t { kLocal = 1, kUcx = 2, kCudaIpc = 3 };
+enum class BackendKind : uint8_t { kLocal = 1, kUcx = 2, kCudaIpc = 3, kNccl = 4 };
 
 const char* BackendName(BackendKind kind);
 

@@ -133,13 +133,15 @@ with tempfile.TemporaryDirectory() as tmp:
                       "--sampling-device must be auto, host or backend, got gpu")
     check(ok, f"--sampling-device gpu: {err}")
 
-    # A host KV cache cannot go over cuda_ipc; an unknown backend is named.
+    # A host KV cache cannot go over cuda_ipc or nccl; an unknown backend is named.
     for role in ("prefill", "decode"):
-        ok, err = refused(run(role, "--model", model, "--device", "cpu", "--kv-backend", "cuda_ipc"),
-                          "--kv-backend cuda_ipc", "--device cuda")
-        check(ok, f"{role} cuda_ipc on cpu: {err}")
+        for device_backend in ("cuda_ipc", "nccl"):
+            ok, err = refused(run(role, "--model", model, "--device", "cpu",
+                                  "--kv-backend", device_backend),
+                              f"--kv-backend {device_backend}", "--device cuda")
+            check(ok, f"{role} {device_backend} on cpu: {err}")
         ok, err = refused(run(role, "--model", model, "--device", "cpu", "--kv-backend", "rdma"),
-                          "--kv-backend must be ucx, local or cuda_ipc, got rdma")
+                          "--kv-backend must be ucx, local, cuda_ipc or nccl, got rdma")
         check(ok, f"{role} --kv-backend rdma: {err}")
     ok, err = refused(run("serve", "--model", model, "--device", "cpu", "--kv-backend", "cuda_ipc"),
                       "--kv-backend cuda_ipc")

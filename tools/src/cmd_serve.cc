@@ -50,9 +50,9 @@ absl::Status Serve(int argc, char** argv) {
   DeclareSloControllerFlags(args, /*tpot=*/false, /*ttft=*/false, /*policy=*/true);
   args.DeclareSwitch("colocated", "one engine does prefill and decode (no workers, no transfer)");
   DeclareRoutingFlags(args);
-  args.Declare("kv-backend", "ucx|local|cuda_ipc",
+  args.Declare("kv-backend", "ucx|local|cuda_ipc|nccl",
                "how KV pages move from the prefill to the decode worker (default: cuda_ipc "
-               "with --device cuda, else ucx)");
+               "with --device cuda, else ucx; nccl needs the two workers on different GPUs)");
   DeclareTensorParallelFlags(args);
   args.Declare("prefill-tp", "N",
                "tensor-parallel ranks (processes) of the prefill worker (default 1; not with "

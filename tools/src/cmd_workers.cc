@@ -56,8 +56,9 @@ void DeclareWorkerFlags(Args& args, int default_port) {
   args.Declare("metrics-listen", "HOST:PORT",
                "serve GET /metrics and /health over HTTP here (default: not served)");
   args.Declare("worker-id", "ID", "name in Stats, logs and metrics (default: ROLE-PID)");
-  args.Declare("kv-backend", "ucx|local|cuda_ipc",
-               "KV transfer backend (default: cuda_ipc with --device cuda, else ucx)");
+  args.Declare("kv-backend", "ucx|local|cuda_ipc|nccl",
+               "KV transfer backend (default: cuda_ipc with --device cuda, else ucx; nccl: "
+               "device memory between GPUs, also across nodes)");
   args.Declare("kv-host", "ADDR",
                "address the KV transfer listener binds, reachable by the other pool (default "
                "127.0.0.1)");

@@ -76,19 +76,21 @@ absl::StatusOr<engine::Device> DeviceFlag(const Args& args) {
 absl::StatusOr<std::string> KvBackendFlag(const Args& args, engine::Device device) {
   const bool cuda = device == engine::Device::kCuda;
   const std::string backend = args.GetOr("kv-backend", cuda ? "cuda_ipc" : "ucx");
-  if (backend != "ucx" && backend != "local" && backend != "cuda_ipc") {
+  if (backend != "ucx" && backend != "local" && backend != "cuda_ipc" && backend != "nccl") {
     return absl::InvalidArgumentError(absl::StrCat(
-        args.command(), ": --kv-backend must be ucx, local or cuda_ipc, got ", backend));
+        args.command(), ": --kv-backend must be ucx, local, cuda_ipc or nccl, got ", backend));
   }
-  if (cuda && backend != "cuda_ipc") {
+  const bool device_backend = backend == "cuda_ipc" || backend == "nccl";
+  if (cuda && !device_backend) {
     return absl::InvalidArgumentError(
         absl::StrCat(args.command(), ": --kv-backend ", backend,
                      ": ucx/local kv backends need a host KV cache (--device cpu); with "
-                     "--device cuda use --kv-backend cuda_ipc"));
+                     "--device cuda use --kv-backend cuda_ipc (one node) or nccl"));
   }
-  if (!cuda && backend == "cuda_ipc") {
+  if (!cuda && device_backend) {
     return absl::InvalidArgumentError(absl::StrCat(
-        args.command(), ": --kv-backend cuda_ipc sends device memory only (needs --device cuda)"));
+        args.command(), ": --kv-backend ", backend,
+        " sends device memory only (needs --device cuda)"));
   }
   return backend;
 }

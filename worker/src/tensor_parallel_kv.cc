@@ -358,7 +358,7 @@ absl::Status RunKvFollower(const engine::EngineOptions& options, const KvEndpoin
   TANDEM_ASSIGN_OR_RETURN(std::unique_ptr<engine::TensorParallelFollower> follower,
                           engine::TensorParallelFollower::Create(options));
   engine::ModelRunner& runner = follower->runner();
-  if (!runner.kv_cache_on_host() && kv.backend != "cuda_ipc") {
+  if (!runner.kv_cache_on_host() && kv.backend != "cuda_ipc" && kv.backend != "nccl") {
     return absl::FailedPreconditionError(absl::StrCat(
         "the KV cache is in device memory; --kv-backend ", kv.backend, " sends host memory only"));
   }

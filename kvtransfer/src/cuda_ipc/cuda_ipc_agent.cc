@@ -24,6 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kvtransfer/src/internal.h"
+#include "kvtransfer/src/socket_io.h"
 #include "tandem/base/status_macros.h"
 
 namespace tandem::kvtransfer {
@@ -44,7 +45,11 @@ namespace {
 
 using internal::BackendKind;
 using internal::CudaIpcPayload;
+using internal::HungUp;
+using internal::ReadFully;
 using internal::RegionDescriptor;
+using internal::UniqueFd;
+using internal::WriteFully;
 
 // The hello each side sends once connected: magic, the instance (the connector: the one it
 // expects; the listener: its own), and the sender's process id.
@@ -58,30 +63,6 @@ absl::Status CudaError(cudaError_t error, const std::string& what) {
   return absl::InternalError(
       absl::StrCat(what, ": ", cudaGetErrorName(error), " (", cudaGetErrorString(error), ")"));
 }
-
-// A file descriptor, closed on destruction.
-class UniqueFd {
- public:
-  UniqueFd() = default;
-  explicit UniqueFd(int fd) : fd_(fd) {}
-  UniqueFd(UniqueFd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
-  UniqueFd& operator=(UniqueFd&& other) noexcept {
-    if (this != &other) {
-      Reset();
-      fd_ = std::exchange(other.fd_, -1);
-    }
-    return *this;
-  }
-  ~UniqueFd() { Reset(); }
-  int get() const { return fd_; }
-  void Reset() {
-    if (fd_ >= 0) close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
 
 // The abstract-namespace socket of the agent incarnation `instance`.
 sockaddr_un SocketAddress(uint64_t instance, socklen_t* length) {
@@ -98,50 +79,6 @@ std::string Hello(uint64_t instance) {
   const uint64_t words[3] = {kHelloMagic, instance, static_cast<uint64_t>(getpid())};
   std::memcpy(out.data(), words, sizeof(words));
   return out;
-}
-
-// Whether the other end of a connected socket has closed it (its agent or process is gone).
-bool HungUp(int fd) {
-  pollfd p{fd, POLLIN, 0};
-  if (poll(&p, 1, 0) <= 0) return false;
-  if (p.revents & (POLLHUP | POLLERR)) return true;
-  char byte;
-  const ssize_t n = recv(fd, &byte, 1, MSG_PEEK | MSG_DONTWAIT);
-  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
-}
-
-// Reads exactly `size` bytes before `deadline`.
-absl::Status ReadFully(int fd, char* out, size_t size, absl::Time deadline) {
-  size_t done = 0;
-  while (done < size) {
-    const int64_t ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-    if (ms <= 0) return absl::DeadlineExceededError("handshake not answered by the deadline");
-    pollfd p{fd, POLLIN, 0};
-    const int ready = poll(&p, 1, static_cast<int>(std::min<int64_t>(ms, 1000)));
-    if (ready < 0 && errno != EINTR) return absl::UnavailableError("poll failed in handshake");
-    if (ready <= 0) continue;
-    const ssize_t n = recv(fd, out + done, size - done, MSG_DONTWAIT);
-    if (n == 0) return absl::UnavailableError("peer closed the connection in the handshake");
-    if (n < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) continue;
-      return absl::UnavailableError(absl::StrCat("handshake read: ", std::strerror(errno)));
-    }
-    done += static_cast<size_t>(n);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status WriteFully(int fd, const std::string& bytes) {
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = send(fd, bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return absl::UnavailableError(absl::StrCat("handshake write: ", std::strerror(errno)));
-    }
-    done += static_cast<size_t>(n);
-  }
-  return absl::OkStatus();
 }
 
 // "cuda_ipc:NAME#INSTANCE" -> INSTANCE.
@@ -268,9 +205,9 @@ class CudaIpcAgent : public Agent {
       return absl::UnavailableError(absl::StrCat("no cuda_ipc agent at \"", peer_address,
                                                  "\" on this node: ", std::strerror(errno)));
     }
-    TANDEM_RETURN_IF_ERROR(WriteFully(fd.get(), Hello(instance)));
+    TANDEM_RETURN_IF_ERROR(WriteFully(fd.get(), Hello(instance), "handshake"));
     char reply[kHelloBytes];
-    if (absl::Status s = ReadFully(fd.get(), reply, kHelloBytes, deadline); !s.ok()) {
+    if (absl::Status s = ReadFully(fd.get(), reply, kHelloBytes, deadline, "handshake"); !s.ok()) {
       if (absl::IsDeadlineExceeded(s)) return s;
       return absl::UnavailableError(absl::StrCat("connect to ", peer_address, ": ", s.message()));
     }
@@ -493,8 +430,9 @@ class CudaIpcAgent : public Agent {
       UniqueFd c(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
       if (c.get() < 0) continue;
       char hello[kHelloBytes];
-      if (!ReadFully(c.get(), hello, kHelloBytes, absl::Now() + absl::Seconds(1)).ok()) continue;
-      if (!WriteFully(c.get(), Hello(instance_)).ok()) continue;
+      if (!ReadFully(c.get(), hello, kHelloBytes, absl::Now() + absl::Seconds(1), "handshake").ok())
+        continue;
+      if (!WriteFully(c.get(), Hello(instance_), "handshake").ok()) continue;
       connections.push_back(std::move(c));
     }
   }

@@ -24,6 +24,9 @@
 //   "cuda_ipc" CUDA device memory between processes (or agents) on one node: CUDA IPC handles
 //           and device-to-device copies; built only with CUDA. "local" and "ucx" register host
 //           memory only and refuse device memory with InvalidArgument.
+//   "nccl"  CUDA device memory between agents on different GPUs, on one node or across nodes:
+//           NCCL send/receive, the receiver taking part through a TCP control connection;
+//           built with CUDA and NCCL.
 // docs/kvtransfer.md describes the guarantees and failure semantics in full.
 #pragma once
 
@@ -41,13 +44,13 @@
 namespace tandem::kvtransfer {
 
 struct AgentOptions {
-  // "local", "ucx" or "cuda_ipc".
+  // "local", "ucx", "cuda_ipc" or "nccl".
   std::string backend;
   // A human-readable name used in error messages and, for "local", in the address.
   std::string name;
-  // ucx: where the listener binds; peers connect to it, so it must be reachable by them.
+  // ucx, nccl: where the listener binds; peers connect to it, so it must be reachable by them.
   std::string listen_host = "127.0.0.1";
-  // ucx: 0 picks a free port.
+  // ucx, nccl: 0 picks a free port.
   int listen_port = 0;
   // ucx: the UCX transports to use (UCX_TLS syntax). Empty: $UCX_TLS if set, else
   // "tcp,sm,self", which needs no RDMA hardware. Both sides must share at least one.
