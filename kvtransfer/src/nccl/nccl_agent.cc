@@ -393,6 +393,17 @@ class NcclAgent : public Agent {
     }
   }
 
+  // Hands each whole frame in `buffer` to `handle(type, body)`, until the buffer holds no whole
+  // frame (OK) or `handle` or a malformed frame returns an error (returned).
+  template <typename Handle>
+  static absl::Status HandleFrames(std::string* buffer, Handle handle) {
+    for (;;) {
+      TANDEM_ASSIGN_OR_RETURN(auto frame, TakeFrame(buffer));
+      if (!frame.has_value()) return absl::OkStatus();
+      TANDEM_RETURN_IF_ERROR(handle(frame->first, frame->second));
+    }
+  }
+
   // The kill status if another thread asked this connection to end.
   std::optional<absl::Status> Killed(const Connection& c) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -463,59 +474,50 @@ class NcclAgent : public Agent {
       WaitForWork(c, busy ? std::optional(kPollInterval) : std::nullopt);
       absl::Status read = Drain(c, &buffer);
       // Frames that arrived before a hang-up still count.
-      for (;;) {
-        absl::StatusOr<std::optional<std::pair<uint32_t, std::string>>> frame = TakeFrame(&buffer);
-        if (!frame.ok()) {
-          ending = frame.status();
-          break;
-        }
-        if (!frame->has_value()) break;
-        const auto& [type, body] = **frame;
+      ending = HandleFrames(&buffer, [&](uint32_t type, const std::string& body) -> absl::Status {
         BodyReader reader(body);
         uint64_t seq = 0;
         if (!reader.U64(&seq)) {
-          ending = absl::InternalError("malformed control frame from the receiver");
-          break;
+          return absl::InternalError("malformed control frame from the receiver");
         }
-        if (type == kAccept || type == kRefuse) {
-          if (awaiting.empty() || awaiting.front()->seq != seq) {
-            ending = absl::InternalError("the receiver answered a transfer out of order");
-            break;
-          }
-          std::shared_ptr<Outgoing> o = awaiting.front();
-          awaiting.pop_front();
-          if (type == kRefuse) {
-            uint32_t code = 0;
-            reader.U32(&code);
-            const absl::StatusCode status_code =
-                code == static_cast<uint32_t>(absl::StatusCode::kNotFound)
-                    ? absl::StatusCode::kNotFound
-                    : absl::StatusCode::kInvalidArgument;
-            finish(o, absl::Status(status_code, absl::StrCat("the receiver refused the transfer: ",
-                                                             reader.Rest())));
-            continue;
-          }
-          absl::StatusOr<uint64_t> ticket = c.link->Post(/*send=*/true, o->sources);
-          posted.push_back(o);
-          if (!ticket.ok()) {
-            ending = absl::UnavailableError(
-                absl::StrCat("link to ", c.peer_address, ": ", ticket.status().message()));
-            break;
-          }
-          o->ticket = *ticket;
-        } else if (type == kDone) {
+        if (type == kDone) {
           for (auto& o : posted) {
             if (o->seq == seq) o->remote_done = true;
           }
-        } else if (type == kFailed) {
-          ending = absl::UnavailableError(
-              absl::StrCat("peer ", c.peer_address, " failed the transfer: ", reader.Rest()));
-          break;
-        } else {
-          ending = absl::InternalError(absl::StrCat("unexpected control frame ", type));
-          break;
+          return absl::OkStatus();
         }
-      }
+        if (type == kFailed) {
+          return absl::UnavailableError(
+              absl::StrCat("peer ", c.peer_address, " failed the transfer: ", reader.Rest()));
+        }
+        if (type != kAccept && type != kRefuse) {
+          return absl::InternalError(absl::StrCat("unexpected control frame ", type));
+        }
+        if (awaiting.empty() || awaiting.front()->seq != seq) {
+          return absl::InternalError("the receiver answered a transfer out of order");
+        }
+        std::shared_ptr<Outgoing> o = awaiting.front();
+        awaiting.pop_front();
+        if (type == kRefuse) {
+          uint32_t code = 0;
+          reader.U32(&code);
+          const absl::StatusCode status_code =
+              code == static_cast<uint32_t>(absl::StatusCode::kNotFound)
+                  ? absl::StatusCode::kNotFound
+                  : absl::StatusCode::kInvalidArgument;
+          finish(o, absl::Status(status_code, absl::StrCat("the receiver refused the transfer: ",
+                                                           reader.Rest())));
+          return absl::OkStatus();
+        }
+        absl::StatusOr<uint64_t> ticket = c.link->Post(/*send=*/true, o->sources);
+        posted.push_back(o);
+        if (!ticket.ok()) {
+          return absl::UnavailableError(
+              absl::StrCat("link to ", c.peer_address, ": ", ticket.status().message()));
+        }
+        o->ticket = *ticket;
+        return absl::OkStatus();
+      });
       if (!ending.ok()) break;
       for (auto it = posted.begin(); it != posted.end();) {
         std::shared_ptr<Outgoing>& o = *it;
@@ -554,11 +556,11 @@ class NcclAgent : public Agent {
     std::deque<Incoming> receiving;
     absl::Status ending = Handshake(c);
     std::string buffer;
-    const auto send = [&](Frame type, const std::string& body) {
-      if (!ending.ok()) return;
-      if (absl::Status s = WriteFully(c.fd.get(), EncodeFrame(type, body), "control"); !s.ok()) {
-        ending = absl::UnavailableError(absl::StrCat("peer ", c.peer_address, " is gone"));
+    const auto send = [&](Frame type, const std::string& body) -> absl::Status {
+      if (!WriteFully(c.fd.get(), EncodeFrame(type, body), "control").ok()) {
+        return absl::UnavailableError(absl::StrCat("peer ", c.peer_address, " is gone"));
       }
+      return absl::OkStatus();
     };
     while (ending.ok()) {
       if (std::optional<absl::Status> killed = Killed(c)) {
@@ -567,22 +569,13 @@ class NcclAgent : public Agent {
       }
       WaitForWork(c, receiving.empty() ? std::nullopt : std::optional(kPollInterval));
       absl::Status read = Drain(c, &buffer);
-      for (;;) {
-        absl::StatusOr<std::optional<std::pair<uint32_t, std::string>>> frame = TakeFrame(&buffer);
-        if (!frame.ok()) {
-          ending = frame.status();
-          break;
-        }
-        if (!frame->has_value()) break;
-        const auto& [type, body] = **frame;
+      ending = HandleFrames(&buffer, [&](uint32_t type, const std::string& body) -> absl::Status {
         if (type != kTransfer) {
-          ending = absl::InternalError(absl::StrCat("unexpected control frame ", type));
-          break;
+          return absl::InternalError(absl::StrCat("unexpected control frame ", type));
         }
         absl::StatusOr<std::pair<Incoming, std::vector<Span>>> accepted = Accept(c, body);
         if (!accepted.ok() && accepted.status().code() == absl::StatusCode::kInternal) {
-          ending = accepted.status();
-          break;
+          return accepted.status();
         }
         uint64_t seq = 0;
         BodyReader(body).U64(&seq);
@@ -591,30 +584,30 @@ class NcclAgent : public Agent {
         if (!accepted.ok()) {
           PutU32(&answer, static_cast<uint32_t>(accepted.status().code()));
           absl::StrAppend(&answer, accepted.status().message());
-          send(kRefuse, answer);
-          continue;
+          return send(kRefuse, answer);
         }
         receiving.push_back(accepted->first);
-        send(kAccept, answer);
+        TANDEM_RETURN_IF_ERROR(send(kAccept, answer));
         absl::StatusOr<uint64_t> ticket = c.link->Post(/*send=*/false, accepted->second);
         if (!ticket.ok()) {
-          send(kFailed, answer + std::string(ticket.status().message()));
-          if (ending.ok()) ending = absl::UnavailableError(ticket.status().message());
-          break;
+          (void)send(kFailed, absl::StrCat(answer, ticket.status().message()));
+          return absl::UnavailableError(ticket.status().message());
         }
         receiving.back().ticket = *ticket;
-      }
+        return absl::OkStatus();
+      });
       while (ending.ok() && !receiving.empty()) {
         std::optional<absl::Status> done = c.link->Poll(receiving.front().ticket);
         if (!done.has_value()) break;
         std::string answer;
         PutU64(&answer, receiving.front().seq);
         if (!done->ok()) {
-          send(kFailed, answer + std::string(done->message()));
-          if (ending.ok()) ending = absl::UnavailableError(done->message());
+          (void)send(kFailed, absl::StrCat(answer, done->message()));
+          ending = absl::UnavailableError(done->message());
           break;
         }
-        send(kDone, answer);
+        ending = send(kDone, answer);
+        if (!ending.ok()) break;
         Unpin(c, receiving.front().pin);
         receiving.pop_front();
       }
