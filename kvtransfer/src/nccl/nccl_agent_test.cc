@@ -4,6 +4,11 @@
 // links themselves are tested on GPUs (nccl_link_test.cc, label gpu).
 #include "kvtransfer/src/nccl/nccl_agent.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
@@ -368,6 +373,59 @@ TEST_F(NcclAgentTest, ConnectRefusesBadAddressesOtherIncarnationsAndSilence) {
 
   p = sender_->Connect(receiver_->address(), absl::Now() - absl::Seconds(1));
   EXPECT_EQ(p.status().code(), absl::StatusCode::kDeadlineExceeded) << p.status();
+}
+
+// A TCP listener that is not an agent: it accepts and then says nothing, or says `reply`.
+class NotAnAgent {
+ public:
+  explicit NotAnAgent(std::string reply) : reply_(std::move(reply)) {
+    fd_ = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t length = sizeof(address);
+    EXPECT_EQ(bind(fd_, reinterpret_cast<sockaddr*>(&address), length), 0);
+    EXPECT_EQ(listen(fd_, 4), 0);
+    getsockname(fd_, reinterpret_cast<sockaddr*>(&address), &length);
+    port_ = ntohs(address.sin_port);
+    thread_ = std::thread([this] {
+      const int c = accept(fd_, nullptr, nullptr);
+      if (c < 0) return;
+      if (!reply_.empty()) (void)!write(c, reply_.data(), reply_.size());
+      char sink[256];
+      while (read(c, sink, sizeof(sink)) > 0) {
+      }
+      close(c);
+    });
+  }
+  ~NotAnAgent() {
+    shutdown(fd_, SHUT_RDWR);
+    close(fd_);
+    thread_.join();
+  }
+  std::string address() const {
+    return absl::StrFormat("nccl:x@127.0.0.1:%d#%016x", port_, 0x1234);
+  }
+
+ private:
+  std::string reply_;
+  int fd_ = -1;
+  int port_ = 0;
+  std::thread thread_;
+};
+
+TEST_F(NcclAgentTest, ConnectToSomethingElseFailsByTheDeadlineInsteadOfHanging) {
+  {
+    NotAnAgent silent("");
+    absl::StatusOr<PeerId> p = sender_->Connect(silent.address(), In(absl::Milliseconds(300)));
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kDeadlineExceeded) << p.status();
+  }
+  {
+    NotAnAgent chatty(std::string(24, 'x'));  // a reply of a hello's size, not a hello
+    absl::StatusOr<PeerId> p = sender_->Connect(chatty.address(), In(absl::Seconds(10)));
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kUnavailable) << p.status();
+    EXPECT_THAT(p.status().message(), HasSubstr("another agent incarnation"));
+  }
 }
 
 TEST_F(NcclAgentTest, ALinkThatCannotBeMadeIsReportedByConnect) {
