@@ -4,7 +4,8 @@
     python3 scripts/gpu_acceptance.py OUT_DIR
 
 Reads the figures that run wrote under OUT_DIR (hf_compare.json, decode_8b.json, kernels.json,
-baselines.json, router-light.json, router-busy.json) and prints a Markdown table: each goal, what
+baselines.json, router-light.json, router-busy.json, and nccl_link_test.xml, the gtest report
+of the nccl KV transfer test) and prints a Markdown table: each goal, what
 was measured, the bound, and pass, FAIL or "not measured" (a file or row missing). Every ratio
 is between figures of the same run. Exits 0 whatever it finds (the report says); 2 when
 OUT_DIR is not a directory.
@@ -13,6 +14,7 @@ OUT_DIR is not a directory.
 import json
 import os
 import sys
+import xml.etree.ElementTree as ElementTree
 
 # The bounds of issue 16's acceptance and issue 13's router goal.
 MAX_FP32_REL_ERROR = 1e-4
@@ -25,6 +27,8 @@ MIN_PREFILL_VS_SDPA = 1.0
 MAX_TTFT_OVER_FLOOR = 1.3
 MIN_GEMM_VS_TORCH = 0.9
 MAX_ROUTER_P99_MS = 0.2
+# nccl_link_test's transfer between two devices (skipped where the machine has one GPU).
+NCCL_TWO_GPU_TEST = "RangesPushedBetweenTwoDevicesLandExactly"
 
 
 def load(out, name):
@@ -56,6 +60,23 @@ def benchmark_rows(doc, prefix):
         if args:
             rows[int(args[0])] = b
     return rows
+
+
+def gtest_case(out, report, name):
+    """'passed', 'failed', 'skipped' or None (no report, or no such case) from a gtest XML."""
+    try:
+        root = ElementTree.parse(os.path.join(out, report)).getroot()
+    except (OSError, ElementTree.ParseError):
+        return None
+    for case in root.iter("testcase"):
+        if case.get("name") != name:
+            continue
+        if case.find("failure") is not None:
+            return "failed"
+        if case.get("result") == "skipped" or case.find("skipped") is not None:
+            return "skipped"
+        return "passed"
+    return None
 
 
 def checks(out):
@@ -170,6 +191,14 @@ def checks(out):
         rows.append((goal, f"at most {p99:g} ms in the router ({failed} failed streams)",
                      f"<= {MAX_ROUTER_P99_MS} ms",
                      verdict(p99 <= MAX_ROUTER_P99_MS and failed == 0)))
+
+    nccl = gtest_case(out, "nccl_link_test.xml", NCCL_TWO_GPU_TEST)
+    goal = "KV between two GPUs over nccl (nccl_link_test)"
+    if nccl in (None, "skipped"):
+        rows.append((goal, "skipped: one GPU" if nccl else "-", "ranges land exactly",
+                     "not measured"))
+    else:
+        rows.append((goal, nccl, "ranges land exactly", verdict(nccl == "passed")))
     return rows
 
 

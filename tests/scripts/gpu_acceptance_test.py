@@ -24,6 +24,23 @@ def write(out, name, doc):
         json.dump(doc, f)
 
 
+def write_text(out, name, text):
+    with open(os.path.join(out, name), "w") as f:
+        f.write(text)
+
+
+def gtest_xml(two_gpu_result):
+    """nccl_link_test's report as gtest writes it, its two-GPU case passed, failed or skipped."""
+    inner = {"passed": "", "failed": '<failure message="bytes differ"/>',
+             "skipped": '<skipped message="needs two CUDA devices"/>'}[two_gpu_result]
+    result = "skipped" if two_gpu_result == "skipped" else "completed"
+    return ('<?xml version="1.0" encoding="UTF-8"?>\n<testsuites tests="2">\n'
+            '<testsuite name="NcclLinkTest" tests="2">\n'
+            '<testcase name="RegistersDeviceMemoryOnly" status="run" result="completed"/>\n'
+            f'<testcase name="RangesPushedBetweenTwoDevicesLandExactly" status="run" '
+            f'result="{result}">{inner}</testcase>\n</testsuite>\n</testsuites>\n')
+
+
 def run(script, out):
     result = subprocess.run([sys.executable, script, out], capture_output=True, text=True,
                             timeout=60)
@@ -83,6 +100,8 @@ def main():
             "sdpa": [{"tokens": 2048, "tflops": 200.0}, {"tokens": 4096, "tflops": 260.0}]})
         write(out, "router-light.json", {"router_write_ms_p99_at_most": 0.2, "failed": 0})
         write(out, "router-busy.json", {"router_write_ms_p99_at_most": 1.0, "failed": 0})
+        # gtest's XML for nccl_link_test on a one-GPU machine: the two-GPU case skipped.
+        write_text(out, "nccl_link_test.xml", gtest_xml("skipped"))
         rows = run(script, out)
 
         check(find(rows, "llama: fp32")[3] == "pass", "llama fp32 passes")
@@ -109,6 +128,12 @@ def main():
         light = find(rows, "issue 13: router p99 per token at 1,000 streams (light")
         busy = find(rows, "issue 13: router p99 per token at 1,000 streams (busy")
         check(light[3] == "pass" and busy[3] == "FAIL", f"router: {light} {busy}")
+        nccl = find(rows, "KV between two GPUs over nccl")
+        check(nccl[3] == "not measured" and "one GPU" in nccl[1], f"skipped: {nccl}")
+        for result, verdict in (("passed", "pass"), ("failed", "FAIL")):
+            write_text(out, "nccl_link_test.xml", gtest_xml(result))
+            nccl = find(run(script, out), "KV between two GPUs over nccl")
+            check(nccl[3] == verdict, f"{result}: {nccl}")
 
     bad = subprocess.run([sys.executable, script, "/nonexistent-dir"], capture_output=True,
                          text=True, timeout=60)
