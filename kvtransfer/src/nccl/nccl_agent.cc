@@ -71,14 +71,13 @@ struct Pin {
 // One control connection with its link: made by Connect (this agent sends) or accepted from a
 // peer (this agent receives). Its thread owns the socket and the link.
 struct Connection {
-  explicit Connection(bool sending) : sending(sending), wake(eventfd(0, EFD_CLOEXEC)) {}
+  Connection() : wake(eventfd(0, EFD_CLOEXEC)) {}
 
   void Wake() const {
     const uint64_t one = 1;
     (void)!write(wake.get(), &one, sizeof(one));
   }
 
-  const bool sending;
   std::string peer_address;
   uint64_t peer_instance = 0;
   UniqueFd fd;
@@ -192,7 +191,7 @@ class NcclAgent : public Agent {
       return absl::Status(s.code(), absl::StrCat("connect to ", peer_address, ": ", s.message()));
     };
     if (absl::Now() >= deadline) return failed(absl::DeadlineExceededError("deadline passed"));
-    auto c = std::make_shared<Connection>(/*sending=*/true);
+    auto c = std::make_shared<Connection>();  // this agent sends on it
     c->peer_address = peer_address;
     c->peer_instance = to.instance;
     absl::StatusOr<UniqueFd> fd = Dial(to, deadline);
@@ -699,7 +698,7 @@ class NcclAgent : public Agent {
       UniqueFd fd(accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
       if (fd.get() < 0) continue;
       TuneSocket(fd.get());
-      auto c = std::make_shared<Connection>(/*sending=*/false);
+      auto c = std::make_shared<Connection>();  // this agent receives on it
       c->peer_address = "a connecting agent";
       c->fd = std::move(fd);
       std::lock_guard<std::mutex> lock(mu_);
