@@ -47,9 +47,8 @@ struct Outgoing {
   uint64_t seq = 0;
   uint64_t pin = 0;
   std::vector<Span> sources;
-  std::string header;  // the kTransfer frame
-  absl::Time deadline;
-  std::shared_ptr<TransferState> state;
+  std::string header;                    // the kTransfer frame
+  std::shared_ptr<TransferState> state;  // its deadline is the transfer's
   uint64_t ticket = 0;
   bool sent = false;         // our sends have completed
   bool remote_done = false;  // the receiver's receives have completed
@@ -76,6 +75,14 @@ struct Connection {
   void Wake() const {
     const uint64_t one = 1;
     (void)!write(wake.get(), &one, sizeof(one));
+  }
+
+  // Asks the connection's thread to end it with `status` (the first reason asked wins), also
+  // while it is still joining its link. Under the agent's mutex.
+  void Kill(absl::Status status) {
+    if (!kill) kill = std::move(status);
+    cancel_join = true;
+    Wake();
   }
 
   std::string peer_address;
@@ -121,11 +128,7 @@ class NcclAgent : public Agent {
       for (auto& [id, c] : peers_) all.push_back(c);
       for (auto& c : served_) all.push_back(c);
       for (auto& c : connecting_) c->cancel_join = true;
-      for (auto& c : all) {
-        if (!c->kill) c->kill = absl::CancelledError("the agent was destroyed");
-        c->cancel_join = true;
-        c->Wake();
-      }
+      for (auto& c : all) c->Kill(absl::CancelledError("the agent was destroyed"));
     }
     for (auto& c : all) {
       if (c->thread.joinable()) c->thread.join();
@@ -169,11 +172,9 @@ class NcclAgent : public Agent {
       ForEachConnection([&](Connection& c) {
         for (const auto& [id, pin] : c.pins) {
           if (pin.region_id == region_id && pin.deadline < now && !c.kill) {
-            c.kill = absl::UnavailableError(absl::StrCat(
+            c.Kill(absl::UnavailableError(absl::StrCat(
                 "connection to ", c.peer_address, " closed: a transfer on region ", region_id,
-                " outlived its deadline while the region was deregistered"));
-            c.cancel_join = true;
-            c.Wake();
+                " outlived its deadline while the region was deregistered")));
           }
         }
       });
@@ -265,8 +266,7 @@ class NcclAgent : public Agent {
       if (it == peers_.end()) return absl::NotFoundError(absl::StrCat("no peer ", peer));
       gone = std::move(it->second);
       peers_.erase(it);
-      if (!gone->kill) gone->kill = absl::CancelledError("the peer was disconnected");
-      gone->Wake();
+      gone->Kill(absl::CancelledError("the peer was disconnected"));
     }
     gone->thread.join();
     return absl::OkStatus();
@@ -305,7 +305,6 @@ class NcclAgent : public Agent {
 
     auto o = std::make_shared<Outgoing>();
     o->seq = ++c.last_seq;
-    o->deadline = deadline;
     o->state = std::make_shared<TransferState>(deadline);
     std::string body;
     PutU64(&body, o->seq);
@@ -458,7 +457,7 @@ class NcclAgent : public Agent {
       for (auto& o : fresh) {
         if (!ending.ok()) {
           awaiting.push_back(o);  // failed by End with the others
-        } else if (absl::Now() >= o->deadline) {
+        } else if (absl::Now() >= o->state->deadline()) {
           // Never announced, so nothing to match: drop it here.
           finish(o, absl::DeadlineExceededError("the deadline passed before the transfer began"));
         } else {
@@ -572,12 +571,13 @@ class NcclAgent : public Agent {
         if (type != kTransfer) {
           return absl::InternalError(absl::StrCat("unexpected control frame ", type));
         }
-        absl::StatusOr<std::pair<Incoming, std::vector<Span>>> accepted = Accept(c, body);
+        BodyReader reader(body);
+        uint64_t seq = 0;
+        if (!reader.U64(&seq)) return absl::InternalError("malformed transfer header");
+        absl::StatusOr<std::pair<Incoming, std::vector<Span>>> accepted = Accept(c, seq, reader);
         if (!accepted.ok() && accepted.status().code() == absl::StatusCode::kInternal) {
           return accepted.status();
         }
-        uint64_t seq = 0;
-        BodyReader(body).U64(&seq);
         std::string answer;
         PutU64(&answer, seq);
         if (!accepted.ok()) {
@@ -650,15 +650,15 @@ class NcclAgent : public Agent {
     return WriteFully(c.fd.get(), EncodeFrame(kJoined, ""), "handshake");
   }
 
-  // Checks an announced transfer against the region as registered now and pins it. NotFound
-  // or InvalidArgument refuse this transfer; Internal (a malformed frame) ends the connection.
-  absl::StatusOr<std::pair<Incoming, std::vector<Span>>> Accept(Connection& c,
-                                                                const std::string& body) {
-    BodyReader reader(body);
-    uint64_t seq = 0, region_id = 0, generation = 0, ms = 0;
+  // Checks announced transfer `seq` (the rest of its header in `reader`) against the region as
+  // registered now and pins it. NotFound or InvalidArgument refuse this transfer; Internal (a
+  // malformed frame) ends the connection.
+  absl::StatusOr<std::pair<Incoming, std::vector<Span>>> Accept(Connection& c, uint64_t seq,
+                                                                BodyReader& reader) {
+    uint64_t region_id = 0, generation = 0, ms = 0;
     uint32_t n = 0;
-    if (!reader.U64(&seq) || !reader.U64(&region_id) || !reader.U64(&generation) ||
-        !reader.U64(&ms) || !reader.U32(&n)) {
+    if (!reader.U64(&region_id) || !reader.U64(&generation) || !reader.U64(&ms) ||
+        !reader.U32(&n)) {
       return absl::InternalError("malformed transfer header");
     }
     std::vector<Range> ranges(n);
