@@ -23,6 +23,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "kvtransfer/src/cuda_error.h"
 #include "kvtransfer/src/internal.h"
 #include "kvtransfer/src/socket_io.h"
 #include "tandem/base/status_macros.h"
@@ -44,6 +45,7 @@ namespace cuda_ipc {
 namespace {
 
 using internal::BackendKind;
+using internal::CudaError;
 using internal::CudaIpcPayload;
 using internal::HungUp;
 using internal::ReadFully;
@@ -58,11 +60,6 @@ constexpr size_t kHelloBytes = 24;
 // How often the completion thread looks at events, deadlines and peers while transfers are in
 // flight.
 constexpr absl::Duration kPollInterval = absl::Microseconds(50);
-
-absl::Status CudaError(cudaError_t error, const std::string& what) {
-  return absl::InternalError(
-      absl::StrCat(what, ": ", cudaGetErrorName(error), " (", cudaGetErrorString(error), ")"));
-}
 
 // The abstract-namespace socket of the agent incarnation `instance`.
 sockaddr_un SocketAddress(uint64_t instance, socklen_t* length) {

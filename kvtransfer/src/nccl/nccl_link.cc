@@ -12,11 +12,14 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "kvtransfer/src/cuda_error.h"
 #include "kvtransfer/src/nccl/nccl_agent.h"
 #include "tandem/base/status_macros.h"
 
 namespace tandem::kvtransfer::nccl {
 namespace {
+
+using internal::CudaError;
 
 // NCCL refuses sends and receives of more than this many elements on some versions; larger
 // spans go out as several operations (both ends split them the same way).
@@ -26,11 +29,6 @@ constexpr int kMaxGroupOps = 256;
 // How long a group may take to launch (the first one also sets up the peer-to-peer channels,
 // which needs the other end to post its half).
 constexpr absl::Duration kLaunchTimeout = absl::Seconds(30);
-
-absl::Status CudaError(cudaError_t e, const char* what) {
-  return absl::InternalError(
-      absl::StrCat(what, ": ", cudaGetErrorName(e), " (", cudaGetErrorString(e), ")"));
-}
 
 absl::Status NcclError(ncclResult_t r, ncclComm_t comm, const char* what) {
   const char* last = ncclGetLastError(comm);
