@@ -296,7 +296,6 @@ TEST(CpuBackendMemoryTest, HostStagingIsWritableHostMemory) {
   EXPECT_TRUE(std::equal(values.begin(), values.end(), moved.as<float>()));
 }
 
-// Groups of unequal size must cover k in order, each non-empty, and only int4 has them.
 // A batch of no sequences (null arrays) writes nothing, whatever the output's dtype.
 TEST(CpuBackendMemoryTest, PagedAttentionOfNoSequencesWritesNothing) {
   auto backend = CreateCpuBackend({.num_threads = 1});
@@ -311,6 +310,7 @@ TEST(CpuBackendMemoryTest, PagedAttentionOfNoSequencesWritesNothing) {
   }
 }
 
+// Groups of unequal size must cover k in order, each non-empty, and only int4 has them.
 TEST(QuantizedWeightViewTest, GroupBoundsAreChecked) {
   const std::vector<int8_t> values(2 * 10, 3);
   const std::vector<float> scales(2 * 3, 0.5f);
