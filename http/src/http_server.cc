@@ -5,6 +5,7 @@
 #include <cctype>
 #include <cstdio>
 #include <deque>
+#include <mutex>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -48,6 +49,10 @@ struct ServerState {
   HttpHandler handler;
   std::atomic<int> connections{0};
   std::atomic<int> responses_in_flight{0};  // requests read whose response is not fully written
+  // Once set, no connection runs any more work. Stop() sets it, then waits for `runners` (the
+  // threads inside a connection's work, I/O threads or callers of RunHere) to reach zero.
+  std::atomic<bool> stopped{false};
+  std::atomic<int> runners{0};
 
   HttpResponse Error(int status, const std::string& message) const {
     if (options.error_response) return options.error_response(status, message);
@@ -69,6 +74,7 @@ class Exchange : public HttpExchange {
   void EndStream() override;
   void OnClientGone(std::function<void()> on_gone) override;
   void Run(std::function<void()> fn) override;
+  void RunHere(std::function<void()> fn) override;
 
  private:
   std::shared_ptr<Session> session_;
@@ -76,10 +82,17 @@ class Exchange : public HttpExchange {
   HttpRequest request_;
 };
 
-// One connection. Every member is touched only on the connection's strand.
+// One connection. Its work (socket completions, timers, the handler's calls) runs one piece at
+// a time, in the order queued: a thread that finds the connection idle runs the queue itself
+// (an I/O thread, or a RunHere caller), any other only adds to it. Every member below `mu_`'s
+// own is touched only by the thread running the queue.
 class Session : public std::enable_shared_from_this<Session> {
  public:
-  Session(tcp::socket socket, ServerState& server) : stream_(std::move(socket)), server_(server) {
+  Session(tcp::socket socket, ServerState& server)
+      : socket_(std::move(socket)),
+        read_timer_(socket_.get_executor()),
+        write_timer_(socket_.get_executor()),
+        server_(server) {
     ++server_.connections;
   }
   ~Session() {
@@ -88,22 +101,42 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
   void Start() {
-    net::dispatch(stream_.get_executor(), [self = shared_from_this()] { self->ReadRequest(); });
+    // Writes are tried at once on the thread that makes them; only what the socket does not
+    // take goes through an asynchronous write.
+    beast::error_code ignored;
+    socket_.non_blocking(true, ignored);
+    Queue([this] { ReadRequest(); }, /*here=*/true);
   }
 
-  // Runs `fn` on this connection's strand.
-  void PostAlways(std::function<void()> fn) {
-    net::post(stream_.get_executor(), [self = shared_from_this(), fn = std::move(fn)] { fn(); });
+  // Adds `fn` to this connection's work. If nothing is running it, `here` runs the queue on
+  // this thread; otherwise an I/O thread is asked to.
+  void Queue(std::function<void()> fn, bool here) {
+    std::shared_ptr<Session> self = shared_from_this();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(fn));
+      if (running_) return;  // the thread running the queue takes it
+      if (!here) {
+        if (!drain_posted_) {
+          drain_posted_ = true;
+          net::post(socket_.get_executor(), [self] { self->PostedDrain(); });
+        }
+        return;
+      }
+      running_ = true;
+    }
+    RunQueue();
   }
 
-  // Runs `fn` on this connection's strand if exchange `id` is still the current one.
+  // Queues `fn` for exchange `id`; it does nothing unless that exchange is still the current
+  // one when it runs.
   template <typename Fn>
-  void Post(uint64_t id, Fn fn) {
-    net::post(stream_.get_executor(),
-              [self = shared_from_this(), id, fn = std::move(fn)]() mutable {
-                if (id != self->exchange_id_) return;
-                fn(*self);
-              });
+  void QueueFor(uint64_t id, Fn fn) {
+    Queue(
+        [this, id, fn = std::move(fn)]() mutable {
+          if (id == exchange_id_) fn(*this);
+        },
+        /*here=*/false);
   }
 
   void DoReply(HttpResponse response) {
@@ -168,6 +201,57 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
  private:
+  void PostedDrain() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      drain_posted_ = false;
+      if (running_ || tasks_.empty()) return;
+      running_ = true;
+    }
+    RunQueue();
+  }
+
+  // Runs the queue until it is empty; the caller has set running_.
+  void RunQueue() {
+    ++server_.runners;
+    const bool stopped = server_.stopped.load();
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!tasks_.empty()) {
+      std::function<void()> task = std::move(tasks_.front());
+      tasks_.pop_front();
+      lock.unlock();
+      if (!stopped) task();
+      task = nullptr;  // what it holds is released outside the lock
+      lock.lock();
+    }
+    running_ = false;
+    lock.unlock();
+    --server_.runners;
+  }
+
+  // A socket or timer completion: runs on the I/O thread it arrived on unless the connection
+  // is busy elsewhere.
+  template <typename Fn>
+  void Complete(Fn fn) {
+    Queue([this, fn = std::move(fn)]() mutable { fn(); }, /*here=*/true);
+  }
+
+  // The time left to read a request (or to drain after a refusal); Close() when it runs out.
+  void ArmRead(std::chrono::steady_clock::duration timeout) {
+    const uint64_t deadline = ++read_deadline_;
+    read_timer_.expires_after(timeout);
+    read_timer_.async_wait([self = shared_from_this(), deadline](beast::error_code ec) {
+      if (ec) return;
+      self->Complete([s = self.get(), deadline] {
+        if (deadline == s->read_deadline_) s->Close();
+      });
+    });
+  }
+  void DisarmRead() {
+    ++read_deadline_;
+    read_timer_.cancel();
+  }
+
   void ReadRequest() {
     if (closed_) return;
     response_started_ = false;
@@ -175,13 +259,15 @@ class Session : public std::enable_shared_from_this<Session> {
     parser_.emplace();
     parser_->header_limit(static_cast<uint32_t>(server_.options.max_header_bytes));
     parser_->body_limit(static_cast<uint64_t>(server_.options.max_body_bytes));
-    stream_.expires_after(server_.options.request_timeout);
-    bhttp::async_read_header(
-        stream_, buffer_, *parser_,
-        [self = shared_from_this()](beast::error_code ec, size_t) { self->OnHeader(ec); });
+    ArmRead(server_.options.request_timeout);
+    bhttp::async_read_header(socket_, buffer_, *parser_,
+                             [self = shared_from_this()](beast::error_code ec, size_t) {
+                               self->Complete([s = self.get(), ec] { s->OnHeader(ec); });
+                             });
   }
 
   void OnHeader(beast::error_code ec) {
+    if (closed_) return;
     if (ec) return OnReadError(ec);
     const auto& req = parser_->get();
     if (std::distance(req.begin(), req.end()) > server_.options.max_header_count) {
@@ -195,12 +281,14 @@ class Session : public std::enable_shared_from_this<Session> {
     const bool send_continue = expect != req.end() &&
                                beast::iequals(expect->value(), "100-continue") &&
                                req.version() >= 11;
-    bhttp::async_read(stream_, buffer_, *parser_,
-                     [self = shared_from_this()](beast::error_code ec, size_t) {
-                       if (ec) return self->OnReadError(ec);
-                       self->Dispatch();
-                     });
-    // Queued after the read started, so the write's timeout does not replace the read's.
+    bhttp::async_read(socket_, buffer_, *parser_,
+                      [self = shared_from_this()](beast::error_code ec, size_t) {
+                        self->Complete([s = self.get(), ec] {
+                          if (s->closed_) return;
+                          if (ec) return s->OnReadError(ec);
+                          s->Dispatch();
+                        });
+                      });
     if (send_continue) Enqueue("HTTP/1.1 100 Continue\r\n\r\n");
   }
 
@@ -230,6 +318,7 @@ class Session : public std::enable_shared_from_this<Session> {
     keep_alive_ = false;
     head_request_ = false;
     on_gone_ = nullptr;
+    DisarmRead();  // the refusal's write has its own time limit
     DoReply(server_.Error(status, message));
   }
 
@@ -256,6 +345,7 @@ class Session : public std::enable_shared_from_this<Session> {
     chunked_ = false;
     on_gone_ = nullptr;
     SetBusy(true);
+    DisarmRead();  // the response takes the time it takes; a client that goes is noticed below
     Watch();
     auto exchange =
         std::make_shared<Exchange>(shared_from_this(), exchange_id_, std::move(request));
@@ -272,10 +362,10 @@ class Session : public std::enable_shared_from_this<Session> {
   void Watch() {
     if (watching_ || closed_ || buffer_.size() >= kMaxPipelinedBytes) return;
     watching_ = true;
-    stream_.expires_never();
-    stream_.async_read_some(
-        buffer_.prepare(4096),
-        [self = shared_from_this()](beast::error_code ec, size_t n) { self->OnWatch(ec, n); });
+    socket_.async_read_some(buffer_.prepare(4096),
+                            [self = shared_from_this()](beast::error_code ec, size_t n) {
+                              self->Complete([s = self.get(), ec, n] { s->OnWatch(ec, n); });
+                            });
   }
 
   void OnWatch(beast::error_code ec, size_t n) {
@@ -305,32 +395,64 @@ class Session : public std::enable_shared_from_this<Session> {
   void Enqueue(std::string data, std::function<void()> on_written = nullptr) {
     if (closed_) return;
     out_bytes_ += data.size();
-    out_.push_back({std::move(data), std::move(on_written)});
+    out_.push_back({std::move(data), 0, std::move(on_written)});
     if (static_cast<int64_t>(out_bytes_) > server_.options.max_pending_write_bytes) {
       return ClientGone();
     }
     if (!writing_) WriteNext();
   }
 
+  // Writes what the socket takes now, on this thread; the rest goes through an asynchronous
+  // write whose completion comes back here.
   void WriteNext() {
+    while (!out_.empty()) {
+      Pending& piece = out_.front();
+      beast::error_code ec;
+      const size_t n = socket_.write_some(net::buffer(piece.data) + piece.sent, ec);
+      if (ec == net::error::would_block || ec == net::error::try_again) break;
+      if (ec) return ClientGone();
+      piece.sent += n;
+      if (piece.sent < piece.data.size()) break;  // the send buffer is full
+      if (!FinishPiece()) return;
+    }
+    if (out_.empty()) {
+      if (complete_) ResponseDone();
+      return;
+    }
     writing_ = true;
-    stream_.expires_after(server_.options.write_timeout);
-    net::async_write(
-        stream_, net::buffer(out_.front().data),
-        [self = shared_from_this()](beast::error_code ec, size_t) { self->OnWrite(ec); });
+    const uint64_t deadline = ++write_deadline_;
+    write_timer_.expires_after(server_.options.write_timeout);
+    write_timer_.async_wait([self = shared_from_this(), deadline](beast::error_code ec) {
+      if (ec) return;
+      self->Complete([s = self.get(), deadline] {
+        // A client that has not taken one write in this time is not reading.
+        if (deadline == s->write_deadline_ && s->writing_) s->ClientGone();
+      });
+    });
+    net::async_write(socket_, net::buffer(out_.front().data) + out_.front().sent,
+                     [self = shared_from_this()](beast::error_code ec, size_t) {
+                       self->Complete([s = self.get(), ec] { s->OnWrite(ec); });
+                     });
   }
 
   void OnWrite(beast::error_code ec) {
     writing_ = false;
+    ++write_deadline_;
+    write_timer_.cancel();
     if (closed_) return;
     if (ec) return ClientGone();
+    if (!FinishPiece()) return;
+    WriteNext();
+  }
+
+  // Drops the fully written first piece and tells whoever waits for it; false if that closed
+  // the connection.
+  bool FinishPiece() {
     out_bytes_ -= out_.front().data.size();
     std::function<void()> written = std::move(out_.front().on_written);
     out_.pop_front();
     if (written) written();
-    if (closed_) return;
-    if (!out_.empty()) return WriteNext();
-    if (complete_) ResponseDone();
+    return !closed_;
   }
 
   void ResponseDone() {
@@ -340,7 +462,8 @@ class Session : public std::enable_shared_from_this<Session> {
     if (watching_) {
       // The pending read completes with operation_aborted and then reads the next request.
       cancelled_watch_ = true;
-      stream_.socket().cancel();
+      beast::error_code ignored;
+      socket_.cancel(ignored);
       return;
     }
     ReadRequest();
@@ -352,11 +475,11 @@ class Session : public std::enable_shared_from_this<Session> {
     if (closed_ || draining_) return;
     draining_ = true;
     beast::error_code ignored;
-    stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
-    drain_deadline_ = std::chrono::steady_clock::now() + kDrainTime;
+    socket_.shutdown(tcp::socket::shutdown_send, ignored);
+    ArmRead(kDrainTime);
     if (watching_) {
       // OnWatch starts draining once the pending read is done.
-      stream_.socket().cancel();
+      socket_.cancel(ignored);
       return;
     }
     Drain();
@@ -364,17 +487,15 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void Drain() {
     if (closed_) return;
-    auto left = drain_deadline_ - std::chrono::steady_clock::now();
-    if (left <= std::chrono::steady_clock::duration::zero() || drained_ > kMaxDrainBytes) {
-      return Close();
-    }
-    stream_.expires_after(left);
+    if (drained_ > kMaxDrainBytes) return Close();
     drain_buffer_.consume(drain_buffer_.size());
-    stream_.async_read_some(drain_buffer_.prepare(16384),
+    socket_.async_read_some(drain_buffer_.prepare(16384),
                             [self = shared_from_this()](beast::error_code ec, size_t n) {
-                              if (ec) return self->Close();
-                              self->drained_ += n;
-                              self->Drain();
+                              self->Complete([s = self.get(), ec, n] {
+                                if (ec) return s->Close();
+                                s->drained_ += n;
+                                s->Drain();
+                              });
                             });
   }
 
@@ -382,8 +503,11 @@ class Session : public std::enable_shared_from_this<Session> {
     if (closed_) return;
     closed_ = true;
     beast::error_code ignored;
-    stream_.socket().shutdown(tcp::socket::shutdown_both, ignored);
-    stream_.close();
+    socket_.shutdown(tcp::socket::shutdown_both, ignored);
+    socket_.close(ignored);
+    DisarmRead();
+    ++write_deadline_;
+    write_timer_.cancel();
     out_.clear();
     out_bytes_ = 0;
     on_gone_ = nullptr;
@@ -396,8 +520,17 @@ class Session : public std::enable_shared_from_this<Session> {
     server_.responses_in_flight += busy ? 1 : -1;
   }
 
-  beast::tcp_stream stream_;
-  ServerState& server_;  // not owned; outlives every session
+  std::mutex mu_;
+  std::deque<std::function<void()>> tasks_;  // guarded by mu_
+  bool running_ = false;                     // guarded by mu_: a thread is running tasks_
+  bool drain_posted_ = false;                // guarded by mu_: an I/O thread is asked to
+
+  tcp::socket socket_;
+  net::steady_timer read_timer_;
+  net::steady_timer write_timer_;
+  uint64_t read_deadline_ = 0;   // the read timer's current arming; bumped to disarm it
+  uint64_t write_deadline_ = 0;  // likewise for the write timer
+  ServerState& server_;          // not owned; outlives every session
   beast::flat_buffer buffer_;
   beast::flat_buffer drain_buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
@@ -414,12 +547,12 @@ class Session : public std::enable_shared_from_this<Session> {
   bool gone_ = false;
   bool closed_ = false;
   bool draining_ = false;
-  bool writing_ = false;
-  bool busy_ = false;  // counted in ServerState::responses_in_flight
+  bool writing_ = false;  // an asynchronous write is pending
+  bool busy_ = false;     // counted in ServerState::responses_in_flight
   size_t drained_ = 0;
-  std::chrono::steady_clock::time_point drain_deadline_;
   struct Pending {
     std::string data;
+    size_t sent = 0;                   // bytes of `data` already in the socket
     std::function<void()> on_written;  // run once `data` is written
   };
   std::deque<Pending> out_;
@@ -428,35 +561,40 @@ class Session : public std::enable_shared_from_this<Session> {
 };
 
 void Exchange::Reply(HttpResponse response) {
-  session_->Post(id_, [r = std::move(response)](Session& s) mutable { s.DoReply(std::move(r)); });
+  session_->QueueFor(id_,
+                     [r = std::move(response)](Session& s) mutable { s.DoReply(std::move(r)); });
 }
 
 void Exchange::BeginStream(int status, const std::string& content_type, HttpHeaders headers) {
-  session_->Post(id_, [status, content_type, h = std::move(headers)](Session& s) {
+  session_->QueueFor(id_, [status, content_type, h = std::move(headers)](Session& s) {
     s.DoBeginStream(status, content_type, h);
   });
 }
 
 void Exchange::Send(std::string data) {
-  session_->Post(id_, [d = std::move(data)](Session& s) mutable { s.DoSend(std::move(d)); });
+  session_->QueueFor(id_, [d = std::move(data)](Session& s) mutable { s.DoSend(std::move(d)); });
 }
 
 void Exchange::Send(std::string data, std::function<void()> on_written) {
-  session_->Post(id_, [d = std::move(data), w = std::move(on_written)](Session& s) mutable {
+  session_->QueueFor(id_, [d = std::move(data), w = std::move(on_written)](Session& s) mutable {
     s.DoSend(std::move(d), std::move(w));
   });
 }
 
 void Exchange::EndStream() {
-  session_->Post(id_, [](Session& s) { s.DoEndStream(); });
+  session_->QueueFor(id_, [](Session& s) { s.DoEndStream(); });
 }
 
 void Exchange::OnClientGone(std::function<void()> on_gone) {
-  session_->Post(id_,
-                 [f = std::move(on_gone)](Session& s) mutable { s.DoOnClientGone(std::move(f)); });
+  session_->QueueFor(
+      id_, [f = std::move(on_gone)](Session& s) mutable { s.DoOnClientGone(std::move(f)); });
 }
 
-void Exchange::Run(std::function<void()> fn) { session_->PostAlways(std::move(fn)); }
+void Exchange::Run(std::function<void()> fn) { session_->Queue(std::move(fn), /*here=*/false); }
+
+void Exchange::RunHere(std::function<void()> fn) {
+  session_->Queue(std::move(fn), /*here=*/true);
+}
 
 class HttpServerImpl : public HttpServer {
  public:
@@ -518,6 +656,10 @@ class HttpServerImpl : public HttpServer {
     std::lock_guard<std::mutex> lock(stop_mu_);
     if (stopped_) return;
     stopped_ = true;
+    // Connections' work can be running on callers' threads (RunHere) as well as on the I/O
+    // threads: none starts from now on, and what is running is waited for.
+    state_.stopped = true;
+    while (state_.runners.load() > 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
     work_.reset();
     ioc_.stop();
     for (std::thread& t : threads_) t.join();
@@ -529,7 +671,7 @@ class HttpServerImpl : public HttpServer {
 
  private:
   void Accept() {
-    acceptor_.async_accept(net::make_strand(ioc_),
+    acceptor_.async_accept(ioc_,
                            [this](beast::error_code ec, tcp::socket socket) {
                              if (!acceptor_.is_open()) return;
                              if (ec) {

@@ -128,6 +128,8 @@ class DisaggregatedGeneratorImpl : public DisaggregatedGenerator {
   const text::Tokenizer& tokenizer() const override { return *tokenizer_; }
   const text::ChatFormatter& chat_formatter() const override { return *chat_formatter_; }
   int max_model_len() const override { return max_model_len_; }
+  // Outputs arrive on gRPC's threads, which may write them to the client themselves.
+  bool callbacks_may_work() const override { return true; }
 
   // The pools as of the poller's last round: a scrape of /metrics does no I/O, so a hung worker
   // cannot slow it down.

@@ -57,6 +57,12 @@ class Generator {
   // again. Unknown ids are ignored.
   virtual void Abort(const std::string& request_id) = 0;
 
+  // Whether the thread that calls an OutputCallback may do the caller's work on it (write the
+  // output to a client) instead of handing it over and returning at once: true where outputs
+  // arrive on network threads of their own (the router's gRPC threads), false where they
+  // arrive on an engine thread whose next step waits for the callback to return.
+  virtual bool callbacks_may_work() const { return false; }
+
   // Immutable after creation: safe from any thread.
   virtual const text::ModelConfig& config() const = 0;
   virtual const text::Tokenizer& tokenizer() const = 0;

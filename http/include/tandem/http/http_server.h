@@ -36,9 +36,11 @@ struct HttpResponse {
   HttpHeaders headers;  // extra headers, e.g. Retry-After
 };
 
-// One request and its response. Every method is thread-safe and returns at once; the writes
-// happen on the connection's I/O thread, in call order. A handler answers with exactly one
-// Reply, or with BeginStream, any number of Send, then EndStream.
+// One request and its response. Every method is thread-safe. A connection's work (its socket
+// events and what its exchange is asked to do) runs one piece at a time, in call order, on
+// whichever thread finds it idle: an I/O thread, or a RunHere caller. Every method but RunHere
+// only queues and returns at once. A handler answers with exactly one Reply, or with
+// BeginStream, any number of Send, then EndStream.
 class HttpExchange {
  public:
   virtual ~HttpExchange() = default;
@@ -49,20 +51,26 @@ class HttpExchange {
   virtual void BeginStream(int status, const std::string& content_type,
                            HttpHeaders headers = {}) = 0;
   virtual void Send(std::string data) = 0;
-  // Send, then `on_written` on the connection's I/O thread once `data` is in the socket's send
+  // Send, then `on_written` (in the connection's work) once `data` is in the socket's send
   // buffer (never, if the client goes away first): for measuring when output left the server.
   virtual void Send(std::string data, std::function<void()> on_written) = 0;
   virtual void EndStream() = 0;
 
-  // `on_gone` runs once, on an I/O thread, if the client goes away (or stops reading) before
+  // `on_gone` runs once, in the connection's work, if the client goes away (or stops reading) before
   // the response is complete; it is dropped once the response is complete. Set it before
   // the response starts; if the client is already gone it runs at once.
   virtual void OnClientGone(std::function<void()> on_gone) = 0;
 
-  // Runs `fn` on the connection's I/O thread after everything already queued for it, even if
-  // the client is gone: a handler that gets results on another thread hands them over here,
-  // so that its writes and its own state change in one order without locks.
+  // Runs `fn` in the connection's work after everything already queued for it, even if the
+  // client is gone, never on the calling thread: a handler that gets results on another thread
+  // hands them over here, so that its writes and its own state change in one order without
+  // locks. For callers that must return at once (an engine thread whose next step waits).
   virtual void Run(std::function<void()> fn) = 0;
+  // As Run, but if the connection is idle `fn` runs on this thread before RunHere returns, and
+  // so do the writes it asks for (as far as the socket takes them without waiting): an output
+  // that arrives on a thread free to do the work reaches the client with no thread hop. If
+  // the connection is busy, `fn` is queued and runs on the thread that is running it.
+  virtual void RunHere(std::function<void()> fn) = 0;
 };
 
 using HttpHandler = std::function<void(std::shared_ptr<HttpExchange>)>;
