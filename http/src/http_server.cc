@@ -303,7 +303,8 @@ class Session : public std::enable_shared_from_this<Session> {
     }
     // Anything but a parse error means the client closed, reset or timed out: nobody is left
     // to answer.
-    const bool parse_error = ec.category() == beast::error_code(bhttp::error::bad_target).category();
+    const bool parse_error =
+        ec.category() == beast::error_code(bhttp::error::bad_target).category();
     if (!parse_error || ec == bhttp::error::end_of_stream || ec == bhttp::error::partial_message) {
       return Close();
     }
@@ -592,9 +593,7 @@ void Exchange::OnClientGone(std::function<void()> on_gone) {
 
 void Exchange::Run(std::function<void()> fn) { session_->Queue(std::move(fn), /*here=*/false); }
 
-void Exchange::RunHere(std::function<void()> fn) {
-  session_->Queue(std::move(fn), /*here=*/true);
-}
+void Exchange::RunHere(std::function<void()> fn) { session_->Queue(std::move(fn), /*here=*/true); }
 
 class HttpServerImpl : public HttpServer {
  public:
@@ -671,21 +670,20 @@ class HttpServerImpl : public HttpServer {
 
  private:
   void Accept() {
-    acceptor_.async_accept(ioc_,
-                           [this](beast::error_code ec, tcp::socket socket) {
-                             if (!acceptor_.is_open()) return;
-                             if (ec) {
-                               // Out of descriptors or similar: try again shortly instead of
-                               // spinning.
-                               retry_timer_.expires_after(std::chrono::milliseconds(50));
-                               retry_timer_.async_wait([this](beast::error_code) { Accept(); });
-                               return;
-                             }
-                             beast::error_code ignored;
-                             socket.set_option(tcp::no_delay(true), ignored);
-                             std::make_shared<Session>(std::move(socket), state_)->Start();
-                             Accept();
-                           });
+    acceptor_.async_accept(ioc_, [this](beast::error_code ec, tcp::socket socket) {
+      if (!acceptor_.is_open()) return;
+      if (ec) {
+        // Out of descriptors or similar: try again shortly instead of
+        // spinning.
+        retry_timer_.expires_after(std::chrono::milliseconds(50));
+        retry_timer_.async_wait([this](beast::error_code) { Accept(); });
+        return;
+      }
+      beast::error_code ignored;
+      socket.set_option(tcp::no_delay(true), ignored);
+      std::make_shared<Session>(std::move(socket), state_)->Start();
+      Accept();
+    });
   }
 
   // state_ outlives ioc_: sessions still queued in ioc_ refer to it when ioc_ destroys them.

@@ -171,11 +171,11 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
 
   if (active_.fetch_add(1) >= options_.max_active_requests) {
     active_.fetch_sub(1);
-    return ReplyError(
-        *ex, WithErrorCode(absl::ResourceExhaustedError(absl::StrCat(
-                               "the server is overloaded (", options_.max_active_requests,
-                               " requests in flight); retry shortly")),
-                           "overloaded"));
+    return ReplyError(*ex,
+                      WithErrorCode(absl::ResourceExhaustedError(absl::StrCat(
+                                        "the server is overloaded (", options_.max_active_requests,
+                                        " requests in flight); retry shortly")),
+                                    "overloaded"));
   }
   auto gen = std::make_shared<Generation>();
   gen->server = this;
@@ -464,8 +464,8 @@ void Generation::SendOutputChunk(std::string data) {
                  });
 }
 
-void Generation::OnOutput(int request, const engine::RequestOutput& out,
-                          const absl::Status& status, Clock::time_point received) {
+void Generation::OnOutput(int request, const engine::RequestOutput& out, const absl::Status& status,
+                          Clock::time_point received) {
   if (done) return;
   output_received = received;
   output_timed = false;
