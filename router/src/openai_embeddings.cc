@@ -178,10 +178,12 @@ void ApiServerImpl::HandleEmbeddings(const std::shared_ptr<http::HttpExchange>& 
     request.task = engine::RequestTask::kEmbed;
     const int index = static_cast<int>(i);
     absl::Status submitted = engine_->Submit(
-        std::move(request),
-        [job, index](const engine::RequestOutput& out, const absl::Status& status) {
-          // On the engine thread: hand over and return at once.
-          job->exchange->Run([job, index, out, status] { job->OnOutput(index, out, status); });
+        std::move(request), [job, index, here = engine_->callbacks_may_work()](
+                                const engine::RequestOutput& out, const absl::Status& status) {
+          auto deliver = [job, index, out, status] { job->OnOutput(index, out, status); };
+          // As for generation: written from a gRPC thread, handed over from an engine thread.
+          if (here) return job->exchange->RunHere(std::move(deliver));
+          job->exchange->Run(std::move(deliver));
         });
     if (!submitted.ok()) {
       for (size_t j = 0; j < i; ++j) engine_->Abort(job->request_ids[j]);
