@@ -220,7 +220,13 @@ class Session : public std::enable_shared_from_this<Session> {
       std::function<void()> task = std::move(tasks_.front());
       tasks_.pop_front();
       lock.unlock();
-      if (!stopped) task();
+      // A throwing piece of work must take neither the connection (left marked running) nor
+      // the calling thread (a gRPC thread, under RunHere) down with it.
+      try {
+        if (!stopped) task();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "tandem: HTTP connection work threw: %s\n", e.what());
+      }
       task = nullptr;  // what it holds is released outside the lock
       lock.lock();
     }

@@ -15,6 +15,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
@@ -332,6 +333,23 @@ TEST(HttpServerTest, UnsentBytesPastTheLimitDropTheStream) {
   EXPECT_EQ(server->num_responses_in_flight(), 0);
   // The client sees the connection end, short of what was sent.
   EXPECT_LT(client.ReadToEnd().size(), chunk.size() * sent);
+}
+
+TEST(HttpServerTest, WorkThatThrowsLeavesTheConnectionAndTheCallerServing) {
+  Server server;
+  Client client(server->port());
+  ASSERT_TRUE(client.Get("/throws"));
+  std::shared_ptr<HttpExchange> ex = server.Next();
+  ex->RunHere([] { throw std::runtime_error("from RunHere"); });
+  ex->Run([] { throw std::runtime_error("from Run"); });
+  ex->RunHere([&] { ex->Reply({200, "text/plain", "still here\n", {}}); });
+  EXPECT_THAT(client.ReadUntil("still here\n"), StartsWith("HTTP/1.1 200"));
+  // The connection takes its next request, and Stop (at the end) returns.
+  ASSERT_TRUE(client.Get("/next"));
+  std::shared_ptr<HttpExchange> next = server.Next();
+  next->Reply({200, "text/plain", "next\n", {}});
+  EXPECT_THAT(client.ReadUntil("next\n"), StartsWith("HTTP/1.1 200"));
+  server->Stop();
 }
 
 TEST(HttpServerTest, StopWaitsForWorkRunningOnACallersThreadAndRunsNoneAfter) {

@@ -130,7 +130,7 @@ void ApiServerImpl::Shutdown(std::chrono::milliseconds grace) {
     http_->Stop();
   }
   compiler_.reset();
-  // Outputs of requests still running are posted to the stopped I/O context and dropped.
+  // Outputs of requests still running are dropped by the stopped HTTP server.
   engine_.reset();
 }
 
