@@ -137,6 +137,22 @@ class Client {
   std::string pending_;
 };
 
+// A server, a client, and the exchange of the client's first request.
+struct Connection {
+  // `receive_buffer` as for Client.
+  explicit Connection(HttpServerOptions options = {}, int receive_buffer = 0)
+      : server(std::move(options)), client(server->port(), receive_buffer) {
+    if (client.Get("/first")) {
+      ex = server.Next();
+    } else {
+      ADD_FAILURE() << "could not connect to the server";
+    }
+  }
+  Server server;
+  Client client;
+  std::shared_ptr<HttpExchange> ex;
+};
+
 // The data of a chunked body, from after the headers to the last chunk.
 std::string Unchunk(std::string body) {
   std::string data;
@@ -169,10 +185,9 @@ void WaitUntilIdle(HttpExchange& ex) {
 }
 
 TEST(HttpServerTest, RunHereOnAnIdleConnectionWritesBeforeItReturns) {
-  Server server;
-  Client client(server->port());
-  ASSERT_TRUE(client.Get("/stream"));
-  std::shared_ptr<HttpExchange> ex = server.Next();
+  Connection c;
+  auto& [server, client, ex] = c;
+  ASSERT_NE(ex, nullptr);
   ex->BeginStream(200, "text/event-stream");
   EXPECT_THAT(client.ReadUntil("\r\n\r\n"), StartsWith("HTTP/1.1 200"));
   WaitUntilIdle(*ex);
@@ -211,10 +226,9 @@ TEST(HttpServerTest, RunHereOnAnIdleConnectionWritesBeforeItReturns) {
 }
 
 TEST(HttpServerTest, RunHereOnABusyConnectionQueuesBehindWhatIsRunning) {
-  Server server;
-  Client client(server->port());
-  ASSERT_TRUE(client.Get("/stream"));
-  std::shared_ptr<HttpExchange> ex = server.Next();
+  Connection c;
+  auto& [server, client, ex] = c;
+  ASSERT_NE(ex, nullptr);
   ex->BeginStream(200, "text/event-stream");
 
   // An I/O thread is held inside the connection's work.
@@ -243,12 +257,11 @@ TEST(HttpServerTest, RunHereOnABusyConnectionQueuesBehindWhatIsRunning) {
 }
 
 TEST(HttpServerTest, SendsFromManyThreadsArriveWholeAndInEachThreadsOrder) {
-  Server server;
   // A small receive buffer and a client that reads only once everything is queued: most
   // writes find the socket full, so the partial and asynchronous writes are exercised.
-  Client client(server->port(), /*receive_buffer=*/16 << 10);
-  ASSERT_TRUE(client.Get("/stream"));
-  std::shared_ptr<HttpExchange> ex = server.Next();
+  Connection c({}, /*receive_buffer=*/16 << 10);
+  auto& [server, client, ex] = c;
+  ASSERT_NE(ex, nullptr);
   ex->BeginStream(200, "application/octet-stream");
 
   constexpr int kThreads = 4;
@@ -293,53 +306,49 @@ TEST(HttpServerTest, SendsFromManyThreadsArriveWholeAndInEachThreadsOrder) {
   EXPECT_EQ(lines, kThreads * kSends);
 }
 
+// Streams 64 KiB chunks from this thread (RunHere) to a client that reads nothing, until the
+// server drops the client or `max_chunks` are sent; returns how many were sent once the client
+// is gone. A connection that is never dropped fails the test by its timeout.
+int StreamUntilDropped(Connection& c, int max_chunks) {
+  Gate gone;
+  c.ex->OnClientGone([&] { gone.Open(); });
+  c.ex->BeginStream(200, "application/octet-stream");
+  const std::string chunk(64 << 10, 'x');
+  int sent = 0;
+  for (; sent < max_chunks && !gone.is_open(); ++sent) c.ex->RunHere([&] { c.ex->Send(chunk); });
+  gone.Wait();
+  // The response no longer counts as in flight; later sends are dropped.
+  c.ex->Send(chunk);
+  EXPECT_EQ(c.server->num_responses_in_flight(), 0);
+  return sent;
+}
+
 TEST(HttpServerTest, AClientThatStopsReadingIsDroppedAfterTheWriteTimeout) {
   HttpServerOptions options;
   options.write_timeout = std::chrono::milliseconds(300);
-  Server server(options);
-  Client client(server->port(), /*receive_buffer=*/4 << 10);
-  ASSERT_TRUE(client.Get("/stream"));
-  std::shared_ptr<HttpExchange> ex = server.Next();
-  Gate gone;
-  ex->OnClientGone([&] { gone.Open(); });
-  ex->BeginStream(200, "application/octet-stream");
-  // Far more than the socket buffers hold, far less than the pending-bytes limit: the write
-  // that cannot finish is what ends it.
-  const std::string chunk(64 << 10, 'x');
-  for (int i = 0; i < 128; ++i) ex->RunHere([&] { ex->Send(chunk); });
-  gone.Wait();
-  // The response no longer counts as in flight; later sends are dropped.
-  ex->Send(chunk);
-  EXPECT_EQ(server->num_responses_in_flight(), 0);
+  Connection c(options, /*receive_buffer=*/4 << 10);
+  ASSERT_NE(c.ex, nullptr);
+  // 8 MiB: far more than the socket buffers hold, far less than the pending-bytes limit, so
+  // the write that cannot finish is what ends it.
+  StreamUntilDropped(c, 128);
 }
 
 TEST(HttpServerTest, UnsentBytesPastTheLimitDropTheStream) {
   HttpServerOptions options;
   options.max_pending_write_bytes = 1 << 20;
-  Server server(options);
-  Client client(server->port(), /*receive_buffer=*/4 << 10);
-  ASSERT_TRUE(client.Get("/stream"));
-  std::shared_ptr<HttpExchange> ex = server.Next();
-  Gate gone;
-  ex->OnClientGone([&] { gone.Open(); });
-  ex->BeginStream(200, "application/octet-stream");
-  const std::string chunk(64 << 10, 'x');
-  // Up to 64 MiB, none of it read: once the socket buffers are full, the limit is passed by
-  // one of these sends, which drops the client there and then (the write timeout is the
-  // default minute).
-  int sent = 0;
-  for (; sent < 1024 && !gone.is_open(); ++sent) ex->RunHere([&] { ex->Send(chunk); });
-  gone.Wait();
-  EXPECT_EQ(server->num_responses_in_flight(), 0);
+  Connection c(options, /*receive_buffer=*/4 << 10);
+  ASSERT_NE(c.ex, nullptr);
+  // Up to 64 MiB: once the socket buffers are full, the limit is passed by one of the sends,
+  // which drops the client there and then (the write timeout is the default minute).
+  const int sent = StreamUntilDropped(c, 1024);
   // The client sees the connection end, short of what was sent.
-  EXPECT_LT(client.ReadToEnd().size(), chunk.size() * sent);
+  EXPECT_LT(c.client.ReadToEnd().size(), (64u << 10) * sent);
 }
 
 TEST(HttpServerTest, WorkThatThrowsLeavesTheConnectionAndTheCallerServing) {
-  Server server;
-  Client client(server->port());
-  ASSERT_TRUE(client.Get("/throws"));
-  std::shared_ptr<HttpExchange> ex = server.Next();
+  Connection c;
+  auto& [server, client, ex] = c;
+  ASSERT_NE(ex, nullptr);
   ex->RunHere([] { throw std::runtime_error("from RunHere"); });
   ex->Run([] { throw std::runtime_error("from Run"); });
   ex->RunHere([&] { ex->Reply({200, "text/plain", "still here\n", {}}); });
@@ -353,10 +362,9 @@ TEST(HttpServerTest, WorkThatThrowsLeavesTheConnectionAndTheCallerServing) {
 }
 
 TEST(HttpServerTest, StopWaitsForWorkRunningOnACallersThreadAndRunsNoneAfter) {
-  Server server;
-  Client client(server->port());
-  ASSERT_TRUE(client.Get("/stream"));
-  std::shared_ptr<HttpExchange> ex = server.Next();
+  Connection c;
+  auto& [server, client, ex] = c;
+  ASSERT_NE(ex, nullptr);
   ex->BeginStream(200, "text/event-stream");
   client.ReadUntil("\r\n\r\n");
   WaitUntilIdle(*ex);
