@@ -237,25 +237,34 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // A socket or timer completion: runs on the I/O thread it arrived on unless the connection
   // is busy elsewhere.
-  template <typename Fn>
-  void Complete(Fn fn) {
-    Queue([this, fn = std::move(fn)]() mutable { fn(); }, /*here=*/true);
-  }
+  void Complete(std::function<void()> fn) { Queue(std::move(fn), /*here=*/true); }
 
-  // The time left to read a request (or to drain after a refusal); Close() when it runs out.
-  void ArmRead(std::chrono::steady_clock::duration timeout) {
-    const uint64_t deadline = ++read_deadline_;
-    read_timer_.expires_after(timeout);
-    read_timer_.async_wait([self = shared_from_this(), deadline](beast::error_code ec) {
+  // One of the connection's time limits.
+  struct Timer {
+    explicit Timer(const net::any_io_executor& executor) : timer(executor) {}
+    net::steady_timer timer;
+    uint64_t armed = 0;  // the current arming; bumped to disarm it
+  };
+  // Runs `on_expiry` in the connection's work after `timeout`, unless `t` is disarmed or armed
+  // again first.
+  void Arm(Timer& t, std::chrono::steady_clock::duration timeout, std::function<void()> on_expiry) {
+    const uint64_t armed = ++t.armed;
+    t.timer.expires_after(timeout);
+    t.timer.async_wait([self = shared_from_this(), &t, armed,
+                        on_expiry = std::move(on_expiry)](beast::error_code ec) {
       if (ec) return;
-      self->Complete([s = self.get(), deadline] {
-        if (deadline == s->read_deadline_) s->Close();
+      self->Complete([&t, armed, on_expiry] {
+        if (armed == t.armed) on_expiry();
       });
     });
   }
-  void DisarmRead() {
-    ++read_deadline_;
-    read_timer_.cancel();
+  static void Disarm(Timer& t) {
+    ++t.armed;
+    t.timer.cancel();
+  }
+  // The time left to read a request (or to drain after a refusal); Close() when it runs out.
+  void ArmRead(std::chrono::steady_clock::duration timeout) {
+    Arm(read_timer_, timeout, [this] { Close(); });
   }
 
   void ReadRequest() {
@@ -325,7 +334,7 @@ class Session : public std::enable_shared_from_this<Session> {
     keep_alive_ = false;
     head_request_ = false;
     on_gone_ = nullptr;
-    DisarmRead();  // the refusal's write has its own time limit
+    Disarm(read_timer_);  // the refusal's write has its own time limit
     DoReply(server_.Error(status, message));
   }
 
@@ -352,7 +361,8 @@ class Session : public std::enable_shared_from_this<Session> {
     chunked_ = false;
     on_gone_ = nullptr;
     SetBusy(true);
-    DisarmRead();  // the response takes the time it takes; a client that goes is noticed below
+    // The response takes the time it takes; a client that goes away is noticed by Watch.
+    Disarm(read_timer_);
     Watch();
     auto exchange =
         std::make_shared<Exchange>(shared_from_this(), exchange_id_, std::move(request));
@@ -427,15 +437,8 @@ class Session : public std::enable_shared_from_this<Session> {
       return;
     }
     writing_ = true;
-    const uint64_t deadline = ++write_deadline_;
-    write_timer_.expires_after(server_.options.write_timeout);
-    write_timer_.async_wait([self = shared_from_this(), deadline](beast::error_code ec) {
-      if (ec) return;
-      self->Complete([s = self.get(), deadline] {
-        // A client that has not taken one write in this time is not reading.
-        if (deadline == s->write_deadline_ && s->writing_) s->ClientGone();
-      });
-    });
+    // A client that has not taken one write in this time is not reading.
+    Arm(write_timer_, server_.options.write_timeout, [this] { ClientGone(); });
     net::async_write(socket_, net::buffer(out_.front().data) + out_.front().sent,
                      [self = shared_from_this()](beast::error_code ec, size_t) {
                        self->Complete([s = self.get(), ec] { s->OnWrite(ec); });
@@ -444,8 +447,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   void OnWrite(beast::error_code ec) {
     writing_ = false;
-    ++write_deadline_;
-    write_timer_.cancel();
+    Disarm(write_timer_);
     if (closed_) return;
     if (ec) return ClientGone();
     if (!FinishPiece()) return;
@@ -512,9 +514,8 @@ class Session : public std::enable_shared_from_this<Session> {
     beast::error_code ignored;
     socket_.shutdown(tcp::socket::shutdown_both, ignored);
     socket_.close(ignored);
-    DisarmRead();
-    ++write_deadline_;
-    write_timer_.cancel();
+    Disarm(read_timer_);
+    Disarm(write_timer_);
     out_.clear();
     out_bytes_ = 0;
     on_gone_ = nullptr;
@@ -533,11 +534,9 @@ class Session : public std::enable_shared_from_this<Session> {
   bool drain_posted_ = false;                // guarded by mu_: an I/O thread is asked to
 
   tcp::socket socket_;
-  net::steady_timer read_timer_;
-  net::steady_timer write_timer_;
-  uint64_t read_deadline_ = 0;   // the read timer's current arming; bumped to disarm it
-  uint64_t write_deadline_ = 0;  // likewise for the write timer
-  ServerState& server_;          // not owned; outlives every session
+  Timer read_timer_;
+  Timer write_timer_;
+  ServerState& server_;  // not owned; outlives every session
   beast::flat_buffer buffer_;
   beast::flat_buffer drain_buffer_;
   std::optional<bhttp::request_parser<bhttp::string_body>> parser_;
@@ -679,8 +678,7 @@ class HttpServerImpl : public HttpServer {
     acceptor_.async_accept(ioc_, [this](beast::error_code ec, tcp::socket socket) {
       if (!acceptor_.is_open()) return;
       if (ec) {
-        // Out of descriptors or similar: try again shortly instead of
-        // spinning.
+        // Out of descriptors or similar: try again shortly instead of spinning.
         retry_timer_.expires_after(std::chrono::milliseconds(50));
         retry_timer_.async_wait([this](beast::error_code) { Accept(); });
         return;

@@ -178,12 +178,10 @@ void ApiServerImpl::HandleEmbeddings(const std::shared_ptr<http::HttpExchange>& 
     request.task = engine::RequestTask::kEmbed;
     const int index = static_cast<int>(i);
     absl::Status submitted = engine_->Submit(
-        std::move(request), [job, index, here = engine_->callbacks_may_work()](
-                                const engine::RequestOutput& out, const absl::Status& status) {
-          auto deliver = [job, index, out, status] { job->OnOutput(index, out, status); };
-          // As for generation: written from a gRPC thread, handed over from an engine thread.
-          if (here) return job->exchange->RunHere(std::move(deliver));
-          job->exchange->Run(std::move(deliver));
+        std::move(request),
+        [this, job, index](const engine::RequestOutput& out, const absl::Status& status) {
+          DeliverOutput(*job->exchange,
+                        [job, index, out, status] { job->OnOutput(index, out, status); });
         });
     if (!submitted.ok()) {
       for (size_t j = 0; j < i; ++j) engine_->Abort(job->request_ids[j]);

@@ -216,15 +216,11 @@ void ApiServerImpl::HandleGeneration(const std::shared_ptr<http::HttpExchange>& 
     request.cache_salt = r.cache_salt;
     const int index = static_cast<int>(k);
     absl::Status submitted = engine_->Submit(
-        std::move(request), [gen, index, here = engine_->callbacks_may_work()](
-                                const engine::RequestOutput& out, const absl::Status& status) {
-          auto deliver = [gen, index, out, status, received = Clock::now()] {
+        std::move(request),
+        [this, gen, index](const engine::RequestOutput& out, const absl::Status& status) {
+          DeliverOutput(*gen->exchange, [gen, index, out, status, received = Clock::now()] {
             gen->OnOutput(index, out, status, received);
-          };
-          // On a gRPC thread: written from here, with no hop to an I/O thread. On an engine
-          // thread: handed over, and the engine goes on at once.
-          if (here) return gen->exchange->RunHere(std::move(deliver));
-          gen->exchange->Run(std::move(deliver));
+          });
         });
     if (!submitted.ok()) {
       for (size_t j = 0; j < k; ++j) engine_->Abort(gen->requests[j].id);

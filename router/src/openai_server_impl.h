@@ -230,7 +230,8 @@ class ApiServerImpl : public ApiServer {
       : options_(std::move(options)),
         metrics_(options_),
         started_(UnixSeconds()),
-        engine_(std::move(engine)) {
+        engine_(std::move(engine)),
+        outputs_written_here_(engine_->callbacks_may_work()) {
     vocab_size_ = std::min(engine_->config().vocab_size, engine_->tokenizer().vocab_size());
   }
   ~ApiServerImpl() override { Shutdown(std::chrono::milliseconds(0)); }
@@ -261,6 +262,15 @@ class ApiServerImpl : public ApiServer {
   }
 
   void ReplyError(http::HttpExchange& ex, const absl::Status& status);
+
+  // Hands an engine output's handling (`deliver`) to its connection, from the generator's
+  // callback: written from this thread where the generator's callbacks may work (the router's
+  // gRPC threads, no hop to an I/O thread), handed over where they must return at once (an
+  // engine thread, which goes on with its next step).
+  void DeliverOutput(http::HttpExchange& ex, std::function<void()> deliver) {
+    if (outputs_written_here_) return ex.RunHere(std::move(deliver));
+    ex.Run(std::move(deliver));
+  }
 
  private:
   enum class Endpoint {
@@ -341,6 +351,8 @@ class ApiServerImpl : public ApiServer {
   // it is bound, before Create returns and http_ is assigned on the starting thread.
   std::atomic<http::HttpServer*> http_for_handlers_{nullptr};
   std::unique_ptr<engine::Generator> engine_;
+  // engine_->callbacks_may_work(), read once: outputs still arrive while engine_ is destroyed.
+  const bool outputs_written_here_;
   // Stopped (joined) before engine_ goes: its jobs use the engine.
   // Compiles structured-output constraints off the HTTP I/O threads: a request whose grammar may
   // take seconds to compile (a bounded JSON schema on a 128k vocabulary) waits for one of these
