@@ -135,49 +135,60 @@ TEST_P(CpuBackendTest, LinearRowsAreBatchInvariant) {
 // ones one; a row's output must not depend on which it got, on the threads, or on where the
 // pool's chunks of panels begin.
 TEST_P(CpuBackendTest, QuantizedLinearRowsAreBatchInvariant) {
-  // n = 300: ten 32-column panels or nineteen 16-column ones, the last partial; k = 512 holds
-  // four int4 groups of 128.
-  const int n = 300, k = 512, m = 17;
-  std::mt19937 rng(8);
-  std::vector<int8_t> values(int64_t{n} * k);
-  std::vector<int8_t> zeros(int64_t{n} * (k / 128));
-  for (int8_t& z : zeros) z = static_cast<int8_t>(rng() % 17);
-  const std::vector<float> x = Random(int64_t{m} * k, 9);
-  const std::vector<float> bias = Random(n, 10);
-  for (WeightQuant quant : {WeightQuant::kInt8, WeightQuant::kInt4}) {
-    SCOPED_TRACE(quant == WeightQuant::kInt8 ? "int8" : "int4");
-    const bool int4 = quant == WeightQuant::kInt4;
-    for (int8_t& v : values) {
-      v = static_cast<int8_t>(int4 ? rng() % 16 : static_cast<int>(rng() % 256) - 128);
-    }
-    const std::vector<float> scales = Random(int64_t{n} * (int4 ? k / 128 : 1), 11, 0.001f, 0.02f);
-    const QuantizedWeightView view{.quant = quant,
-                                   .n = n,
-                                   .k = k,
-                                   .group_size = int4 ? 128 : k,
-                                   .values = values.data(),
-                                   .scales = scales.data(),
-                                   .zeros = int4 ? zeros.data() : nullptr};
-    auto packed = backend_->PackQuantizedWeight(view);
-    std::vector<float> batched(int64_t{m} * n, kNaN);
-    backend_->Linear(x.data(), DType::kF32, m, *packed, bias.data(), batched.data());
-    for (int rows : {1, 2, 3, 4}) {
-      for (int i = 0; i + rows <= m; i += 5) {
-        std::vector<float> few(int64_t{rows} * n, kNaN);
-        backend_->Linear(x.data() + int64_t{i} * k, DType::kF32, rows, *packed, bias.data(),
-                         few.data());
-        EXPECT_TRUE(BitwiseEqual(few.data(), batched.data() + int64_t{i} * n, int64_t{rows} * n))
-            << rows << " rows from row " << i;
+  // n = 300: ten 32-column panels or nineteen 16-column ones, the last partial. k = 512 holds
+  // four int4 groups of 128; k = 640 in act order (as GPTQ stores it) five, the last in a
+  // k block of its own (blocks are 256 deep). Decode rows (1 and 2) take the int4 kernel's
+  // whole-k path, taller tiles its block-by-block one.
+  const int n = 300, m = 17;
+  for (const bool act_order : {false, true}) {
+    const int k = act_order ? 640 : 512;
+    std::mt19937 rng(8);
+    std::vector<int8_t> values(int64_t{n} * k);
+    std::vector<int8_t> zeros(int64_t{n} * (k / 128));
+    for (int8_t& z : zeros) z = static_cast<int8_t>(rng() % 17);
+    std::vector<int32_t> order(k);
+    std::iota(order.begin(), order.end(), 0);
+    if (act_order) std::shuffle(order.begin(), order.end(), rng);
+    const std::vector<float> x = Random(int64_t{m} * k, 9);
+    const std::vector<float> bias = Random(n, 10);
+    for (WeightQuant quant : {WeightQuant::kInt8, WeightQuant::kInt4}) {
+      SCOPED_TRACE(quant == WeightQuant::kInt8 ? "int8" : "int4");
+      SCOPED_TRACE(act_order ? "act order" : "in order");
+      const bool int4 = quant == WeightQuant::kInt4;
+      for (int8_t& v : values) {
+        v = static_cast<int8_t>(int4 ? rng() % 16 : static_cast<int>(rng() % 256) - 128);
       }
-    }
-    for (int threads : {1, 3}) {
-      std::unique_ptr<Backend> other = Make(threads);
-      auto other_packed = other->PackQuantizedWeight(view);
-      std::vector<float> alone(n, kNaN);
-      other->Linear(x.data() + int64_t{6} * k, DType::kF32, 1, *other_packed, bias.data(),
-                    alone.data());
-      EXPECT_TRUE(BitwiseEqual(alone.data(), batched.data() + int64_t{6} * n, n))
-          << threads << " threads";
+      const std::vector<float> scales =
+          Random(int64_t{n} * (int4 ? k / 128 : 1), 11, 0.001f, 0.02f);
+      const QuantizedWeightView view{.quant = quant,
+                                     .n = n,
+                                     .k = k,
+                                     .group_size = int4 ? 128 : k,
+                                     .values = values.data(),
+                                     .scales = scales.data(),
+                                     .zeros = int4 ? zeros.data() : nullptr,
+                                     .k_order = int4 && act_order ? order.data() : nullptr};
+      auto packed = backend_->PackQuantizedWeight(view);
+      std::vector<float> batched(int64_t{m} * n, kNaN);
+      backend_->Linear(x.data(), DType::kF32, m, *packed, bias.data(), batched.data());
+      for (int rows : {1, 2, 3, 4}) {
+        for (int i = 0; i + rows <= m; i += 5) {
+          std::vector<float> few(int64_t{rows} * n, kNaN);
+          backend_->Linear(x.data() + int64_t{i} * k, DType::kF32, rows, *packed, bias.data(),
+                           few.data());
+          EXPECT_TRUE(BitwiseEqual(few.data(), batched.data() + int64_t{i} * n, int64_t{rows} * n))
+              << rows << " rows from row " << i;
+        }
+      }
+      for (int threads : {1, 3}) {
+        std::unique_ptr<Backend> other = Make(threads);
+        auto other_packed = other->PackQuantizedWeight(view);
+        std::vector<float> alone(n, kNaN);
+        other->Linear(x.data() + int64_t{6} * k, DType::kF32, 1, *other_packed, bias.data(),
+                      alone.data());
+        EXPECT_TRUE(BitwiseEqual(alone.data(), batched.data() + int64_t{6} * n, n))
+            << threads << " threads";
+      }
     }
   }
 }
