@@ -15,6 +15,7 @@
 #include <map>
 #include <cstdint>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <thread>
@@ -283,6 +284,52 @@ void BM_Attention(benchmark::State& state) {
                          benchmark::Counter::kIsRate);
 }
 
+// Decode attention of one sequence of `context` tokens over a bf16 cache that misses the caches,
+// as in a decode step whose weights stream through them: the medium preset's shape (16 query
+// heads over 8 KV heads of 128), block size 16, each call on the next of enough layers' caches to
+// exceed kColdBytes. Args: context, blocks in order (1) or shuffled (0, as a cache that has
+// served a while hands them out). of_read: KV bytes per second against the read kernel's rate
+// measured in the same run.
+void BM_AttentionColdBf16(benchmark::State& state) {
+  const int context = state.range(0);
+  const bool in_order = state.range(1) != 0;
+  const int heads = 16, kv_heads = 8, head_dim = 128, block = 16;
+  const int blocks = (context + block - 1) / block;
+  const kernels::KvLayout layout{.num_blocks = blocks,
+                                 .block_size = block,
+                                 .num_kv_heads = kv_heads,
+                                 .head_dim = head_dim,
+                                 .dtype = DType::kBF16};
+  const int layers = static_cast<int>(std::max<int64_t>(2, kColdBytes / layout.LayerBytes()));
+  std::vector<uint16_t> caches(layout.LayerElements() * layers);
+  const std::vector<float> values = Random(4096, 3);
+  for (size_t i = 0; i < caches.size(); ++i) caches[i] = FloatToBf16(values[i % values.size()]);
+  const std::vector<float> q = Random(int64_t{heads} * head_dim, 4);
+  std::vector<float> out(q.size());
+  std::vector<int32_t> query_start = {0, 1}, context_len = {context}, block_table(blocks);
+  std::iota(block_table.begin(), block_table.end(), 0);
+  if (!in_order) std::shuffle(block_table.begin(), block_table.end(), std::mt19937(5));
+  const kernels::PagedAttentionBatch batch{.num_seqs = 1,
+                                           .query_start = query_start.data(),
+                                           .context_len = context_len.data(),
+                                           .block_table = block_table.data(),
+                                           .max_blocks_per_seq = blocks};
+  const double read_gbs = MeasureReadBandwidthGBs(kThreads);
+  LetOpenBlasPark();
+  int layer = 0;
+  for (auto _ : state) {
+    Cpu().PagedAttention(q.data(), caches.data() + layout.LayerElements() * layer, layout, batch,
+                         heads, 0.088f, out.data(), DType::kF32);
+    benchmark::DoNotOptimize(out.data());
+    layer = (layer + 1) % layers;
+  }
+  const double kv_bytes = static_cast<double>(layout.LayerBytes()) * state.iterations();
+  state.counters["KV_GB/s"] = benchmark::Counter(kv_bytes / 1e9, benchmark::Counter::kIsRate);
+  state.counters["read_GB/s"] = read_gbs;
+  state.counters["of_read"] =
+      benchmark::Counter(kv_bytes / 1e9 / read_gbs, benchmark::Counter::kIsRate);
+}
+
 // One ParallelFor of two trivial chunks: the fixed cost every threaded operator pays.
 void BM_ParallelForDispatch(benchmark::State& state) {
   auto pool = kernels::cpu::ThreadPool::Create(kThreads);
@@ -355,6 +402,13 @@ void RegisterAll() {
       ->Args({1, 1024})
       ->Args({8, 1024})
       ->Args({1, 64})
+      ->Unit(benchmark::kMicrosecond)
+      ->UseRealTime();
+  benchmark::RegisterBenchmark("BM_AttentionColdBf16", BM_AttentionColdBf16)
+      ->Args({256, 1})
+      ->Args({256, 0})
+      ->Args({2048, 1})
+      ->Args({2048, 0})
       ->Unit(benchmark::kMicrosecond)
       ->UseRealTime();
 }
