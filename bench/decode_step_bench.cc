@@ -5,7 +5,8 @@
 // measured in the same run.
 //
 //   tandem_bench_decode [--preset=small] [--context=256] [--dtypes=float32,bfloat16,int8,int4]
-//                       (TYPE@ISA: that CPU instruction set, e.g. bfloat16@avx512-bf16-round or int4@avx512)
+//                       (TYPE@ISA: that CPU instruction set, e.g. bfloat16@avx512-bf16-round or
+//                       int4@avx512)
 //                       [--batches=1,4,16] [--bandwidth-mib=256] [--device=cpu|cuda]
 //                       [--num-layers=N (the preset's shape with N layers)]
 //                       [--prefill=2048,... (also time one prefill of each length)]
@@ -14,6 +15,9 @@
 //                        backend and copies back only the tokens, host copies the logits)]
 //                       [--graphs=auto|on|off (auto: on with cuda, as serving without
 //                        --enforce-eager; on replays the decode step from a captured step graph)]
+//                       [--paired (one benchmark that takes a step of each format in turn:
+//                        each format's time from the same minutes, and F_speedup, the first
+//                        format's step time over F's)]
 //                       [google benchmark flags]
 //
 // The bandwidth kernels stream --bandwidth-mib MiB: more than the last-level cache to measure
@@ -24,12 +28,14 @@
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "bench/bandwidth.h"
 #include "benchmark/benchmark.h"
@@ -217,83 +223,147 @@ void BM_Prefill(benchmark::State& state, const WeightFormat& format) {
                               format.name, " weights, prefill of ", tokens, " tokens"));
 }
 
-void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
-  const int batch = static_cast<int>(state.range(0));
+// One format's decode step, ready to run: its checkpoint, backend and runner, and a batch of
+// sequences whose caches hold g_context tokens, each decoding one token per step.
+struct DecodeRun {
+  WeightFormat format;
+  Setup setup;
+  std::unique_ptr<engine::BlockManager> blocks;
+  std::unique_ptr<engine::ModelRunner> runner;
+  std::vector<engine::Sequence> seqs;
+  engine::SchedulerStep step;
+  std::vector<kernels::SampleRowParams> greedy;
+  double bytes = 0;  // BytesPerStep
+  double seconds = 0;
+  int64_t steps = 0;
+};
+
+// Builds `format`'s run at `batch` sequences and takes one untimed step (the graph's capture, or
+// the eager path's first-use work); null, with the state skipped with the reason, on failure.
+std::unique_ptr<DecodeRun> PrepareDecode(benchmark::State& state, const WeightFormat& format,
+                                         int batch) {
   const int context = g_context;
   const int block_size = 16;
   const int blocks_per_seq = (context + 1 + block_size - 1) / block_size;
-  Setup setup = OpenModel(state, format, batch, std::max(batch, context), context + 1, block_size);
-  if (setup.checkpoint == nullptr) return;
-  const text::ModelConfig& c = setup.checkpoint->config();
-  engine::BlockManager blocks(batch * blocks_per_seq, block_size);
-  auto runner = engine::ModelRunner::Create(*setup.checkpoint, setup.backend.get(),
-                                            {.max_num_batched_tokens = std::max(batch, context),
-                                             .max_num_seqs = batch,
-                                             .num_kv_blocks = batch * blocks_per_seq,
-                                             .block_size = block_size,
-                                             .weight_dtype = format.dtype,
-                                             .backend_sampling = BackendSampling(),
-                                             .graph_batch_sizes = StepGraphs()
-                                                                      ? std::vector<int>{batch}
-                                                                      : std::vector<int>{},
-                                             .max_blocks_per_seq = blocks_per_seq});
+  auto run = std::make_unique<DecodeRun>();
+  run->format = format;
+  run->setup = OpenModel(state, format, batch, std::max(batch, context), context + 1, block_size);
+  if (run->setup.checkpoint == nullptr) return nullptr;
+  const text::ModelConfig& c = run->setup.checkpoint->config();
+  run->blocks = std::make_unique<engine::BlockManager>(batch * blocks_per_seq, block_size);
+  auto runner = engine::ModelRunner::Create(
+      *run->setup.checkpoint, run->setup.backend.get(),
+      {.max_num_batched_tokens = std::max(batch, context),
+       .max_num_seqs = batch,
+       .num_kv_blocks = batch * blocks_per_seq,
+       .block_size = block_size,
+       .weight_dtype = format.dtype,
+       .backend_sampling = BackendSampling(),
+       .graph_batch_sizes = StepGraphs() ? std::vector<int>{batch} : std::vector<int>{},
+       .max_blocks_per_seq = blocks_per_seq});
   if (!runner.ok()) {
     state.SkipWithError(std::string(runner.status().message()).c_str());
-    return;
+    return nullptr;
   }
-  const std::vector<kernels::SampleRowParams> greedy(batch);
-  std::vector<engine::Sequence> seqs(batch);
+  run->runner = std::move(runner).value();
+  run->greedy.resize(batch);
+  run->seqs.resize(batch);
   for (int b = 0; b < batch; ++b) {
-    engine::Sequence& s = seqs[b];
+    engine::Sequence& s = run->seqs[b];
     for (int i = 0; i <= context; ++i) s.tokens.push_back((i * 31 + b * 7) % c.vocab_size);
     s.num_prompt_tokens = context;
-    (void)blocks.Append(s.block_table, 0, context + 1);
+    (void)run->blocks->Append(s.block_table, 0, context + 1);
     // Fill the cache for the context with one prefill per sequence.
     engine::SchedulerStep prefill;
     prefill.seqs.push_back({&s, context, false});
     prefill.num_tokens = context;
-    (void)(*runner)->Execute(prefill);
+    (void)run->runner->Execute(prefill);
     s.num_computed_tokens = context;
   }
-  engine::SchedulerStep step;
-  for (engine::Sequence& s : seqs) step.seqs.push_back({&s, 1, true});
-  step.num_tokens = batch;
-  // One untimed step: the graph's capture (or the eager path's first-use work).
-  if (BackendSampling()) (*runner)->set_backend_sampling(greedy, {});
-  if (absl::StatusOr<std::span<const float>> first = (*runner)->Execute(step); !first.ok()) {
+  for (engine::Sequence& s : run->seqs) run->step.seqs.push_back({&s, 1, true});
+  run->step.num_tokens = batch;
+  if (BackendSampling()) run->runner->set_backend_sampling(run->greedy, {});
+  if (absl::StatusOr<std::span<const float>> first = run->runner->Execute(run->step); !first.ok()) {
     state.SkipWithError(std::string(first.status().message()).c_str());
-    return;
+    return nullptr;
   }
-  double seconds = 0;
-  for (auto _ : state) {
-    auto start = std::chrono::steady_clock::now();
-    if (BackendSampling()) (*runner)->set_backend_sampling(greedy, {});
-    auto logits = (*runner)->Execute(step);
-    benchmark::DoNotOptimize(logits);
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  }
-  const double step_s = seconds / static_cast<double>(state.iterations());
-  const DType kv_dtype = (*runner)->cache_layout().dtype;
-  const DType head_dtype = (*runner)->weight_dtype();
-  const double bytes = BytesPerStep(c, batch, context, format, head_dtype, kv_dtype);
-  const double gbs = bytes / step_s / 1e9;
+  run->bytes = BytesPerStep(c, batch, context, format, run->runner->weight_dtype(),
+                            run->runner->cache_layout().dtype);
+  return run;
+}
+
+// Runs one decode step of `run` and adds its time to the run's.
+void TimeStep(DecodeRun& run) {
+  auto start = std::chrono::steady_clock::now();
+  if (BackendSampling()) run.runner->set_backend_sampling(run.greedy, {});
+  auto logits = run.runner->Execute(run.step);
+  benchmark::DoNotOptimize(logits);
+  run.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ++run.steps;
+}
+
+// Read bandwidth for the ratios: on the CPU the read kernel runs again right after the steps (a
+// shared machine's bandwidth can move by the minute), and the better of that and the
+// start-of-run figure counts.
+double ReadGBsAfterSteps() {
+  return g_cuda ? g_read_gbs
+                : std::max(g_read_gbs, bench::MeasureReadBandwidthGBs(2, g_bandwidth_bytes, 3));
+}
+
+std::string RunLabel(const DecodeRun& run) {
+  const text::ModelConfig& c = run.setup.checkpoint->config();
+  return absl::StrCat(g_preset, " ", c.NumParameters() / 1000000, "M params, ", run.format.name,
+                      " weights, ", DTypeFlagName(run.runner->cache_layout().dtype),
+                      " KV, context ", g_context,
+                      BackendSampling() ? ", backend sampling" : ", host sampling",
+                      run.runner->graphs_captured() > 0 ? ", step graph" : ", eager");
+}
+
+void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
+  const int batch = static_cast<int>(state.range(0));
+  std::unique_ptr<DecodeRun> run = PrepareDecode(state, format, batch);
+  if (run == nullptr) return;
+  for (auto _ : state) TimeStep(*run);
+  const double step_s = run->seconds / static_cast<double>(run->steps);
+  const double gbs = run->bytes / step_s / 1e9;
+  const double read_gbs = ReadGBsAfterSteps();
   state.counters["step_ms"] = step_s * 1e3;
-  state.counters["MB_per_step"] = bytes / 1e6;
+  state.counters["MB_per_step"] = run->bytes / 1e6;
   state.counters["GB_per_s"] = gbs;
-  // A shared machine's bandwidth can move by the minute: on the CPU the read kernel runs again
-  // right after the steps, and the ratio is to the better of that and the start-of-run figure.
-  const double read_gbs =
-      g_cuda ? g_read_gbs
-             : std::max(g_read_gbs, bench::MeasureReadBandwidthGBs(2, g_bandwidth_bytes, 3));
   state.counters["read_GB_per_s"] = read_gbs;
   state.counters["of_read"] = gbs / read_gbs;
   state.counters["of_copy"] = gbs / g_copy_gbs;
   state.counters["tokens_per_s"] = batch / step_s;
-  state.counters["graph_steps"] = static_cast<double>((*runner)->graph_replays());
-  state.SetLabel(absl::StrCat(g_preset, " ", c.NumParameters() / 1000000, "M params, ", format.name,
-                              " weights, ", DTypeFlagName(kv_dtype), " KV, context ", context,
-                              BackendSampling() ? ", backend sampling" : ", host sampling",
-                              (*runner)->graphs_captured() > 0 ? ", step graph" : ", eager"));
+  state.counters["graph_steps"] = static_cast<double>(run->runner->graph_replays());
+  state.SetLabel(RunLabel(*run));
+}
+
+// The formats' decode steps taken in turn, one step of each per iteration, so that each format's
+// time comes from the same stretch of the machine's (possibly shifting) memory bandwidth as the
+// others': a ratio between them is then a property of the formats, not of when each ran. Per
+// format F: F_ms (step time), F_of_read, and F_speedup (the first format's step time over F's).
+void BM_DecodeStepPaired(benchmark::State& state, const std::vector<WeightFormat>& formats) {
+  const int batch = static_cast<int>(state.range(0));
+  std::vector<std::unique_ptr<DecodeRun>> runs;
+  for (const WeightFormat& format : formats) {
+    runs.push_back(PrepareDecode(state, format, batch));
+    if (runs.back() == nullptr) return;
+  }
+  for (auto _ : state) {
+    for (std::unique_ptr<DecodeRun>& run : runs) TimeStep(*run);
+  }
+  const double read_gbs = ReadGBsAfterSteps();
+  state.counters["read_GB_per_s"] = read_gbs;
+  const double first_s = runs[0]->seconds / static_cast<double>(runs[0]->steps);
+  std::string label;
+  for (const std::unique_ptr<DecodeRun>& run : runs) {
+    const double step_s = run->seconds / static_cast<double>(run->steps);
+    state.counters[run->format.name + "_ms"] = step_s * 1e3;
+    state.counters[run->format.name + "_of_read"] = run->bytes / step_s / 1e9 / read_gbs;
+    if (run != runs[0]) state.counters[run->format.name + "_speedup"] = first_s / step_s;
+    absl::StrAppend(&label, label.empty() ? "" : "; ", RunLabel(*run));
+  }
+  state.SetLabel(label);
 }
 
 }  // namespace
@@ -308,6 +378,7 @@ int main(int argc, char** argv) {
                                        {"int4", std::nullopt, "awq"}};
   std::vector<int64_t> batches = {1, 4, 16};
   std::vector<int64_t> prefills;  // --prefill: prompt lengths to time a prefill of
+  bool paired = false;            // --paired: the formats' steps in turn, in one benchmark
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--preset=", 0) == 0) {
@@ -356,6 +427,8 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "tandem_bench_decode: --sampling must be auto, host or backend\n");
         return 2;
       }
+    } else if (a == "--paired") {
+      paired = true;
     } else if (a == "--device=cuda") {
       tandem::g_cuda = true;
     } else if (a == "--device=cpu") {
@@ -397,12 +470,23 @@ int main(int argc, char** argv) {
     std::printf("copy bandwidth (2 threads, %zu MiB, same run): %.2f GB/s\n",
                 tandem::g_bandwidth_bytes >> 20, tandem::g_copy_gbs);
   }
-  for (const WeightFormat& format : formats) {
+  if (paired) {
+    std::vector<std::string> names;
+    for (const WeightFormat& format : formats) names.push_back(format.name);
     auto* b = benchmark::RegisterBenchmark(
-        absl::StrCat("BM_DecodeStep/", format.name).c_str(),
-        [format](benchmark::State& state) { tandem::BM_DecodeStep(state, format); });
+        absl::StrCat("BM_DecodeStepPaired/", absl::StrJoin(names, ",")).c_str(),
+        [formats](benchmark::State& state) { tandem::BM_DecodeStepPaired(state, formats); });
     for (int64_t batch : batches) b->Arg(batch);
     b->Unit(benchmark::kMillisecond)->UseRealTime();
+  }
+  for (const WeightFormat& format : formats) {
+    if (!paired) {
+      auto* b = benchmark::RegisterBenchmark(
+          absl::StrCat("BM_DecodeStep/", format.name).c_str(),
+          [format](benchmark::State& state) { tandem::BM_DecodeStep(state, format); });
+      for (int64_t batch : batches) b->Arg(batch);
+      b->Unit(benchmark::kMillisecond)->UseRealTime();
+    }
     if (prefills.empty()) continue;
     auto* p = benchmark::RegisterBenchmark(
         absl::StrCat("BM_Prefill/", format.name).c_str(),
