@@ -148,15 +148,18 @@ absl::StatusOr<std::unique_ptr<kernels::Backend>> MakeBackend(const text::ModelC
 // skipped with the reason).
 struct Setup {
   std::unique_ptr<engine::Checkpoint> checkpoint;
-  std::unique_ptr<kernels::Backend> backend;
+  std::shared_ptr<kernels::Backend> backend;
 };
+// `shared`, if not null, is the backend to use (runs that share one CPU backend share its thread
+// pool); otherwise a new one.
 Setup OpenModel(benchmark::State& state, const WeightFormat& format, int max_seqs, int tokens,
-                int context, int block_size) {
+                int context, int block_size, std::shared_ptr<kernels::Backend> shared = nullptr) {
   auto checkpoint = engine::Checkpoint::Open(ModelDir(format.quant));
   if (!checkpoint.ok()) {
     state.SkipWithError(std::string(checkpoint.status().message()).c_str());
     return {};
   }
+  if (shared != nullptr) return {std::move(checkpoint).value(), std::move(shared)};
   auto backend = MakeBackend((*checkpoint)->config(), max_seqs, tokens, context, block_size,
                              format.isa);
   if (!backend.ok()) {
@@ -240,14 +243,17 @@ struct DecodeRun {
 
 // Builds `format`'s run at `batch` sequences and takes one untimed step (the graph's capture, or
 // the eager path's first-use work); null, with the state skipped with the reason, on failure.
+// On `backend` if not null, else on a backend of its own.
 std::unique_ptr<DecodeRun> PrepareDecode(benchmark::State& state, const WeightFormat& format,
-                                         int batch) {
+                                         int batch,
+                                         std::shared_ptr<kernels::Backend> backend = nullptr) {
   const int context = g_context;
   const int block_size = 16;
   const int blocks_per_seq = (context + 1 + block_size - 1) / block_size;
   auto run = std::make_unique<DecodeRun>();
   run->format = format;
-  run->setup = OpenModel(state, format, batch, std::max(batch, context), context + 1, block_size);
+  run->setup = OpenModel(state, format, batch, std::max(batch, context), context + 1, block_size,
+                         std::move(backend));
   if (run->setup.checkpoint == nullptr) return nullptr;
   const text::ModelConfig& c = run->setup.checkpoint->config();
   run->blocks = std::make_unique<engine::BlockManager>(batch * blocks_per_seq, block_size);
@@ -342,11 +348,20 @@ void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
 // time comes from the same stretch of the machine's (possibly shifting) memory bandwidth as the
 // others': a ratio between them is then a property of the formats, not of when each ran. Per
 // format F: F_ms (step time), F_of_read, and F_speedup (the first format's step time over F's).
+// On the CPU, formats of the same instruction set share one backend, so one thread pool serves
+// every step (a second pool's workers would still be polling for work, on the same two cores,
+// when the next format's step starts). Each step reads its weights after the other formats'
+// steps have passed through the caches: for a model whose weights would fit in the last-level
+// cache (small at int4), a step then reads from memory, where alone it would not.
 void BM_DecodeStepPaired(benchmark::State& state, const std::vector<WeightFormat>& formats) {
   const int batch = static_cast<int>(state.range(0));
   std::vector<std::unique_ptr<DecodeRun>> runs;
   for (const WeightFormat& format : formats) {
-    runs.push_back(PrepareDecode(state, format, batch));
+    std::shared_ptr<kernels::Backend> backend;
+    for (const std::unique_ptr<DecodeRun>& run : runs) {
+      if (!g_cuda && run->format.isa == format.isa) backend = run->setup.backend;
+    }
+    runs.push_back(PrepareDecode(state, format, batch, std::move(backend)));
     if (runs.back() == nullptr) return;
   }
   for (auto _ : state) {
