@@ -1038,6 +1038,15 @@ absl::Status ModelRunner::QueueModel(const StepArgs& a) {
 
   b.Embedding(embed_.data(), weight_dtype_, a.token_ids, tokens, hidden, residual);
   TANDEM_RETURN_IF_ERROR(all_reduce(residual));
+  // Whether a projection's output is added to the residual stream by the GEMM itself
+  // (Backend::LinearAdd: cuBLASLt's epilogue on the GPU past decode sizes) rather than written
+  // to proj for AddRmsNorm to add. Not with tensor parallelism, whose partial sums must be
+  // all-reduced before they are added; not for the last layer's down projection, which
+  // GatherAdd adds for the sampled rows only.
+  auto adds_in_linear = [&](const kernels::PackedWeight& w) {
+    return !tensor_parallel() && b.LinearAdds(tokens, w);
+  };
+  bool proj_added = false;  // the last down projection went straight into residual
   for (int l = 0; l < a.num_layers; ++l) {
     Layer& layer = *layers_[l];
     // The inputs of the layer's Linears stored in the dtype the backend would round them to
@@ -1046,7 +1055,7 @@ absl::Status ModelRunner::QueueModel(const StepArgs& a) {
     const DType o_in = b.ActivationDType(tokens, *layer.o);
     const DType gate_up_in = b.ActivationDType(tokens, *layer.gate_up);
     const DType down_in = b.ActivationDType(tokens, *layer.down);
-    if (l == 0) {
+    if (l == 0 || proj_added) {
       b.RmsNorm(residual, layer.input_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
                 hidden_states, qkv_in);
     } else {
@@ -1065,14 +1074,25 @@ absl::Status ModelRunner::QueueModel(const StepArgs& a) {
       layer_written_hook_(l);
     }
     b.PagedAttention(q, cache, kv_layout, a.batch, num_heads, scale, attn, o_in);
-    b.Linear(attn, o_in, tokens, *layer.o, layer.o_bias.as<float>(), proj);
-    TANDEM_RETURN_IF_ERROR(all_reduce(proj));
-    b.AddRmsNorm(residual, proj, layer.post_attn_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
-                 hidden_states, gate_up_in);
+    if (adds_in_linear(*layer.o)) {
+      b.LinearAdd(attn, o_in, tokens, *layer.o, layer.o_bias.as<float>(), residual);
+      b.RmsNorm(residual, layer.post_attn_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
+                hidden_states, gate_up_in);
+    } else {
+      b.Linear(attn, o_in, tokens, *layer.o, layer.o_bias.as<float>(), proj);
+      TANDEM_RETURN_IF_ERROR(all_reduce(proj));
+      b.AddRmsNorm(residual, proj, layer.post_attn_norm.as<float>(), c.rms_norm_eps, tokens, hidden,
+                   hidden_states, gate_up_in);
+    }
     b.Linear(hidden_states, gate_up_in, tokens, *layer.gate_up, nullptr, gate_up);
     b.SiluMul(gate_up, tokens, intermediate, act, down_in);
-    b.Linear(act, down_in, tokens, *layer.down, nullptr, proj);
-    TANDEM_RETURN_IF_ERROR(all_reduce(proj));
+    proj_added = l + 1 < a.num_layers && adds_in_linear(*layer.down);
+    if (proj_added) {
+      b.LinearAdd(act, down_in, tokens, *layer.down, nullptr, residual);
+    } else {
+      b.Linear(act, down_in, tokens, *layer.down, nullptr, proj);
+      TANDEM_RETURN_IF_ERROR(all_reduce(proj));
+    }
   }
   if (num_sampled == 0) return absl::OkStatus();
   // Only the rows that sample need the final norm and the vocabulary projection.

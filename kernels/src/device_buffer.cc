@@ -1,5 +1,6 @@
 // DeviceBuffer ownership, Backend::Allocate and AllocateHostStaging, and the default
-// AttentionInputs (the unfused operators) and CaptureGraph (none), shared by every backend.
+// AttentionInputs (the unfused operators), CaptureGraph (none) and LinearAdd (never taken), shared
+// by every backend.
 #include <algorithm>
 #include <new>
 #include <string>
@@ -81,6 +82,11 @@ DType Backend::RoundedActivationDType(int m, const PackedWeight& w) const {
   const bool sixteen = w.dtype() == DType::kBF16 || w.dtype() == DType::kF16;
   return sixteen && w.quant() == WeightQuant::kNone && LinearRoundsX(m, w.dtype()) ? w.dtype()
                                                                                    : DType::kF32;
+}
+
+void Backend::LinearAdd(const void*, DType, int m, const PackedWeight& w, const float*, float*) {
+  TANDEM_CHECK(false) << "LinearAdd of " << m << " rows with " << DTypeName(w.dtype())
+                      << " weights: the " << name() << " backend does not add in Linear";
 }
 
 absl::StatusOr<std::unique_ptr<Backend::StepGraph>> Backend::CaptureGraph(

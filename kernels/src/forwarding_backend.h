@@ -49,6 +49,11 @@ class ForwardingBackend : public Backend {
               float* y) override {
     inner_->Linear(x, x_dtype, m, w, bias, y);
   }
+  bool LinearAdds(int m, const PackedWeight& w) const override { return inner_->LinearAdds(m, w); }
+  void LinearAdd(const void* x, DType x_dtype, int m, const PackedWeight& w, const float* bias,
+                 float* y) override {
+    inner_->LinearAdd(x, x_dtype, m, w, bias, y);
+  }
   void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim, void* y,
                DType y_dtype) override {
     inner_->RmsNorm(x, weight, eps, rows, dim, y, y_dtype);

@@ -318,6 +318,30 @@ class CudaBackendImpl final : public CudaBackend {
 
   void Linear(const void* x_in, DType x_dtype, int m, const PackedWeight& w, const float* bias,
               float* y) override {
+    LinearInto(x_in, x_dtype, m, w, bias, y, /*accumulate=*/false);
+  }
+
+  // Past the skinny GEMM's rows, 16-bit W goes to cuBLASLt (or cublasGemmEx), which adds y with
+  // beta = 1. Fewer rows run the GEMV and skinny kernels, which write y: there the runner adds
+  // in AddRmsNorm instead (decode steps, whose bytes are the weights').
+  bool LinearAdds(int m, const PackedWeight& w) const override {
+    return m > cuda::kSkinnyMaxRows && w.quant() == WeightQuant::kNone &&
+           (w.dtype() == DType::kBF16 || w.dtype() == DType::kF16);
+  }
+
+  void LinearAdd(const void* x_in, DType x_dtype, int m, const PackedWeight& w, const float* bias,
+                 float* y) override {
+    if (!LinearAdds(m, w)) {
+      Keep(absl::InvalidArgumentError(
+          absl::StrCat("LinearAdd of ", m, " rows with ", DTypeName(w.dtype()), " weights")));
+      return;
+    }
+    LinearInto(x_in, x_dtype, m, w, bias, y, /*accumulate=*/true);
+  }
+
+  // Linear, or with `accumulate` LinearAdd (16-bit W past kSkinnyMaxRows rows only).
+  void LinearInto(const void* x_in, DType x_dtype, int m, const PackedWeight& w, const float* bias,
+                  float* y, bool accumulate) {
     const auto& packed = static_cast<const CudaPackedWeight&>(w);
     if (packed.data() == nullptr) {
       Keep(absl::FailedPreconditionError("Linear with a weight whose upload failed"));
@@ -331,8 +355,8 @@ class CudaBackendImpl final : public CudaBackend {
                                                      " weights")));
         return;
       }
-      Keep(cuda::LaunchLinear16(Engines(), x_in, m, packed.data(), w.dtype(), w.n(), w.k(),
-                                bias, y, stream_.get()));
+      Keep(cuda::LaunchLinear16(Engines(), x_in, m, packed.data(), w.dtype(), w.n(), w.k(), bias, y,
+                                stream_.get(), accumulate));
       return;
     }
     const auto* x = static_cast<const float*>(x_in);
@@ -362,8 +386,8 @@ class CudaBackendImpl final : public CudaBackend {
         }
         x16 = x16_.get();
       }
-      Keep(cuda::LaunchLinearLowPrecision(Engines(), x, m, packed.data(), w.dtype(), w.n(),
-                                          w.k(), bias, y, x16, stream_.get()));
+      Keep(cuda::LaunchLinearLowPrecision(Engines(), x, m, packed.data(), w.dtype(), w.n(), w.k(),
+                                          bias, y, x16, stream_.get(), accumulate));
     }
   }
 

@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "kernels/src/cpu/reference.h"
 #include "kernels/src/kernel_test_support.h"
+#include "tandem/base/half.h"
 #include "tandem/kernels/backend.h"
 
 namespace tandem::kernels {
@@ -284,6 +285,47 @@ TEST_P(CudaBackendTest, UnsupportedHeadDimIsReported) {
                            1, 1.0f, d_out.get(), DType::kF32);
   EXPECT_EQ(backend_->Synchronize().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(backend_->Synchronize().ok()) << "the error is reported once";
+}
+
+// LinearAdd past the skinny rows: y += x W^T + bias, the product added by the GEMM (cuBLASLt's
+// beta = 1, or cublasGemmEx's). Against Linear on the same backend and a host add, for fp32 x
+// (rounded to bf16 first) and for a bf16 x; within a rounding of the sum. Not offered at 16
+// rows or fewer, nor for fp32 or quantised weights, where LinearAdd is an error.
+TEST(CudaLinearAddTest, AddsTheProductOfLinearToY) {
+  if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA device";
+  auto created = CreateCudaBackend({});
+  ASSERT_TRUE(created.ok()) << created.status();
+  CudaBackend& backend = **created;
+  const int n = 320, k = 256;
+  std::vector<uint16_t> w16(int64_t{n} * k);
+  const std::vector<float> w = Random(w16.size(), 21), bias = Random(n, 22);
+  for (size_t i = 0; i < w.size(); ++i) w16[i] = FloatToBf16(w[i]);
+  auto packed = backend.PackWeight(w16.data(), DType::kBF16, n, k);
+  auto packed_f32 = backend.PackWeight(w.data(), DType::kF32, n, k);
+  EXPECT_FALSE(backend.LinearAdds(16, *packed));
+  EXPECT_FALSE(backend.LinearAdds(64, *packed_f32));
+  for (const int m : {17, 64, 300}) {
+    SCOPED_TRACE(::testing::Message() << m << " rows");
+    ASSERT_TRUE(backend.LinearAdds(m, *packed));
+    const std::vector<float> x = Random(int64_t{m} * k, 23), y0 = Random(int64_t{m} * n, 24);
+    std::vector<uint16_t> x16(x.size());
+    for (size_t i = 0; i < x.size(); ++i) x16[i] = FloatToBf16(x[i]);
+    DeviceVector<float> d_x(x), d_bias(bias), d_product(std::vector<float>(y0.size(), kNaN));
+    DeviceVector<uint16_t> d_x16(x16);
+    backend.Linear(d_x.get(), DType::kF32, m, *packed, d_bias.get(), d_product.get());
+    ASSERT_TRUE(backend.Synchronize().ok());
+    std::vector<float> expected = d_product.ToHost();
+    for (size_t i = 0; i < expected.size(); ++i) expected[i] += y0[i];
+    DeviceVector<float> d_y(y0), d_y16(y0);
+    backend.LinearAdd(d_x.get(), DType::kF32, m, *packed, d_bias.get(), d_y.get());
+    backend.LinearAdd(d_x16.get(), DType::kBF16, m, *packed, d_bias.get(), d_y16.get());
+    ASSERT_TRUE(backend.Synchronize().ok());
+    EXPECT_LT(MaxRelativeError(d_y.ToHost(), expected, 1.0), 1e-6 * std::sqrt(k));
+    EXPECT_LT(MaxRelativeError(d_y16.ToHost(), expected, 1.0), 1e-6 * std::sqrt(k));
+  }
+  DeviceVector<float> d_x(Random(int64_t{16} * k, 25)), d_y(std::vector<float>(16 * n, 0.0f));
+  backend.LinearAdd(d_x.get(), DType::kF32, 16, *packed, nullptr, d_y.get());
+  EXPECT_EQ(backend.Synchronize().code(), absl::StatusCode::kInvalidArgument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackendTest,

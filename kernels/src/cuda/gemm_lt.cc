@@ -182,11 +182,11 @@ absl::Status LtGemm::Run(const LtGemmCall& call, cudaStream_t stream) {
   TANDEM_RETURN_IF_ERROR(described.Describe(call.n, call.k, call.m, call.type, bias));
   if (bias) TANDEM_RETURN_IF_ERROR(described.SetBias(call.bias));
   const float one = 1.0f;
-  const float zero = 0.0f;
+  const float beta = call.accumulate ? 1.0f : 0.0f;
   auto run = [&](const Choice& c) {
     return api_->matmul(handle_, described.desc(), &one, call.w, described.a(), call.x16,
-                        described.b(), &zero, call.y, described.d(), call.y, described.d(),
-                        &c.algo, workspace_, workspace_bytes_, stream);
+                        described.b(), &beta, call.y, described.d(), call.y, described.d(), &c.algo,
+                        workspace_, workspace_bytes_, stream);
   };
   cublasStatus_t status = choice.found ? run(choice) : CUBLAS_STATUS_NOT_SUPPORTED;
   if (NoAlgorithm(status)) {

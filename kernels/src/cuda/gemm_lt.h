@@ -1,6 +1,7 @@
 // Linear's 16-bit GEMMs past decode sizes through cuBLASLt: y[m, n] (fp32) = x16[m, k] w[n, k]^T
 // (+ bias[n], added in the GEMM's epilogue rather than by a kernel of its own), with x16 and w
-// bf16 or fp16 and fp32 accumulation.
+// bf16 or fp16 and fp32 accumulation; with `accumulate`, y += that (beta = 1: the residual
+// stream added by the GEMM, Backend::LinearAdd).
 //
 // The algorithm is chosen per m bucket, as cuBLASLt's heuristic ranks them for the bucket's
 // largest m (8, 16, 32, ... rows), and kept: Prepare chooses every bucket up to kPreparedRows
@@ -42,6 +43,9 @@ struct LtGemmCall {
   int k = 0;
   const float* bias = nullptr;  // [n]
   float* y = nullptr;           // [m, n]
+  // y += x w^T (+ bias) rather than y =. The algorithm chosen for the shape serves both: alpha
+  // and beta are arguments of the call, not of the descriptors the heuristic ranks.
+  bool accumulate = false;
 };
 
 class LtGemm {

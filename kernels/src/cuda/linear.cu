@@ -342,14 +342,17 @@ void LaunchSkinny(const void* x16, int m, const void* w, int n, int k, const flo
 }  // namespace
 
 absl::Status LaunchLinearLowPrecision(const GemmEngines& engines, const float* x, int m,
-                                      const void* w, DType w_dtype, int n, int k,
-                                      const float* bias, float* y, void* x16,
-                                      cudaStream_t stream) {
+                                      const void* w, DType w_dtype, int n, int k, const float* bias,
+                                      float* y, void* x16, cudaStream_t stream, bool accumulate) {
   if (m <= 0 || n <= 0) return absl::OkStatus();
   const bool bf16 = w_dtype == DType::kBF16;
   if (!bf16 && w_dtype != DType::kF16) {
     return absl::InvalidArgumentError(
         absl::StrCat("no 16-bit CUDA Linear for weights of ", DTypeName(w_dtype)));
+  }
+  if (accumulate && m <= kSkinnyMaxRows) {
+    return absl::InvalidArgumentError(absl::StrCat("no CUDA Linear adds into y at ", m,
+                                                   " rows (only past ", kSkinnyMaxRows, ")"));
   }
   if (m <= kGemvMaxRows) {
     if (bf16) {
@@ -368,16 +371,20 @@ absl::Status LaunchLinearLowPrecision(const GemmEngines& engines, const float* x
     NarrowKernel<<<blocks, kThreads, 0, stream>>>(x, count, static_cast<__half*>(x16));
   }
   TANDEM_RETURN_IF_ERROR(CudaStatus(cudaGetLastError(), "Linear: narrowing x"));
-  return LaunchLinear16(engines, x16, m, w, w_dtype, n, k, bias, y, stream);
+  return LaunchLinear16(engines, x16, m, w, w_dtype, n, k, bias, y, stream, accumulate);
 }
 
 absl::Status LaunchLinear16(const GemmEngines& engines, const void* x16, int m, const void* w,
                             DType w_dtype, int n, int k, const float* bias, float* y,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, bool accumulate) {
   if (m <= 0 || n <= 0) return absl::OkStatus();
   if (w_dtype != DType::kBF16 && w_dtype != DType::kF16) {
     return absl::InvalidArgumentError(
         absl::StrCat("no 16-bit CUDA Linear for weights of ", DTypeName(w_dtype)));
+  }
+  if (accumulate && m <= kSkinnyMaxRows) {
+    return absl::InvalidArgumentError(absl::StrCat("no CUDA Linear adds into y at ", m,
+                                                   " rows (only past ", kSkinnyMaxRows, ")"));
   }
   if (engines.skinny && m <= kSkinnyMaxRows && k % 8 == 0 && Aligned16(x16) && Aligned16(w)) {
     if (w_dtype == DType::kBF16) {
@@ -391,19 +398,26 @@ absl::Status LaunchLinear16(const GemmEngines& engines, const void* x16, int m, 
   LtGemm* lt = engines.lt;
   if (lt != nullptr) {
     // The bias in the epilogue; cublasGemmEx below only where cuBLASLt has no algorithm.
-    absl::Status status = lt->Run({.x16 = x16, .m = m, .w = w, .type = type, .n = n, .k = k,
-                                   .bias = bias, .y = y},
+    absl::Status status = lt->Run({.x16 = x16,
+                                   .m = m,
+                                   .w = w,
+                                   .type = type,
+                                   .n = n,
+                                   .k = k,
+                                   .bias = bias,
+                                   .y = y,
+                                   .accumulate = accumulate},
                                   stream);
     if (!absl::IsUnimplemented(status)) return status;
   }
   TANDEM_ASSIGN_OR_RETURN(const CublasApi* api, LoadCublas());
   const float one = 1.0f;
-  const float zero = 0.0f;
+  const float beta = accumulate ? 1.0f : 0.0f;
   // Row-major y[m, n] = x W^T is column-major y^T[n, m] = W[n, k] (W^T stored) * x^T[k, m].
   TANDEM_RETURN_IF_ERROR(CublasStatus(
       *api,
-      api->gemm_ex(engines.cublas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, type, k, x16,
-                   type, k, &zero, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      api->gemm_ex(engines.cublas, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, w, type, k, x16, type,
+                   k, &beta, y, CUDA_R_32F, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
       "cublasGemmEx"));
   return AddBias(y, bias, m, n, stream);
 }

@@ -50,10 +50,11 @@ struct GemmEngines {
   bool skinny = true;
 };
 
+// accumulate: y += x W^T (+ bias) (Backend::LinearAdd), for m > kSkinnyMaxRows only.
 absl::Status LaunchLinearLowPrecision(const GemmEngines& engines, const float* x, int m,
-                                      const void* w, DType w_dtype, int n, int k,
-                                      const float* bias, float* y, void* x16,
-                                      cudaStream_t stream);
+                                      const void* w, DType w_dtype, int n, int k, const float* bias,
+                                      float* y, void* x16, cudaStream_t stream,
+                                      bool accumulate = false);
 
 // The tensor-core half of the above on an x already of w_dtype (kBF16 or kF16): x16 [m, k]
 // device, read exactly, any m; fp32 accumulation. Up to kSkinnyMaxRows rows (with
@@ -64,8 +65,10 @@ absl::Status LaunchLinearLowPrecision(const GemmEngines& engines, const float* x
 // epilogue) unless it is null or has no algorithm for the call, else cublasGemmEx and a bias
 // kernel.
 inline constexpr int kSkinnyMaxRows = 16;
+// With `accumulate`, y += x W^T (+ bias) (Backend::LinearAdd): cuBLASLt or cublasGemmEx with
+// beta = 1, never the skinny kernel (so only past kSkinnyMaxRows rows, else InvalidArgument).
 absl::Status LaunchLinear16(const GemmEngines& engines, const void* x16, int m, const void* w,
                             DType w_dtype, int n, int k, const float* bias, float* y,
-                            cudaStream_t stream);
+                            cudaStream_t stream, bool accumulate = false);
 
 }  // namespace tandem::kernels::cuda

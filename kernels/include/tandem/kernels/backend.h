@@ -305,6 +305,17 @@ class Backend {
   virtual void Linear(const void* x, DType x_dtype, int m, const PackedWeight& w,
                       const float* bias, float* y) = 0;
 
+  // Whether LinearAdd takes a Linear of m rows with W. False unless a backend overrides it: the
+  // CUDA backend adds past its skinny-GEMM rows with 16-bit W, where cuBLASLt adds y in the
+  // GEMM's epilogue (section "Devices" of docs/architecture.md).
+  virtual bool LinearAdds(int m, const PackedWeight& w) const { return false; }
+  // y[m, n] += x[m, k] * W^T (+ bias[n]): Linear with its result added to what y holds (the
+  // residual stream) by the GEMM itself, instead of written out for a later AddRmsNorm to read
+  // back and add. Only where LinearAdds(m, w) holds (elsewhere a programming error); x and the
+  // products as in Linear.
+  virtual void LinearAdd(const void* x, DType x_dtype, int m, const PackedWeight& w,
+                         const float* bias, float* y);
+
   // The dtype in which an operator should store the x of a Linear of m rows with W. kF32 unless
   // a backend overrides it: the CUDA backend answers W's 16-bit dtype where its Linear would
   // round an fp32 x to it anyway (LinearRoundsX; W not quantised), so that the producer's
