@@ -339,6 +339,14 @@ void LaunchSkinny(const void* x16, int m, const void* w, int n, int k, const flo
   }
 }
 
+// LinearAdd's rows: only the cuBLASLt and cublasGemmEx paths add into y (beta = 1), the GEMV
+// and skinny kernels write it.
+absl::Status CheckAccumulate(bool accumulate, int m) {
+  if (!accumulate || m > kSkinnyMaxRows) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("no CUDA Linear adds into y at ", m, " rows (only past ", kSkinnyMaxRows, ")"));
+}
+
 }  // namespace
 
 absl::Status LaunchLinearLowPrecision(const GemmEngines& engines, const float* x, int m,
@@ -350,10 +358,7 @@ absl::Status LaunchLinearLowPrecision(const GemmEngines& engines, const float* x
     return absl::InvalidArgumentError(
         absl::StrCat("no 16-bit CUDA Linear for weights of ", DTypeName(w_dtype)));
   }
-  if (accumulate && m <= kSkinnyMaxRows) {
-    return absl::InvalidArgumentError(absl::StrCat("no CUDA Linear adds into y at ", m,
-                                                   " rows (only past ", kSkinnyMaxRows, ")"));
-  }
+  TANDEM_RETURN_IF_ERROR(CheckAccumulate(accumulate, m));
   if (m <= kGemvMaxRows) {
     if (bf16) {
       LaunchDecodeRows(x, m, static_cast<const __nv_bfloat16*>(w), n, k, bias, y, stream);
@@ -382,10 +387,7 @@ absl::Status LaunchLinear16(const GemmEngines& engines, const void* x16, int m, 
     return absl::InvalidArgumentError(
         absl::StrCat("no 16-bit CUDA Linear for weights of ", DTypeName(w_dtype)));
   }
-  if (accumulate && m <= kSkinnyMaxRows) {
-    return absl::InvalidArgumentError(absl::StrCat("no CUDA Linear adds into y at ", m,
-                                                   " rows (only past ", kSkinnyMaxRows, ")"));
-  }
+  TANDEM_RETURN_IF_ERROR(CheckAccumulate(accumulate, m));
   if (engines.skinny && m <= kSkinnyMaxRows && k % 8 == 0 && Aligned16(x16) && Aligned16(w)) {
     if (w_dtype == DType::kBF16) {
       LaunchSkinny<__nv_bfloat16>(x16, m, w, n, k, bias, y, stream);
