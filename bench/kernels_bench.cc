@@ -398,6 +398,20 @@ void RegisterAll() {
         ->UseRealTime();
 #endif
   }
+  // Decode rows over the small preset's projections (hidden 512, intermediate 1536): qkv, o,
+  // gate/up, down, of 0.5 to 3 MB in bf16, where a call's fixed costs (x packed per chunk, the
+  // pool's dispatch and last chunk) weigh more than at 2048 x 2048.
+  for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
+           {1, 1024, 512}, {1, 512, 512}, {1, 3072, 512}, {1, 512, 1536}}) {
+    // float32, and bfloat16 by the split-x vdpbf16ps kernel (auto), widened to fp32 (avx512)
+    // and with x rounded (avx512-bf16-round).
+    for (int64_t format = 0; format < 4; ++format) {
+      benchmark::RegisterBenchmark("BM_LinearColdWeights", BM_LinearColdWeights)
+          ->Args({shape[0], shape[1], shape[2], format})
+          ->Unit(benchmark::kMicrosecond)
+          ->UseRealTime();
+    }
+  }
   benchmark::RegisterBenchmark("BM_Attention", BM_Attention)
       ->Args({1, 1024})
       ->Args({8, 1024})
