@@ -115,13 +115,7 @@ TEST_P(ActivationDTypeTest, StoredActivationsGiveTheLogitsOfRoundingInLinear) {
                              stored->begin() + r * vocab))
           << "row " << r << " differs";
     }
-    for (size_t r = 0; r < step.seqs.size(); ++r) {
-      Sequence& seq = *step.seqs[r].seq;
-      seq.num_computed_tokens = static_cast<int>(seq.tokens.size());
-      std::span<const float> row(want.data() + r * vocab, vocab);
-      seq.tokens.push_back(
-          static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin()));
-    }
+    testing::AppendGreedyTokens(step, want, vocab);
   }
   // The first runner rounded x in every Linear of more than 4 rows and was never given 16-bit
   // x; the second was given them instead (4 per layer of such a step), and rounded only the LM

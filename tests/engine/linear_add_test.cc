@@ -97,13 +97,7 @@ TEST(LinearAddTest, ResidualAddedInLinearGivesTheLogitsOfAddRmsNorm) {
     } else {
       EXPECT_EQ(calls, 0u);
     }
-    for (size_t r = 0; r < step.seqs.size(); ++r) {
-      Sequence& seq = *step.seqs[r].seq;
-      seq.num_computed_tokens = static_cast<int>(seq.tokens.size());
-      std::span<const float> row(expected.data() + r * vocab, vocab);
-      seq.tokens.push_back(
-          static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin()));
-    }
+    testing::AppendGreedyTokens(step, expected, vocab);
   }
   // Every call added a hidden-wide projection (o or down) into the residual stream.
   EXPECT_FALSE(adding.added().empty());
