@@ -530,8 +530,16 @@ def drain_handoff(reference):
             exited = "nothing: still running"
         outcomes = [r.get("r", (False, "", "no result")) for r in results]
         metrics = router.url + "/metrics"
-        handoffs = cluster.metric(
-            metrics, 'tandem_request_retries_total{phase="kv_handoff"}') or 0
+        # The router counts a handoff (and its bytes) when the continuation's stream on the
+        # other worker ends, which can come just after the client has read its last event: the
+        # count is read until it shows or 5 s pass, and the bytes after it.
+        deadline = time.time() + 5
+        while True:
+            handoffs = cluster.metric(
+                metrics, 'tandem_request_retries_total{phase="kv_handoff"}') or 0
+            if handoffs >= 1 or time.time() > deadline:
+                break
+            time.sleep(0.05)
         recomputed = cluster.metric(
             metrics, 'tandem_request_retries_total{phase="decode"}') or 0
         moved_bytes = cluster.metric(metrics, "tandem_kv_handoff_bytes_total") or 0
