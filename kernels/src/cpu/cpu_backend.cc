@@ -138,7 +138,8 @@ class CpuBackend final : public Backend {
       : table_(table),
         pool_(std::move(pool)),
         scratch_(std::move(scratch)),
-        scratch_floats_(scratch_floats) {}
+        scratch_floats_(scratch_floats),
+        gemm_in_scratch_(scratch_.size(), 0) {}
 
   std::string_view name() const override { return table_->name; }
 
@@ -332,8 +333,12 @@ class CpuBackend final : public Backend {
     // Chunks of whole groups of the panels that short row tiles take per call.
     const int64_t per_call = table_->panels_per_call(m, packed.quant());
     grain = (grain + per_call - 1) / per_call * per_call;
+    const uint64_t gemm = ++gemms_;
     pool_->ParallelFor(panels, grain, [&](int64_t begin, int64_t end, int thread) {
-      table_->gemm_panels(args, begin, end, scratch_[thread].get());
+      // A thread's later chunks of this GEMM find x packed by its first.
+      const bool x_packed = gemm_in_scratch_[thread] == gemm;
+      gemm_in_scratch_[thread] = gemm;
+      table_->gemm_panels(args, begin, end, scratch_[thread].get(), x_packed);
     });
   }
 
@@ -576,6 +581,10 @@ class CpuBackend final : public Backend {
   std::unique_ptr<ThreadPool> pool_;
   std::vector<AlignedFloats> scratch_;  // one per pool thread, scratch_floats_ each
   int64_t scratch_floats_;
+  // Per pool thread, the number (gemms_) of the Linear whose chunks last ran on its scratch; any
+  // other use of the scratch comes between two Linears, each of which takes a new number.
+  std::vector<uint64_t> gemm_in_scratch_;
+  uint64_t gemms_ = 0;
   SampleRowScratch sample_scratch_;  // SampleRows': grows to the vocabulary once
 };
 

@@ -193,6 +193,59 @@ TEST_P(CpuBackendTest, QuantizedLinearRowsAreBatchInvariant) {
   }
 }
 
+// Decode rows pack x once per thread per Linear and reuse it for that thread's later chunks of
+// panels: Linears of different x in turn (n = 2048 is 64 panels, several chunks per thread) must
+// each read their own x, whatever the weights' format.
+TEST_P(CpuBackendTest, DecodeRowLinearsInTurnReadTheirOwnX) {
+  const int n = 2048, k = 1024;
+  const std::vector<float> w = Random(int64_t{n} * k, 21);
+  std::vector<uint16_t> w_bf16(w.size());
+  for (size_t i = 0; i < w.size(); ++i) w_bf16[i] = FloatToBf16(w[i]);
+  std::vector<int8_t> nibbles(w.size());
+  for (size_t i = 0; i < w.size(); ++i) nibbles[i] = static_cast<int8_t>((i * 7 + i / 5) % 16);
+  const std::vector<float> scales = Random(int64_t{n} * (k / 128), 22, 0.001f, 0.02f);
+  std::vector<int8_t> zeros(scales.size());
+  for (size_t i = 0; i < zeros.size(); ++i) zeros[i] = static_cast<int8_t>(i % 16);
+  const QuantizedWeightView int4{.quant = WeightQuant::kInt4,
+                                 .n = n,
+                                 .k = k,
+                                 .group_size = 128,
+                                 .values = nibbles.data(),
+                                 .scales = scales.data(),
+                                 .zeros = zeros.data()};
+  for (int format = 0; format < 3; ++format) {
+    SCOPED_TRACE(format == 0 ? "float32" : format == 1 ? "bfloat16" : "int4");
+    auto pack = [&](Backend& b) {
+      if (format == 2) return b.PackQuantizedWeight(int4);
+      return format == 0 ? b.PackWeight(w.data(), DType::kF32, n, k)
+                         : b.PackWeight(w_bf16.data(), DType::kBF16, n, k);
+    };
+    auto packed = pack(*backend_);
+    // The wanted outputs: each x the first Linear of a fresh one-thread backend.
+    auto first_linear = [&](const std::vector<float>& x, int rows) {
+      std::unique_ptr<Backend> fresh = Make(1);
+      std::vector<float> y(int64_t{rows} * n, kNaN);
+      fresh->Linear(x.data(), DType::kF32, rows, *pack(*fresh), nullptr, y.data());
+      return y;
+    };
+    for (int rows : {1, 2}) {
+      const std::vector<float> a = Random(int64_t{rows} * k, 23);
+      const std::vector<float> b = Random(int64_t{rows} * k, 24);
+      std::vector<float> ya(int64_t{rows} * n, kNaN), yb(ya), ya_again(ya);
+      backend_->Linear(a.data(), DType::kF32, rows, *packed, nullptr, ya.data());
+      backend_->Linear(b.data(), DType::kF32, rows, *packed, nullptr, yb.data());
+      backend_->Linear(a.data(), DType::kF32, rows, *packed, nullptr, ya_again.data());
+      const std::vector<float> want_a = first_linear(a, rows);
+      const std::vector<float> want_b = first_linear(b, rows);
+      EXPECT_TRUE(BitwiseEqual(ya.data(), want_a.data(), int64_t{rows} * n)) << rows << " rows";
+      EXPECT_TRUE(BitwiseEqual(yb.data(), want_b.data(), int64_t{rows} * n)) << rows << " rows";
+      EXPECT_TRUE(BitwiseEqual(ya_again.data(), want_a.data(), int64_t{rows} * n))
+          << rows << " rows";
+      EXPECT_FALSE(BitwiseEqual(ya.data(), yb.data(), int64_t{rows} * n));
+    }
+  }
+}
+
 TEST_P(CpuBackendTest, LinearWithEmptyReductionGivesBias) {
   const std::vector<float> bias = {1.5f, -2.0f, 3.0f};
   auto packed = backend_->PackWeight(nullptr, DType::kF32, 3, 0);

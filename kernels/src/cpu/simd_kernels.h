@@ -87,7 +87,11 @@ struct CpuKernelTable {
   int64_t gemm_scratch_floats;
 
   // y[:, columns of panels [panel_begin, panel_end)] of the GEMM. scratch: gemm_scratch_floats.
-  void (*gemm_panels)(const GemmArgs& args, int64_t panel_begin, int64_t panel_end, float* scratch);
+  // x_packed: an earlier call for the same args (another chunk of the same GEMM) ran on this
+  // scratch, with nothing else between, so x as packed there may be used again: decode rows are
+  // then packed once per thread per GEMM rather than once per chunk.
+  void (*gemm_panels)(const GemmArgs& args, int64_t panel_begin, int64_t panel_end, float* scratch,
+                      bool x_packed);
   // Panels gemm_panels takes in one micro-kernel call for an x of m rows and weights of `quant`:
   // a chunk of panels given to one thread should be a multiple of it.
   int (*panels_per_call)(int m, WeightQuant quant);
