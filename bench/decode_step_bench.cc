@@ -15,9 +15,9 @@
 //                        backend and copies back only the tokens, host copies the logits)]
 //                       [--graphs=auto|on|off (auto: on with cuda, as serving without
 //                        --enforce-eager; on replays the decode step from a captured step graph)]
-//                       [--paired (one benchmark that takes a step of each format in turn:
-//                        each format's time from the same minutes, and F_speedup, the first
-//                        format's step time over F's)]
+//                       [--paired[=N] (one benchmark that takes N steps (default 1) of each
+//                        format in turn: each format's time from the same minutes, and
+//                        F_speedup, the first format's step time over F's)]
 //                       [google benchmark flags]
 //
 // The bandwidth kernels stream --bandwidth-mib MiB: more than the last-level cache to measure
@@ -56,6 +56,7 @@ namespace {
 
 std::string g_preset = "small";
 int g_context = 256;
+int g_turn_steps = 1;  // --paired=N: steps of each format per turn
 double g_copy_gbs = 0;
 double g_read_gbs = 0;
 size_t g_bandwidth_bytes = size_t{256} << 20;
@@ -344,15 +345,17 @@ void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
   state.SetLabel(RunLabel(*run));
 }
 
-// The formats' decode steps taken in turn, one step of each per iteration, so that each format's
-// time comes from the same stretch of the machine's (possibly shifting) memory bandwidth as the
-// others': a ratio between them is then a property of the formats, not of when each ran. Per
-// format F: F_ms (step time), F_of_read, and F_speedup (the first format's step time over F's).
-// On the CPU, formats of the same instruction set share one backend, so one thread pool serves
-// every step (a second pool's workers would still be polling for work, on the same two cores,
-// when the next format's step starts). Each step reads its weights after the other formats'
-// steps have passed through the caches: for a model whose weights would fit in the last-level
-// cache (small at int4), a step then reads from memory, where alone it would not.
+// The formats' decode steps taken in turn, g_turn_steps steps of each per iteration, so that each
+// format's time comes from the same stretch of the machine's (possibly shifting) memory bandwidth
+// as the others': a ratio between them is then a property of the formats, not of when each ran.
+// Per format F: F_ms (step time), F_of_read, and F_speedup (the first format's step time over
+// F's). On the CPU, formats of the same instruction set share one backend, so one thread pool
+// serves every step (a second pool's workers would still be polling for work, on the same two
+// cores, when the next format's step starts). The first step of a turn reads its weights after
+// the other formats' steps have passed through the caches: with one step per turn, a model whose
+// weights would fit in the last-level cache (small at int4) is read from memory at every step,
+// where served alone it would not be. Longer turns (--paired=16) let such a model's later steps
+// find it in the cache, as a server that holds one model does; the turn's first step still counts.
 void BM_DecodeStepPaired(benchmark::State& state, const std::vector<WeightFormat>& formats) {
   const int batch = static_cast<int>(state.range(0));
   std::vector<std::unique_ptr<DecodeRun>> runs;
@@ -365,10 +368,13 @@ void BM_DecodeStepPaired(benchmark::State& state, const std::vector<WeightFormat
     if (runs.back() == nullptr) return;
   }
   for (auto _ : state) {
-    for (std::unique_ptr<DecodeRun>& run : runs) TimeStep(*run);
+    for (std::unique_ptr<DecodeRun>& run : runs) {
+      for (int i = 0; i < g_turn_steps; ++i) TimeStep(*run);
+    }
   }
   const double read_gbs = ReadGBsAfterSteps();
   state.counters["read_GB_per_s"] = read_gbs;
+  state.counters["turn_steps"] = g_turn_steps;
   const double first_s = runs[0]->seconds / static_cast<double>(runs[0]->steps);
   std::string label;
   for (const std::unique_ptr<DecodeRun>& run : runs) {
@@ -393,7 +399,7 @@ int main(int argc, char** argv) {
                                        {"int4", std::nullopt, "awq"}};
   std::vector<int64_t> batches = {1, 4, 16};
   std::vector<int64_t> prefills;  // --prefill: prompt lengths to time a prefill of
-  bool paired = false;            // --paired: the formats' steps in turn, in one benchmark
+  bool paired = false;            // --paired[=N]: the formats' steps in turn, in one benchmark
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
     if (a.rfind("--preset=", 0) == 0) {
@@ -444,6 +450,13 @@ int main(int argc, char** argv) {
       }
     } else if (a == "--paired") {
       paired = true;
+    } else if (a.rfind("--paired=", 0) == 0) {
+      paired = true;
+      tandem::g_turn_steps = std::atoi(a.c_str() + 9);
+      if (tandem::g_turn_steps < 1 || tandem::g_turn_steps > 1000) {
+        std::fprintf(stderr, "tandem_bench_decode: --paired=N takes 1 to 1000 steps per turn\n");
+        return 2;
+      }
     } else if (a == "--device=cuda") {
       tandem::g_cuda = true;
     } else if (a == "--device=cpu") {
