@@ -317,6 +317,31 @@ std::vector<float> SplitIntoBf16Halves(const std::vector<float>& x) {
   return read;
 }
 
+// x as a backend that carries it in three bytes reads it (Backend::LinearCarriesXInBytes): per
+// row of k, s = max |x| / 127, and each element's levels from t = x (1 / s) in fp32.
+std::vector<float> ReadAsByteLevels(const std::vector<float>& x, int k) {
+  std::vector<float> read(x.size());
+  for (size_t row = 0; row < x.size(); row += k) {
+    float largest = 0.0f;
+    for (int c = 0; c < k; ++c) largest = std::max(largest, std::abs(x[row + c]));
+    const float s = largest / 127.0f;
+    const float ratio = 1.0f / s;
+    for (int c = 0; c < k; ++c) {
+      if (s == 0.0f) {
+        read[row + c] = 0.0f;
+        continue;
+      }
+      const float t = x[row + c] * ratio;
+      const float h = std::nearbyint(t);
+      const float r = (t - h) * 254.0f;
+      const float m = std::nearbyint(r);
+      const float l = std::nearbyint((r - m) * 254.0f);
+      read[row + c] = static_cast<float>(double{s} * (h + m / 254.0 + l / (254.0 * 254.0)));
+    }
+  }
+  return read;
+}
+
 // One x in 61 made 1000 times larger, as the massive activations of some channels of real
 // models are: the error of a kernel that carries x less exactly than fp32 then lands on a few
 // products that dominate sum |x| |w|, where random x would average it out.
@@ -480,7 +505,9 @@ class QuantizedLinearCase : public OpCase {
     const std::vector<float> w = DequantizeWeight(view);
     std::vector<float> expected(int64_t{m_} * n_);
     const std::vector<float> x_read =
-        h.backend().LinearSplitsX(DType::kF32, quant_) ? SplitIntoBf16Halves(x) : x;
+        h.backend().LinearCarriesXInBytes(quant_)        ? ReadAsByteLevels(x, k_)
+        : h.backend().LinearSplitsX(DType::kF32, quant_) ? SplitIntoBf16Halves(x)
+                                                         : x;
     reference::Linear(x_read.data(), m_, w.data(), DType::kF32, n_, k_,
                       bias_ ? bias.data() : nullptr, expected.data());
     std::vector<float> abs_x(x.size()), abs_w(w.size()), abs_bias(bias.size());

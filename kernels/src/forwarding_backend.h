@@ -42,6 +42,9 @@ class ForwardingBackend : public Backend {
   bool LinearSplitsX(DType w_dtype, WeightQuant quant) const override {
     return inner_->LinearSplitsX(w_dtype, quant);
   }
+  bool LinearCarriesXInBytes(WeightQuant quant) const override {
+    return inner_->LinearCarriesXInBytes(quant);
+  }
   DType ActivationDType(int m, const PackedWeight& w) const override {
     return inner_->ActivationDType(m, w);
   }

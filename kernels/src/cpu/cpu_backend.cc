@@ -246,13 +246,14 @@ class CpuBackend final : public Backend {
           const int8_t* values = w.values + row * w.k;
           for (int64_t kk = 0; kk < w.k; ++kk) {
             if (units) {
-              // Step pk: unit pk / 8, half-unit c / half (of 4 x half bytes), word
-              // 2 (c % half) + pk % 2 of it, nibble (pk % 8) / 2 of that word.
+              // Step pk: unit pk / 8, half-unit c / half (of 4 x half bytes), word c % half
+              // of it, byte pk % 4 of that word, its low nibble for the unit's first four
+              // steps and its high one for the last four.
               const int64_t pk = packed_at[kk];
-              const int64_t nibble = (pk % kInt4UnitK) / 2;
+              const int64_t within = pk % kInt4UnitK;
               const int64_t byte = pk / kInt4UnitK * kInt4UnitK * half + c / half * (4 * half) +
-                                   (c % half * 2 + pk % 2) * 2 + nibble / 2;
-              panel[byte] |= static_cast<unsigned char>(values[kk] << (4 * (nibble % 2)));
+                                   c % half * 4 + within % 4;
+              panel[byte] |= static_cast<unsigned char>(values[kk] << (within < 4 ? 0 : 4));
             } else if (int4) {
               const int shift = c < half ? 0 : 4;
               panel[kk * step_bytes + c % half] |= static_cast<unsigned char>(values[kk] << shift);
@@ -269,18 +270,21 @@ class CpuBackend final : public Backend {
   }
 
   // Whether int4 W is packed in units of kInt4UnitK k steps (cpu::GemmArgs::units_k) for the
-  // vdpbf16ps kernel, which takes panels of 32 columns.
+  // vpdpbusd kernel, which takes panels of 32 columns.
   bool PacksInt4InUnits() const { return table_->int4_units && table_->panel_width == 32; }
 
   // cpu-avx512-bf16-round rounds x for bf16 W, whatever m (keeping Linear batch invariant).
   bool LinearRoundsX(int m, DType w_dtype) const override {
     return table_->rounds_x && w_dtype == DType::kBF16;
   }
-  // The vdpbf16ps kernels: bf16 W in pairs (unless x is rounded), and int4 W in units.
+  // The vdpbf16ps kernels: bf16 W in pairs (unless x is rounded).
   bool LinearSplitsX(DType w_dtype, WeightQuant quant) const override {
-    if (quant == WeightQuant::kInt4) return PacksInt4InUnits();
     return quant == WeightQuant::kNone && w_dtype == DType::kBF16 && table_->bf16_pairs &&
            !table_->rounds_x;
+  }
+  // The vpdpbusd kernel: int4 W in units.
+  bool LinearCarriesXInBytes(WeightQuant quant) const override {
+    return quant == WeightQuant::kInt4 && PacksInt4InUnits();
   }
 
   void Linear(const void* x_in, DType x_dtype, int m, const PackedWeight& w, const float* bias,
@@ -307,21 +311,29 @@ class CpuBackend final : public Backend {
       for (int64_t i = 0; i < int64_t{m} * n; ++i) y[i] = bias != nullptr ? bias[i % n] : 0.0f;
       return;
     }
-    const cpu::GemmArgs args{.x = x,
-                             .w = packed.data(),
-                             .w_dtype = packed.dtype(),
-                             .quant = packed.quant(),
-                             .scales = packed.scales(),
-                             .zeros = packed.zeros(),
-                             .k_order = packed.k_order(),
-                             .group_starts = packed.group_starts(),
-                             .groups = packed.groups(),
-                             .units_k = packed.units_k(),
-                             .bias = bias,
-                             .y = y,
-                             .m = m,
-                             .n = n,
-                             .k = k};
+    cpu::GemmArgs args{.x = x,
+                       .w = packed.data(),
+                       .w_dtype = packed.dtype(),
+                       .quant = packed.quant(),
+                       .scales = packed.scales(),
+                       .zeros = packed.zeros(),
+                       .k_order = packed.k_order(),
+                       .group_starts = packed.group_starts(),
+                       .groups = packed.groups(),
+                       .units_k = packed.units_k(),
+                       .x_scales = nullptr,
+                       .bias = bias,
+                       .y = y,
+                       .m = m,
+                       .n = n,
+                       .k = k};
+    if (packed.units_k() > 0) {
+      x_scales_.resize(m);
+      pool_->ParallelFor(m, RowGrain(k, 2), [&](int64_t begin, int64_t end, int) {
+        table_->row_level_scales(x + begin * k, end - begin, k, x_scales_.data() + begin);
+      });
+      args.x_scales = x_scales_.data();
+    }
     const int64_t panels = (n + table_->panel_width - 1) / table_->panel_width;
     const int64_t flops_per_panel = int64_t{2} * m * k * table_->panel_width;
     // Few rows: W streaming dominates; small chunks balance the threads. Many rows: each chunk
@@ -584,6 +596,7 @@ class CpuBackend final : public Backend {
   // Per pool thread, the number (gemms_) of the Linear whose chunks last ran on its scratch; any
   // other use of the scratch comes between two Linears, each of which takes a new number.
   std::vector<uint64_t> gemm_in_scratch_;
+  std::vector<float> x_scales_;  // Linear's GemmArgs::x_scales
   uint64_t gemms_ = 0;
   SampleRowScratch sample_scratch_;  // SampleRows': grows to the vocabulary once
 };

@@ -193,6 +193,50 @@ TEST_P(CpuBackendTest, QuantizedLinearRowsAreBatchInvariant) {
   }
 }
 
+// An int4 Linear whose x row holds a NaN or an infinity gives that row non-finite outputs, not
+// finite garbage (the AVX-512 BF16 kernel carries x in bytes of a per-row scale, which such a
+// row makes NaN); a row of zeros gives the bias exactly; the other rows are unaffected.
+TEST_P(CpuBackendTest, Int4LinearKeepsNonFiniteRowsNonFinite) {
+  const int n = 64, k = 256, m = 4;
+  std::vector<int8_t> nibbles(int64_t{n} * k);
+  for (size_t i = 0; i < nibbles.size(); ++i) nibbles[i] = static_cast<int8_t>(i % 16);
+  const std::vector<float> scales = Random(int64_t{n} * (k / 128), 31, 0.001f, 0.02f);
+  const std::vector<int8_t> zeros(scales.size(), 8);
+  const QuantizedWeightView view{.quant = WeightQuant::kInt4,
+                                 .n = n,
+                                 .k = k,
+                                 .group_size = 128,
+                                 .values = nibbles.data(),
+                                 .scales = scales.data(),
+                                 .zeros = zeros.data()};
+  auto packed = backend_->PackQuantizedWeight(view);
+  std::vector<float> x = Random(int64_t{m} * k, 32);
+  x[5] = std::numeric_limits<float>::quiet_NaN();         // row 0
+  x[k + 9] = std::numeric_limits<float>::infinity();      // row 1
+  std::fill(x.begin() + 2 * k, x.begin() + 3 * k, 0.0f);  // row 2
+  const std::vector<float> bias = Random(n, 33);
+  for (int rows : {1, m}) {
+    for (int first = 0; first + rows <= m; ++first) {
+      std::vector<float> y(int64_t{rows} * n, kNaN);
+      backend_->Linear(x.data() + int64_t{first} * k, DType::kF32, rows, *packed, bias.data(),
+                       y.data());
+      for (int i = 0; i < rows; ++i) {
+        const int row = first + i;
+        for (int c = 0; c < n; ++c) {
+          const float v = y[int64_t{i} * n + c];
+          if (row < 2) {
+            EXPECT_FALSE(std::isfinite(v)) << "row " << row << " column " << c;
+          } else if (row == 2) {
+            EXPECT_EQ(v, bias[c]) << "column " << c;
+          } else {
+            EXPECT_TRUE(std::isfinite(v)) << "column " << c;
+          }
+        }
+      }
+    }
+  }
+}
+
 // Decode rows pack x once per thread per Linear and reuse it for that thread's later chunks of
 // panels: Linears of different x in turn (n = 2048 is 64 panels, several chunks per thread) must
 // each read their own x, whatever the weights' format.

@@ -8,6 +8,7 @@
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <utility>
@@ -56,9 +57,15 @@ struct WithoutBf16Dot {
   static T DotPairs(T acc, Pairs a, Pairs b);
   static void RoundPairs(const float* x, uint32_t* pairs);
   static void SplitPairs(const float* x, uint32_t* hi, uint32_t* lo);
-  static void QuadSums(const uint32_t* hi, const uint32_t* lo, float* sums);
   static Block LoadBlock(const uint8_t* p);
-  static Pairs NibblePairs(Block block, int shift);
+  static Block ZeroBlock();
+  static Block LowNibbles(Block block);
+  static Block HighNibbles(Block block);
+  static Block DotBytes(Block acc, Block u, const uint32_t* word);
+  template <typename R>
+  static R BlockToFloat(Block block);
+  static void SplitLevels(const float* x, float ratio, int8_t* h, int8_t* m, int8_t* l);
+  static void OctetSums(const int8_t* bytes, int32_t* sums);
 };
 
 // Portable: eight lanes of plain C++, which the compiler maps onto SSE2.
@@ -345,12 +352,12 @@ struct Vec : WithoutBf16Dot {
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx2,fma,f16c")
+#pragma GCC target("avx512f,avx512vl,avx512dq,avx512bw,avx512bf16,avx512vnni,avx2,fma,f16c")
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-// AVX-512 with BF16: the AVX-512 kernels, but bf16 and int4 weights multiply by vdpbf16ps, on x
-// carried as two bf16 halves (kTable) or, for bf16 weights, rounded to bf16 (kRoundXTable); see
-// GemmPanelsDot.
+// AVX-512 with BF16 and VNNI: the AVX-512 kernels, but bf16 weights multiply by vdpbf16ps, on x
+// carried as two bf16 halves (kTable) or rounded to bf16 (kRoundXTable), see GemmPanelsDot; and
+// int4 weights by vpdpbusd, on x carried as three signed bytes, see Int4DotMicroKernel.
 namespace avx512bf16 {
 
 struct Vec : avx512::Vec {
@@ -388,36 +395,52 @@ struct Vec : avx512::Vec {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + 8 * half), reinterpret_cast<__m256i>(l));
     }
   }
-  // sums[q] (q < 4) = the sum of the eight values that pairs 4q .. 4q + 3 of hi and of lo hold,
-  // as hi + lo of each k step, in a fixed order: each pair's (hi + lo) of its two steps, then
-  // adjacent pairs, then the two halves of the quad.
-  static void QuadSums(const uint32_t* hi, const uint32_t* lo, float* sums) {
-    const __m512i h = _mm512_loadu_si512(hi);
-    const __m512i l = _mm512_loadu_si512(lo);
-    const __m512i top = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-    const __m512 even = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)),
-                                      _mm512_castsi512_ps(_mm512_slli_epi32(l, 16)));
-    const __m512 odd = _mm512_add_ps(_mm512_castsi512_ps(_mm512_and_si512(h, top)),
-                                     _mm512_castsi512_ps(_mm512_and_si512(l, top)));
-    __m512 t = _mm512_add_ps(even, odd);
-    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(2, 3, 0, 1)));
-    t = _mm512_add_ps(t, _mm512_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, t);
-    for (int q = 0; q < 4; ++q) sums[q] = lanes[4 * q];
-  }
-  // 64 bytes of an int4 unit (Int4DotMicroKernel): 32 words of four nibbles each.
+  // 64 bytes of an int4 unit (Int4DotMicroKernel): sixteen words of eight nibbles each.
   static Block LoadBlock(const uint8_t* p) { return _mm512_loadu_si512(p); }
-  // The nibble at bit `shift` (0, 4, 8 or 12; a constant once the caller's loop is unrolled) of
-  // every word, as the bf16 of (nibble - 8): exact, looked up by vpermw in a 32-entry table that
-  // repeats its 16 values, so the bit above the nibble is ignored.
-  static Pairs NibblePairs(Block block, int shift) {
-    const __m512i table = _mm512_set_epi16(
-        0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0, -16512, -16384, -16320, -16256,
-        -16224, -16192, -16160, -16128, 0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0,
-        -16512, -16384, -16320, -16256, -16224, -16192, -16160, -16128);
-    const __m512i index = shift == 0 ? block : _mm512_srli_epi16(block, shift);
-    return reinterpret_cast<Pairs>(_mm512_permutexvar_epi16(index, table));
+  static Block ZeroBlock() { return _mm512_setzero_si512(); }
+  // The low and the high nibble of every byte, as unsigned bytes.
+  static Block LowNibbles(Block block) { return _mm512_and_si512(block, _mm512_set1_epi8(0x0f)); }
+  static Block HighNibbles(Block block) {
+    return _mm512_and_si512(_mm512_srli_epi16(block, 4), _mm512_set1_epi8(0x0f));
+  }
+  // acc + per lane the sum of its four unsigned bytes of u times the four signed bytes of *word.
+  // In assembly, with *word broadcast from memory: GCC 12 compiles _mm512_dpbusd_epi32 on an
+  // array of accumulators with a copy of each to the stack per product (3.3 G vpdpbusd/s per
+  // core measured, against 8.5 G here), and a broadcast register per word would leave the
+  // accumulators too few registers.
+  static Block DotBytes(Block acc, Block u, const uint32_t* word) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*word));
+    return acc;
+  }
+  // The lanes as floats (exact below 2^24).
+  template <typename R = T>
+  static R BlockToFloat(Block block) {
+    return _mm512_cvtepi32_ps(block);
+  }
+  // x[0 .. 15] times `ratio` (t = x ratio, |t| <= 127) as three signed bytes each: h = round(t),
+  // m = round(254 (t - h)), l = round(254 (254 (t - h) - m)), all rounded to nearest even, so
+  // that x = (h + m / 254 + l / 254^2) / ratio to within 1 / ratio / 2 / 254^2 and t's own
+  // rounding.
+  static void SplitLevels(const float* x, float ratio, int8_t* h, int8_t* m, int8_t* l) {
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512 step = _mm512_set1_ps(254.0f);
+    const __m512 t = _mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(ratio));
+    const __m512 th = _mm512_roundscale_ps(t, kNearest);
+    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, th), step);
+    const __m512 tm = _mm512_roundscale_ps(r, kNearest);
+    const __m512 tl = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(r, tm), step), kNearest);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(th)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(m), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(tm)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(l), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(tl)));
+  }
+  // sums[q] (q < 8) = the sum of the signed bytes 8q .. 8q + 7 of bytes[0 .. 63]: vpsadbw of the
+  // bytes offset by 128, less 8 x 128.
+  static void OctetSums(const int8_t* bytes, int32_t* sums) {
+    const __m512i offset =
+        _mm512_xor_si512(_mm512_loadu_si512(bytes), _mm512_set1_epi8(static_cast<char>(0x80)));
+    const __m512i sad = _mm512_sub_epi64(_mm512_sad_epu8(offset, _mm512_setzero_si512()),
+                                         _mm512_set1_epi64(8 * 128));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums), _mm512_cvtepi64_epi32(sad));
   }
 };
 
@@ -454,7 +477,8 @@ bool CpuSupports(CpuIsa isa) {
              __builtin_cpu_supports("f16c");
     case CpuIsa::kAvx512Bf16:
     case CpuIsa::kAvx512Bf16Round:
-      return CpuSupports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
+      return CpuSupports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16") &&
+             __builtin_cpu_supports("avx512vnni");
 #else
     case CpuIsa::kAvx2:
     case CpuIsa::kAvx512:

@@ -37,12 +37,16 @@ struct GemmArgs {
   const int32_t* k_order = nullptr;  // [k] or null
   const int32_t* group_starts = nullptr;  // quantised: [groups + 1], from 0 to k
   int groups = 0;
-  // Non-zero: kInt4 packed in units of kInt4UnitK k steps for vdpbf16ps (see Int4DotMicroKernel
+  // Non-zero: kInt4 packed in units of kInt4UnitK k steps for vpdpbusd (see Int4DotMicroKernel
   // in simd_kernels.inc), [ceil(n / panel_width)][ceil(units_k / 8)][panel_width * 4] bytes over
   // units_k packed k steps, each group starting at a multiple of 8 (group_starts counts packed
   // steps); packed step kk is input k_order[kk] of x, -1 for a step of zeros between groups
   // (k_order null: kk, and units_k == k).
   int units_k = 0;
+  // units_k non-zero: per row of x, the scale of its byte levels (GemmPanelsInt4Dot), the row's
+  // largest |x| over 127 (0 for a row of zeros; NaN where x holds a NaN or an infinity, so that
+  // its outputs are NaN). See RowLevelScales.
+  const float* x_scales = nullptr;
 
   const float* bias = nullptr;  // [n] or null
   float* y = nullptr;           // [m, n]
@@ -92,6 +96,8 @@ struct CpuKernelTable {
   // then packed once per thread per GEMM rather than once per chunk.
   void (*gemm_panels)(const GemmArgs& args, int64_t panel_begin, int64_t panel_end, float* scratch,
                       bool x_packed);
+  // x_scales[i] for rows [0, rows) of x (row stride k), as GemmArgs::x_scales describes.
+  void (*row_level_scales)(const float* x, int64_t rows, int k, float* x_scales);
   // Panels gemm_panels takes in one micro-kernel call for an x of m rows and weights of `quant`:
   // a chunk of panels given to one thread should be a multiple of it.
   int (*panels_per_call)(int m, WeightQuant quant);
@@ -110,7 +116,7 @@ struct CpuKernelTable {
                          float* scratch);
 };
 
-// k steps per unit of int4 W packed for vdpbf16ps (GemmArgs::units_k).
+// k steps per unit of int4 W packed for vpdpbusd (GemmArgs::units_k).
 inline constexpr int kInt4UnitK = 8;
 
 inline constexpr int kMaxRopeHeadDim = 1024;

@@ -292,11 +292,20 @@ class Backend {
   // backend's AVX-512 BF16 kernels do (CpuIsa::kAvx512Bf16), for vdpbf16ps. The products and
   // fp32 accumulation are then exact on hi + lo.
   virtual bool LinearSplitsX(DType w_dtype, WeightQuant quant) const { return false; }
+  // Whether Linear with W quantised as `quant` carries x as three signed bytes per element, of
+  // a scale per row s = max |x| / 127: with t = x (1 / s) in fp32, h = round(t),
+  // m = round(254 (t - h)) and l = round(254 (254 (t - h) - m)) (fp32, round to nearest even),
+  // x is read as s (h + m / 254 + l / 254^2), within about 2^-22 of the row's largest |x|. The
+  // CPU backend's AVX-512 BF16 kernels do for int4 W (CpuIsa::kAvx512Bf16), for vpdpbusd. The
+  // products are then exact on that x, their sums over a group exact in integers, and only
+  // combining the levels and groups rounds in fp32.
+  virtual bool LinearCarriesXInBytes(WeightQuant quant) const { return false; }
 
   // y[m, n] = x[m, k] * W^T (+ bias[n] when bias is not null). Whatever W's dtype, each product
   // is of W's exact value (quantised: of DequantizeWeight's value) and accumulates in fp32; x
-  // is read exactly too, except where LinearRoundsX says it is first rounded to W's dtype or
-  // LinearSplitsX that it is carried as two bf16 halves.
+  // is read exactly too, except where LinearRoundsX says it is first rounded to W's dtype,
+  // LinearSplitsX that it is carried as two bf16 halves or LinearCarriesXInBytes that it is
+  // carried in three bytes.
   // x_dtype is kF32, or W's own 16-bit dtype (W not quantised): a 16-bit activation its
   // producer already rounded (see ActivationDType), read exactly. Anything else is an error.
   // Batch invariant on the CPU: row i of y is bitwise the same whatever m is and whatever the
@@ -453,8 +462,10 @@ class Backend {
 
 // Instruction sets the CPU backend carries code for. Results are bitwise reproducible for one
 // instruction set on one machine; different instruction sets may differ in the last bits.
-// kAvx512Bf16: AVX-512 with vdpbf16ps for bf16 and int4 weights, x carried as two bf16 halves
-// (within 2^-16 of x, Backend::LinearSplitsX), so nearly as exact as fp32 activations.
+// kAvx512Bf16: AVX-512 with vdpbf16ps for bf16 weights, x carried as two bf16 halves (within
+// 2^-16 of x, Backend::LinearSplitsX), and VNNI's vpdpbusd for int4 weights, x carried in three
+// bytes (within about 2^-22 of its row's largest |x|, Backend::LinearCarriesXInBytes): both
+// nearly as exact as fp32 activations. It needs AVX512_BF16 and AVX512_VNNI.
 // kAvx512Bf16Round: the same, but bf16 weights multiply x rounded to bf16 (Backend::LinearRoundsX):
 // about twice the prefill GEMM rate on bf16 weights, with activations no longer exact in fp32, so
 // kAuto never picks it.
