@@ -91,7 +91,7 @@ class CpuPackedWeight final : public PackedWeight {
   const CpuKernelTable* table_;  // static storage
   AlignedBytes data_;
   AlignedFloats scales_;  // quantised only
-  AlignedFloats zeros_;   // int4 only
+  AlignedFloats zeros_;   // int4, and int8 in units (all 128)
   std::vector<int32_t> k_order_;
   std::vector<int32_t> group_starts_;  // quantised only
   int units_k_ = 0;                    // see the constructor
@@ -197,10 +197,10 @@ class CpuBackend final : public Backend {
     std::vector<int32_t> starts = GroupStarts(w);
     std::vector<int32_t> order;
     if (w.k_order != nullptr) order.assign(w.k_order, w.k_order + w.k);
-    // int4 in units of kInt4UnitK k steps (cpu::GemmArgs::units_k). A group that does not
-    // start at a multiple of it is moved to the next one: the packed k steps between hold
+    // int4 and int8 in units of kInt4UnitK k steps (cpu::GemmArgs::units_k). A group that does
+    // not start at a multiple of it is moved to the next one: the packed k steps between hold
     // zeros, and `order` (the packed step's input, -1 for none) skips them.
-    const bool units = int4 && PacksInt4InUnits();
+    const bool units = PacksInUnits();
     int packed_k = w.k;
     std::vector<int32_t> packed_at;  // units: input kk's packed k step
     if (units) {
@@ -224,12 +224,14 @@ class CpuBackend final : public Backend {
       starts = std::move(unit_starts);
     }
     const int64_t step_bytes = int4 ? half : width;
+    // int8 in units: each weight plus 128 as an unsigned byte, with zero points of 128.
+    const bool int8_units = units && !int4;
     const int64_t panel_bytes = units ? (packed_k + kInt4UnitK - 1) / kInt4UnitK * kInt4UnitK *
                                             step_bytes
                                       : w.k * step_bytes;
     AlignedBytes packed = AllocateAlignedBytes(panels * panel_bytes);
     AlignedFloats scales = AllocateFloats(panels * groups * width);
-    AlignedFloats zeros = int4 ? AllocateFloats(panels * groups * width) : nullptr;
+    AlignedFloats zeros = int4 || int8_units ? AllocateFloats(panels * groups * width) : nullptr;
     pool_->ParallelFor(panels, 1, [&](int64_t begin, int64_t end, int) {
       for (int64_t p = begin; p < end; ++p) {
         unsigned char* panel = packed.get() + p * panel_bytes;
@@ -241,11 +243,21 @@ class CpuBackend final : public Backend {
             // Columns past n: scale 0, so they read as 0 whatever their integers.
             scales[at] = row < w.n ? w.scales[row * groups + g] : 0.0f;
             if (int4) zeros[at] = row < w.n ? w.zeros[row * groups + g] : 0.0f;
+            if (int8_units) zeros[at] = 128.0f;
           }
           if (row >= w.n) continue;
           const int8_t* values = w.values + row * w.k;
           for (int64_t kk = 0; kk < w.k; ++kk) {
-            if (units) {
+            if (int8_units) {
+              // Step pk: unit pk / 8, half-unit c / half (of 8 x half bytes), its first
+              // 4 x half bytes for the unit's first four steps and the next for the last four,
+              // word c % half of those, byte pk % 4 of that word.
+              const int64_t pk = packed_at[kk];
+              const int64_t within = pk % kInt4UnitK;
+              const int64_t byte = pk / kInt4UnitK * kInt4UnitK * width + c / half * (8 * half) +
+                                   within / 4 * (4 * half) + c % half * 4 + within % 4;
+              panel[byte] = static_cast<unsigned char>(values[kk] + 128);
+            } else if (units) {
               // Step pk: unit pk / 8, half-unit c / half (of 4 x half bytes), word c % half
               // of it, byte pk % 4 of that word, its low nibble for the unit's first four
               // steps and its high one for the last four.
@@ -269,9 +281,9 @@ class CpuBackend final : public Backend {
                                              std::move(order), units ? packed_k : 0);
   }
 
-  // Whether int4 W is packed in units of kInt4UnitK k steps (cpu::GemmArgs::units_k) for the
-  // vpdpbusd kernel, which takes panels of 32 columns.
-  bool PacksInt4InUnits() const { return table_->int4_units && table_->panel_width == 32; }
+  // Whether int4 and int8 W are packed in units of kInt4UnitK k steps (cpu::GemmArgs::units_k)
+  // for the vpdpbusd kernel, which takes panels of 32 columns.
+  bool PacksInUnits() const { return table_->quant_units && table_->panel_width == 32; }
 
   // cpu-avx512-bf16-round rounds x for bf16 W, whatever m (keeping Linear batch invariant).
   bool LinearRoundsX(int m, DType w_dtype) const override {
@@ -282,9 +294,9 @@ class CpuBackend final : public Backend {
     return quant == WeightQuant::kNone && w_dtype == DType::kBF16 && table_->bf16_pairs &&
            !table_->rounds_x;
   }
-  // The vpdpbusd kernel: int4 W in units.
+  // The vpdpbusd kernel: int4 and int8 W in units.
   bool LinearCarriesXInBytes(WeightQuant quant) const override {
-    return quant == WeightQuant::kInt4 && PacksInt4InUnits();
+    return quant != WeightQuant::kNone && PacksInUnits();
   }
 
   void Linear(const void* x_in, DType x_dtype, int m, const PackedWeight& w, const float* bias,

@@ -193,6 +193,19 @@ TEST_P(CpuBackendTest, QuantizedLinearRowsAreBatchInvariant) {
   }
 }
 
+// int4 weights [n, k] in groups of 128 over the given nibbles, scales and zero points.
+QuantizedWeightView Int4Group128(int n, int k, const std::vector<int8_t>& nibbles,
+                                 const std::vector<float>& scales,
+                                 const std::vector<int8_t>& zeros) {
+  return {.quant = WeightQuant::kInt4,
+          .n = n,
+          .k = k,
+          .group_size = 128,
+          .values = nibbles.data(),
+          .scales = scales.data(),
+          .zeros = zeros.data()};
+}
+
 // An int4 Linear whose x row holds a NaN or an infinity gives that row non-finite outputs, not
 // finite garbage (the AVX-512 BF16 kernel carries x in bytes of a per-row scale, which such a
 // row makes NaN); a row of zeros gives the bias exactly; the other rows are unaffected.
@@ -202,14 +215,7 @@ TEST_P(CpuBackendTest, Int4LinearKeepsNonFiniteRowsNonFinite) {
   for (size_t i = 0; i < nibbles.size(); ++i) nibbles[i] = static_cast<int8_t>(i % 16);
   const std::vector<float> scales = Random(int64_t{n} * (k / 128), 31, 0.001f, 0.02f);
   const std::vector<int8_t> zeros(scales.size(), 8);
-  const QuantizedWeightView view{.quant = WeightQuant::kInt4,
-                                 .n = n,
-                                 .k = k,
-                                 .group_size = 128,
-                                 .values = nibbles.data(),
-                                 .scales = scales.data(),
-                                 .zeros = zeros.data()};
-  auto packed = backend_->PackQuantizedWeight(view);
+  auto packed = backend_->PackQuantizedWeight(Int4Group128(n, k, nibbles, scales, zeros));
   std::vector<float> x = Random(int64_t{m} * k, 32);
   x[5] = std::numeric_limits<float>::quiet_NaN();         // row 0
   x[k + 9] = std::numeric_limits<float>::infinity();      // row 1
@@ -250,13 +256,7 @@ TEST_P(CpuBackendTest, DecodeRowLinearsInTurnReadTheirOwnX) {
   const std::vector<float> scales = Random(int64_t{n} * (k / 128), 22, 0.001f, 0.02f);
   std::vector<int8_t> zeros(scales.size());
   for (size_t i = 0; i < zeros.size(); ++i) zeros[i] = static_cast<int8_t>(i % 16);
-  const QuantizedWeightView int4{.quant = WeightQuant::kInt4,
-                                 .n = n,
-                                 .k = k,
-                                 .group_size = 128,
-                                 .values = nibbles.data(),
-                                 .scales = scales.data(),
-                                 .zeros = zeros.data()};
+  const QuantizedWeightView int4 = Int4Group128(n, k, nibbles, scales, zeros);
   for (int format = 0; format < 3; ++format) {
     SCOPED_TRACE(format == 0 ? "float32" : format == 1 ? "bfloat16" : "int4");
     auto pack = [&](Backend& b) {

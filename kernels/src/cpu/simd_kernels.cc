@@ -357,7 +357,7 @@ struct Vec : WithoutBf16Dot {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // AVX-512 with BF16 and VNNI: the AVX-512 kernels, but bf16 weights multiply by vdpbf16ps, on x
 // carried as two bf16 halves (kTable) or rounded to bf16 (kRoundXTable), see GemmPanelsDot; and
-// int4 weights by vpdpbusd, on x carried as three signed bytes, see Int4DotMicroKernel.
+// int4 and int8 weights by vpdpbusd, on x carried as three signed bytes, see Int4DotMicroKernel.
 namespace avx512bf16 {
 
 struct Vec : avx512::Vec {

@@ -33,15 +33,16 @@ struct GemmArgs {
   DType w_dtype = DType::kF32;
   WeightQuant quant = WeightQuant::kNone;
   const float* scales = nullptr;     // [ceil(n / panel_width), groups, panel_width]
-  const float* zeros = nullptr;      // kInt4: as scales; else null
+  const float* zeros = nullptr;      // kInt4, or kInt8 in units (all 128): as scales; else null
   const int32_t* k_order = nullptr;  // [k] or null
   const int32_t* group_starts = nullptr;  // quantised: [groups + 1], from 0 to k
   int groups = 0;
-  // Non-zero: kInt4 packed in units of kInt4UnitK k steps for vpdpbusd (see Int4DotMicroKernel
-  // in simd_kernels.inc), [ceil(n / panel_width)][ceil(units_k / 8)][panel_width * 4] bytes over
-  // units_k packed k steps, each group starting at a multiple of 8 (group_starts counts packed
-  // steps); packed step kk is input k_order[kk] of x, -1 for a step of zeros between groups
-  // (k_order null: kk, and units_k == k).
+  // Non-zero: kInt4 or kInt8 packed in units of kInt4UnitK k steps for vpdpbusd (see
+  // Int4DotMicroKernel in simd_kernels.inc), [ceil(n / panel_width)][ceil(units_k / 8)]
+  // [panel_width * 4] bytes (kInt8: [panel_width * 8]) over units_k packed k steps, each group
+  // starting at a multiple of 8 (group_starts counts packed steps); packed step kk is input
+  // k_order[kk] of x, -1 for a step of zeros between groups (k_order null: kk, and
+  // units_k == k).
   int units_k = 0;
   // units_k non-zero: per row of x, the scale of its byte levels (GemmPanelsInt4Dot), the row's
   // largest |x| over 127 (0 for a row of zeros; NaN where x holds a NaN or an infinity, so that
@@ -85,8 +86,8 @@ struct CpuKernelTable {
   bool bf16_pairs;
   // Whether Linear of bf16 W rounds x to bf16 first (Backend::LinearRoundsX).
   bool rounds_x;
-  // Whether int4 W is packed in units (GemmArgs::units_k).
-  bool int4_units;
+  // Whether int4 and int8 W are packed in units (GemmArgs::units_k).
+  bool quant_units;
   // Floats of per-thread scratch that gemm_panels needs.
   int64_t gemm_scratch_floats;
 

@@ -296,9 +296,9 @@ class Backend {
   // a scale per row s = max |x| / 127: with t = x (1 / s) in fp32, h = round(t),
   // m = round(254 (t - h)) and l = round(254 (254 (t - h) - m)) (fp32, round to nearest even),
   // x is read as s (h + m / 254 + l / 254^2), within about 2^-22 of the row's largest |x|. The
-  // CPU backend's AVX-512 BF16 kernels do for int4 W (CpuIsa::kAvx512Bf16), for vpdpbusd. The
-  // products are then exact on that x, their sums over a group exact in integers, and only
-  // combining the levels and groups rounds in fp32.
+  // CPU backend's AVX-512 BF16 kernels do for int4 and int8 W (CpuIsa::kAvx512Bf16), for
+  // vpdpbusd. The products are then exact on that x, their sums over a group exact in integers,
+  // and only combining the levels and groups rounds in fp32.
   virtual bool LinearCarriesXInBytes(WeightQuant quant) const { return false; }
 
   // y[m, n] = x[m, k] * W^T (+ bias[n] when bias is not null). Whatever W's dtype, each product
@@ -463,9 +463,9 @@ class Backend {
 // Instruction sets the CPU backend carries code for. Results are bitwise reproducible for one
 // instruction set on one machine; different instruction sets may differ in the last bits.
 // kAvx512Bf16: AVX-512 with vdpbf16ps for bf16 weights, x carried as two bf16 halves (within
-// 2^-16 of x, Backend::LinearSplitsX), and VNNI's vpdpbusd for int4 weights, x carried in three
-// bytes (within about 2^-22 of its row's largest |x|, Backend::LinearCarriesXInBytes): both
-// nearly as exact as fp32 activations. It needs AVX512_BF16 and AVX512_VNNI.
+// 2^-16 of x, Backend::LinearSplitsX), and VNNI's vpdpbusd for int4 and int8 weights, x carried
+// in three bytes (within about 2^-22 of its row's largest |x|, Backend::LinearCarriesXInBytes):
+// both nearly as exact as fp32 activations. It needs AVX512_BF16 and AVX512_VNNI.
 // kAvx512Bf16Round: the same, but bf16 weights multiply x rounded to bf16 (Backend::LinearRoundsX):
 // about twice the prefill GEMM rate on bf16 weights, with activations no longer exact in fp32, so
 // kAuto never picks it.
