@@ -27,7 +27,7 @@ namespace tandem::kernels {
 namespace {
 
 using cpu::CpuKernelTable;
-using cpu::kInt4UnitK;
+using cpu::kQuantUnitK;
 using cpu::ThreadPool;
 
 // Cache-line aligned storage.
@@ -197,7 +197,7 @@ class CpuBackend final : public Backend {
     std::vector<int32_t> starts = GroupStarts(w);
     std::vector<int32_t> order;
     if (w.k_order != nullptr) order.assign(w.k_order, w.k_order + w.k);
-    // int4 and int8 in units of kInt4UnitK k steps (cpu::GemmArgs::units_k). A group that does
+    // int4 and int8 in units of kQuantUnitK k steps (cpu::GemmArgs::units_k). A group that does
     // not start at a multiple of it is moved to the next one: the packed k steps between hold
     // zeros, and `order` (the packed step's input, -1 for none) skips them.
     const bool units = PacksInUnits();
@@ -207,9 +207,9 @@ class CpuBackend final : public Backend {
       std::vector<int32_t> unit_starts = {0};
       for (int g = 0; g < groups; ++g) {
         const int32_t size = starts[g + 1] - starts[g];
-        unit_starts.push_back(unit_starts.back() +
-                              (g + 1 < groups ? (size + kInt4UnitK - 1) / kInt4UnitK * kInt4UnitK
-                                              : size));
+        unit_starts.push_back(
+            unit_starts.back() +
+            (g + 1 < groups ? (size + kQuantUnitK - 1) / kQuantUnitK * kQuantUnitK : size));
       }
       packed_k = unit_starts.back();
       packed_at.resize(w.k);
@@ -226,9 +226,9 @@ class CpuBackend final : public Backend {
     const int64_t step_bytes = int4 ? half : width;
     // int8 in units: each weight plus 128 as an unsigned byte, with zero points of 128.
     const bool int8_units = units && !int4;
-    const int64_t panel_bytes = units ? (packed_k + kInt4UnitK - 1) / kInt4UnitK * kInt4UnitK *
-                                            step_bytes
-                                      : w.k * step_bytes;
+    const int64_t panel_bytes =
+        units ? (packed_k + kQuantUnitK - 1) / kQuantUnitK * kQuantUnitK * step_bytes
+              : w.k * step_bytes;
     AlignedBytes packed = AllocateAlignedBytes(panels * panel_bytes);
     AlignedFloats scales = AllocateFloats(panels * groups * width);
     AlignedFloats zeros = int4 || int8_units ? AllocateFloats(panels * groups * width) : nullptr;
@@ -253,8 +253,8 @@ class CpuBackend final : public Backend {
               // 4 x half bytes for the unit's first four steps and the next for the last four,
               // word c % half of those, byte pk % 4 of that word.
               const int64_t pk = packed_at[kk];
-              const int64_t within = pk % kInt4UnitK;
-              const int64_t byte = pk / kInt4UnitK * kInt4UnitK * width + c / half * (8 * half) +
+              const int64_t within = pk % kQuantUnitK;
+              const int64_t byte = pk / kQuantUnitK * kQuantUnitK * width + c / half * (8 * half) +
                                    within / 4 * (4 * half) + c % half * 4 + within % 4;
               panel[byte] = static_cast<unsigned char>(values[kk] + 128);
             } else if (units) {
@@ -262,8 +262,8 @@ class CpuBackend final : public Backend {
               // of it, byte pk % 4 of that word, its low nibble for the unit's first four
               // steps and its high one for the last four.
               const int64_t pk = packed_at[kk];
-              const int64_t within = pk % kInt4UnitK;
-              const int64_t byte = pk / kInt4UnitK * kInt4UnitK * half + c / half * (4 * half) +
+              const int64_t within = pk % kQuantUnitK;
+              const int64_t byte = pk / kQuantUnitK * kQuantUnitK * half + c / half * (4 * half) +
                                    c % half * 4 + within % 4;
               panel[byte] |= static_cast<unsigned char>(values[kk] << (within < 4 ? 0 : 4));
             } else if (int4) {
@@ -281,7 +281,7 @@ class CpuBackend final : public Backend {
                                              std::move(order), units ? packed_k : 0);
   }
 
-  // Whether int4 and int8 W are packed in units of kInt4UnitK k steps (cpu::GemmArgs::units_k)
+  // Whether int4 and int8 W are packed in units of kQuantUnitK k steps (cpu::GemmArgs::units_k)
   // for the vpdpbusd kernel, which takes panels of 32 columns.
   bool PacksInUnits() const { return table_->quant_units && table_->panel_width == 32; }
 

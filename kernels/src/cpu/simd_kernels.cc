@@ -357,7 +357,7 @@ struct Vec : WithoutBf16Dot {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // AVX-512 with BF16 and VNNI: the AVX-512 kernels, but bf16 weights multiply by vdpbf16ps, on x
 // carried as two bf16 halves (kTable) or rounded to bf16 (kRoundXTable), see GemmPanelsDot; and
-// int4 and int8 weights by vpdpbusd, on x carried as three signed bytes, see Int4DotMicroKernel.
+// int4 and int8 weights by vpdpbusd, on x carried as three signed bytes, see ByteDotMicroKernel.
 namespace avx512bf16 {
 
 struct Vec : avx512::Vec {
@@ -395,7 +395,7 @@ struct Vec : avx512::Vec {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + 8 * half), reinterpret_cast<__m256i>(l));
     }
   }
-  // 64 bytes of an int4 unit (Int4DotMicroKernel): sixteen words of eight nibbles each.
+  // 64 bytes of an int4 unit (ByteDotMicroKernel): sixteen words of eight nibbles each.
   static Block LoadBlock(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static Block ZeroBlock() { return _mm512_setzero_si512(); }
   // The low and the high nibble of every byte, as unsigned bytes.

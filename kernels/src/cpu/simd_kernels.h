@@ -37,14 +37,14 @@ struct GemmArgs {
   const int32_t* k_order = nullptr;  // [k] or null
   const int32_t* group_starts = nullptr;  // quantised: [groups + 1], from 0 to k
   int groups = 0;
-  // Non-zero: kInt4 or kInt8 packed in units of kInt4UnitK k steps for vpdpbusd (see
-  // Int4DotMicroKernel in simd_kernels.inc), [ceil(n / panel_width)][ceil(units_k / 8)]
+  // Non-zero: kInt4 or kInt8 packed in units of kQuantUnitK k steps for vpdpbusd (see
+  // ByteDotMicroKernel in simd_kernels.inc), [ceil(n / panel_width)][ceil(units_k / 8)]
   // [panel_width * 4] bytes (kInt8: [panel_width * 8]) over units_k packed k steps, each group
   // starting at a multiple of 8 (group_starts counts packed steps); packed step kk is input
   // k_order[kk] of x, -1 for a step of zeros between groups (k_order null: kk, and
   // units_k == k).
   int units_k = 0;
-  // units_k non-zero: per row of x, the scale of its byte levels (GemmPanelsInt4Dot), the row's
+  // units_k non-zero: per row of x, the scale of its byte levels (GemmPanelsByteDot), the row's
   // largest |x| over 127 (0 for a row of zeros; NaN where x holds a NaN or an infinity, so that
   // its outputs are NaN). See RowLevelScales.
   const float* x_scales = nullptr;
@@ -117,8 +117,8 @@ struct CpuKernelTable {
                          float* scratch);
 };
 
-// k steps per unit of int4 W packed for vpdpbusd (GemmArgs::units_k).
-inline constexpr int kInt4UnitK = 8;
+// k steps per unit of int4 and int8 W packed for vpdpbusd (GemmArgs::units_k).
+inline constexpr int kQuantUnitK = 8;
 
 inline constexpr int kMaxRopeHeadDim = 1024;
 inline constexpr int kMaxAttentionBlockSize = 1024;
