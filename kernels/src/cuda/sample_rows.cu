@@ -166,14 +166,19 @@ __global__ void __launch_bounds__(kThreads)
     float m = -INFINITY;
     for (int i = threadIdx.x; i < vocab; i += kThreads) m = fmaxf(m, l[i]);
     m = BlockAll(m, MaxOp(), -INFINITY);
-    const float inv_t = 1.0f / p.temperature;
+    // In double, as the Sampler's TruncateCandidates: exp((l - max) / T), each rounded to float
+    // before it is divided by the (unrounded) sum.
+    const double inv_t = 1.0 / static_cast<double>(p.temperature);
     double sum = 0;
-    for (int i = threadIdx.x; i < vocab; i += kThreads) sum += expf((l[i] - m) * inv_t);
+    for (int i = threadIdx.x; i < vocab; i += kThreads) {
+      sum += exp((static_cast<double>(l[i]) - m) * inv_t);
+    }
     sum = BlockAll(sum, SumOp(), 0.0);
     // min-p against the largest probability, the maximum's: 1 / sum.
     const float threshold = p.min_p > 0.0f ? p.min_p * static_cast<float>(1.0 / sum) : 0.0f;
     auto weight = [&](int i) -> double {
-      const float q = static_cast<float>(static_cast<double>(expf((l[i] - m) * inv_t)) / sum);
+      const float e = static_cast<float>(exp((static_cast<double>(l[i]) - m) * inv_t));
+      const float q = static_cast<float>(static_cast<double>(e) / sum);
       return q >= threshold ? q : 0.0;
     };
     double mass = 0;
@@ -221,12 +226,16 @@ __global__ void __launch_bounds__(kThreads)
   const int32_t* ids = sorted_ids + static_cast<int64_t>(blockIdx.x) * vocab;
   int keep = p.top_k > 0 && p.top_k < vocab ? p.top_k : vocab;
   const float m = keys[0];
-  const float inv_t = 1.0f / p.temperature;
+  // In double, as the Sampler's TruncateCandidates (see SampleRowsKernel).
+  const double inv_t = 1.0 / static_cast<double>(p.temperature);
   double sum = 0;
-  for (int i = threadIdx.x; i < keep; i += kThreads) sum += expf((keys[i] - m) * inv_t);
+  for (int i = threadIdx.x; i < keep; i += kThreads) {
+    sum += exp((static_cast<double>(keys[i]) - m) * inv_t);
+  }
   sum = BlockAll(sum, SumOp(), 0.0);
   auto prob = [&](int i) -> double {
-    return static_cast<float>(static_cast<double>(expf((keys[i] - m) * inv_t)) / sum);
+    const float e = static_cast<float>(exp((static_cast<double>(keys[i]) - m) * inv_t));
+    return static_cast<float>(static_cast<double>(e) / sum);
   };
   if (p.top_p < 1.0f) {
     const int cut = FirstCrossing(keep, prob, static_cast<double>(p.top_p), /*strict=*/false);
