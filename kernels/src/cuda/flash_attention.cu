@@ -18,6 +18,8 @@ namespace {
 constexpr int kWarps = kFlashThreads / 32;
 static_assert(kWarps * 16 == kFlashTileRows, "each warp owns 16 query rows");
 static_assert(kFlashTileKeys % 16 == 0);
+// The Q tile is staged in v_s (kFlashTileKeys rows) before the first V tile.
+static_assert(kFlashTileRows <= kFlashTileKeys, "the Q tile must fit v_s");
 constexpr float kLog2e = 1.4426950408889634f;
 
 // --- Shared-memory movement ---------------------------------------------------------------------
