@@ -35,6 +35,9 @@ class DeviceVector {
     EXPECT_EQ(cudaMalloc(&data_, sizeof(T) * std::max<size_t>(size_, 1)), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(data_, host.data(), sizeof(T) * size_, cudaMemcpyHostToDevice),
               cudaSuccess);
+    // From pageable memory cudaMemcpy may return before the data lands, and the backend's
+    // stream does not wait for the default stream: wait here.
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   }
   ~DeviceVector() { cudaFree(data_); }
   DeviceVector(const DeviceVector&) = delete;
