@@ -33,7 +33,8 @@ def start(tandem, model, log_path, extra, device):
     proc = subprocess.Popen([tandem, "serve", "--model", model, "--device", device, "--port", "0",
                              "--served-model-name", NAME, *extra],
                             stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
+    # Well inside the serve part's own limit, so that the next mode still gets its turn.
+    deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
             return proc, None
