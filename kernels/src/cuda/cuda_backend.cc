@@ -74,14 +74,21 @@ struct GraphExecDestroy {
 // A step instantiated from a stream capture, and the scratch buffers its kernels read.
 class CudaStepGraph final : public Backend::StepGraph {
  public:
-  CudaStepGraph(cudaGraphExec_t exec, cudaStream_t stream, std::shared_ptr<void> scratch)
-      : exec_(exec), stream_(stream), scratch_(std::move(scratch)) {}
+  CudaStepGraph(cudaGraphExec_t exec, int device, cudaStream_t stream,
+                std::shared_ptr<void> scratch)
+      : exec_(exec), device_(device), stream_(stream), scratch_(std::move(scratch)) {}
   absl::Status Launch() override {
+    // On the backend's GPU, whichever thread replays the step (see MakeDeviceCurrent).
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || current != device_) {
+      TANDEM_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
+    }
     return CudaStatus(cudaGraphLaunch(exec_.get(), stream_), "cudaGraphLaunch");
   }
 
  private:
   std::unique_ptr<CUgraphExec_st, GraphExecDestroy> exec_;
+  int device_;
   cudaStream_t stream_;
   std::shared_ptr<void> scratch_;
 };
@@ -151,6 +158,8 @@ class CudaBackendImpl final : public CudaBackend {
         multiprocessors_(std::max(multiprocessors, 1)) {
     staging_.reserve(MetadataInts());
   }
+  // The members' streams, events and memory are released on the backend's GPU.
+  ~CudaBackendImpl() override { (void)MakeDeviceCurrent(); }
 
   std::string_view name() const override { return "cuda"; }
 
@@ -161,12 +170,14 @@ class CudaBackendImpl final : public CudaBackend {
 
   // From pageable host memory the copy returns once `src` has been read.
   void CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    UseDevice();
     if (bytes == 0 || RefusedInCapture("CopyToDevice")) return;
     Keep(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_.get()),
                     "CopyToDevice"));
   }
 
   void CopyToHost(void* dst, const void* src, size_t bytes) override {
+    UseDevice();
     if (bytes == 0 || RefusedInCapture("CopyToHost")) return;
     Keep(CudaStatus(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_.get()),
                     "CopyToHost"));
@@ -174,6 +185,7 @@ class CudaBackendImpl final : public CudaBackend {
 
   void CopyRows(void* dst, size_t dst_stride, const void* src, size_t src_stride,
                 size_t row_bytes, int rows) override {
+    UseDevice();
     if (rows <= 0 || row_bytes == 0) return;
     Keep(CudaStatus(cudaMemcpy2DAsync(dst, dst_stride, src, src_stride, row_bytes, rows,
                                       cudaMemcpyDeviceToDevice, stream_.get()),
@@ -181,6 +193,7 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
   absl::Status Synchronize() override {
+    UseDevice();
     if (RefusedInCapture("Synchronize")) return status_;
     Keep(CudaStatus(cudaStreamSynchronize(stream_.get()), "cudaStreamSynchronize"));
     return std::exchange(status_, absl::OkStatus());
@@ -188,6 +201,7 @@ class CudaBackendImpl final : public CudaBackend {
 
   absl::StatusOr<std::unique_ptr<StepGraph>> CaptureGraph(
       const std::function<absl::Status()>& record) override {
+    UseDevice();
     if (capturing_) return absl::FailedPreconditionError("CaptureGraph inside a capture");
     // Errors of the captured operators are the capture's, not the next Synchronize's.
     absl::Status pending = std::exchange(status_, absl::OkStatus());
@@ -215,10 +229,11 @@ class CudaBackendImpl final : public CudaBackend {
       return absl::Status(status.code(),
                           absl::StrCat("capturing a step graph: ", status.message()));
     }
-    return std::make_unique<CudaStepGraph>(exec, stream_.get(), x16_);
+    return std::make_unique<CudaStepGraph>(exec, options_.device, stream_.get(), x16_);
   }
 
   std::unique_ptr<PackedWeight> PackWeight(const void* w, DType dtype, int n, int k) override {
+    UseDevice();
     const int64_t bytes = int64_t{n} * k * DTypeSize(dtype);
     auto data = DeviceAlloc<unsigned char>(bytes);
     if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
@@ -242,6 +257,7 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
   std::unique_ptr<PackedWeight> PackQuantizedWeight(const QuantizedWeightView& w) override {
+    UseDevice();
     auto failed = [&](absl::Status status) {
       Keep(std::move(status));
       return std::make_unique<CudaPackedWeight>(w, nullptr, nullptr, nullptr, nullptr);
@@ -342,6 +358,7 @@ class CudaBackendImpl final : public CudaBackend {
   // Linear, or with `accumulate` LinearAdd (16-bit W past kSkinnyMaxRows rows only).
   void LinearInto(const void* x_in, DType x_dtype, int m, const PackedWeight& w, const float* bias,
                   float* y, bool accumulate) {
+    UseDevice();
     const auto& packed = static_cast<const CudaPackedWeight&>(w);
     if (packed.data() == nullptr) {
       Keep(absl::FailedPreconditionError("Linear with a weight whose upload failed"));
@@ -393,30 +410,36 @@ class CudaBackendImpl final : public CudaBackend {
 
   void RmsNorm(const float* x, const float* weight, float eps, int rows, int dim, void* y,
                DType y_dtype) override {
+    UseDevice();
     Keep(cuda::LaunchRmsNorm(x, nullptr, weight, eps, rows, dim, y, y_dtype, stream_.get()));
   }
 
   void AddRmsNorm(float* residual, const float* x, const float* weight, float eps, int rows,
                   int dim, void* y, DType y_dtype) override {
+    UseDevice();
     Keep(cuda::LaunchRmsNorm(x, residual, weight, eps, rows, dim, y, y_dtype, stream_.get()));
   }
 
   void Rope(float* x, const int32_t* positions, int tokens, int heads, int head_dim,
             const float* inv_freq) override {
+    UseDevice();
     Keep(cuda::LaunchRope(x, positions, tokens, heads, head_dim, inv_freq, stream_.get()));
   }
 
   void SiluMul(const float* gate_up, int rows, int inter, void* out, DType out_dtype) override {
+    UseDevice();
     Keep(cuda::LaunchSiluMul(gate_up, rows, inter, out, out_dtype, stream_.get()));
   }
 
   void Embedding(const void* table, DType table_dtype, const int32_t* ids, int tokens, int dim,
                  float* out) override {
+    UseDevice();
     Keep(cuda::LaunchEmbedding(table, table_dtype, ids, tokens, dim, out, stream_.get()));
   }
 
   void WriteKv(const float* k, const float* v, const int32_t* slot_mapping, int tokens,
                const KvLayout& layout, void* layer_cache) override {
+    UseDevice();
     Keep(cuda::LaunchWriteKv(k, v, slot_mapping, tokens, layout, layer_cache, stream_.get()));
   }
 
@@ -424,6 +447,7 @@ class CudaBackendImpl final : public CudaBackend {
                        const float* k_norm, float eps, const int32_t* positions,
                        const float* inv_freq, const int32_t* slot_mapping, const KvLayout& layout,
                        void* layer_cache, float* q, float* k, float* v) override {
+    UseDevice();
     Keep(cuda::LaunchAttentionInputs(qkv, tokens, num_heads, q_norm, k_norm, eps, positions,
                                      inv_freq, slot_mapping, layout, layer_cache, q,
                                      stream_.get()));
@@ -432,17 +456,20 @@ class CudaBackendImpl final : public CudaBackend {
   void PagedAttention(const float* q, const void* layer_cache, const KvLayout& layout,
                       const PagedAttentionBatch& batch, int num_heads, float scale, void* out,
                       DType out_dtype) override {
+    UseDevice();
     Keep(RunPagedAttention(q, layer_cache, layout, batch, num_heads, scale, {out, out_dtype}));
   }
 
   void GatherAdd(const float* a, const float* b, const int32_t* rows, int num_rows, int dim,
                  float* out) override {
+    UseDevice();
     Keep(cuda::LaunchGatherAdd(a, b, rows, num_rows, dim, out, stream_.get()));
   }
 
   void SampleRows(float* logits, int rows, int vocab, const SampleRowParams* params,
                   const LogitEdit* edits, int num_edits, int max_logprobs, void* scratch,
                   TokenLogprob* sampled, TokenLogprob* top) override {
+    UseDevice();
     // Its rows' parameters are uploaded from host memory on each call.
     if (RefusedInCapture("SampleRows")) return;
     Keep(cuda::LaunchSampleRows({.logits = logits,
@@ -464,6 +491,7 @@ class CudaBackendImpl final : public CudaBackend {
 
  protected:
   absl::StatusOr<void*> AllocateBytes(size_t bytes) override {
+    TANDEM_RETURN_IF_ERROR(MakeDeviceCurrent());
     void* p = nullptr;
     TANDEM_RETURN_IF_ERROR(
         CudaStatus(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc"));
@@ -471,21 +499,43 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
   // cudaFree waits for the device, so no queued operator still reads the memory.
-  void FreeBytes(void* data) override { cudaFree(data); }
+  void FreeBytes(void* data) override {
+    UseDevice();
+    cudaFree(data);
+  }
 
   // Page-locked: a copy into it is one DMA at the link's speed, where a copy into pageable
   // memory goes through the driver's staging buffers.
   absl::StatusOr<void*> AllocateHostBytes(size_t bytes) override {
+    TANDEM_RETURN_IF_ERROR(MakeDeviceCurrent());
     void* p = nullptr;
     TANDEM_RETURN_IF_ERROR(
         CudaStatus(cudaMallocHost(&p, std::max<size_t>(bytes, 1)), "cudaMallocHost"));
     return p;
   }
   // cudaFreeHost waits for the device, so no queued copy still writes the memory.
-  void FreeHostBytes(void* data) override { cudaFreeHost(data); }
+  void FreeHostBytes(void* data) override {
+    UseDevice();
+    cudaFreeHost(data);
+  }
 
  private:
   int64_t MetadataInts() const { return kernels::MetadataInts(options_); }
+
+  // Makes the backend's GPU the calling thread's current device. The current device is a
+  // per-thread setting, and the engine creates its backend on one thread (which CreateCudaBackend
+  // sets) but steps it on another, whose current device is its own (GPU 0 unless set): without
+  // this, a backend on any other GPU would allocate on GPU 0 and launch into a stream of another
+  // device, which CUDA refuses.
+  absl::Status MakeDeviceCurrent() const {
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current == options_.device) {
+      return absl::OkStatus();
+    }
+    return CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice");
+  }
+  // MakeDeviceCurrent for the operators, whose errors wait for the next Synchronize.
+  void UseDevice() { Keep(MakeDeviceCurrent()); }
 
   void Keep(absl::Status status) {
     if (status_.ok()) status_ = std::move(status);

@@ -12,6 +12,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -329,6 +330,42 @@ TEST(CudaLinearAddTest, AddsTheProductOfLinearToY) {
   DeviceVector<float> d_x(Random(int64_t{16} * k, 25)), d_y(std::vector<float>(16 * n, 0.0f));
   backend.LinearAdd(d_x.get(), DType::kF32, 16, *packed, nullptr, d_y.get());
   EXPECT_EQ(backend.Synchronize().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A backend on a GPU other than 0, created on this thread and used from another (as the engine
+// steps its backend on its own thread), whose current device is GPU 0: its memory is on its own
+// GPU and its operators run there. Needs two GPUs.
+TEST(CudaBackendDeviceTest, BackendOnAnotherGpuRunsFromAnyThread) {
+  const int devices = CudaDeviceCount();
+  if (devices < 2) GTEST_SKIP() << "needs two CUDA devices, found " << devices;
+  const int device = devices - 1;
+  auto created = CreateCudaBackend({.device = device});
+  ASSERT_TRUE(created.ok()) << created.status();
+  CudaBackend& backend = **created;
+  const int m = 3, n = 70, k = 64;
+  const std::vector<float> x = Random(int64_t{m} * k, 31), w = Random(int64_t{n} * k, 32);
+  std::vector<float> expected(int64_t{m} * n);
+  reference::Linear(x.data(), m, w.data(), DType::kF32, n, k, nullptr, expected.data());
+  std::vector<float> got(expected.size(), kNaN);
+  int located = -1;
+  absl::Status status;
+  std::thread([&] {
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+    auto d_x = backend.Allocate(sizeof(float) * x.size());
+    auto d_y = backend.Allocate(sizeof(float) * got.size());
+    ASSERT_TRUE(d_x.ok() && d_y.ok());
+    cudaPointerAttributes attributes{};
+    ASSERT_EQ(cudaPointerGetAttributes(&attributes, d_y->data()), cudaSuccess);
+    located = attributes.device;
+    backend.CopyToDevice(d_x->data(), x.data(), sizeof(float) * x.size());
+    auto packed = backend.PackWeight(w.data(), DType::kF32, n, k);
+    backend.Linear(d_x->data(), DType::kF32, m, *packed, nullptr, d_y->as<float>());
+    backend.CopyToHost(got.data(), d_y->data(), sizeof(float) * got.size());
+    status = backend.Synchronize();
+  }).join();
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(located, device);
+  EXPECT_LT(MaxRelativeError(got, expected, 1.0), 1e-5 * std::sqrt(k));
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaBackendTest,
