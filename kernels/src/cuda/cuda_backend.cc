@@ -692,43 +692,45 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
   // Sizes the split-KV kernels' partitions for `split_count` rows over contexts of at most
-  // `split_max_context` keys, points them at the merge workspace, and launches p.
+  // `split_max_context` keys, points them at the merge workspace, and launches p: in launches of
+  // as many rows as the workspace holds.
   absl::Status LaunchSplitAttention(cuda::PagedAttentionParams& p, const KvLayout& layout,
                                     int split_count, int split_max_context) {
     const int num_heads = p.num_heads;
-
-    // Partitions of up to kAttentionPartitionTokens keys for the split-KV rows; halved (down to
-    // the minimum) while the grid has fewer than two blocks per multiprocessor and the merge
-    // workspace allows, so that decode of a few sequences still spreads over the whole GPU.
-    // The workspace is indexed by token, so it is sized for all num_tokens rows.
+    const int64_t workspace_floats =
+        options_.attention_workspace_bytes / static_cast<int64_t>(sizeof(float));
     auto partitions_of = [&](int tokens) { return (split_max_context + tokens - 1) / tokens; };
-    auto workspace_fits = [&](int tokens) {
-      return cuda::PagedAttentionWorkspaceFloats(p.num_tokens, num_heads, layout.head_dim,
-                                                 partitions_of(tokens)) *
-                 int64_t{sizeof(float)} <=
-             options_.attention_workspace_bytes;
+    // The merge workspace one row takes with partitions of `tokens` keys (0: no merge).
+    auto row_floats = [&](int tokens) {
+      return cuda::PagedAttentionWorkspaceFloats(1, num_heads, layout.head_dim,
+                                                 partitions_of(tokens));
     };
+    // Partitions of up to kAttentionPartitionTokens keys for the split-KV rows; halved (down to
+    // the minimum) while the grid has fewer than two blocks per multiprocessor and the workspace
+    // holds every row at the smaller partition, so that decode of a few sequences still spreads
+    // over the whole GPU.
     int partition = cuda::kAttentionPartitionTokens;
     while (partition > cuda::kAttentionMinPartitionTokens &&
            int64_t{layout.num_kv_heads} * split_count * partitions_of(partition) <
                2 * int64_t{multiprocessors_} &&
            partitions_of(partition / 2) > partitions_of(partition) &&
-           workspace_fits(partition / 2)) {
+           row_floats(partition / 2) * split_count <= workspace_floats) {
       partition /= 2;
     }
     p.partition_tokens = partition;
     p.max_partitions = partitions_of(partition);
-    const int64_t needed =
-        split_count == 0 ? 0
-                         : cuda::PagedAttentionWorkspaceFloats(p.num_tokens, num_heads,
-                                                               layout.head_dim, p.max_partitions);
-    if (needed > 0) {
-      if (needed * int64_t{sizeof(float)} > options_.attention_workspace_bytes) {
+    const int64_t row = row_floats(partition);
+    if (row > 0 && split_count > 0) {
+      const int64_t rows = std::min<int64_t>(workspace_floats / row, split_count);
+      if (rows < 1) {
         return absl::ResourceExhaustedError(absl::StrCat(
-            "PagedAttention needs ", needed * sizeof(float),
-            " bytes of merge workspace; raise CudaBackendOptions.attention_workspace_bytes"));
+            "PagedAttention over ", split_max_context, " keys needs ",
+            row * int64_t{sizeof(float)}, " bytes of merge workspace per query row, and "
+            "CudaBackendOptions.attention_workspace_bytes is ",
+            options_.attention_workspace_bytes));
       }
-      const int64_t outs = int64_t{p.num_tokens} * num_heads * p.max_partitions;
+      p.launch_rows = static_cast<int>(rows);
+      const int64_t outs = rows * num_heads * p.max_partitions;
       p.partial_out = workspace_.get();
       p.partial_max = p.partial_out + outs * layout.head_dim;
       p.partial_sum = p.partial_max + outs;
@@ -785,8 +787,12 @@ int64_t CudaAttentionWorkspaceBytes(int max_tokens, int num_heads, int head_dim,
   const int partitions =
       (std::max(max_context, 1) + cuda::kAttentionPartitionTokens - 1) /
       cuda::kAttentionPartitionTokens;
-  return cuda::PagedAttentionWorkspaceFloats(max_tokens, num_heads, head_dim, partitions) *
-         int64_t{sizeof(float)};
+  const int64_t all = cuda::PagedAttentionWorkspaceFloats(std::max(max_tokens, 1), num_heads,
+                                                          head_dim, partitions);
+  const int64_t one_row =
+      cuda::PagedAttentionWorkspaceFloats(1, num_heads, head_dim, partitions);
+  const int64_t budget = kAttentionWorkspaceBudgetBytes / static_cast<int64_t>(sizeof(float));
+  return std::max(std::min(all, budget), one_row) * static_cast<int64_t>(sizeof(float));
 }
 
 int CudaDeviceCount() {

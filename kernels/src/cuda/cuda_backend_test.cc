@@ -181,9 +181,10 @@ TEST_P(CudaBackendTest, EmbeddingAndWriteKvCopyExactly) {
 }
 
 // Runs one batch of (q_len, context_len) sequences on the GPU and returns the worst error
-// against the reference.
+// against the reference; the call's status, expected OK, goes to *status when given.
 double PagedAttentionError(CudaBackend& backend, const Shape& s,
-                           const std::vector<std::pair<int, int>>& seqs) {
+                           const std::vector<std::pair<int, int>>& seqs,
+                           absl::Status* status_out = nullptr) {
   const int heads = s.kv_heads * s.group;
   int total_blocks = 0, max_blocks = 0;
   for (auto [q_len, ctx] : seqs) {
@@ -221,7 +222,11 @@ double PagedAttentionError(CudaBackend& backend, const Shape& s,
   backend.PagedAttention(d_q.get(), d_cache.get(), layout, batch, heads, scale, d_out.get(),
                          DType::kF32);
   const absl::Status status = backend.Synchronize();
-  EXPECT_TRUE(status.ok()) << status;
+  if (status_out != nullptr) {
+    *status_out = status;
+  } else {
+    EXPECT_TRUE(status.ok()) << status;
+  }
   return MaxRelativeError(d_out.ToHost(), expected, 0.05);
 }
 
@@ -233,6 +238,28 @@ TEST_P(CudaBackendTest, PagedAttentionMatchesReference) {
             2e-5);
   // Every row within one partition: written directly, no merge.
   EXPECT_LT(PagedAttentionError(*backend_, GetParam(), {{1, 5}, {3, 200}, {1, 512}}), 2e-5);
+}
+
+// A merge workspace that holds two rows' partitions at most: the call runs as many launches of
+// two rows (the halving of partitions for a small grid stops where the rows would not fit), with
+// the same results; one that holds none of a row's partitions is refused, saying how much a row
+// needs.
+TEST_P(CudaBackendTest, PagedAttentionRunsInLaunchesOfTheRowsItsWorkspaceHolds) {
+  const Shape& s = GetParam();
+  const int heads = s.kv_heads * s.group;
+  // Contexts up to 1100 keys: 3 partitions of 512.
+  const int64_t row_bytes = int64_t{heads} * 3 * (s.head_dim + 2) * sizeof(float);
+  auto small = CreateCudaBackend({.attention_workspace_bytes = 2 * row_bytes + 100});
+  ASSERT_TRUE(small.ok()) << small.status();
+  EXPECT_LT(PagedAttentionError(**small, s, {{1, 1}, {1, 700}, {40, 300}, {1, 1100}, {17, 17}}),
+            2e-5);
+  auto none = CreateCudaBackend({.attention_workspace_bytes = row_bytes / 2});
+  ASSERT_TRUE(none.ok()) << none.status();
+  absl::Status status;
+  PagedAttentionError(**none, s, {{1, 1100}}, &status);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+  EXPECT_NE(status.message().find("bytes of merge workspace per query row"), std::string::npos)
+      << status;
 }
 
 TEST_P(CudaBackendTest, GatherAddMatchesReference) {

@@ -1,3 +1,5 @@
+#include <algorithm>
+
 #include "kernels/src/cuda/dispatch.cuh"
 #include "kernels/src/cuda/element_types.cuh"
 #include "kernels/src/cuda/flash_attention.cuh"
@@ -33,16 +35,19 @@ __device__ __forceinline__ int64_t KvOffset(const PagedAttentionParams& p, const
   return (slot * p.num_kv_heads + kv_head) * head_dim;
 }
 
-// The query row (token) of the i-th split-KV row of the call.
+// The query row (token) of the i-th split-KV row of this launch (split row split_begin + i of
+// the call).
 __device__ __forceinline__ int SplitRow(const PagedAttentionParams& p, int i) {
-  return p.split_row_ids != nullptr ? p.split_row_ids[i] : i;
+  const int j = p.split_begin + i;
+  return p.split_row_ids != nullptr ? p.split_row_ids[j] : j;
 }
 
-// What a partition block of grid (max_partitions, num_kv_heads, split rows) covers: keys
-// [begin, begin + n) of its row's visible prefix (n <= 0: the row is shorter, nothing to do),
-// for the `group` query heads of KV head kv_head; its logit rows are `stride` floats apart.
+// What a partition block of grid (max_partitions, num_kv_heads, this launch's split rows)
+// covers: keys [begin, begin + n) of its row's visible prefix (n <= 0: the row is shorter,
+// nothing to do), for the `group` query heads of KV head kv_head; its logit rows are `stride`
+// floats apart. `slot` is the row's place in this launch, and in the merge workspace.
 struct PartitionSpan {
-  int partition, kv_head, token;
+  int partition, kv_head, slot, token;
   RowInfo row;
   int stride, begin, n, group;
 };
@@ -50,7 +55,8 @@ __device__ __forceinline__ PartitionSpan ThisPartition(const PagedAttentionParam
   PartitionSpan s;
   s.partition = blockIdx.x;
   s.kv_head = blockIdx.y;
-  s.token = SplitRow(p, blockIdx.z);
+  s.slot = blockIdx.z;
+  s.token = SplitRow(p, s.slot);
   s.row = FindRow(p, s.token);
   s.stride = PagedAttentionLogitStride(p.partition_tokens);
   s.begin = s.partition * p.partition_tokens;
@@ -101,7 +107,7 @@ __device__ __forceinline__ void PartitionSoftmax(float* logits, int stride, int 
 template <int kHeadDim, typename Cache>
 __global__ void __launch_bounds__(kThreads)
     PagedAttentionPartitionKernel(const PagedAttentionParams p) {
-  const auto [partition, kv_head, token, row, stride, begin, n, group] = ThisPartition(p);
+  const auto [partition, kv_head, slot, token, row, stride, begin, n, group] = ThisPartition(p);
   if (n <= 0) return;
 
   extern __shared__ float shared[];
@@ -195,18 +201,21 @@ __global__ void __launch_bounds__(kThreads)
   for (int g = 0; g < kAttentionMaxGroup; ++g) {
     if (g >= group) break;
     const int64_t head_row = static_cast<int64_t>(token) * p.num_heads + kv_head * group + g;
+    const int64_t part =
+        (static_cast<int64_t>(slot) * p.num_heads + kv_head * group + g) * p.max_partitions +
+        partition;
 #pragma unroll
     for (int e = 0; e < kDims; ++e) {
       const int d = d_lane + kLanesPerSubset * e;
       if (p.max_partitions == 1) {
         StoreActivation(p.out, p.out_dtype, head_row * kHeadDim + d, acc[g][e] / group_sum[g]);
       } else {
-        p.partial_out[(head_row * p.max_partitions + partition) * kHeadDim + d] = acc[g][e];
+        p.partial_out[part * kHeadDim + d] = acc[g][e];
       }
     }
     if (p.max_partitions > 1 && d_lane == 0) {
-      p.partial_max[head_row * p.max_partitions + partition] = group_max[g];
-      p.partial_sum[head_row * p.max_partitions + partition] = group_sum[g];
+      p.partial_max[part] = group_max[g];
+      p.partial_sum[part] = group_sum[g];
     }
   }
 }
@@ -241,7 +250,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kKeysPerPass = kWarps * kKeysPerWarp;
   static_assert(kLanesPerKey <= 32 && 32 % kLanesPerKey == 0);
   using Vec = CacheVec<Cache>;
-  const auto [partition, kv_head, token, row, stride, begin, n, group] = ThisPartition(p);
+  const auto [partition, kv_head, slot, token, row, stride, begin, n, group] = ThisPartition(p);
   if (n <= 0) return;
 
   extern __shared__ float shared[];
@@ -354,27 +363,32 @@ __global__ void __launch_bounds__(kThreads)
     if (p.max_partitions == 1) {
       StoreActivation(p.out, p.out_dtype, head_row * kHeadDim + d, total / group_sum[g]);
     } else {
-      p.partial_out[(head_row * p.max_partitions + partition) * kHeadDim + d] = total;
+      const int64_t part =
+          (static_cast<int64_t>(slot) * p.num_heads + kv_head * group + g) * p.max_partitions +
+          partition;
+      p.partial_out[part * kHeadDim + d] = total;
       if (d == 0) {
-        p.partial_max[head_row * p.max_partitions + partition] = group_max[g];
-        p.partial_sum[head_row * p.max_partitions + partition] = group_sum[g];
+        p.partial_max[part] = group_max[g];
+        p.partial_sum[part] = group_sum[g];
       }
     }
   }
 }
 
-// grid (num_heads, split rows), kHeadDim threads: merges a row's partitions, rescaling each
-// by exp(its max - the overall max).
+// grid (num_heads, this launch's split rows), kHeadDim threads: merges a row's partitions,
+// rescaling each by exp(its max - the overall max).
 template <int kHeadDim>
 __global__ void __launch_bounds__(kHeadDim)
     PagedAttentionMergeKernel(const PagedAttentionParams p) {
   const int h = blockIdx.x;
-  const int token = SplitRow(p, blockIdx.y);
+  const int slot = blockIdx.y;
+  const int token = SplitRow(p, slot);
   const RowInfo row = FindRow(p, token);
   const int partitions = (row.visible + p.partition_tokens - 1) / p.partition_tokens;
   const int64_t head_row = static_cast<int64_t>(token) * p.num_heads + h;
-  const float* maxes = p.partial_max + head_row * p.max_partitions;
-  const float* sums = p.partial_sum + head_row * p.max_partitions;
+  const int64_t first = (static_cast<int64_t>(slot) * p.num_heads + h) * p.max_partitions;
+  const float* maxes = p.partial_max + first;
+  const float* sums = p.partial_sum + first;
   float m = -INFINITY;
   for (int i = 0; i < partitions; ++i) m = fmaxf(m, maxes[i]);
   float total = 0.0f;
@@ -382,7 +396,7 @@ __global__ void __launch_bounds__(kHeadDim)
   const int d = threadIdx.x;
   float o = 0.0f;
   for (int i = 0; i < partitions; ++i) {
-    o += p.partial_out[(head_row * p.max_partitions + i) * kHeadDim + d] * expf(maxes[i] - m);
+    o += p.partial_out[(first + i) * kHeadDim + d] * expf(maxes[i] - m);
   }
   StoreActivation(p.out, p.out_dtype, head_row * kHeadDim + d, o / total);
 }
@@ -423,9 +437,15 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
       (p.partial_out == nullptr || p.partial_max == nullptr || p.partial_sum == nullptr)) {
     return absl::InvalidArgumentError("PagedAttention: split over partitions needs workspace");
   }
-  if (p.max_partitions > 65535 || split_rows > 65535 || p.num_kv_heads > 65535) {
+  if (p.max_partitions > 65535 || p.num_kv_heads > 65535 || p.num_heads > 65535) {
     return absl::InvalidArgumentError("PagedAttention: grid too large");
   }
+  if (p.max_partitions > 1 && p.launch_rows <= 0) {
+    return absl::InvalidArgumentError("PagedAttention: no rows fit the merge workspace");
+  }
+  // Rows per launch: as many as the merge workspace holds (all of them without a merge), and
+  // at most the grid's 65535.
+  const int launch_rows = std::min(p.max_partitions > 1 ? p.launch_rows : split_rows, 65535);
   TANDEM_DISPATCH_HEAD_DIM(p.head_dim, kHeadDim, {
     // Groups of up to kVecMaxGroup heads take the wide-load kernel; larger ones the original.
     const bool vec = group <= kVecMaxGroup;
@@ -451,14 +471,24 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
           partition_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
       if (error != cudaSuccess) return CudaStatus(error, "PagedAttention shared memory");
     }
-    const dim3 grid(p.max_partitions, p.num_kv_heads, split_rows);
-    partition_kernel<<<grid, kThreads, shared_bytes, stream>>>(p);
-    if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) {
-      return CudaStatus(error, vec ? "PagedAttentionVecKernel" : "PagedAttentionPartitionKernel");
-    }
-    if (p.max_partitions > 1) {
-      PagedAttentionMergeKernel<kHeadDim>
-          <<<dim3(p.num_heads, split_rows), kHeadDim, 0, stream>>>(p);
+    // Launches in stream order, each reusing the merge workspace from its start.
+    for (int begin = 0; begin < split_rows; begin += launch_rows) {
+      PagedAttentionParams launch = p;
+      launch.split_begin = begin;
+      const int rows = std::min(launch_rows, split_rows - begin);
+      const dim3 grid(p.max_partitions, p.num_kv_heads, rows);
+      partition_kernel<<<grid, kThreads, shared_bytes, stream>>>(launch);
+      if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) {
+        return CudaStatus(error,
+                          vec ? "PagedAttentionVecKernel" : "PagedAttentionPartitionKernel");
+      }
+      if (p.max_partitions > 1) {
+        PagedAttentionMergeKernel<kHeadDim>
+            <<<dim3(p.num_heads, rows), kHeadDim, 0, stream>>>(launch);
+        if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) {
+          return CudaStatus(error, "PagedAttentionMergeKernel");
+        }
+      }
     }
   });
   return CudaStatus(cudaGetLastError(), "PagedAttentionMergeKernel");

@@ -16,7 +16,10 @@
 // rows x KV heads to fill the GPU): one block per (partition, KV head, row) computes a partial
 // softmax for all the query heads sharing that KV head, so each K and V vector is read once per
 // group. A second kernel merges the partitions. Calls whose rows all fit one partition skip the
-// merge and write the output directly. Groups of up to 8 query heads per KV head (every Llama,
+// merge and write the output directly. The merge workspace holds launch_rows rows' partitions:
+// a call of more split rows runs as several launches of that many rows, in stream order, so
+// the workspace is sized by a budget rather than by the largest batch times the longest
+// context. Groups of up to 8 query heads per KV head (every Llama,
 // Qwen and Mistral model) run a kernel that reads K and V in 16-byte loads, several keys in
 // flight per lane; larger groups run a simpler one that reads a key per warp.
 #pragma once
@@ -57,10 +60,11 @@ struct PagedAttentionParams {
   const int32_t* block_table = nullptr;  // [num_seqs, max_blocks_per_seq]
   void* out = nullptr;                   // [num_tokens, num_heads, head_dim] of out_dtype
   DType out_dtype = DType::kF32;         // kF32, kBF16 or kF16 (StoreActivation)
-  // Merge workspace, used when max_partitions > 1.
-  float* partial_out = nullptr;  // [num_tokens, num_heads, max_partitions, head_dim]
-  float* partial_max = nullptr;  // [num_tokens, num_heads, max_partitions]
-  float* partial_sum = nullptr;  // [num_tokens, num_heads, max_partitions]
+  // Merge workspace, used when max_partitions > 1, for launch_rows split rows at a time.
+  float* partial_out = nullptr;  // [launch_rows, num_heads, max_partitions, head_dim]
+  float* partial_max = nullptr;  // [launch_rows, num_heads, max_partitions]
+  float* partial_sum = nullptr;  // [launch_rows, num_heads, max_partitions]
+  int launch_rows = 0;
   int num_seqs = 0;
   int num_tokens = 0;
   int num_heads = 0;
@@ -82,13 +86,16 @@ struct PagedAttentionParams {
   // (split_row_ids null: token i); split_rows < 0 means all num_tokens rows.
   const int32_t* split_row_ids = nullptr;
   int split_rows = -1;
+  // The first split row of one launch (set by LaunchPagedAttention for each launch).
+  int split_begin = 0;
 };
 
-// Floats of merge workspace a call with these sizes needs (0 when max_partitions == 1).
-inline int64_t PagedAttentionWorkspaceFloats(int num_tokens, int num_heads, int head_dim,
+// Floats of merge workspace a launch of `rows` split rows with these sizes needs (0 when
+// max_partitions == 1).
+inline int64_t PagedAttentionWorkspaceFloats(int rows, int num_heads, int head_dim,
                                              int max_partitions) {
   if (max_partitions <= 1) return 0;
-  return static_cast<int64_t>(num_tokens) * num_heads * max_partitions * (head_dim + 2);
+  return static_cast<int64_t>(rows) * num_heads * max_partitions * (head_dim + 2);
 }
 
 absl::Status LaunchPagedAttention(const PagedAttentionParams& params, cudaStream_t stream);

@@ -26,14 +26,19 @@
 
 namespace tandem::kernels {
 
+// The most merge workspace CudaAttentionWorkspaceBytes asks for: a call with more split-KV rows
+// than it holds runs in several launches.
+inline constexpr int64_t kAttentionWorkspaceBudgetBytes = int64_t{256} << 20;
+
 struct CudaBackendOptions {
   int device = 0;
   // Bounds on one PagedAttention call's batch, for the metadata workspace.
   int max_seqs = 256;
   int max_blocks_per_seq = 8192;
-  // Workspace merging split-KV partitions: num_tokens * num_heads * partitions * (head_dim + 2)
-  // floats per call, partitions = ceil(longest context / 512).
-  int64_t attention_workspace_bytes = int64_t{256} << 20;
+  // Workspace merging split-KV partitions: num_heads * partitions * (head_dim + 2) floats per
+  // query row, partitions = ceil(longest context / 512). A call runs in launches of as many rows
+  // as it holds; one whose single row does not fit fails with ResourceExhausted.
+  int64_t attention_workspace_bytes = kAttentionWorkspaceBudgetBytes;
   // Linear's 16-bit GEMMs past decode sizes (more than 4 rows). kAuto: Tandem's skinny
   // tensor-core GEMM up to 16 rows, cuBLASLt past it (the bias in the GEMM's epilogue, an
   // algorithm per m bucket chosen when a weight of a new shape is packed). kCublasLt: cuBLASLt
@@ -56,8 +61,10 @@ class CudaBackend : public Backend {
 // Fails (FailedPrecondition) when no CUDA device is present, or when this build has no CUDA.
 absl::StatusOr<std::unique_ptr<CudaBackend>> CreateCudaBackend(const CudaBackendOptions& options);
 
-// CudaBackendOptions::attention_workspace_bytes enough for any PagedAttention call of at most
-// `max_tokens` query rows of `num_heads` heads over contexts of at most `max_context` tokens.
+// CudaBackendOptions::attention_workspace_bytes for PagedAttention calls of at most `max_tokens`
+// query rows of `num_heads` heads over contexts of at most `max_context` tokens: every row in one
+// launch where that takes at most kAttentionWorkspaceBudgetBytes, else that budget (launches of
+// fewer rows), and never less than one row's.
 int64_t CudaAttentionWorkspaceBytes(int max_tokens, int num_heads, int head_dim, int max_context);
 
 // The number of CUDA devices this process can use: 0 when there is none, no driver, or when
