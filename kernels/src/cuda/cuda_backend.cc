@@ -724,8 +724,8 @@ class CudaBackendImpl final : public CudaBackend {
       const int64_t rows = std::min<int64_t>(workspace_floats / row, split_count);
       if (rows < 1) {
         return absl::ResourceExhaustedError(absl::StrCat(
-            "PagedAttention over ", split_max_context, " keys needs ",
-            row * int64_t{sizeof(float)}, " bytes of merge workspace per query row, and "
+            "PagedAttention over ", split_max_context, " keys needs ", row * int64_t{sizeof(float)},
+            " bytes of merge workspace per query row, and "
             "CudaBackendOptions.attention_workspace_bytes is ",
             options_.attention_workspace_bytes));
       }
@@ -787,10 +787,9 @@ int64_t CudaAttentionWorkspaceBytes(int max_tokens, int num_heads, int head_dim,
   const int partitions =
       (std::max(max_context, 1) + cuda::kAttentionPartitionTokens - 1) /
       cuda::kAttentionPartitionTokens;
-  const int64_t all = cuda::PagedAttentionWorkspaceFloats(std::max(max_tokens, 1), num_heads,
-                                                          head_dim, partitions);
-  const int64_t one_row =
-      cuda::PagedAttentionWorkspaceFloats(1, num_heads, head_dim, partitions);
+  const int64_t all =
+      cuda::PagedAttentionWorkspaceFloats(std::max(max_tokens, 1), num_heads, head_dim, partitions);
+  const int64_t one_row = cuda::PagedAttentionWorkspaceFloats(1, num_heads, head_dim, partitions);
   const int64_t budget = kAttentionWorkspaceBudgetBytes / static_cast<int64_t>(sizeof(float));
   return std::max(std::min(all, budget), one_row) * static_cast<int64_t>(sizeof(float));
 }

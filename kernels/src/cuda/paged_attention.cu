@@ -479,8 +479,7 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
       const dim3 grid(p.max_partitions, p.num_kv_heads, rows);
       partition_kernel<<<grid, kThreads, shared_bytes, stream>>>(launch);
       if (const cudaError_t error = cudaGetLastError(); error != cudaSuccess) {
-        return CudaStatus(error,
-                          vec ? "PagedAttentionVecKernel" : "PagedAttentionPartitionKernel");
+        return CudaStatus(error, vec ? "PagedAttentionVecKernel" : "PagedAttentionPartitionKernel");
       }
       if (p.max_partitions > 1) {
         PagedAttentionMergeKernel<kHeadDim>
