@@ -1467,11 +1467,14 @@ std::vector<std::shared_ptr<const OpCase>> AllCases() {
     add(PagedAttentionCase(80, 1, 3, 8, prefill_batches[2], kAttentionTolerance, dtype));
   }
   // Batches on the device, as a captured decode step passes them: decode rows, a few rows of
-  // one sequence (speculative verification), contexts past one partition.
+  // one sequence (speculative verification), contexts past one partition, and sequences with no
+  // query row (fewer rows than sequences, as the contract allows).
   for (DType dtype : {DType::kF32, DType::kBF16, DType::kF8E4M3}) {
     add(PagedAttentionCase(128, 2, 4, 16, decode_batches[2], kAttentionTolerance, dtype, true));
     add(PagedAttentionCase(64, 1, 4, 64, decode_batches[3], kAttentionTolerance, dtype, true));
     add(PagedAttentionCase(128, 1, 8, 16, {{1, 1}, {4, 700}, {1, 33}}, kAttentionTolerance, dtype,
+                           true));
+    add(PagedAttentionCase(128, 2, 4, 16, {{0, 20}, {2, 600}, {0, 7}}, kAttentionTolerance, dtype,
                            true));
   }
 

@@ -648,7 +648,7 @@ class CudaBackendImpl final : public CudaBackend {
                                        const KvLayout& layout, const PagedAttentionBatch& batch,
                                        int num_heads, float scale, Output out) {
     if (batch.device_query_start == nullptr || batch.device_context_len == nullptr ||
-        batch.device_block_table == nullptr || batch.num_tokens < batch.num_seqs ||
+        batch.device_block_table == nullptr || batch.num_tokens < 0 ||
         batch.max_query_len < 1 || batch.max_context_len < 1 ||
         batch.max_context_len > int64_t{batch.max_blocks_per_seq} * layout.block_size) {
       return absl::InvalidArgumentError(absl::StrCat(
