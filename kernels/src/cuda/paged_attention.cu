@@ -448,7 +448,12 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
   const int launch_rows = std::min(p.max_partitions > 1 ? p.launch_rows : split_rows, 65535);
   TANDEM_DISPATCH_HEAD_DIM(p.head_dim, kHeadDim, {
     // Groups of up to kVecMaxGroup heads take the wide-load kernel; larger ones the original.
-    const bool vec = group <= kVecMaxGroup;
+    // Its 16-byte loads need the K and V halves (and so every key's vector) 16-byte aligned;
+    // a cache that is not (the engine's allocations are) reads a key per warp instead.
+    const bool aligned = reinterpret_cast<uintptr_t>(p.k_cache) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(p.v_cache) % 16 == 0 &&
+                         kHeadDim * DTypeSize(p.cache_dtype) % 16 == 0;
+    const bool vec = group <= kVecMaxGroup && aligned;
     const size_t shared_bytes =
         sizeof(float) * group *
         (kHeadDim + PagedAttentionLogitStride(p.partition_tokens) + (vec ? kWarps * kHeadDim : 0));
