@@ -264,17 +264,21 @@ class CudaBackendImpl final : public CudaBackend {
     };
     if (absl::Status valid = ValidateQuantizedWeight(w); !valid.ok()) return failed(valid);
     const bool int4 = w.quant == WeightQuant::kInt4;
-    if (int4 && w.k % 2 != 0) return failed(absl::InvalidArgumentError("int4 weight of odd k"));
-    const int64_t elements = int64_t{w.n} * w.k;
     const int64_t group_entries = int64_t{w.n} * w.groups();
-    // Host staging in the device layout: int4 values two to a byte, zeros after the scales.
-    std::vector<unsigned char> values(int4 ? elements / 2 : elements);
-    for (int64_t i = 0; i < elements; ++i) {
-      const auto v = static_cast<unsigned char>(w.values[i]);
-      if (!int4) {
-        values[i] = v;
-      } else {
-        values[i / 2] |= static_cast<unsigned char>(i % 2 == 0 ? v : v << 4);
+    // Host staging in the device layout: int4 values two to a byte (a row of odd k ends in a
+    // half byte), zeros after the scales.
+    const int64_t row_bytes = cuda::QuantizedRowBytes(w.quant, w.k);
+    std::vector<unsigned char> values(w.n * row_bytes);
+    for (int64_t row = 0; row < w.n; ++row) {
+      const int8_t* in = w.values + row * w.k;
+      unsigned char* out = values.data() + row * row_bytes;
+      for (int j = 0; j < w.k; ++j) {
+        const auto v = static_cast<unsigned char>(in[j]);
+        if (!int4) {
+          out[j] = v;
+        } else {
+          out[j / 2] |= static_cast<unsigned char>(j % 2 == 0 ? v : v << 4);
+        }
       }
     }
     std::vector<float> scales(w.scales, w.scales + group_entries);

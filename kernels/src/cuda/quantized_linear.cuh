@@ -18,8 +18,8 @@ struct DeviceQuantizedWeight {
   int k = 0;
   int group_size = 0;  // ignored when column_group is set
   int groups = 0;
-  // kInt8: int8 [n, k]. kInt4: bytes [n, k / 2], byte j holding column 2j in its low nibble and
-  // column 2j + 1 in its high one (k is even).
+  // kInt8: int8 [n, k]. kInt4: bytes [n, (k + 1) / 2], byte j of a row holding column 2j in its
+  // low nibble and column 2j + 1 in its high one (0 past k).
   const uint8_t* values = nullptr;
   const float* scales = nullptr;     // [n, groups]
   const float* zeros = nullptr;      // kInt4: [n, groups]; kInt8: null
@@ -29,8 +29,17 @@ struct DeviceQuantizedWeight {
   const int32_t* column_group = nullptr;
 };
 
+// Bytes of one row of W's values.
+__host__ __device__ inline int64_t QuantizedRowBytes(WeightQuant quant, int k) {
+  return quant == WeightQuant::kInt4 ? (static_cast<int64_t>(k) + 1) / 2 : k;
+}
+
 // y[m, n] = x[m, k] * dequantised(W)^T (+ bias[n] when not null), each product of
-// DequantizeWeight's value, fp32 accumulation. Device memory, row-major.
+// DequantizeWeight's value, fp32 accumulation. Device memory, row-major. Up to
+// kQuantizedWideMaxRows rows, W of equal groups (group_size and k multiples of 8) and 16-byte
+// aligned x take a kernel of 4- and 8-byte weight loads, several columns per warp; other calls
+// read W a byte at a time.
+inline constexpr int kQuantizedWideMaxRows = 16;
 absl::Status LaunchQuantizedLinear(const float* x, int m, const DeviceQuantizedWeight& w,
                                    const float* bias, float* y, cudaStream_t stream);
 
