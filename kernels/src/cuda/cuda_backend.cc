@@ -43,18 +43,34 @@ int64_t MetadataInts(const CudaBackendOptions& options) {
          seqs * (cuda::kFlashMinRows - 1);
 }
 
+// Makes `device` the calling thread's current device, if it is not already.
+absl::Status MakeCurrent(int device) {
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current == device) return absl::OkStatus();
+  return CudaStatus(cudaSetDevice(device), "cudaSetDevice");
+}
+
+// Frees on the GPU it was allocated on, whichever thread drops it (a packed weight, a step
+// graph's scratch): cudaFree then waits for that GPU, not for the thread's current one.
 struct DeviceFree {
-  void operator()(void* p) const { cudaFree(p); }
+  int device = 0;
+  void operator()(void* p) const {
+    (void)MakeCurrent(device);
+    cudaFree(p);
+  }
 };
 template <typename T>
 using DeviceArray = std::unique_ptr<T[], DeviceFree>;
 
+// On the calling thread's current device (the backend makes its own current first).
 template <typename T>
 absl::StatusOr<DeviceArray<T>> DeviceAlloc(int64_t count) {
+  int device = 0;
+  TANDEM_RETURN_IF_ERROR(CudaStatus(cudaGetDevice(&device), "cudaGetDevice"));
   void* p = nullptr;
   TANDEM_RETURN_IF_ERROR(
       CudaStatus(cudaMalloc(&p, sizeof(T) * std::max<int64_t>(count, 1)), "cudaMalloc"));
-  return DeviceArray<T>(static_cast<T*>(p));
+  return DeviceArray<T>(static_cast<T*>(p), DeviceFree{device});
 }
 
 struct StreamDestroy {
@@ -79,12 +95,10 @@ class CudaStepGraph final : public Backend::StepGraph {
       : exec_(exec), device_(device), stream_(stream), scratch_(std::move(scratch)) {}
   absl::Status Launch() override {
     // On the backend's GPU, whichever thread replays the step (see MakeDeviceCurrent).
-    int current = -1;
-    if (cudaGetDevice(&current) != cudaSuccess || current != device_) {
-      TANDEM_RETURN_IF_ERROR(CudaStatus(cudaSetDevice(device_), "cudaSetDevice"));
-    }
+    TANDEM_RETURN_IF_ERROR(MakeCurrent(device_));
     return CudaStatus(cudaGraphLaunch(exec_.get(), stream_), "cudaGraphLaunch");
   }
+  ~CudaStepGraph() override { (void)MakeCurrent(device_); }
 
  private:
   std::unique_ptr<CUgraphExec_st, GraphExecDestroy> exec_;
@@ -201,8 +215,8 @@ class CudaBackendImpl final : public CudaBackend {
 
   absl::StatusOr<std::unique_ptr<StepGraph>> CaptureGraph(
       const std::function<absl::Status()>& record) override {
-    UseDevice();
     if (capturing_) return absl::FailedPreconditionError("CaptureGraph inside a capture");
+    TANDEM_RETURN_IF_ERROR(MakeDeviceCurrent());
     // Errors of the captured operators are the capture's, not the next Synchronize's.
     absl::Status pending = std::exchange(status_, absl::OkStatus());
     absl::Status status = CudaStatus(
@@ -531,13 +545,7 @@ class CudaBackendImpl final : public CudaBackend {
   // sets) but steps it on another, whose current device is its own (GPU 0 unless set): without
   // this, a backend on any other GPU would allocate on GPU 0 and launch into a stream of another
   // device, which CUDA refuses.
-  absl::Status MakeDeviceCurrent() const {
-    int current = -1;
-    if (cudaGetDevice(&current) == cudaSuccess && current == options_.device) {
-      return absl::OkStatus();
-    }
-    return CudaStatus(cudaSetDevice(options_.device), "cudaSetDevice");
-  }
+  absl::Status MakeDeviceCurrent() const { return MakeCurrent(options_.device); }
   // MakeDeviceCurrent for the operators, whose errors wait for the next Synchronize.
   void UseDevice() { Keep(MakeDeviceCurrent()); }
 
@@ -653,7 +661,7 @@ class CudaBackendImpl final : public CudaBackend {
                                        int num_heads, float scale, Output out) {
     if (batch.device_query_start == nullptr || batch.device_context_len == nullptr ||
         batch.device_block_table == nullptr || batch.num_tokens < 0 ||
-        batch.max_query_len < 1 || batch.max_context_len < 1 ||
+        (batch.num_tokens > 0 && batch.max_query_len < 1) || batch.max_context_len < 1 ||
         batch.max_context_len > int64_t{batch.max_blocks_per_seq} * layout.block_size) {
       return absl::InvalidArgumentError(absl::StrCat(
           "PagedAttention on a device batch of ", batch.num_seqs, " sequences and ",

@@ -448,11 +448,13 @@ absl::Status LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t st
   const int launch_rows = std::min(p.max_partitions > 1 ? p.launch_rows : split_rows, 65535);
   TANDEM_DISPATCH_HEAD_DIM(p.head_dim, kHeadDim, {
     // Groups of up to kVecMaxGroup heads take the wide-load kernel; larger ones the original.
-    // Its 16-byte loads need the K and V halves (and so every key's vector) 16-byte aligned;
-    // a cache that is not (the engine's allocations are) reads a key per warp instead.
-    const bool aligned = reinterpret_cast<uintptr_t>(p.k_cache) % 16 == 0 &&
-                         reinterpret_cast<uintptr_t>(p.v_cache) % 16 == 0 &&
-                         kHeadDim * DTypeSize(p.cache_dtype) % 16 == 0;
+    // Its wide loads (CacheVec: 8 elements, 8 to 32 bytes, which some architectures load in
+    // one instruction) need the K and V halves, and so every key's vector, aligned to their
+    // size; a cache that is not (the engine's allocations are) reads a key per warp instead.
+    const int64_t vec_bytes = int64_t{kVecElems} * DTypeSize(p.cache_dtype);
+    const bool aligned = reinterpret_cast<uintptr_t>(p.k_cache) % vec_bytes == 0 &&
+                         reinterpret_cast<uintptr_t>(p.v_cache) % vec_bytes == 0 &&
+                         kHeadDim * DTypeSize(p.cache_dtype) % vec_bytes == 0;
     const bool vec = group <= kVecMaxGroup && aligned;
     const size_t shared_bytes =
         sizeof(float) * group *
