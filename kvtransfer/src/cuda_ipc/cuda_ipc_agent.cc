@@ -44,6 +44,16 @@ bool IsDeviceMemory(const void* base) {
 namespace cuda_ipc {
 namespace {
 
+// Makes `device` the calling thread's current device: the agent queues copies on its stream,
+// opens peers' handles and waits on its events from whichever thread submits and from its own
+// completion thread, and the current device is a per-thread setting (GPU 0 unless set).
+absl::Status UseDevice(int device) {
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current == device) return absl::OkStatus();
+  if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return CudaError(e, "cudaSetDevice");
+  return absl::OkStatus();
+}
+
 using internal::BackendKind;
 using internal::CudaError;
 using internal::CudaIpcPayload;
@@ -123,6 +133,8 @@ class CudaIpcAgent : public Agent {
   }
 
   ~CudaIpcAgent() override {
+    // Peers' handles are closed, and the stream destroyed, on the agent's GPU.
+    (void)UseDevice(device_);
     // Stop answering peers (their connections hang up, so they see this agent as gone).
     const char byte = 1;
     (void)!write(wake_write_.get(), &byte, 1);
@@ -309,6 +321,7 @@ class CudaIpcAgent : public Agent {
                                                        const std::vector<Range>& ranges,
                                                        absl::Time deadline) {
     TANDEM_RETURN_IF_ERROR(internal::CheckRanges(ranges, src_bytes, d.bytes));
+    TANDEM_RETURN_IF_ERROR(UseDevice(device_));
     TANDEM_ASSIGN_OR_RETURN(char* dst, RemoteBase(*peer, d, payload));
     cudaEvent_t event = nullptr;
     if (cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming); e != cudaSuccess) {
@@ -376,6 +389,7 @@ class CudaIpcAgent : public Agent {
   // up) or Cancelled (disconnected, or the agent is being destroyed) before that. A transfer
   // leaves the list, unpinning its region, only once its copies are done.
   void CompletionLoop() {
+    (void)UseDevice(device_);
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       if (pending_.empty()) {
