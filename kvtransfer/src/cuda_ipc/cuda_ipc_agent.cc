@@ -44,16 +44,6 @@ bool IsDeviceMemory(const void* base) {
 namespace cuda_ipc {
 namespace {
 
-// Makes `device` the calling thread's current device: the agent queues copies on its stream,
-// opens peers' handles and waits on its events from whichever thread submits and from its own
-// completion thread, and the current device is a per-thread setting (GPU 0 unless set).
-absl::Status UseDevice(int device) {
-  int current = -1;
-  if (cudaGetDevice(&current) == cudaSuccess && current == device) return absl::OkStatus();
-  if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) return CudaError(e, "cudaSetDevice");
-  return absl::OkStatus();
-}
-
 using internal::BackendKind;
 using internal::CudaError;
 using internal::CudaIpcPayload;
@@ -62,6 +52,18 @@ using internal::ReadFully;
 using internal::RegionDescriptor;
 using internal::UniqueFd;
 using internal::WriteFully;
+
+// Makes `device` the calling thread's current device: the agent queues copies on its stream,
+// opens peers' handles and waits on its events from whichever thread submits and from its own
+// completion thread, and the current device is a per-thread setting (GPU 0 unless set).
+absl::Status UseDevice(int device) {
+  int current = -1;
+  if (cudaGetDevice(&current) == cudaSuccess && current == device) return absl::OkStatus();
+  if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess) {
+    return CudaError(e, "cudaSetDevice");
+  }
+  return absl::OkStatus();
+}
 
 // The hello each side sends once connected: magic, the instance (the connector: the one it
 // expects; the listener: its own), and the sender's process id.
