@@ -149,13 +149,13 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
-// Whether a call can take QuantizedWideGemvKernel: few rows, equal groups whole units of
-// kWideElems columns (so a lane's columns share one group and its loads stay aligned), and x
-// whose rows are 16-byte aligned.
-bool WideGemvTakes(const float* x, int m, const DeviceQuantizedWeight& w) {
-  return m <= kQuantizedWideMaxRows && w.column_group == nullptr && w.group_size > 0 &&
-         w.group_size % kWideElems == 0 && w.k % kWideElems == 0 &&
-         reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(w.values) % 8 == 0;
+// Whether a call can take QuantizedWideGemvKernel: equal groups whole units of kWideElems
+// columns (so a lane's columns share one group and its loads stay aligned), and x whose rows
+// are 16-byte aligned.
+bool WideGemvTakes(const float* x, const DeviceQuantizedWeight& w) {
+  return w.column_group == nullptr && w.group_size > 0 && w.group_size % kWideElems == 0 &&
+         w.k % kWideElems == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(w.values) % 8 == 0;
 }
 
 }  // namespace
@@ -169,7 +169,7 @@ absl::Status LaunchQuantizedLinear(const float* x, int m, const DeviceQuantizedW
   if (w.quant != WeightQuant::kInt8 && w.quant != WeightQuant::kInt4) {
     return absl::InvalidArgumentError("Linear: not a quantised weight");
   }
-  if (WideGemvTakes(x, m, w)) {
+  if (WideGemvTakes(x, w)) {
     const dim3 grid((w.n + kWarps * kWideCols - 1) / (kWarps * kWideCols), (m + kRows - 1) / kRows);
     if (w.quant == WeightQuant::kInt8) {
       QuantizedWideGemvKernel<WeightQuant::kInt8>

@@ -35,11 +35,10 @@ __host__ __device__ inline int64_t QuantizedRowBytes(WeightQuant quant, int k) {
 }
 
 // y[m, n] = x[m, k] * dequantised(W)^T (+ bias[n] when not null), each product of
-// DequantizeWeight's value, fp32 accumulation. Device memory, row-major. Up to
-// kQuantizedWideMaxRows rows, W of equal groups (group_size and k multiples of 8) and 16-byte
-// aligned x take a kernel of 4- and 8-byte weight loads, several columns per warp; other calls
-// read W a byte at a time.
-inline constexpr int kQuantizedWideMaxRows = 16;
+// DequantizeWeight's value, fp32 accumulation. Device memory, row-major. W of equal groups
+// (group_size and k multiples of 8) with 16-byte aligned x takes a kernel of 4- and 8-byte
+// weight loads, two output columns per warp; other calls read W a byte at a time. Both read W
+// once per 4 rows of x: a bandwidth-bound decode kernel, not a prefill GEMM.
 absl::Status LaunchQuantizedLinear(const float* x, int m, const DeviceQuantizedWeight& w,
                                    const float* bias, float* y, cudaStream_t stream);
 
