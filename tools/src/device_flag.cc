@@ -14,7 +14,9 @@ void DeclareDeviceFlag(Args& args) {
   args.Declare("cpu-isa", "auto|portable|avx2|avx512|avx512-bf16|avx512-bf16-round",
                "the CPU kernels' instruction set with --device cpu (default auto: the widest this "
                "CPU has that keeps activations exact to about fp32; avx512-bf16-round multiplies "
-               "bf16 weights by activations rounded to bf16, about twice as fast in prefill)");
+               "bf16 weights by activations rounded to bf16, about twice as fast in prefill; "
+               "avx512 widens bf16 weights to fp32, faster than auto in batched decode on CPUs "
+               "with AVX-512 BF16, see docs/operations.md)");
   args.Declare("sampling-device", "auto|host|backend",
                "where tokens are drawn: backend draws them on the device, so only token ids and "
                "log-probabilities come back (samples with a structured output or speculative "
