@@ -247,7 +247,7 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
   std::unique_ptr<PackedWeight> PackWeight(const void* w, DType dtype, int n, int k) override {
-    UseDevice();
+    if (!UseDevice()) return std::make_unique<CudaPackedWeight>(n, k, dtype, nullptr);
     const int64_t bytes = int64_t{n} * k * DTypeSize(dtype);
     auto data = DeviceAlloc<unsigned char>(bytes);
     if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16) {
@@ -271,11 +271,11 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
   std::unique_ptr<PackedWeight> PackQuantizedWeight(const QuantizedWeightView& w) override {
-    UseDevice();
     auto failed = [&](absl::Status status) {
       Keep(std::move(status));
       return std::make_unique<CudaPackedWeight>(w, nullptr, nullptr, nullptr, nullptr);
     };
+    if (absl::Status current = MakeDeviceCurrent(); !current.ok()) return failed(current);
     if (absl::Status valid = ValidateQuantizedWeight(w); !valid.ok()) return failed(valid);
     const bool int4 = w.quant == WeightQuant::kInt4;
     const int64_t group_entries = int64_t{w.n} * w.groups();
@@ -376,7 +376,7 @@ class CudaBackendImpl final : public CudaBackend {
   // Linear, or with `accumulate` LinearAdd (16-bit W past kSkinnyMaxRows rows only).
   void LinearInto(const void* x_in, DType x_dtype, int m, const PackedWeight& w, const float* bias,
                   float* y, bool accumulate) {
-    UseDevice();
+    if (!UseDevice()) return;
     const auto& packed = static_cast<const CudaPackedWeight&>(w);
     if (packed.data() == nullptr) {
       Keep(absl::FailedPreconditionError("Linear with a weight whose upload failed"));
@@ -546,8 +546,14 @@ class CudaBackendImpl final : public CudaBackend {
   // this, a backend on any other GPU would allocate on GPU 0 and launch into a stream of another
   // device, which CUDA refuses.
   absl::Status MakeDeviceCurrent() const { return MakeCurrent(options_.device); }
-  // MakeDeviceCurrent for the operators, whose errors wait for the next Synchronize.
-  void UseDevice() { Keep(MakeDeviceCurrent()); }
+  // MakeDeviceCurrent for the operators, whose errors wait for the next Synchronize; false
+  // when it failed (an operator that allocates then stops, rather than allocate elsewhere).
+  bool UseDevice() {
+    absl::Status status = MakeDeviceCurrent();
+    const bool ok = status.ok();
+    Keep(std::move(status));
+    return ok;
+  }
 
   void Keep(absl::Status status) {
     if (status_.ok()) status_ = std::move(status);

@@ -240,6 +240,8 @@ class CudaIpcAgent : public Agent {
   }
 
   absl::Status Disconnect(PeerId peer) override {
+    // The peer's opened handles may be closed here, when no transfer still holds it.
+    (void)UseDevice(device_);
     std::shared_ptr<Peer> gone;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -322,8 +324,9 @@ class CudaIpcAgent : public Agent {
                                                        uint64_t src_bytes,
                                                        const std::vector<Range>& ranges,
                                                        absl::Time deadline) {
-    TANDEM_RETURN_IF_ERROR(internal::CheckRanges(ranges, src_bytes, d.bytes));
+    // First, so that a peer dropped on an early return closes its handles on this GPU too.
     TANDEM_RETURN_IF_ERROR(UseDevice(device_));
+    TANDEM_RETURN_IF_ERROR(internal::CheckRanges(ranges, src_bytes, d.bytes));
     TANDEM_ASSIGN_OR_RETURN(char* dst, RemoteBase(*peer, d, payload));
     cudaEvent_t event = nullptr;
     if (cudaError_t e = cudaEventCreateWithFlags(&event, cudaEventDisableTiming); e != cudaSuccess) {
