@@ -40,6 +40,17 @@ void DeviceBuffer::Free() {
   }
 }
 
+absl::Status CheckAttentionSequence(const PagedAttentionBatch& batch, int s, int block_size) {
+  const int q_len = batch.query_start[s + 1] - batch.query_start[s];
+  const int64_t room = int64_t{batch.max_blocks_per_seq} * block_size;
+  if (q_len >= 0 && q_len <= batch.context_len[s] && batch.context_len[s] <= room) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("PagedAttention: sequence ", s, " has ", q_len, " queries over a context of ",
+                   batch.context_len[s], " tokens and room for ", room));
+}
+
 absl::StatusOr<DeviceBuffer> Backend::Allocate(size_t bytes) {
   TANDEM_ASSIGN_OR_RETURN(void* data, AllocateBytes(bytes));
   return DeviceBuffer(this, data, bytes, /*host=*/false);

@@ -533,9 +533,8 @@ class CpuBackend final : public Backend {
     int64_t items = 0;
     for (int s = 0; s < batch.num_seqs; ++s) {
       const int q_len = batch.query_start[s + 1] - batch.query_start[s];
-      TANDEM_CHECK(q_len >= 0 && q_len <= batch.context_len[s] &&
-                   batch.context_len[s] <= int64_t{batch.max_blocks_per_seq} * layout.block_size)
-          << "sequence " << s << ": " << q_len << " queries, context " << batch.context_len[s];
+      const absl::Status valid = CheckAttentionSequence(batch, s, layout.block_size);
+      TANDEM_CHECK(valid.ok()) << valid.message();
       // A device batch's bounds are what a backend sizes the call by.
       TANDEM_CHECK(!batch.on_device || (q_len <= batch.max_query_len &&
                                         batch.context_len[s] <= batch.max_context_len))

@@ -610,15 +610,8 @@ class CudaBackendImpl final : public CudaBackend {
     bool any_split = false;
     for (int s = 0; s < n; ++s) {
       const int q_len = batch.query_start[s + 1] - batch.query_start[s];
-      // As the CPU backend checks: a row must see a key, and the context fit the block table
-      // (past it the kernels would read another row of the table as block ids).
-      if (q_len < 0 || q_len > batch.context_len[s] ||
-          batch.context_len[s] > int64_t{batch.max_blocks_per_seq} * layout.block_size) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "PagedAttention: sequence ", s, " has ", q_len, " queries over a context of ",
-            batch.context_len[s], " tokens and room for ",
-            int64_t{batch.max_blocks_per_seq} * layout.block_size));
-      }
+      // Past its block-table row the kernels would read another row of the table as block ids.
+      TANDEM_RETURN_IF_ERROR(CheckAttentionSequence(batch, s, layout.block_size));
       int tiles = 0;
       if (flash && q_len >= cuda::kFlashMinRows) {
         tiles = (q_len + cuda::kFlashTileRows - 1) / cuda::kFlashTileRows;

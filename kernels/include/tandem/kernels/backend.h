@@ -87,6 +87,12 @@ struct PagedAttentionBatch {
   int max_context_len = 0;  // >= every context_len, <= max_blocks_per_seq * block_size
 };
 
+// OK when sequence s of `batch` (read through its host arrays) has no more query rows than
+// context tokens, so that every row sees a key, and a context that fits its block-table row of
+// `block_size`-key blocks; else InvalidArgument naming them. Every backend's PagedAttention
+// holds its batches to this.
+absl::Status CheckAttentionSequence(const PagedAttentionBatch& batch, int s, int block_size);
+
 // Rotary embedding settings (HF `rope_theta`, `rope_scaling` of type "llama3").
 using ::tandem::RopeConfig;
 
