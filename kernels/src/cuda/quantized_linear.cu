@@ -163,39 +163,24 @@ bool WideGemvTakes(const float* x, const DeviceQuantizedWeight& w) {
 absl::Status LaunchQuantizedLinear(const float* x, int m, const DeviceQuantizedWeight& w,
                                    const float* bias, float* y, cudaStream_t stream) {
   if (m <= 0 || w.n <= 0) return absl::OkStatus();
-  if ((m + kRows - 1) / kRows > 65535) {
+  const int row_blocks = (m + kRows - 1) / kRows;
+  if (row_blocks > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("Linear of ", m, " rows: grid too large"));
   }
   if (w.quant != WeightQuant::kInt8 && w.quant != WeightQuant::kInt4) {
     return absl::InvalidArgumentError("Linear: not a quantised weight");
   }
-  if (WideGemvTakes(x, w)) {
-    const dim3 grid((w.n + kWarps * kWideCols - 1) / (kWarps * kWideCols), (m + kRows - 1) / kRows);
-    if (w.quant == WeightQuant::kInt8) {
-      QuantizedWideGemvKernel<WeightQuant::kInt8>
-          <<<grid, kWarps * 32, 0, stream>>>(x, m, w, bias, y);
-    } else {
-      QuantizedWideGemvKernel<WeightQuant::kInt4>
-          <<<grid, kWarps * 32, 0, stream>>>(x, m, w, bias, y);
-    }
-    const cudaError_t error = cudaGetLastError();
-    if (error != cudaSuccess) {
-      return absl::InternalError(
-          absl::StrCat("Linear (quantised weights): ", cudaGetErrorString(error)));
-    }
-    return absl::OkStatus();
-  }
-  const dim3 grid((w.n + kWarps - 1) / kWarps, (m + kRows - 1) / kRows);
-  switch (w.quant) {
-    case WeightQuant::kInt8:
-      QuantizedGemvKernel<WeightQuant::kInt8><<<grid, kWarps * 32, 0, stream>>>(x, m, w, bias, y);
-      break;
-    case WeightQuant::kInt4:
-      QuantizedGemvKernel<WeightQuant::kInt4><<<grid, kWarps * 32, 0, stream>>>(x, m, w, bias, y);
-      break;
-    default:
-      return absl::InvalidArgumentError("Linear: not a quantised weight");
-  }
+  // The wide kernel where it takes W and x, else the byte kernel; output columns per block.
+  const bool wide = WideGemvTakes(x, w);
+  const bool int8 = w.quant == WeightQuant::kInt8;
+  void (*kernel)(const float*, int, DeviceQuantizedWeight, const float*, float*) =
+      wide ? (int8 ? &QuantizedWideGemvKernel<WeightQuant::kInt8>
+                   : &QuantizedWideGemvKernel<WeightQuant::kInt4>)
+           : (int8 ? &QuantizedGemvKernel<WeightQuant::kInt8>
+                   : &QuantizedGemvKernel<WeightQuant::kInt4>);
+  const int columns = wide ? kWarps * kWideCols : kWarps;
+  const dim3 grid((w.n + columns - 1) / columns, row_blocks);
+  kernel<<<grid, kWarps * 32, 0, stream>>>(x, m, w, bias, y);
   const cudaError_t error = cudaGetLastError();
   if (error != cudaSuccess) {
     return absl::InternalError(
