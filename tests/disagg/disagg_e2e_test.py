@@ -485,14 +485,18 @@ class SpeculativeDecodeWorker(unittest.TestCase):
             accepted = metric(decode.metrics_url, "tandem_spec_accepted_tokens_total") or 0
             self.assertGreater(accepted, 0)
             # The router's /metrics sums its decode workers' (from their polled stats, so both
-            # counters are waited for: a last step may propose and accept nothing).
+            # counters are waited for: a last step may propose and accept nothing). The worker's
+            # own counters are read afresh each time too: its last steps may still be counted
+            # after the responses have arrived.
             names = ("tandem_spec_accepted_tokens_total", "tandem_spec_proposed_tokens_total")
-            on_worker = [metric(decode.metrics_url, n) for n in names]
             deadline = time.time() + 60
-            while ([metric(router.url + "/metrics", n) for n in names] != on_worker
-                   and time.time() < deadline):
+            while True:
+                on_worker = [metric(decode.metrics_url, n) for n in names]
+                on_router = [metric(router.url + "/metrics", n) for n in names]
+                if on_router == on_worker or time.time() >= deadline:
+                    break
                 time.sleep(0.05)
-            self.assertEqual([metric(router.url + "/metrics", n) for n in names], on_worker)
+            self.assertEqual(on_router, on_worker)
             # A colocated server speculating the same way: the same output, and its /metrics
             # shows what its engine proposed and accepted.
             for i, (w, g) in enumerate(zip(want, run_all(speculating.url, bodies))):
