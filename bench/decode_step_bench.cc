@@ -18,6 +18,9 @@
 //                       [--paired[=N] (one benchmark that takes N steps (default 1) of each
 //                        format in turn: each format's time from the same minutes, and
 //                        F_speedup, the first format's step time over F's)]
+//                       [--turn-warmup=K (with --paired=N, N > K: each turn's first K steps are
+//                        taken but not timed, as a server holding one model never pays for
+//                        another model's weights having passed through its caches)]
 //                       [google benchmark flags]
 //
 // The bandwidth kernels stream --bandwidth-mib MiB: more than the last-level cache to measure
@@ -56,7 +59,8 @@ namespace {
 
 std::string g_preset = "small";
 int g_context = 256;
-int g_turn_steps = 1;  // --paired=N: steps of each format per turn
+int g_turn_steps = 1;   // --paired=N: steps of each format per turn
+int g_turn_warmup = 0;  // --turn-warmup=K: untimed steps at the start of each turn
 double g_copy_gbs = 0;
 double g_read_gbs = 0;
 size_t g_bandwidth_bytes = size_t{256} << 20;
@@ -300,11 +304,12 @@ std::unique_ptr<DecodeRun> PrepareDecode(benchmark::State& state, const WeightFo
 }
 
 // Runs one decode step of `run` and adds its time to the run's.
-void TimeStep(DecodeRun& run) {
+void TimeStep(DecodeRun& run, bool timed = true) {
   auto start = std::chrono::steady_clock::now();
   if (BackendSampling()) run.runner->set_backend_sampling(run.greedy, {});
   auto logits = run.runner->Execute(run.step);
   benchmark::DoNotOptimize(logits);
+  if (!timed) return;
   run.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ++run.steps;
 }
@@ -355,7 +360,9 @@ void BM_DecodeStep(benchmark::State& state, const WeightFormat& format) {
 // the other formats' steps have passed through the caches: with one step per turn, a model whose
 // weights would fit in the last-level cache (small at int4) is read from memory at every step,
 // where served alone it would not be. Longer turns (--paired=16) let such a model's later steps
-// find it in the cache, as a server that holds one model does; the turn's first step still counts.
+// find it in the cache, as a server that holds one model does; the turn's first step still counts
+// unless --turn-warmup=K leaves each turn's first K steps untimed (a server holding one model
+// never meets another's weights in its caches, yet the ratios still come from the same minutes).
 void BM_DecodeStepPaired(benchmark::State& state, const std::vector<WeightFormat>& formats) {
   const int batch = static_cast<int>(state.range(0));
   std::vector<std::unique_ptr<DecodeRun>> runs;
@@ -369,12 +376,14 @@ void BM_DecodeStepPaired(benchmark::State& state, const std::vector<WeightFormat
   }
   for (auto _ : state) {
     for (std::unique_ptr<DecodeRun>& run : runs) {
-      for (int i = 0; i < g_turn_steps; ++i) TimeStep(*run);
+      for (int i = 0; i < g_turn_steps; ++i) TimeStep(*run, i >= g_turn_warmup);
     }
   }
   const double read_gbs = ReadGBsAfterSteps();
   state.counters["read_GB_per_s"] = read_gbs;
   state.counters["turn_steps"] = g_turn_steps;
+  state.counters["turn_warmup"] = g_turn_warmup;
+  state.counters["timed_steps"] = static_cast<double>(runs[0]->steps);  // of each format
   const double first_s = runs[0]->seconds / static_cast<double>(runs[0]->steps);
   std::string label;
   for (const std::unique_ptr<DecodeRun>& run : runs) {
@@ -457,6 +466,12 @@ int main(int argc, char** argv) {
         std::fprintf(stderr, "tandem_bench_decode: --paired=N takes 1 to 1000 steps per turn\n");
         return 2;
       }
+    } else if (a.rfind("--turn-warmup=", 0) == 0) {
+      tandem::g_turn_warmup = std::atoi(a.c_str() + 14);
+      if (tandem::g_turn_warmup < 0 || tandem::g_turn_warmup > 999) {
+        std::fprintf(stderr, "tandem_bench_decode: --turn-warmup=K takes 0 to 999 steps\n");
+        return 2;
+      }
     } else if (a == "--device=cuda") {
       tandem::g_cuda = true;
     } else if (a == "--device=cpu") {
@@ -476,6 +491,11 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "tandem_bench_decode: unknown flag %s\n", argv[i]);
       return 2;
     }
+  }
+  if (tandem::g_turn_warmup > 0 && (!paired || tandem::g_turn_warmup >= tandem::g_turn_steps)) {
+    std::fprintf(stderr,
+                 "tandem_bench_decode: --turn-warmup=K needs --paired=N with N greater than K\n");
+    return 2;
   }
   if (tandem::g_cuda) {
 #if TANDEM_BENCH_CUDA
