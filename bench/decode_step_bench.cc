@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -467,8 +468,8 @@ int main(int argc, char** argv) {
         return 2;
       }
     } else if (a.rfind("--turn-warmup=", 0) == 0) {
-      tandem::g_turn_warmup = std::atoi(a.c_str() + 14);
-      if (tandem::g_turn_warmup < 0 || tandem::g_turn_warmup > 999) {
+      if (!absl::SimpleAtoi(a.substr(14), &tandem::g_turn_warmup) || tandem::g_turn_warmup < 0 ||
+          tandem::g_turn_warmup > 999) {
         std::fprintf(stderr, "tandem_bench_decode: --turn-warmup=K takes 0 to 999 steps\n");
         return 2;
       }

@@ -53,6 +53,7 @@ def main():
         (["--turn-warmup=2"], "needs --paired=N"),
         ([f"--paired={TURN}", f"--turn-warmup={TURN}"], "needs --paired=N"),
         (["--paired=4", "--turn-warmup=-1"], "takes 0 to 999"),
+        (["--paired=4", "--turn-warmup=two"], "takes 0 to 999"),
         (["--paired=0"], "takes 1 to 1000"),
     ]:
         done = run(binary, *flags)
